@@ -1,0 +1,1 @@
+"""Actors of the runtime: intake, journal, folding and lease holder (filled by the runtime issue)."""

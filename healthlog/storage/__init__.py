@@ -1,0 +1,1 @@
+"""Storage: the journal and projection SQLite files. Only this package speaks SQLite."""

@@ -1,0 +1,1 @@
+"""HTTP and websocket transport (filled by the service issue)."""
