@@ -1,0 +1,83 @@
+"""Named fault points (X1): inert unless a fault plan is loaded.
+
+Code calls :func:`point` at a named step (``fault.point("fold.object_write")``). With no
+plan loaded that is one dictionary lookup. A plan maps point names to actions: raise a
+given exception on the n-th hit, or call a function (a delay, a kill) there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+import attrs
+
+POINTS = (
+    "journal.append",
+    "fold.begin",
+    "fold.object_write",
+    "fold.outcome_write",
+    "fold.before_commit",
+    "fold.after_commit",
+    "lease.renew",
+    "stream.send",
+    "snapshot.build",
+)
+
+
+class InjectedFault(Exception):
+    """The default exception a fault plan raises."""
+
+
+@attrs.define
+class Action:
+    """What happens at a fault point: on hits whose number is in ``on_hits`` (1-based)."""
+
+    on_hits: frozenset[int]
+    run: Callable[[str], None]
+
+
+@attrs.define
+class Plan:
+    """A loaded fault plan with its hit counts."""
+
+    actions: dict[str, Action] = attrs.Factory(dict)
+    hits: Counter[str] = attrs.Factory(Counter)
+    fired: Counter[str] = attrs.Factory(Counter)
+
+
+_plan: Plan | None = None
+
+
+def point(name: str) -> None:
+    """A fault point; does nothing unless a plan names it."""
+    if _plan is None:
+        return
+    _plan.hits[name] += 1
+    action = _plan.actions.get(name)
+    if action is not None and _plan.hits[name] in action.on_hits:
+        _plan.fired[name] += 1
+        action.run(name)
+
+
+def raise_fault(exc: Callable[[str], BaseException] = InjectedFault) -> Callable[[str], None]:
+    """An action that raises ``exc(point_name)``."""
+
+    def run(name: str) -> None:
+        raise exc(name)
+
+    return run
+
+
+@contextlib.contextmanager
+def loaded(plan: Plan) -> Iterator[Plan]:
+    """Load a plan for the duration of the block."""
+    global _plan
+    if name_error := set(plan.actions) - set(POINTS):
+        raise ValueError(f"unknown fault points: {sorted(name_error)}")
+    previous, _plan = _plan, plan
+    try:
+        yield plan
+    finally:
+        _plan = previous

@@ -1,0 +1,224 @@
+"""One delivery against the stored objects it touches (pure: no I/O of its own).
+
+The storage layer drives a :class:`DeliveryFold` inside its write transaction: it hands in
+the body and a :class:`Projection` to read stored objects from, writes every object the
+fold yields, and records :attr:`DeliveryFold.outcome` once the iteration ends. Metrics are
+folded one at a time, so only one metric's decoded points are in memory at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+import attrs
+import msgspec
+
+from healthlog import hae, layers, objects
+from healthlog.merge import Collision, Coordinates, Counters, merge_points, reduce_delivery
+from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.points import Point, PointError
+from healthlog.timestamps import format_instant, hour_of
+
+log = logging.getLogger("healthlog.fold")
+
+PARSED = "parsed"
+PARTIAL = "partial"
+FAILED = "failed"
+
+
+class BudgetExceeded(Exception):
+    """The fold ran past its time budget (F5): the delivery is failed, not deferred."""
+
+
+@attrs.frozen
+class DeliveryInfo:
+    """What the fold needs to know about a delivery besides its body."""
+
+    id: int
+    received_at: int
+    aggregation: str | None = None
+
+
+@attrs.define
+class Outcome:
+    """The recorded result of folding one delivery (P7)."""
+
+    status: str
+    reason: str | None
+    layer: str | None
+    counters: Counters
+
+
+class Projection(Protocol):
+    """Read access to the projection, as the fold needs it."""
+
+    def load(self, key: ObjectKey) -> HourlyObject | None:
+        """The stored object at key, if any."""
+
+    def inherited_layer(self) -> str | None:
+        """The layer of the preceding delivery of the same automation in journal order."""
+
+
+class DeliveryFold:
+    """Fold one delivery: iterate :meth:`writes`, then read :attr:`outcome`."""
+
+    def __init__(
+        self,
+        body: bytes,
+        info: DeliveryInfo,
+        projection: Projection,
+        check_budget: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._body = body
+        self._info = info
+        self._projection = projection
+        self._check_budget = check_budget
+        self._counters = Counters()
+        self._rejections: Counter[str] = Counter()
+        self._layer: str | None = None
+        self._failure: str | None = None
+        self.outcome: Outcome | None = None
+
+    def writes(self) -> Iterator[HourlyObject]:
+        """Yield every object whose content changes; set :attr:`outcome` at the end."""
+        try:
+            envelope = hae.read_envelope(self._body)
+        except hae.EnvelopeError as exc:
+            self._finish(failure=f"undecodable body: {exc}")
+            return
+        self._body = b""
+        self._counters.unknown_sections = envelope.unknown_sections
+        self._counters.entries_rejected = envelope.rejected_entries
+        for problem in envelope.problems:
+            self._rejections[problem] += 1
+        if _has_points(envelope):
+            self._layer = self._resolve_layer(envelope)
+            if self._layer is None:
+                self._finish(failure="layer not derivable: no header, no dense metric, no history")
+                return
+        for name in sorted(envelope.metrics):
+            group = envelope.metrics[name]
+            units = self._units(group.units)
+            self._counters.metrics += 1
+            assert self._layer is not None
+            yield from self._fold_series(name, self._layer, units, group.arrays)
+        for section in sorted(envelope.sections):
+            self._counters.sections += 1
+            yield from self._fold_series(section, layers.RECORDS, None, envelope.sections[section])
+        self._finish(failure=None)
+
+    def _resolve_layer(self, envelope: hae.Envelope) -> str | None:
+        layer = layers.layer_from_header(self._info.aggregation)
+        if layer is not None:
+            return layer
+        spacings = [layers.smallest_spacing(g.arrays) for g in envelope.metrics.values()]
+        layer = layers.layer_from_spacing(min((s for s in spacings if s), default=None))
+        if layer is not None:
+            return layer
+        return self._projection.inherited_layer()
+
+    def _units(self, entries: list[str | None]) -> str | None:
+        present = sorted({u for u in entries if u is not None})
+        if not present:
+            return None
+        self._counters.unit_mismatches += sum(1 for u in entries if u not in (None, present[0]))
+        return present[0]
+
+    def _accepted(self, points: Iterable[Point | PointError]) -> Iterator[Point]:
+        for point in points:
+            if isinstance(point, PointError):
+                self._counters.points_rejected += 1
+                self._rejections[f"point rejected: {point}"] += 1
+            else:
+                self._counters.points += 1
+                yield point
+
+    def _fold_series(
+        self, metric: str, layer: str, units: str | None, arrays: list[msgspec.Raw]
+    ) -> Iterator[HourlyObject]:
+        def on_collision(coords: Coordinates, kind: Collision) -> None:
+            self._warn(f"point collision kind={kind.value}", metric, layer, hour_of(coords[0]))
+
+        reduced = reduce_delivery(
+            self._accepted(hae.iter_points(arrays)), self._counters, on_collision
+        )
+        by_hour: dict[int, dict[Coordinates, Point]] = {}
+        for key, point in reduced.items():
+            by_hour.setdefault(hour_of(key[0]), {})[key] = point
+        del reduced
+        for hour in sorted(by_hour):
+            self._check_budget()
+            written = self._fold_object(ObjectKey(metric, layer, hour), units, by_hour.pop(hour))
+            if written is not None:
+                yield written
+
+    def _fold_object(
+        self, key: ObjectKey, units: str | None, incoming: dict[Coordinates, Point]
+    ) -> HourlyObject | None:
+        def on_collision(coords: Coordinates, kind: Collision) -> None:
+            self._warn(f"point collision kind={kind.value}", key.metric, key.layer, key.hour)
+
+        stored = self._projection.load(key)
+        if stored is None:
+            points: dict[Coordinates, bytes] = {}
+            created_by, sealed, object_units = self._info.id, False, units
+        else:
+            points = objects.decode(stored.body)
+            created_by, sealed, object_units = stored.created_by, stored.sealed, stored.units
+            if units is not None and units != stored.units:
+                self._counters.unit_mismatches += 1
+                self._warn("unit mismatch, stored units kept", key.metric, key.layer, key.hour)
+        if not merge_points(points, incoming, self._counters, on_collision):
+            self._counters.objects_unchanged += 1
+            return None
+        if sealed:
+            self._counters.sealed_writes += 1
+            self._warn("write to a sealed object", key.metric, key.layer, key.hour)
+        self._counters.objects_written += 1
+        return objects.encode(key, object_units, points, created_by, sealed)
+
+    def _warn(self, what: str, metric: str, layer: str, hour: int) -> None:
+        log.warning(
+            "%s metric=%s layer=%s hour=%s delivery=%d",
+            what,
+            metric,
+            layer,
+            format_instant(hour),
+            self._info.id,
+        )
+
+    def _finish(self, failure: str | None) -> None:
+        rejected = self._counters.points_rejected + self._counters.entries_rejected
+        if failure is None and rejected and not self._counters.points:
+            failure = "nothing could be read"
+        if failure is not None:
+            status = FAILED
+        elif rejected:
+            status = PARTIAL
+        else:
+            status = PARSED
+        self.outcome = Outcome(
+            status=status,
+            reason=_reason(failure, self._rejections),
+            layer=self._layer,
+            counters=self._counters,
+        )
+
+
+def _has_points(envelope: hae.Envelope) -> bool:
+    return any(
+        len(msgspec.json.decode(array, type=list[msgspec.Raw])) > 0
+        for group in envelope.metrics.values()
+        for array in group.arrays
+    )
+
+
+def _reason(failure: str | None, rejections: Counter[str]) -> str | None:
+    parts = [failure] if failure else []
+    parts.extend(f"{text} (x{count})" for text, count in rejections.most_common(5))
+    if len(rejections) > 5:
+        parts.append(f"and {len(rejections) - 5} more kinds")
+    return "; ".join(parts) or None

@@ -1,0 +1,94 @@
+"""Layer resolution (P5): the time grouping of the automation that sent a delivery.
+
+Order: the ``automation-aggregation`` header; else the spacing of the delivery's dense
+metrics; else the layer of the preceding delivery of the same automation in journal
+order (the caller looks it up); else the layer is not derivable.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+import msgspec
+
+from healthlog.timestamps import TimestampError, parse_instant
+
+LAYERS = ("seconds", "minutes", "hours", "days", "weeks", "months", "years", "default")
+RECORDS = "records"
+
+_SECOND = 1_000_000
+_DAY = 86_400 * _SECOND
+# Upper bounds of the smallest spacing between consecutive points for each layer. Days are
+# bounded well above 25 h so that DST days (23 h and 25 h) stay days; sparse minute data
+# still has some points one minute apart.
+_SPACING_BOUNDS = (
+    (30 * _SECOND, "seconds"),
+    (30 * 60 * _SECOND, "minutes"),
+    (12 * 3600 * _SECOND, "hours"),
+    (4 * _DAY, "days"),
+    (20 * _DAY, "weeks"),
+    (200 * _DAY, "months"),
+)
+
+
+class _Stamps(msgspec.Struct):
+    start: object = msgspec.UNSET
+    startDate: object = msgspec.UNSET
+    date: object = msgspec.UNSET
+
+
+def layer_from_header(value: str | None) -> str | None:
+    """The layer named by an ``automation-aggregation`` header, or None if absent or unknown."""
+    if value is None:
+        return None
+    layer = value.strip().lower()
+    return layer if layer in LAYERS else None
+
+
+def layer_from_spacing(smallest: int | None) -> str | None:
+    """The layer whose grouping matches the smallest spacing (microseconds) between points."""
+    if smallest is None:
+        return None
+    for bound, layer in _SPACING_BOUNDS:
+        if smallest < bound:
+            return layer
+    return "years"
+
+
+def smallest_spacing(arrays: Iterable[msgspec.Raw]) -> int | None:
+    """Smallest positive gap between consecutive aggregated samples of one metric.
+
+    Only points stamped by ``start`` or ``date`` count: segment records stamped by
+    ``startDate`` (unaggregated sleep) have no regular spacing.
+    """
+    starts: set[int] = set()
+    for array in arrays:
+        for stamp in _stamps(array):
+            if stamp.start is not msgspec.UNSET:
+                value = stamp.start
+            elif stamp.startDate is not msgspec.UNSET:
+                continue
+            else:
+                value = stamp.date
+            try:
+                starts.add(parse_instant(value))
+            except TimestampError:
+                continue
+    ordered = sorted(starts)
+    gaps = [b - a for a, b in itertools.pairwise(ordered)]
+    return min(gaps, default=None)
+
+
+def _stamps(array: msgspec.Raw) -> list[_Stamps]:
+    try:
+        return msgspec.json.decode(array, type=list[_Stamps])
+    except (msgspec.DecodeError, RecursionError):
+        pass
+    stamps = []
+    for raw in msgspec.json.decode(array, type=list[msgspec.Raw]):
+        try:
+            stamps.append(msgspec.json.decode(raw, type=_Stamps))
+        except (msgspec.DecodeError, RecursionError):
+            continue
+    return stamps

@@ -1,0 +1,125 @@
+"""Merge by completeness (S5), as pure functions over points keyed by coordinates.
+
+The table, for a point arriving at coordinates already stored:
+
+================================  ==========================  ==================
+incoming against stored           result                      counter
+================================  ==========================  ==================
+same canonical form               stored kept, nothing moves  points_unchanged
+more complete                     incoming replaces stored    points_replaced
+less complete                     stored kept                 points_held
+equally complete, different       incoming replaces stored    points_erased
+================================  ==========================  ==================
+
+Within one delivery, points at equal coordinates are first reduced to one: the more
+complete wins, then the greater canonical form, then the greater raw bytes, so the result
+never depends on array order. Every collision between different canonical forms counts
+one overwrite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from enum import Enum
+
+import attrs
+
+from healthlog.points import Point, decode_point
+
+Coordinates = tuple[int, int]
+
+
+class Collision(Enum):
+    """How an incoming point met a stored one with a different canonical form."""
+
+    WITHIN_DELIVERY = "within_delivery"
+    REPLACED = "replaced"
+    HELD = "held"
+    ERASED = "erased"
+
+
+@attrs.define
+class Counters:
+    """Per-delivery fold counters; every field is a count."""
+
+    metrics: int = 0
+    sections: int = 0
+    points: int = 0
+    points_new: int = 0
+    points_unchanged: int = 0
+    points_replaced: int = 0
+    points_held: int = 0
+    points_erased: int = 0
+    overwrites: int = 0
+    unit_mismatches: int = 0
+    sealed_writes: int = 0
+    points_rejected: int = 0
+    entries_rejected: int = 0
+    unknown_sections: int = 0
+    objects_written: int = 0
+    objects_unchanged: int = 0
+
+
+OnCollision = Callable[[Coordinates, Collision], None]
+
+
+def _rank(point: Point) -> tuple[int, bytes, bytes]:
+    return point.completeness, point.canonical, point.raw
+
+
+def reduce_delivery(
+    points: Iterable[Point], counters: Counters, on_collision: OnCollision
+) -> dict[Coordinates, Point]:
+    """Reduce the points of one delivery to one per coordinates, independent of order."""
+    reduced: dict[Coordinates, Point] = {}
+    for point in points:
+        key = (point.start, point.end)
+        seen = reduced.get(key)
+        if seen is None:
+            reduced[key] = point
+            continue
+        if seen.canonical != point.canonical:
+            counters.overwrites += 1
+            on_collision(key, Collision.WITHIN_DELIVERY)
+        if _rank(point) > _rank(seen):
+            reduced[key] = point
+    return reduced
+
+
+def merge_points(
+    stored: dict[Coordinates, bytes],
+    incoming: dict[Coordinates, Point],
+    counters: Counters,
+    on_collision: OnCollision,
+) -> bool:
+    """Merge one delivery's reduced points into stored raw points, in place.
+
+    Returns whether anything stored changed.
+    """
+    changed = False
+    for key, point in incoming.items():
+        old_raw = stored.get(key)
+        if old_raw is None:
+            stored[key] = point.raw
+            counters.points_new += 1
+            changed = True
+            continue
+        old = decode_point(old_raw)
+        if old.canonical == point.canonical:
+            counters.points_unchanged += 1
+            continue
+        counters.overwrites += 1
+        if point.completeness > old.completeness:
+            counters.points_replaced += 1
+            collision = Collision.REPLACED
+        elif point.completeness < old.completeness:
+            counters.points_held += 1
+            on_collision(key, Collision.HELD)
+            continue
+        else:
+            counters.points_erased += 1
+            collision = Collision.ERASED
+        on_collision(key, collision)
+        stored[key] = point.raw
+        changed = True
+    return changed

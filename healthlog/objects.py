@@ -1,0 +1,91 @@
+"""Hourly objects (S2, S3, S6 to S9): one per metric, layer and UTC hour of the point start.
+
+The body is gzip of one line per point, sorted by time: ``start<TAB>end<TAB>point``, where
+start and end are microseconds since the epoch and the point is its verbatim compact JSON
+(which holds no raw tab or newline). The hash covers the units and the uncompressed body,
+so two objects with the same hash hold the same points byte for byte.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+
+import attrs
+
+from healthlog.merge import Coordinates
+
+GZIP_LEVEL = 6
+
+
+class ObjectCorrupt(ValueError):
+    """A stored object body that cannot be decoded."""
+
+
+@attrs.frozen
+class ObjectKey:
+    """Where an hourly object lives."""
+
+    metric: str
+    layer: str
+    hour: int
+
+
+@attrs.frozen
+class HourlyObject:
+    """An encoded hourly object, as stored."""
+
+    key: ObjectKey
+    units: str | None
+    body: bytes
+    hash: bytes
+    first: int
+    last: int
+    count: int
+    created_by: int
+    sealed: bool = False
+
+
+def encode(
+    key: ObjectKey,
+    units: str | None,
+    points: dict[Coordinates, bytes],
+    created_by: int,
+    sealed: bool = False,
+) -> HourlyObject:
+    """Encode points into an object body, sorted by (start, end)."""
+    ordered = sorted(points.items())
+    plain = b"".join(b"%d\t%d\t%s\n" % (s, e, raw) for (s, e), raw in ordered)
+    return HourlyObject(
+        key=key,
+        units=units,
+        body=gzip.compress(plain, compresslevel=GZIP_LEVEL, mtime=0),
+        hash=content_hash(units, plain),
+        first=ordered[0][0][0],
+        last=max(e for (_, e), _ in ordered),
+        count=len(ordered),
+        created_by=created_by,
+        sealed=sealed,
+    )
+
+
+def content_hash(units: str | None, plain: bytes) -> bytes:
+    """sha256 over the units and the uncompressed body."""
+    digest = hashlib.sha256()
+    digest.update((units or "").encode())
+    digest.update(b"\0")
+    digest.update(plain)
+    return digest.digest()
+
+
+def decode(body: bytes) -> dict[Coordinates, bytes]:
+    """Points of an object body keyed by coordinates."""
+    try:
+        plain = gzip.decompress(body)
+        points: dict[Coordinates, bytes] = {}
+        for line in plain.split(b"\n")[:-1]:
+            start, end, raw = line.split(b"\t", 2)
+            points[(int(start), int(end))] = raw
+    except (OSError, EOFError, ValueError) as exc:
+        raise ObjectCorrupt(f"object body cannot be decoded: {type(exc).__name__}") from None
+    return points

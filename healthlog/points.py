@@ -1,0 +1,142 @@
+"""Points: coordinates, canonical form and completeness (S1, S4, S5).
+
+A point is one element of a metric's ``data`` array or one section record. It is kept
+verbatim (``raw``: the compact JSON bytes as they arrived) and compared by its canonical
+form, which is what collisions are decided on, never the raw bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import msgspec
+import orjson
+
+from healthlog.timestamps import TimestampError, format_instant, parse_instant
+
+TIMESTAMP_KEYS = frozenset({"date", "start", "end", "startDate", "endDate"})
+START_KEYS = ("start", "startDate", "date")
+END_KEYS = ("end", "endDate")
+
+_decoder = msgspec.json.Decoder()
+
+
+class PointError(ValueError):
+    """A point that cannot be folded; the message never carries a value."""
+
+
+class Point(NamedTuple):
+    """One point of one delivery, ready to merge."""
+
+    start: int
+    end: int
+    canonical: bytes
+    completeness: int
+    raw: bytes
+
+
+def coordinates(value: dict[str, Any]) -> tuple[int, int]:
+    """Start and end of a point (P3): the first start key present decides, no fallback."""
+    for key in START_KEYS:
+        if key in value:
+            try:
+                start = parse_instant(value[key])
+            except TimestampError as exc:
+                raise PointError(f"unparseable {key}: {exc}") from None
+            break
+    else:
+        raise PointError("no start, startDate or date")
+    end = start
+    for key in END_KEYS:
+        if key in value:
+            try:
+                end = parse_instant(value[key])
+            except TimestampError as exc:
+                raise PointError(f"unparseable {key}: {exc}") from None
+            break
+    if end < start:
+        raise PointError("end before start")
+    return start, end
+
+
+def decode_point(raw: bytes) -> Point:
+    """Decode one verbatim point into its coordinates, canonical form and completeness."""
+    try:
+        value = _decoder.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        raise PointError("point is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise PointError(f"point is a JSON {type(value).__name__}, not an object")
+    start, end = coordinates(value)
+    return Point(start, end, canonical_form(value), completeness(value), raw)
+
+
+def is_empty(value: object) -> bool:
+    """Empty in the sense of S4: null, "", [] or {}."""
+    return value is None or (isinstance(value, str | list | dict) and len(value) == 0)
+
+
+def completeness(value: dict[str, Any]) -> int:
+    """Number of significant fields: present, not null, not empty."""
+    return sum(1 for v in value.values() if not is_empty(v))
+
+
+def canonical_form(value: dict[str, Any]) -> bytes:
+    """The canonical bytes of a point (S4).
+
+    Keys sorted, empty values left out, numbers as ``%.12g`` doubles (integers beyond that
+    precision keep their digits), timestamp fields as UTC instants, compact UTF-8 JSON.
+    """
+    normal = _normalise(value, None)
+    try:
+        return orjson.dumps(normal, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        return _encode_slow(normal)
+
+
+_TWELVE_DIGITS = 10**12
+
+
+def _number(value: int | float) -> int | float:
+    if isinstance(value, int) and abs(value) >= _TWELVE_DIGITS:
+        return value
+    rounded = float(f"{value:.12g}")
+    if rounded.is_integer() and abs(rounded) < _TWELVE_DIGITS:
+        return int(rounded)
+    return rounded
+
+
+def _normalise(value: object, key: str | None) -> object:
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int | float):
+        return _number(value)
+    if isinstance(value, str):
+        if key in TIMESTAMP_KEYS:
+            try:
+                return format_instant(parse_instant(value))
+            except TimestampError:
+                return value
+        return value
+    if isinstance(value, list):
+        return [_normalise(item, None) for item in value]
+    if isinstance(value, dict):
+        out: dict[str, object] = {}
+        for k, v in value.items():
+            normal = _normalise(v, k)
+            if not is_empty(normal):
+                out[k] = normal
+        return out
+    raise PointError(f"unexpected JSON type {type(value).__name__}")
+
+
+def _encode_slow(value: object) -> bytes:
+    """Canonical encoding for what orjson refuses: integers beyond 64 bits."""
+    if isinstance(value, dict):
+        items = sorted(value.items())
+        return b"{" + b",".join(orjson.dumps(k) + b":" + _encode_slow(v) for k, v in items) + b"}"
+    if isinstance(value, list):
+        return b"[" + b",".join(_encode_slow(v) for v in value) + b"]"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value).encode()
+    return orjson.dumps(value)

@@ -1,0 +1,182 @@
+"""Helpers shared by every SQLite file of healthlog: connections, errors, transactions, schema.
+
+Every connection is opened in autocommit mode (``isolation_level=None``): transactions are begun
+explicitly, writers with ``BEGIN IMMEDIATE`` through :func:`write_transaction`, so the write lock is
+taken up front and a busy database shows up at ``BEGIN`` rather than half way through a write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+__all__ = [
+    "Deferred",
+    "StorageError",
+    "classify",
+    "connect",
+    "migrate",
+    "write_transaction",
+]
+
+_log = logging.getLogger(__name__)
+
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+
+
+class StorageError(Exception):
+    """A storage operation failed."""
+
+
+class Deferred(StorageError):
+    """The database was busy or locked (SQLITE_BUSY=5 / SQLITE_LOCKED=6): try again later."""
+
+
+def connect(
+    path: str | os.PathLike[str], *, readonly: bool = False, busy_timeout_ms: int = 5000
+) -> sqlite3.Connection:
+    """Open ``path`` with healthlog's settings.
+
+    Autocommit mode, WAL, ``synchronous=FULL`` (every commit is fsync'd), foreign keys on, and a
+    busy timeout. ``readonly`` opens the file through a ``mode=ro`` URI; a read-only connection
+    leaves the journal mode alone (WAL is a property of the file, set by its writers). The
+    connection may be used from any thread (``check_same_thread=False``): callers guard it with a
+    lock.
+    """
+    if busy_timeout_ms < 0:
+        raise ValueError("busy_timeout_ms must not be negative")
+    try:
+        if readonly:
+            uri = Path(path).resolve().as_uri() + "?mode=ro"
+            conn = sqlite3.connect(
+                uri,
+                uri=True,
+                timeout=busy_timeout_ms / 1000,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        else:
+            conn = sqlite3.connect(
+                path,
+                timeout=busy_timeout_ms / 1000,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+    except sqlite3.Error as exc:
+        raise classify(exc) from exc
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        if not readonly:
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise StorageError(f"cannot switch the database to WAL (journal_mode={mode})")
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = ON")
+    except BaseException as exc:
+        conn.close()
+        if isinstance(exc, sqlite3.Error):
+            raise classify(exc) from exc
+        raise
+    return conn
+
+
+def classify(exc: sqlite3.Error) -> StorageError:
+    """Map an SQLite error to :class:`Deferred` (busy or locked) or :class:`StorageError`.
+
+    The decision uses only the primary result code (``sqlite_errorcode & 0xFF``), never the message
+    text, so extended codes such as SQLITE_BUSY_RECOVERY (261) count as busy.
+    """
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int) and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
+        return Deferred(f"database busy: {exc}")
+    return StorageError(f"database error: {exc}")
+
+
+@contextlib.contextmanager
+def write_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """Run the block inside ``BEGIN IMMEDIATE`` ... ``COMMIT``.
+
+    Any exception, including a ``BaseException`` such as a cancellation, rolls the transaction back
+    and propagates; SQLite errors propagate classified (:func:`classify`).
+    """
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.Error as exc:
+        raise classify(exc) from exc
+    try:
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException as exc:
+        _rollback(conn)
+        if isinstance(exc, sqlite3.Error):
+            raise classify(exc) from exc
+        raise
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if not conn.in_transaction:
+        return
+    try:
+        conn.execute("ROLLBACK")
+    except sqlite3.Error as exc:
+        _log.debug("rollback failed (code %s)", getattr(exc, "sqlite_errorcode", None))
+
+
+def migrate(conn: sqlite3.Connection, migrations: Sequence[str]) -> None:
+    """Bring the schema up to ``len(migrations)`` (the version kept in ``PRAGMA user_version``).
+
+    ``migrations[v]`` is the SQL script that moves the schema from version ``v`` to ``v + 1``. Each
+    one runs in its own write transaction together with the version bump; the version is re-read
+    under the write lock, so two processes opening a new file at once apply each step once.
+    """
+    target = len(migrations)
+    while True:
+        try:
+            version = _user_version(conn)
+        except sqlite3.Error as exc:
+            raise classify(exc) from exc
+        _refuse_newer(version, target)
+        if version == target:
+            return
+        with write_transaction(conn):
+            version = _user_version(conn)
+            _refuse_newer(version, target)
+            if version == target:
+                return
+            for statement in _statements(migrations[version]):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {version + 1}")
+        _log.debug("schema migrated to version %d", version + 1)
+
+
+def _user_version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+def _refuse_newer(version: int, target: int) -> None:
+    if version > target:
+        raise StorageError("database schema is newer than this healthlog")
+
+
+def _statements(script: str) -> Iterator[str]:
+    """Split an SQL script into single statements (``executescript`` would commit on its own).
+
+    Semicolons inside strings, comments and trigger bodies do not split; an incomplete tail is
+    handed to SQLite as it is, which rejects it.
+    """
+    *pieces, tail = script.split(";")
+    pending = ""
+    for piece in pieces:
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            if pending.strip(" \t\r\n;"):
+                yield pending
+            pending = ""
+    pending += tail
+    if pending.strip():
+        yield pending

@@ -1,0 +1,466 @@
+"""The journal: the append-only, authoritative record of every delivery (``journal.sqlite``).
+
+Every accepted delivery is one row of ``deliveries``, its body kept verbatim (optionally zlib
+compressed) next to the sha256 of the raw bytes. Rows are never updated or deleted: triggers in
+the database refuse it. Journal order is ``(received_at, id)``; live stamps are taken inside the
+write transaction and never decrease. Idempotency receipts live in the same file and are written in
+the same transaction as the row they point at.
+
+All methods may be called from worker threads; one lock serialises the use of the connection.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, Final
+
+import attrs
+import msgspec
+import orjson
+
+from healthlog.storage._sqlite import (
+    StorageError,
+    classify,
+    connect,
+    migrate,
+    write_transaction,
+)
+
+__all__ = [
+    "CorruptBody",
+    "DeliveryMeta",
+    "IdempotencyCollision",
+    "Journal",
+    "JournalStatistics",
+    "NewDelivery",
+    "Receipt",
+]
+
+_log = logging.getLogger(__name__)
+
+_IDENTITY: Final = "identity"
+_ZLIB: Final = "zlib"
+_ZLIB_LEVEL: Final = 1
+
+_MIGRATIONS: Final = (
+    """
+    CREATE TABLE deliveries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        received_at INTEGER NOT NULL,
+        sha256 BLOB NOT NULL CHECK (length(sha256) = 32),
+        bytes INTEGER NOT NULL CHECK (bytes >= 0),
+        content_type TEXT,
+        automation_name TEXT,
+        automation_id TEXT,
+        automation_aggregation TEXT,
+        automation_period TEXT,
+        session_id TEXT,
+        client TEXT NOT NULL,
+        idempotency_key TEXT,
+        encoding TEXT NOT NULL CHECK (encoding IN ('identity', 'zlib')),
+        body BLOB NOT NULL
+    );
+    CREATE INDEX deliveries_order ON deliveries (received_at, id);
+    CREATE TABLE receipts (
+        client TEXT NOT NULL,
+        idempotency_key TEXT NOT NULL,
+        delivery_id INTEGER NOT NULL REFERENCES deliveries (id),
+        content_digest BLOB NOT NULL,
+        PRIMARY KEY (client, idempotency_key)
+    );
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value);
+    INSERT INTO meta (key, value) VALUES ('last_received_at', 0);
+    CREATE TRIGGER deliveries_no_update BEFORE UPDATE ON deliveries
+    BEGIN SELECT RAISE(ABORT, 'deliveries are append-only'); END;
+    CREATE TRIGGER deliveries_no_delete BEFORE DELETE ON deliveries
+    BEGIN SELECT RAISE(ABORT, 'deliveries are append-only'); END;
+    CREATE TRIGGER receipts_no_update BEFORE UPDATE ON receipts
+    BEGIN SELECT RAISE(ABORT, 'receipts are append-only'); END;
+    CREATE TRIGGER receipts_no_delete BEFORE DELETE ON receipts
+    BEGIN SELECT RAISE(ABORT, 'receipts are append-only'); END;
+    """,
+)
+
+_META_COLUMNS: Final = (
+    "id, received_at, sha256, bytes, content_type, automation_name, automation_id,"
+    " automation_aggregation, automation_period, session_id, client"
+)
+
+
+def _wall_clock_us() -> int:
+    return time.time_ns() // 1000
+
+
+@attrs.frozen
+class NewDelivery:
+    """A delivery handed to the journal by intake (or by ``healthlog import``)."""
+
+    body: bytes
+    client: str
+    content_type: str | None = None
+    automation_name: str | None = None
+    automation_id: str | None = None
+    automation_aggregation: str | None = None
+    automation_period: str | None = None
+    session_id: str | None = None
+    idempotency_key: str | None = None
+    received_at: int | None = None
+    """Historical stamp (µs UTC) for backfill; ``None`` stamps the delivery when it is journaled."""
+
+
+@attrs.frozen
+class Receipt:
+    """Proof that a delivery is in the journal."""
+
+    delivery_id: int
+    received_at: int
+    sha256: str
+    bytes: int
+    replayed: bool = False
+
+
+@attrs.frozen
+class DeliveryMeta:
+    """Everything the journal keeps about a delivery except its body."""
+
+    id: int
+    received_at: int
+    sha256: str
+    bytes: int
+    content_type: str | None
+    automation_name: str | None
+    automation_id: str | None
+    automation_aggregation: str | None
+    automation_period: str | None
+    session_id: str | None
+    client: str
+
+
+@attrs.frozen
+class JournalStatistics:
+    """Counters of one :class:`Journal` object since it was opened.
+
+    ``appends`` counts deliveries handed in (whatever became of them), ``groups`` the committed
+    write transactions, ``deliveries`` and ``bytes`` what those transactions journaled, ``replays``
+    and ``collisions`` the idempotency outcomes.
+    """
+
+    deliveries: int = 0
+    bytes: int = 0
+    appends: int = 0
+    groups: int = 0
+    replays: int = 0
+    collisions: int = 0
+
+
+class IdempotencyCollision(StorageError):
+    """The client already used this idempotency key for different content."""
+
+    def __init__(self, original_delivery_id: int) -> None:
+        super().__init__(
+            f"idempotency key already used for delivery {original_delivery_id}"
+            " with different content"
+        )
+        self.original_delivery_id = original_delivery_id
+
+
+class CorruptBody(StorageError):
+    """A stored body does not match its sha256."""
+
+
+@attrs.frozen
+class _Prepared:
+    delivery: NewDelivery
+    sha256: bytes
+    content_digest: bytes | None
+    encoding: str
+    stored: bytes
+
+
+def _content_digest(body: bytes, raw_sha256: bytes) -> bytes:
+    """sha256 of the JSON canonical form (sorted keys, compact), or the raw sha256 for non-JSON."""
+    try:
+        canonical = orjson.dumps(msgspec.json.decode(body), option=orjson.OPT_SORT_KEYS)
+    except (msgspec.DecodeError, orjson.JSONEncodeError, RecursionError):
+        return raw_sha256
+    return hashlib.sha256(canonical).digest()
+
+
+def _meta(row: Any) -> DeliveryMeta:
+    return DeliveryMeta(
+        id=row[0],
+        received_at=row[1],
+        sha256=bytes(row[2]).hex(),
+        bytes=row[3],
+        content_type=row[4],
+        automation_name=row[5],
+        automation_id=row[6],
+        automation_aggregation=row[7],
+        automation_period=row[8],
+        session_id=row[9],
+        client=row[10],
+    )
+
+
+class Journal:
+    """The journal file: append deliveries, read them back in journal order."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Callable[[], int] = _wall_clock_us,
+        compress_min_bytes: int = 1024,
+        busy_timeout_ms: int = 5000,
+    ) -> None:
+        if compress_min_bytes < 0:
+            raise ValueError("compress_min_bytes must not be negative")
+        self._clock = clock
+        self._compress_min_bytes = compress_min_bytes
+        self._lock = threading.Lock()
+        self._stats = JournalStatistics()
+        self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
+        try:
+            migrate(self._conn, _MIGRATIONS)
+            self._instance_id = self._load_instance_id()
+        except BaseException as exc:
+            self._conn.close()
+            if isinstance(exc, sqlite3.Error):
+                raise classify(exc) from exc
+            raise
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection; closing twice is harmless."""
+        with self._lock:
+            self._conn.close()
+
+    def instance_id(self) -> str:
+        """The random id of this journal file, created when the file was created."""
+        return self._instance_id
+
+    def statistics(self) -> JournalStatistics:
+        with self._lock:
+            return self._stats
+
+    def append(self, delivery: NewDelivery) -> Receipt:
+        """Journal one delivery durably; raises :class:`IdempotencyCollision` for a reused key."""
+        result = self.append_many([delivery])[0]
+        if isinstance(result, IdempotencyCollision):
+            raise result
+        return result
+
+    def append_many(
+        self, deliveries: Sequence[NewDelivery]
+    ) -> list[Receipt | IdempotencyCollision]:
+        """Journal a group of deliveries in one write transaction and one fsync'd commit.
+
+        The result has one slot per delivery: its receipt (``replayed=True`` when an idempotency
+        key matched equivalent earlier content, in which case nothing is journaled) or an
+        :class:`IdempotencyCollision`. Either every slot's outcome commits or none does.
+        """
+        prepared = [self._prepare(delivery) for delivery in deliveries]
+        with self._lock:
+            self._stats = attrs.evolve(self._stats, appends=self._stats.appends + len(prepared))
+            if not prepared:
+                return []
+            with write_transaction(self._conn) as conn:
+                results = self._append_locked(conn, prepared)
+            journaled = [r for r in results if isinstance(r, Receipt) and not r.replayed]
+            replays = sum(1 for r in results if isinstance(r, Receipt) and r.replayed)
+            collisions = len(results) - len(journaled) - replays
+            self._stats = attrs.evolve(
+                self._stats,
+                deliveries=self._stats.deliveries + len(journaled),
+                bytes=self._stats.bytes + sum(r.bytes for r in journaled),
+                groups=self._stats.groups + 1,
+                replays=self._stats.replays + replays,
+                collisions=self._stats.collisions + collisions,
+            )
+        _log.debug(
+            "group committed: %d journaled (ids %s..%s), %d replayed, %d collisions",
+            len(journaled),
+            journaled[0].delivery_id if journaled else "-",
+            journaled[-1].delivery_id if journaled else "-",
+            replays,
+            collisions,
+        )
+        return results
+
+    def get_meta(self, delivery_id: int) -> DeliveryMeta | None:
+        with self._reading() as conn:
+            row = conn.execute(
+                f"SELECT {_META_COLUMNS} FROM deliveries WHERE id = ?", (delivery_id,)
+            ).fetchone()
+        return None if row is None else _meta(row)
+
+    def read_body(self, delivery_id: int) -> bytes:
+        """The raw body, byte for byte; :class:`CorruptBody` if it does not match its sha256."""
+        with self._reading() as conn:
+            row = conn.execute(
+                "SELECT sha256, bytes, encoding, body FROM deliveries WHERE id = ?",
+                (delivery_id,),
+            ).fetchone()
+        if row is None:
+            raise KeyError(delivery_id)
+        sha256, length, encoding, stored = bytes(row[0]), row[1], row[2], bytes(row[3])
+        if encoding == _IDENTITY:
+            body = stored
+        elif encoding == _ZLIB:
+            try:
+                body = zlib.decompressobj().decompress(stored, length + 1)
+            except zlib.error:
+                raise CorruptBody(
+                    f"delivery {delivery_id}: stored body does not decompress"
+                ) from None
+        else:
+            raise CorruptBody(f"delivery {delivery_id}: unknown body encoding")
+        if len(body) != length or hashlib.sha256(body).digest() != sha256:
+            raise CorruptBody(f"delivery {delivery_id}: stored body does not match its sha256")
+        return body
+
+    def iter_order(
+        self, *, after: tuple[int, int] | None = None, limit: int | None = None
+    ) -> list[DeliveryMeta]:
+        """Deliveries in journal order ``(received_at, id)``, strictly after ``after``."""
+        if limit is not None and limit < 0:
+            raise ValueError("limit must not be negative")
+        sql_limit = -1 if limit is None else limit
+        with self._reading() as conn:
+            if after is None:
+                cursor = conn.execute(
+                    f"SELECT {_META_COLUMNS} FROM deliveries ORDER BY received_at, id LIMIT ?",
+                    (sql_limit,),
+                )
+            else:
+                cursor = conn.execute(
+                    f"SELECT {_META_COLUMNS} FROM deliveries WHERE (received_at, id) > (?, ?)"
+                    " ORDER BY received_at, id LIMIT ?",
+                    (*after, sql_limit),
+                )
+            rows = cursor.fetchall()
+        return [_meta(row) for row in rows]
+
+    def count(self) -> tuple[int, int]:
+        """(number of deliveries, total raw bytes)."""
+        with self._reading() as conn:
+            deliveries, total = conn.execute(
+                "SELECT count(*), coalesce(sum(bytes), 0) FROM deliveries"
+            ).fetchone()
+        return int(deliveries), int(total)
+
+    @contextmanager
+    def _reading(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            try:
+                yield self._conn
+            except sqlite3.Error as exc:
+                raise classify(exc) from exc
+
+    def _prepare(self, delivery: NewDelivery) -> _Prepared:
+        body = delivery.body
+        sha256 = hashlib.sha256(body).digest()
+        digest = None if delivery.idempotency_key is None else _content_digest(body, sha256)
+        if len(body) >= self._compress_min_bytes:
+            return _Prepared(delivery, sha256, digest, _ZLIB, zlib.compress(body, _ZLIB_LEVEL))
+        return _Prepared(delivery, sha256, digest, _IDENTITY, body)
+
+    def _append_locked(
+        self, conn: sqlite3.Connection, prepared: list[_Prepared]
+    ) -> list[Receipt | IdempotencyCollision]:
+        (last,) = conn.execute("SELECT value FROM meta WHERE key = 'last_received_at'").fetchone()
+        start = last
+        results: list[Receipt | IdempotencyCollision] = []
+        for item in prepared:
+            delivery = item.delivery
+            if delivery.idempotency_key is not None:
+                earlier = self._earlier_outcome(conn, item)
+                if earlier is not None:
+                    results.append(earlier)
+                    continue
+            if delivery.received_at is None:
+                received_at = max(self._clock(), last)
+                last = received_at
+            else:
+                received_at = delivery.received_at
+                last = max(last, received_at)
+            (delivery_id,) = conn.execute(
+                "INSERT INTO deliveries (received_at, sha256, bytes, content_type,"
+                " automation_name, automation_id, automation_aggregation, automation_period,"
+                " session_id, client, idempotency_key, encoding, body)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                (
+                    received_at,
+                    item.sha256,
+                    len(delivery.body),
+                    delivery.content_type,
+                    delivery.automation_name,
+                    delivery.automation_id,
+                    delivery.automation_aggregation,
+                    delivery.automation_period,
+                    delivery.session_id,
+                    delivery.client,
+                    delivery.idempotency_key,
+                    item.encoding,
+                    item.stored,
+                ),
+            ).fetchone()
+            if delivery.idempotency_key is not None:
+                conn.execute(
+                    "INSERT INTO receipts (client, idempotency_key, delivery_id, content_digest)"
+                    " VALUES (?, ?, ?, ?)",
+                    (delivery.client, delivery.idempotency_key, delivery_id, item.content_digest),
+                )
+            results.append(Receipt(delivery_id, received_at, item.sha256.hex(), len(delivery.body)))
+        if last != start:
+            conn.execute("UPDATE meta SET value = ? WHERE key = 'last_received_at'", (last,))
+        return results
+
+    @staticmethod
+    def _earlier_outcome(
+        conn: sqlite3.Connection, item: _Prepared
+    ) -> Receipt | IdempotencyCollision | None:
+        """The outcome of a reused idempotency key, or ``None`` if the key is new."""
+        row = conn.execute(
+            "SELECT r.delivery_id, r.content_digest, d.received_at, d.sha256, d.bytes"
+            " FROM receipts AS r JOIN deliveries AS d ON d.id = r.delivery_id"
+            " WHERE r.client = ? AND r.idempotency_key = ?",
+            (item.delivery.client, item.delivery.idempotency_key),
+        ).fetchone()
+        if row is None:
+            return None
+        delivery_id, stored_digest = row[0], bytes(row[1])
+        if stored_digest not in (item.sha256, item.content_digest):
+            return IdempotencyCollision(delivery_id)
+        return Receipt(delivery_id, row[2], bytes(row[3]).hex(), row[4], replayed=True)
+
+    def _load_instance_id(self) -> str:
+        row = self._conn.execute("SELECT value FROM meta WHERE key = 'instance_id'").fetchone()
+        if row is None:
+            with write_transaction(self._conn) as conn:
+                conn.execute(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('instance_id', ?)",
+                    (uuid.uuid4().hex,),
+                )
+                row = conn.execute("SELECT value FROM meta WHERE key = 'instance_id'").fetchone()
+        return str(row[0])

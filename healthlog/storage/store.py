@@ -1,0 +1,552 @@
+"""The projection file ``store.sqlite``: hourly objects, fold outcomes, checkpoint, lease, events.
+
+Everything here can be rebuilt from the journal. A delivery folds in one write transaction
+(S10) that checks the lease epoch it was started under (L2), writes the objects the fold
+yields, the outcome, the checkpoint and the change events, and commits, or writes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import orjson
+
+from healthlog import faults
+from healthlog.fold import FAILED, BudgetExceeded, DeliveryFold, DeliveryInfo, Outcome
+from healthlog.merge import Counters
+from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.storage._sqlite import (
+    Deferred,
+    StorageError,
+    connect,
+    migrate,
+    write_transaction,
+)
+from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
+from healthlog.timestamps import format_instant
+
+log = logging.getLogger("healthlog.store")
+
+FOLD_LEASE = "fold"
+
+MIGRATIONS = (
+    """
+    CREATE TABLE objects (
+        metric TEXT NOT NULL,
+        layer TEXT NOT NULL,
+        hour INTEGER NOT NULL,
+        units TEXT,
+        first INTEGER NOT NULL,
+        last INTEGER NOT NULL,
+        points INTEGER NOT NULL,
+        created_by INTEGER NOT NULL,
+        hash BLOB NOT NULL,
+        sealed INTEGER NOT NULL DEFAULT 0,
+        body BLOB NOT NULL,
+        PRIMARY KEY (metric, layer, hour)
+    ) WITHOUT ROWID;
+    CREATE TABLE outcomes (
+        delivery_id INTEGER PRIMARY KEY,
+        received_at INTEGER NOT NULL,
+        automation TEXT,
+        status TEXT NOT NULL CHECK (status IN ('parsed', 'partial', 'failed')),
+        reason TEXT,
+        layer TEXT,
+        counters TEXT NOT NULL,
+        epoch INTEGER NOT NULL
+    );
+    CREATE INDEX outcomes_order ON outcomes (received_at, delivery_id);
+    CREATE INDEX outcomes_automation ON outcomes (automation, received_at, delivery_id);
+    CREATE TABLE checkpoint (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        received_at INTEGER,
+        delivery_id INTEGER,
+        epoch INTEGER NOT NULL
+    );
+    INSERT INTO checkpoint VALUES (1, NULL, NULL, 0);
+    CREATE TABLE lease (
+        name TEXT PRIMARY KEY,
+        holder TEXT,
+        epoch INTEGER NOT NULL,
+        expires_at INTEGER NOT NULL
+    );
+    INSERT INTO lease VALUES ('fold', NULL, 0, 0);
+    CREATE TABLE events (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        id TEXT NOT NULL UNIQUE,
+        kind TEXT NOT NULL,
+        payload TEXT NOT NULL
+    );
+    CREATE TABLE marks (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE subscribers (name TEXT PRIMARY KEY, acked INTEGER NOT NULL);
+    """,
+)
+
+
+class Fenced(StorageError):
+    """The lease epoch changed under a fold: its result is not authoritative (L2, L5)."""
+
+
+class OutcomeClass(enum.Enum):
+    """What a fold attempt amounted to (F2)."""
+
+    DONE = "done"
+    DEFERRED = "deferred"
+    UNWRITTEN = "unwritten"
+    FENCED = "fenced"
+
+
+@attrs.frozen
+class FoldReport:
+    """The result of one fold attempt."""
+
+    delivery_id: int
+    outcome_class: OutcomeClass
+    status: str | None = None
+    reason: str | None = None
+    out_of_order: bool = False
+
+
+@attrs.frozen
+class ObjectSummary:
+    """An object without its body."""
+
+    key: ObjectKey
+    units: str | None
+    points: int
+    hash: bytes
+    created_by: int
+    sealed: bool
+
+
+@attrs.frozen
+class OutcomeRow:
+    """A recorded delivery outcome."""
+
+    delivery_id: int
+    received_at: int
+    status: str
+    reason: str | None
+    layer: str | None
+    counters: dict[str, int]
+
+
+@attrs.frozen
+class Lease:
+    """The lease row."""
+
+    holder: str | None
+    epoch: int
+    expires_at: int
+
+
+def automation_of(meta: DeliveryMeta) -> str | None:
+    """The automation a delivery belongs to, for layer inheritance."""
+    if meta.automation_id:
+        return f"id:{meta.automation_id}"
+    if meta.automation_name:
+        return f"name:{meta.automation_name}"
+    return None
+
+
+class _Projection:
+    """The fold's read view of the store, inside the fold transaction."""
+
+    def __init__(self, conn: sqlite3.Connection, meta: DeliveryMeta) -> None:
+        self._conn = conn
+        self._meta = meta
+
+    def load(self, key: ObjectKey) -> HourlyObject | None:
+        row = self._conn.execute(
+            "SELECT units, body, hash, first, last, points, created_by, sealed FROM objects"
+            " WHERE metric = ? AND layer = ? AND hour = ?",
+            (key.metric, key.layer, key.hour),
+        ).fetchone()
+        if row is None:
+            return None
+        units, body, digest, first, last, count, created_by, sealed = row
+        return HourlyObject(key, units, body, digest, first, last, count, created_by, bool(sealed))
+
+    def inherited_layer(self) -> str | None:
+        automation = automation_of(self._meta)
+        if automation is None:
+            return None
+        row = self._conn.execute(
+            "SELECT layer FROM outcomes WHERE automation = ? AND layer IS NOT NULL"
+            " AND (received_at, delivery_id) < (?, ?)"
+            " ORDER BY received_at DESC, delivery_id DESC LIMIT 1",
+            (automation, self._meta.received_at, self._meta.id),
+        ).fetchone()
+        return None if row is None else str(row[0])
+
+
+class Store:
+    """The projection database. Methods may be called from worker threads."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 5000, durable: bool = True
+    ) -> None:
+        self.path = os.fspath(path)
+        self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
+        self._lock = threading.Lock()
+        try:
+            if not durable:
+                self._conn.execute("PRAGMA synchronous = OFF")
+            migrate(self._conn, MIGRATIONS)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- lease (L1) -------------------------------------------------------------------
+
+    def acquire_lease(self, holder: str, *, now: int, ttl: int, force: bool = False) -> int | None:
+        """Take or renew the fold lease; return the epoch held, or None if someone else holds it.
+
+        A takeover (a new holder, an expired lease, or ``force``) increments the epoch.
+        """
+        with self._lock, write_transaction(self._conn):
+            current, epoch, expires_at = self._conn.execute(
+                "SELECT holder, epoch, expires_at FROM lease WHERE name = ?", (FOLD_LEASE,)
+            ).fetchone()
+            if current == holder and expires_at > now and not force:
+                self._conn.execute(
+                    "UPDATE lease SET expires_at = ? WHERE name = ?", (now + ttl, FOLD_LEASE)
+                )
+                return int(epoch)
+            if current is not None and current != holder and expires_at > now and not force:
+                return None
+            self._conn.execute(
+                "UPDATE lease SET holder = ?, epoch = epoch + 1, expires_at = ? WHERE name = ?",
+                (holder, now + ttl, FOLD_LEASE),
+            )
+            return int(epoch) + 1
+
+    def release_lease(self, holder: str, epoch: int) -> None:
+        """Give the lease up if it is still ours at that epoch."""
+        with self._lock, write_transaction(self._conn):
+            self._conn.execute(
+                "UPDATE lease SET holder = NULL, expires_at = 0"
+                " WHERE name = ? AND holder = ? AND epoch = ?",
+                (FOLD_LEASE, holder, epoch),
+            )
+
+    def lease(self) -> Lease:
+        with self._lock:
+            holder, epoch, expires_at = self._conn.execute(
+                "SELECT holder, epoch, expires_at FROM lease WHERE name = ?", (FOLD_LEASE,)
+            ).fetchone()
+        return Lease(holder, int(epoch), int(expires_at))
+
+    # -- folding (S10, F2, F9, F10, L2) ---------------------------------------------------
+
+    def fold(
+        self,
+        journal: Journal,
+        meta: DeliveryMeta,
+        epoch: int,
+        *,
+        guard: bool = True,
+        check_budget: Callable[[], None] = lambda: None,
+    ) -> FoldReport:
+        """Fold one journaled delivery in one transaction under the lease epoch ``epoch``."""
+        try:
+            body = journal.read_body(meta.id)
+        except Deferred:
+            return FoldReport(meta.id, OutcomeClass.DEFERRED)
+        except CorruptBody:
+            log.error("delivery %d: body does not match its sha256", meta.id)
+            return self._fold_failed(meta, epoch, "body does not match its sha256")
+        try:
+            with self._lock:
+                return self._fold_locked(meta, body, epoch, guard, check_budget)
+        except Deferred:
+            return FoldReport(meta.id, OutcomeClass.DEFERRED)
+        except Fenced:
+            log.warning("delivery %d: fold fenced, lease epoch %d lost", meta.id, epoch)
+            return FoldReport(meta.id, OutcomeClass.FENCED)
+        except BudgetExceeded:
+            return self._fold_failed(meta, epoch, "fold over its time budget")
+        except StorageError as exc:
+            log.warning("delivery %d: fold not written: %s", meta.id, type(exc).__name__)
+            return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
+        except Exception as exc:
+            log.error("delivery %d: fold failed: %s", meta.id, type(exc).__name__)
+            return self._fold_failed(meta, epoch, f"internal error: {type(exc).__name__}")
+
+    def _fold_locked(
+        self,
+        meta: DeliveryMeta,
+        body: bytes,
+        epoch: int,
+        guard: bool,
+        check_budget: Callable[[], None],
+    ) -> FoldReport:
+        conn = self._conn
+        with write_transaction(conn):
+            faults.point("fold.begin")
+            self._check_epoch(epoch)
+            if self._folded(meta.id):
+                return self._report_existing(meta.id)
+            later = guard and self._later_folded(meta)
+            fold = DeliveryFold(
+                body,
+                DeliveryInfo(meta.id, meta.received_at, meta.automation_aggregation),
+                _Projection(conn, meta),
+                check_budget,
+            )
+            del body
+            for n, written in enumerate(fold.writes(), start=1):
+                faults.point("fold.object_write")
+                self._write_object(written)
+                self._event(f"{meta.id}.{n}", "object.changed", _object_event(written, meta))
+            assert fold.outcome is not None
+            self._write_outcome(meta, fold.outcome, epoch)
+            faults.point("fold.before_commit")
+        faults.point("fold.after_commit")
+        if later:
+            waited = max(0, _now_us() - meta.received_at) // 1_000_000
+            log.warning(
+                "delivery %d folded after a later delivery (waited %d s): journal order was"
+                " broken by a backfill; run `healthlog reindex`",
+                meta.id,
+                waited,
+            )
+        return FoldReport(
+            meta.id, OutcomeClass.DONE, fold.outcome.status, fold.outcome.reason, later
+        )
+
+    def _fold_failed(self, meta: DeliveryMeta, epoch: int, reason: str) -> FoldReport:
+        outcome = Outcome(status=FAILED, reason=reason, layer=None, counters=Counters())
+        try:
+            with self._lock, write_transaction(self._conn):
+                self._check_epoch(epoch)
+                if self._folded(meta.id):
+                    return self._report_existing(meta.id)
+                self._write_outcome(meta, outcome, epoch)
+        except Deferred:
+            return FoldReport(meta.id, OutcomeClass.DEFERRED)
+        except Fenced:
+            return FoldReport(meta.id, OutcomeClass.FENCED)
+        except StorageError as exc:
+            log.warning("delivery %d: outcome not written: %s", meta.id, type(exc).__name__)
+            return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
+        return FoldReport(meta.id, OutcomeClass.DONE, FAILED, reason)
+
+    def _check_epoch(self, epoch: int) -> None:
+        row = self._conn.execute("SELECT epoch FROM lease WHERE name = ?", (FOLD_LEASE,)).fetchone()
+        if row[0] != epoch:
+            raise Fenced(f"lease epoch is {row[0]}, fold started under {epoch}")
+
+    def _folded(self, delivery_id: int) -> bool:
+        row = self._conn.execute(
+            "SELECT 1 FROM outcomes WHERE delivery_id = ?", (delivery_id,)
+        ).fetchone()
+        return row is not None
+
+    def _report_existing(self, delivery_id: int) -> FoldReport:
+        status, reason = self._conn.execute(
+            "SELECT status, reason FROM outcomes WHERE delivery_id = ?", (delivery_id,)
+        ).fetchone()
+        return FoldReport(delivery_id, OutcomeClass.DONE, status, reason)
+
+    def _later_folded(self, meta: DeliveryMeta) -> bool:
+        row = self._conn.execute(
+            "SELECT 1 FROM outcomes WHERE status IN ('parsed', 'partial')"
+            " AND (received_at, delivery_id) > (?, ?) LIMIT 1",
+            (meta.received_at, meta.id),
+        ).fetchone()
+        return row is not None
+
+    def _write_object(self, obj: HourlyObject) -> None:
+        self._conn.execute(
+            "INSERT INTO objects (metric, layer, hour, units, first, last, points, created_by,"
+            " hash, sealed, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (metric, layer, hour) DO UPDATE SET units = excluded.units,"
+            " first = excluded.first, last = excluded.last, points = excluded.points,"
+            " hash = excluded.hash, body = excluded.body",
+            (
+                obj.key.metric,
+                obj.key.layer,
+                obj.key.hour,
+                obj.units,
+                obj.first,
+                obj.last,
+                obj.count,
+                obj.created_by,
+                obj.hash,
+                int(obj.sealed),
+                obj.body,
+            ),
+        )
+
+    def _write_outcome(self, meta: DeliveryMeta, outcome: Outcome, epoch: int) -> None:
+        faults.point("fold.outcome_write")
+        counters = attrs.asdict(outcome.counters)
+        self._conn.execute(
+            "INSERT INTO outcomes (delivery_id, received_at, automation, status, reason, layer,"
+            " counters, epoch) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                meta.id,
+                meta.received_at,
+                automation_of(meta),
+                outcome.status,
+                outcome.reason,
+                outcome.layer,
+                orjson.dumps(counters).decode(),
+                epoch,
+            ),
+        )
+        changed = self._conn.execute(
+            "UPDATE checkpoint SET received_at = ?, delivery_id = ?, epoch = ? WHERE id = 1"
+            " AND (SELECT epoch FROM lease WHERE name = ?) = ?",
+            (meta.received_at, meta.id, epoch, FOLD_LEASE, epoch),
+        ).rowcount
+        if changed != 1:
+            raise Fenced(f"checkpoint not written under epoch {epoch}")
+        self._event(
+            f"{meta.id}.folded",
+            "delivery.folded",
+            {
+                "delivery_id": meta.id,
+                "status": outcome.status,
+                "counters": counters,
+            },
+        )
+
+    def _event(self, event_id: str, kind: str, payload: dict[str, Any]) -> None:
+        self._conn.execute(
+            "INSERT INTO events (id, kind, payload) VALUES (?, ?, ?)"
+            " ON CONFLICT (id) DO UPDATE SET id = excluded.id || '.' || events.seq",
+            (event_id, kind, orjson.dumps(payload).decode()),
+        )
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def folded_ids(self) -> set[int]:
+        with self._lock:
+            return {row[0] for row in self._conn.execute("SELECT delivery_id FROM outcomes")}
+
+    def outcome(self, delivery_id: int) -> OutcomeRow | None:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT delivery_id, received_at, status, reason, layer, counters FROM outcomes"
+                " WHERE delivery_id = ?",
+                (delivery_id,),
+            ).fetchone()
+        if row is None:
+            return None
+        return OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5]))
+
+    def status_counts(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._conn.execute("SELECT status, count(*) FROM outcomes GROUP BY status")
+            return {str(status): int(n) for status, n in rows}
+
+    def summaries(self) -> dict[ObjectKey, ObjectSummary]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT metric, layer, hour, units, points, hash, created_by, sealed FROM objects"
+            ).fetchall()
+        return {
+            ObjectKey(m, la, h): ObjectSummary(ObjectKey(m, la, h), u, p, hs, c, bool(s))
+            for m, la, h, u, p, hs, c, s in rows
+        }
+
+    def iter_objects(
+        self,
+        *,
+        metric: str | None = None,
+        layer: str | None = None,
+        hour_from: int | None = None,
+        hour_to: int | None = None,
+    ) -> Iterator[HourlyObject]:
+        """Objects sorted by metric, layer and hour, one at a time."""
+        clauses, args = ["1"], []
+        for clause, value in (
+            ("metric = ?", metric),
+            ("layer = ?", layer),
+            ("hour >= ?", hour_from),
+            ("hour <= ?", hour_to),
+        ):
+            if value is not None:
+                clauses.append(clause)
+                args.append(value)
+        where = " AND ".join(clauses)
+        last: tuple[str, str, int] | None = None
+        while True:
+            page_where = where + (" AND (metric, layer, hour) > (?, ?, ?)" if last else "")
+            page_args = [*args, *last] if last else args
+            with self._lock:
+                rows = self._conn.execute(
+                    "SELECT metric, layer, hour, units, body, hash, first, last, points,"
+                    f" created_by, sealed FROM objects WHERE {page_where}"
+                    " ORDER BY metric, layer, hour LIMIT 64",
+                    page_args,
+                ).fetchall()
+            if not rows:
+                return
+            for m, la, h, u, b, hs, f, ls, p, c, s in rows:
+                yield HourlyObject(ObjectKey(m, la, h), u, b, hs, f, ls, p, c, bool(s))
+            last = rows[-1][0], rows[-1][1], rows[-1][2]
+
+    def checkpoint(self) -> tuple[int | None, int | None, int]:
+        with self._lock:
+            received_at, delivery_id, epoch = self._conn.execute(
+                "SELECT received_at, delivery_id, epoch FROM checkpoint WHERE id = 1"
+            ).fetchone()
+        return received_at, delivery_id, int(epoch)
+
+    def mark(self, key: str) -> Any:
+        with self._lock:
+            row = self._conn.execute("SELECT value FROM marks WHERE key = ?", (key,)).fetchone()
+        return None if row is None else orjson.loads(row[0])
+
+    def set_mark(self, key: str, value: Any) -> None:
+        with self._lock, write_transaction(self._conn):
+            self._conn.execute(
+                "INSERT INTO marks (key, value) VALUES (?, ?)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (key, orjson.dumps(value).decode()),
+            )
+
+    def subscribers(self) -> dict[str, int]:
+        with self._lock:
+            return {str(n): int(a) for n, a in self._conn.execute("SELECT * FROM subscribers")}
+
+    def last_seq(self) -> int:
+        with self._lock:
+            row = self._conn.execute("SELECT max(seq) FROM events").fetchone()
+        return int(row[0] or 0)
+
+
+def _object_event(obj: HourlyObject, meta: DeliveryMeta) -> dict[str, Any]:
+    return {
+        "metric": obj.key.metric,
+        "layer": obj.key.layer,
+        "hour": format_instant(obj.key.hour),
+        "hash": obj.hash.hex(),
+        "points": obj.count,
+        "delivery_id": meta.id,
+    }
+
+
+def _now_us() -> int:
+    return time.time_ns() // 1000

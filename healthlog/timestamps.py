@@ -1,0 +1,188 @@
+"""Parse and format the timestamps Health Auto Export sends, as integer UTC microseconds.
+
+See specs/timestamps.md for the accepted shapes and the rules.
+"""
+
+import re
+
+__all__ = ["TimestampError", "format_instant", "hour_of", "parse_instant"]
+
+_US_PER_SECOND = 1_000_000
+_US_PER_MINUTE = 60 * _US_PER_SECOND
+_US_PER_HOUR = 60 * _US_PER_MINUTE
+_US_PER_DAY = 24 * _US_PER_HOUR
+_MAX_LENGTH = 64
+_MAX_OFFSET_MINUTES = 18 * 60
+_DAYS_IN_MONTH = (0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+
+# The app's own shape, `2024-02-06 07:00:00 -0800`: the fast path.
+_COMMON = re.compile(
+    r"([0-9]{4})-([0-9]{2})-([0-9]{2}) ([0-9]{2}):([0-9]{2}):([0-9]{2}) ([+-])([0-9]{2})([0-9]{2})"
+)
+
+# Every accepted shape; only reached when the fast path does not match.
+_GENERAL = re.compile(
+    r"(?P<year>[0-9]{4})-(?P<month>[0-9]{2})-(?P<day>[0-9]{2})"
+    r"(?:[T ](?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})"
+    r"(?::(?P<second>[0-9]{2})(?:\.(?P<fraction>[0-9]{1,9}))?)?"
+    r"(?:[ \u00a0\u202f]?(?P<meridiem>[aApP][mM]|[aApP]\.[mM]\.))?"
+    r" ?(?:Z|(?P<sign>[+-])(?P<offset_hours>[0-9]{2}):?(?P<offset_minutes>[0-9]{2}))?)?"
+)
+
+
+class TimestampError(ValueError):
+    """A timestamp could not be parsed or formatted; the message never quotes the input."""
+
+
+def _days_from_civil(year: int, month: int, day: int) -> int:
+    """Days since 1970-01-01 of a proleptic Gregorian date (H. Hinnant's algorithm)."""
+    if month <= 2:
+        year -= 1
+    era = year // 400
+    year_of_era = year - era * 400
+    day_of_year = (153 * (month + (9 if month <= 2 else -3)) + 2) // 5 + day - 1
+    day_of_era = year_of_era * 365 + year_of_era // 4 - year_of_era // 100 + day_of_year
+    return era * 146_097 + day_of_era - 719_468
+
+
+def _civil_from_days(days: int) -> tuple[int, int, int]:
+    """Inverse of `_days_from_civil`."""
+    days += 719_468
+    era = days // 146_097
+    day_of_era = days - era * 146_097
+    year_of_era = (
+        day_of_era - day_of_era // 1460 + day_of_era // 36_524 - day_of_era // 146_096
+    ) // 365
+    day_of_year = day_of_era - (365 * year_of_era + year_of_era // 4 - year_of_era // 100)
+    shifted_month = (5 * day_of_year + 2) // 153
+    day = day_of_year - (153 * shifted_month + 2) // 5 + 1
+    month = shifted_month + (3 if shifted_month < 10 else -9)
+    year = year_of_era + era * 400 + (1 if month <= 2 else 0)
+    return year, month, day
+
+
+_MIN_US = _days_from_civil(1, 1, 1) * _US_PER_DAY
+_MAX_US = _days_from_civil(10_000, 1, 1) * _US_PER_DAY - 1
+
+
+def _instant(
+    year: int,
+    month: int,
+    day: int,
+    hour: int,
+    minute: int,
+    second: int,
+    micro: int,
+    offset_minutes: int,
+) -> int:
+    """Validate the fields of a local time and return its UTC instant in microseconds."""
+    if year < 1:
+        raise TimestampError("timestamp year is out of range 1..9999")
+    if not 1 <= month <= 12:
+        raise TimestampError("timestamp month is out of range 1..12")
+    if month == 2 and year % 4 == 0 and (year % 100 != 0 or year % 400 == 0):
+        month_length = 29
+    else:
+        month_length = _DAYS_IN_MONTH[month]
+    if not 1 <= day <= month_length:
+        raise TimestampError("timestamp day does not exist in its month")
+    if hour > 23:
+        raise TimestampError("timestamp hour is out of range 0..23")
+    if minute > 59:
+        raise TimestampError("timestamp minute is out of range 0..59")
+    if second > 59:
+        raise TimestampError("timestamp second is out of range 0..59 (leap seconds are rejected)")
+    if abs(offset_minutes) > _MAX_OFFSET_MINUTES:
+        raise TimestampError("timestamp UTC offset is beyond ±18:00")
+    seconds = ((hour * 60 + minute - offset_minutes) * 60) + second
+    us = (_days_from_civil(year, month, day) * 86_400 + seconds) * _US_PER_SECOND + micro
+    if not _MIN_US <= us <= _MAX_US:
+        raise TimestampError("timestamp instant falls outside years 1..9999 UTC")
+    return us
+
+
+def _offset_minutes(sign: str, hours: str, minutes: str) -> int:
+    """Signed offset east of UTC in minutes; rejects a minutes field of 60 or more."""
+    minute_count = int(minutes)
+    if minute_count > 59:
+        raise TimestampError("timestamp UTC offset minutes are out of range 0..59")
+    total = int(hours) * 60 + minute_count
+    return -total if sign == "-" else total
+
+
+def _parse_general(text: str) -> int:
+    """Parse any accepted shape other than the fast path's."""
+    match = _GENERAL.fullmatch(text)
+    if match is None:
+        raise TimestampError("timestamp does not match a supported date/time shape")
+    year, month, day = int(match["year"]), int(match["month"]), int(match["day"])
+    if match["hour"] is None:
+        return _instant(year, month, day, 0, 0, 0, 0, 0)
+    hour = int(match["hour"])
+    meridiem = match["meridiem"]
+    if meridiem is not None:
+        if not 1 <= hour <= 12:
+            raise TimestampError("timestamp 12-hour clock hour is out of range 1..12")
+        hour = hour % 12 + (12 if meridiem[0] in "pP" else 0)
+    second = match["second"]
+    fraction = match["fraction"]
+    micro = 0 if fraction is None else int(fraction[:6].ljust(6, "0"))
+    offset = 0
+    if match["sign"] is not None:
+        offset = _offset_minutes(match["sign"], match["offset_hours"], match["offset_minutes"])
+    return _instant(
+        year,
+        month,
+        day,
+        hour,
+        int(match["minute"]),
+        0 if second is None else int(second),
+        micro,
+        offset,
+    )
+
+
+def parse_instant(value: object) -> int:
+    """UTC instant in integer microseconds since the Unix epoch."""
+    if not isinstance(value, str):
+        raise TimestampError(f"timestamp must be a str, not {type(value).__name__}")
+    match = _COMMON.fullmatch(value)
+    if match is not None:
+        year, month, day, hour, minute, second, sign, off_h, off_m = match.groups()
+        return _instant(
+            int(year),
+            int(month),
+            int(day),
+            int(hour),
+            int(minute),
+            int(second),
+            0,
+            _offset_minutes(sign, off_h, off_m),
+        )
+    if len(value) > _MAX_LENGTH:
+        raise TimestampError(f"timestamp is longer than {_MAX_LENGTH} characters")
+    text = value.strip()
+    if not text:
+        raise TimestampError("timestamp is empty")
+    return _parse_general(text)
+
+
+def format_instant(us: int) -> str:
+    """ISO 8601 UTC with 'Z'; a non-zero fraction gets up to 6 digits, trailing zeros removed.
+
+    e.g. 0 -> '1970-01-01T00:00:00Z', 1_500_000 -> '1970-01-01T00:00:01.5Z'.
+    """
+    if not _MIN_US <= us <= _MAX_US:
+        raise TimestampError("instant falls outside years 1..9999 UTC")
+    days, us_of_day = divmod(us, _US_PER_DAY)
+    year, month, day = _civil_from_days(days)
+    seconds_of_day, micro = divmod(us_of_day, _US_PER_SECOND)
+    hour, seconds_of_hour = divmod(seconds_of_day, 3600)
+    minute, second = divmod(seconds_of_hour, 60)
+    fraction = f".{micro:06d}".rstrip("0") if micro else ""
+    return f"{year:04d}-{month:02d}-{day:02d}T{hour:02d}:{minute:02d}:{second:02d}{fraction}Z"
+
+
+def hour_of(us: int) -> int:
+    """Start of the UTC hour containing us, in microseconds (floor, also for negative values)."""
+    return us - us % _US_PER_HOUR

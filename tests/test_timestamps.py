@@ -1,0 +1,374 @@
+"""Tests for healthlog.timestamps; scenario ids refer to specs/timestamps.md."""
+
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+ONE_US = timedelta(microseconds=1)
+HOUR_US = 3_600_000_000
+FIRST_US = (datetime(1, 1, 1, tzinfo=UTC) - EPOCH) // ONE_US
+LAST_US = (datetime(9999, 12, 31, 23, 59, 59, 999_999, tzinfo=UTC) - EPOCH) // ONE_US
+
+
+def expected(
+    year: int,
+    month: int,
+    day: int,
+    hour: int = 0,
+    minute: int = 0,
+    second: int = 0,
+    micro: int = 0,
+    offset_minutes: int = 0,
+) -> int:
+    """The instant computed by the standard library, independently of the module."""
+    zone = timezone(timedelta(minutes=offset_minutes))
+    local = datetime(year, month, day, hour, minute, second, micro, tzinfo=zone)
+    return (local - EPOCH) // ONE_US
+
+
+def offset_text(offset_minutes: int, colon: bool) -> str:
+    sign = "-" if offset_minutes < 0 else "+"
+    hours, minutes = divmod(abs(offset_minutes), 60)
+    return f"{sign}{hours:02d}{':' if colon else ''}{minutes:02d}"
+
+
+FEB_6_15H = expected(2024, 2, 6, 15)
+SEPT_21_0757 = expected(2024, 9, 21, 7, 57, offset_minutes=600)
+SEPT_21_1957 = expected(2024, 9, 21, 19, 57, offset_minutes=600)
+
+ACCEPTED = [
+    pytest.param("2024-02-06 07:00:00 -0800", FEB_6_15H, id="TIME-1 app shape"),
+    pytest.param("2024-02-06 15:00:00 +0000", FEB_6_15H, id="TIME-1 +0000"),
+    pytest.param("2024-02-06 15:00:00 -0000", FEB_6_15H, id="TIME-1 -0000"),
+    pytest.param("2024-02-07 01:00:00 +10:00", FEB_6_15H, id="TIME-1 colon offset"),
+    pytest.param("2024-02-06 15:00:00 Z", FEB_6_15H, id="TIME-1 Z"),
+    pytest.param("2024-02-07 02:00:00 +1100", FEB_6_15H, id="TIME-1 next day"),
+    pytest.param("2024-02-06 07:00:00-0800", FEB_6_15H, id="TIME-1 offset unspaced"),
+    pytest.param("2024-02-06 09:30:00 -0530", FEB_6_15H, id="TIME-1 half hour offset"),
+    pytest.param("2024-09-21 7:57:00\u202fam +1000", SEPT_21_0757, id="TIME-2 narrow nbsp"),
+    pytest.param("2024-09-21 7:57:00 am +1000", SEPT_21_0757, id="TIME-2 space"),
+    pytest.param("2024-09-21 7:57:00\u00a0am +1000", SEPT_21_0757, id="TIME-2 nbsp"),
+    pytest.param("2024-09-21 7:57:00am +1000", SEPT_21_0757, id="TIME-2 no space"),
+    pytest.param("2024-09-21 07:57:00 AM +1000", SEPT_21_0757, id="TIME-2 AM"),
+    pytest.param("2024-09-21 7:57:00 a.m. +1000", SEPT_21_0757, id="TIME-2 a.m."),
+    pytest.param("2024-09-21 7:57:00\u202fpm +1000", SEPT_21_1957, id="TIME-2 pm"),
+    pytest.param("2024-09-21 7:57:00 PM +1000", SEPT_21_1957, id="TIME-2 PM"),
+    pytest.param("2024-09-21 7:57:00 p.m. +1000", SEPT_21_1957, id="TIME-2 p.m."),
+    pytest.param("2024-09-21 7:57 pm +1000", SEPT_21_1957, id="TIME-2 no seconds"),
+    pytest.param("2024-09-21 12:05:00 am +0000", expected(2024, 9, 21, 0, 5), id="TIME-2 12am"),
+    pytest.param("2024-09-21 12:05:00 pm +0000", expected(2024, 9, 21, 12, 5), id="TIME-2 12pm"),
+    pytest.param("2024-09-21 11:59:59 pm", expected(2024, 9, 21, 23, 59, 59), id="TIME-2 11pm"),
+    pytest.param("2024-02-06 7:00:00 -0800", FEB_6_15H, id="TIME-3 one digit hour"),
+    pytest.param("2024-02-06 07:00 -0800", FEB_6_15H, id="TIME-3 no seconds"),
+    pytest.param("2024-02-06 7:00 -0800", FEB_6_15H, id="TIME-3 both"),
+    pytest.param("2024-02-06 07:00:00.123456 -0800", FEB_6_15H + 123_456, id="TIME-4 six digits"),
+    pytest.param("2024-02-06 07:00:00.5 -0800", FEB_6_15H + 500_000, id="TIME-4 one digit"),
+    pytest.param("2024-02-06T15:00:00.000001Z", FEB_6_15H + 1, id="TIME-4 one microsecond"),
+    pytest.param("2024-02-06T15:00:00.1234567Z", FEB_6_15H + 123_456, id="TIME-4 seven digits"),
+    pytest.param("2024-02-06T15:00:00.999999999Z", FEB_6_15H + 999_999, id="TIME-4 nine digits"),
+    pytest.param("1969-12-31T23:59:59.9999999Z", -1, id="TIME-4 floor before epoch"),
+    pytest.param("2024-02-06T15:00:00Z", FEB_6_15H, id="TIME-5 Z"),
+    pytest.param("2024-02-06T15:00:00.5+01:00", FEB_6_15H - HOUR_US + 500_000, id="TIME-5 frac"),
+    pytest.param("2024-02-06T15:00:00+0100", FEB_6_15H - HOUR_US, id="TIME-5 +0100"),
+    pytest.param("2024-02-06T07:00:00-08:00", FEB_6_15H, id="TIME-5 -08:00"),
+    pytest.param("2024-02-06T15:00:00 +0000", FEB_6_15H, id="TIME-5 spaced offset"),
+    pytest.param("2024-02-06 15:00:00", FEB_6_15H, id="TIME-6 app shape"),
+    pytest.param("2024-02-06T15:00", FEB_6_15H, id="TIME-6 ISO minutes"),
+    pytest.param("2024-02-06T15:00:00.25", FEB_6_15H + 250_000, id="TIME-6 ISO fraction"),
+    pytest.param("2024-02-06", expected(2024, 2, 6), id="TIME-7 date"),
+    pytest.param("1960-02-29", expected(1960, 2, 29), id="TIME-7 leap day before epoch"),
+    pytest.param(" 2024-02-06 07:00:00 -0800", FEB_6_15H, id="TIME-8 leading"),
+    pytest.param("2024-02-06 07:00:00 -0800\n", FEB_6_15H, id="TIME-8 newline"),
+    pytest.param("\t2024-02-06T15:00:00Z  ", FEB_6_15H, id="TIME-8 tab"),
+    pytest.param(" 2024-02-06 ", expected(2024, 2, 6), id="TIME-8 date"),
+    pytest.param(
+        "\u202f2024-09-21 7:57:00\u202fam +1000\u00a0", SEPT_21_0757, id="TIME-8 unicode spaces"
+    ),
+    pytest.param("2024-02-06 15:00:00 +18:00", FEB_6_15H - 18 * HOUR_US, id="TIME-11 +18:00"),
+    pytest.param("2024-02-06 15:00:00 -1800", FEB_6_15H + 18 * HOUR_US, id="TIME-11 -1800"),
+    pytest.param("2024-02-29 00:00:00 +0000", expected(2024, 2, 29), id="TIME-11 leap day"),
+    pytest.param("2000-02-29", expected(2000, 2, 29), id="TIME-11 leap century"),
+    pytest.param("0001-01-01 00:00:00 -0100", FIRST_US + HOUR_US, id="TIME-11 year 1"),
+    pytest.param("0001-01-01T00:00:00Z", FIRST_US, id="TIME-11 first instant"),
+    pytest.param("9999-12-31T23:59:59.999999Z", LAST_US, id="TIME-11 last instant"),
+    pytest.param("9999-12-31 23:59:59 +0100", LAST_US - HOUR_US - 999_999, id="TIME-11 year 9999"),
+]
+
+
+@pytest.mark.parametrize(("text", "instant"), ACCEPTED)
+def test_time_1_to_8_and_11_accepted(text: str, instant: int) -> None:
+    """TIME-1, TIME-2, TIME-3, TIME-4, TIME-5, TIME-6, TIME-7, TIME-8, TIME-11."""
+    assert parse_instant(text) == instant
+
+
+def test_time_1_same_instant_across_offsets() -> None:
+    """TIME-1: one moment written in three zones."""
+    instants = {
+        parse_instant("2024-02-06 07:00:00 -0800"),
+        parse_instant("2024-02-06T15:00:00Z"),
+        parse_instant("2024-02-07 02:00:00 +1100"),
+    }
+    assert instants == {1_707_231_600_000_000}
+
+
+@pytest.mark.parametrize("value", [None, True, False, 0, 1_707_231_600, 1.5, b"2024-02-06"])
+def test_time_9_not_a_string(value: object) -> None:
+    """TIME-9"""
+    with pytest.raises(TimestampError, match="must be a str"):
+        parse_instant(value)
+
+
+def test_time_9_datetime_is_not_a_string() -> None:
+    """TIME-9"""
+    with pytest.raises(TimestampError):
+        parse_instant(datetime(2024, 2, 6, tzinfo=UTC))
+
+
+MALFORMED = [
+    "",
+    "   ",
+    "garbage",
+    "2024",
+    "2024-02",
+    "24-02-06",
+    "2024-2-6",
+    "2024/02/06",
+    "20240206",
+    "2024-02-06T",
+    "2024-02-06 07",
+    "2024-02-06 07:0",
+    "2024-02-06 007:00:00",
+    "2024-02-06 07:00:0",
+    "2024-02-06 07:00:00.",
+    "2024-02-06 07:00:00.1234567890",
+    "2024-02-06 07:00:00 -0800 x",
+    "2024-02-06 07:00:00 -0800Z",
+    "2024-02-06 07:00:00 -08",
+    "2024-02-06 07:00:00 -8:00",
+    "2024-02-06 07:00:00 -08:0",
+    "2024-02-06 07:00:00 UTC",
+    "2024-02-06 07:00:00  -0800",
+    "2024-02-06  07:00:00",
+    "2024-02-06t07:00:00",
+    "2024-02-06 07:00:00z",
+    "2024-02-06Z",
+    "2024-02-06 +0000",
+    "2024-02-06 07:00:00 am pm",
+    "2024-02-06 07:00:00 a.m",
+    "2024-02-06 07:00:00 am.",
+    "2024-02-06 07:00:00 xm",
+    "\u0662\u0660\u0662\u0664-02-06 07:00:00 -0800",
+    "2024-02-06 07:00:00 -\u0660\u0668\u0660\u0660",
+    "2024-02-06 \uff10\uff17:00:00",
+    "+2024-02-06",
+    "-0001-01-01",
+    "12024-02-06",
+    "2024-02-06 07:00:00 -0800" + " " * 40,
+    "2024-02-06T07:00:00.123456789+00:00" + "0" * 30,
+]
+
+
+@pytest.mark.parametrize("text", MALFORMED)
+def test_time_10_malformed(text: str) -> None:
+    """TIME-10"""
+    with pytest.raises(TimestampError):
+        parse_instant(text)
+
+
+def test_time_10_length_guard() -> None:
+    """TIME-10: long text is refused before anything else is examined."""
+    with pytest.raises(TimestampError, match="longer than 64"):
+        parse_instant(" " * 60 + "2024-02-06")
+
+
+IMPOSSIBLE = [
+    "2024-13-06 07:00:00 -0800",
+    "2024-00-06 07:00:00 -0800",
+    "2024-02-32 07:00:00 -0800",
+    "2024-01-32",
+    "2024-02-00",
+    "2024-02-30 07:00:00 -0800",
+    "2023-02-29",
+    "1900-02-29",
+    "2024-04-31",
+    "2024-02-06 24:00:00 -0800",
+    "2024-02-06 07:60:00 -0800",
+    "2024-02-06 07:00:61 -0800",
+    "2024-02-06 07:00:99 -0800",
+    "2024-02-06 0:30:00 am",
+    "2024-02-06 00:30:00 pm",
+    "2024-02-06 13:00:00 pm",
+    "2024-02-06 07:00:00 +1060",
+    "2024-02-06 07:00:00 +18:01",
+    "2024-02-06 07:00:00 -1801",
+    "2024-02-06 07:00:00 +1900",
+    "2024-02-06 07:00:00 -99:00",
+    "0000-01-01",
+    "0000-12-31 23:00:00 -0200",
+    "0001-01-01 00:00:00 +0100",
+    "0001-01-01T00:30:00+01:00",
+    "9999-12-31 23:00:00 -0100",
+    "9999-12-31T23:59:59.999999-00:01",
+]
+
+
+@pytest.mark.parametrize("text", IMPOSSIBLE)
+def test_time_11_impossible_fields(text: str) -> None:
+    """TIME-11"""
+    with pytest.raises(TimestampError):
+        parse_instant(text)
+
+
+@pytest.mark.parametrize("text", ["2016-12-31 23:59:60 +0000", "2016-12-31T23:59:60.5Z"])
+def test_time_12_leap_second_rejected(text: str) -> None:
+    """TIME-12"""
+    with pytest.raises(TimestampError, match="leap seconds"):
+        parse_instant(text)
+
+
+PRIVATE = [
+    "1987-13-24 07:13:57 -0800",
+    "1987-02-31 07:13:57 -0800",
+    "1987-02-24 25:13:57 -0800",
+    "1987-02-24 07:13:57 -1913",
+    "1987-02-24 07:13:57 +1873",
+    "1987-02-24 13:13:57 pm",
+    "1987-02-24 07:13:57 heart rate 173",
+    "0000-02-24 07:13:57 -0800",
+    "secret glucose 187 mg/dL",
+    " 1987-13-24 ",
+    "1987-02-24 07:13:57 -0800 " * 3,
+]
+
+
+@pytest.mark.parametrize("text", PRIVATE)
+def test_time_13_error_does_not_echo_input(text: str) -> None:
+    """TIME-13"""
+    with pytest.raises(TimestampError) as caught:
+        parse_instant(text)
+    error = caught.value
+    for shown in (str(error), repr(error), repr(error.args)):
+        assert text not in shown
+        assert text.strip() not in shown
+        assert "1987" not in shown
+    assert error.__cause__ is None
+    assert error.__context__ is None
+
+
+def test_time_13_error_for_non_string_names_only_the_type() -> None:
+    """TIME-13"""
+    with pytest.raises(TimestampError) as caught:
+        parse_instant(1_987_022_407)
+    assert "1987022407" not in str(caught.value)
+    assert "int" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("instant", "text"),
+    [
+        (0, "1970-01-01T00:00:00Z"),
+        (1_500_000, "1970-01-01T00:00:01.5Z"),
+        (123_456, "1970-01-01T00:00:00.123456Z"),
+        (10, "1970-01-01T00:00:00.00001Z"),
+        (-1, "1969-12-31T23:59:59.999999Z"),
+        (-HOUR_US, "1969-12-31T23:00:00Z"),
+        (1_707_231_600_000_000, "2024-02-06T15:00:00Z"),
+        (expected(2024, 2, 29, 23, 59, 59, 120_000), "2024-02-29T23:59:59.12Z"),
+        (FIRST_US, "0001-01-01T00:00:00Z"),
+        (LAST_US, "9999-12-31T23:59:59.999999Z"),
+    ],
+)
+def test_time_14_format(instant: int, text: str) -> None:
+    """TIME-14"""
+    assert format_instant(instant) == text
+
+
+@pytest.mark.parametrize("instant", [FIRST_US - 1, LAST_US + 1, -(10**30), 10**30])
+def test_time_14_format_out_of_range(instant: int) -> None:
+    """TIME-14"""
+    with pytest.raises(TimestampError):
+        format_instant(instant)
+
+
+@given(st.integers(min_value=FIRST_US, max_value=LAST_US))
+def test_time_14_format_matches_stdlib(instant: int) -> None:
+    """TIME-14"""
+    moment = EPOCH + instant * ONE_US
+    fraction = f".{moment.microsecond:06d}".rstrip("0") if moment.microsecond else ""
+    assert format_instant(instant) == (
+        f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}T{moment:%H:%M:%S}{fraction}Z"
+    )
+
+
+LOCAL_TIMES = st.datetimes(min_value=datetime(1900, 1, 1), max_value=datetime(2200, 12, 31, 23, 59))
+OFFSETS = st.integers(min_value=-14 * 60, max_value=14 * 60)
+
+
+@given(LOCAL_TIMES, OFFSETS)
+def test_time_15_app_and_iso_shapes_agree(local: datetime, offset: int) -> None:
+    """TIME-15"""
+    local = local.replace(microsecond=0)
+    aware = local.replace(tzinfo=timezone(timedelta(minutes=offset)))
+    instant = (aware - EPOCH) // ONE_US
+    app = f"{local:%Y-%m-%d %H:%M:%S} {offset_text(offset, colon=False)}"
+    assert parse_instant(app) == instant
+    assert parse_instant(aware.isoformat()) == instant
+    iso_basic = f"{local:%Y-%m-%dT%H:%M:%S}{offset_text(offset, colon=False)}"
+    assert parse_instant(iso_basic) == instant
+
+
+@given(LOCAL_TIMES, OFFSETS)
+def test_time_15_iso_with_microseconds(local: datetime, offset: int) -> None:
+    """TIME-15"""
+    aware = local.replace(tzinfo=timezone(timedelta(minutes=offset)))
+    assert parse_instant(aware.isoformat(timespec="microseconds")) == (aware - EPOCH) // ONE_US
+
+
+@given(LOCAL_TIMES, OFFSETS, st.sampled_from(["\u202f", " ", "\u00a0", ""]))
+def test_time_2_twelve_hour_equals_twenty_four_hour(local: datetime, offset: int, gap: str) -> None:
+    """TIME-2"""
+    twelve = local.hour % 12 or 12
+    meridiem = "pm" if local.hour >= 12 else "am"
+    zone = offset_text(offset, colon=True)
+    twelve_text = f"{local:%Y-%m-%d} {twelve}:{local:%M:%S}{gap}{meridiem} {zone}"
+    assert parse_instant(twelve_text) == parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
+
+
+@given(st.integers(min_value=FIRST_US, max_value=LAST_US))
+def test_time_15_format_parse_round_trip(instant: int) -> None:
+    """TIME-15"""
+    text = format_instant(instant)
+    assert parse_instant(text) == instant
+    assert format_instant(parse_instant(text)) == text
+
+
+@pytest.mark.parametrize(
+    ("instant", "hour"),
+    [
+        (0, 0),
+        (1, 0),
+        (HOUR_US - 1, 0),
+        (HOUR_US, HOUR_US),
+        (-1, -HOUR_US),
+        (-HOUR_US, -HOUR_US),
+        (-HOUR_US - 1, -2 * HOUR_US),
+        (1_707_233_400_000_000, 1_707_231_600_000_000),
+    ],
+)
+def test_time_16_hour_of(instant: int, hour: int) -> None:
+    """TIME-16"""
+    assert hour_of(instant) == hour
+
+
+@given(st.integers(min_value=FIRST_US, max_value=LAST_US))
+def test_time_16_hour_of_is_a_floor(instant: int) -> None:
+    """TIME-16"""
+    start = hour_of(instant)
+    assert start % HOUR_US == 0
+    assert start <= instant < start + HOUR_US
+    assert format_instant(start) == format_instant(instant)[:14] + "00:00Z"
