@@ -438,6 +438,52 @@ class Store:
             (event_id, kind, orjson.dumps(payload).decode()),
         )
 
+    # -- rebuild swap (L3) ------------------------------------------------------------------
+
+    def swap_in(self, rebuilt: str | os.PathLike[str], epoch: int) -> int:
+        """Replace objects, outcomes and checkpoint with a rebuilt store's, in one transaction.
+
+        Only under the lease epoch ``epoch``. Appends an ``object.changed`` event for every
+        object whose hash differs (a vanished object reports zero points); returns that count.
+        """
+        with self._lock:
+            self._conn.execute("ATTACH DATABASE ? AS rebuilt", (os.fspath(rebuilt),))
+            try:
+                with write_transaction(self._conn):
+                    self._check_epoch(epoch)
+                    changed = self._conn.execute(
+                        "SELECT metric, layer, hour, hash, points FROM rebuilt.objects n"
+                        " WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE o.metric = n.metric"
+                        " AND o.layer = n.layer AND o.hour = n.hour AND o.hash = n.hash)"
+                        " UNION ALL"
+                        " SELECT metric, layer, hour, NULL, 0 FROM main.objects o"
+                        " WHERE NOT EXISTS (SELECT 1 FROM rebuilt.objects n WHERE o.metric ="
+                        " n.metric AND o.layer = n.layer AND o.hour = n.hour)"
+                    ).fetchall()
+                    for table in ("objects", "outcomes"):
+                        self._conn.execute(f"DELETE FROM main.{table}")
+                        self._conn.execute(
+                            f"INSERT INTO main.{table} SELECT * FROM rebuilt.{table}"
+                        )
+                    self._conn.execute(
+                        "UPDATE main.checkpoint SET (received_at, delivery_id, epoch) ="
+                        " (SELECT received_at, delivery_id, ? FROM rebuilt.checkpoint)",
+                        (epoch,),
+                    )
+                    for n, (metric, layer, hour, digest, count) in enumerate(changed, start=1):
+                        payload = {
+                            "metric": metric,
+                            "layer": layer,
+                            "hour": format_instant(hour),
+                            "hash": digest.hex() if digest else None,
+                            "points": count,
+                            "delivery_id": None,
+                        }
+                        self._event(f"reindex.{epoch}.{n}", "object.changed", payload)
+            finally:
+                self._conn.execute("DETACH DATABASE rebuilt")
+        return len(changed)
+
     # -- reads ----------------------------------------------------------------------------
 
     def folded_ids(self) -> set[int]:
@@ -460,11 +506,25 @@ class Store:
             rows = self._conn.execute("SELECT status, count(*) FROM outcomes GROUP BY status")
             return {str(status): int(n) for status, n in rows}
 
+    def snapshot(self) -> tuple[set[int], dict[ObjectKey, ObjectSummary]]:
+        """The folded delivery ids and the object summaries, read in one transaction."""
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
+                summaries = self._summaries_locked()
+            finally:
+                self._conn.execute("COMMIT")
+        return folded, summaries
+
     def summaries(self) -> dict[ObjectKey, ObjectSummary]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT metric, layer, hour, units, points, hash, created_by, sealed FROM objects"
-            ).fetchall()
+            return self._summaries_locked()
+
+    def _summaries_locked(self) -> dict[ObjectKey, ObjectSummary]:
+        rows = self._conn.execute(
+            "SELECT metric, layer, hour, units, points, hash, created_by, sealed FROM objects"
+        ).fetchall()
         return {
             ObjectKey(m, la, h): ObjectSummary(ObjectKey(m, la, h), u, p, hs, c, bool(s))
             for m, la, h, u, p, hs, c, s in rows

@@ -1,0 +1,252 @@
+"""The ``healthlog`` command line (see the outside contract in the README)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from healthlog import documents, layers
+from healthlog.export import FORMATS, export_lines
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.datadir import DataDir, default_data_dir
+from healthlog.storage.journal import Journal, NewDelivery
+from healthlog.storage.passes import run_pass
+from healthlog.storage.rebuild import RebuildError, reindex, verify
+from healthlog.storage.status import collect_status
+from healthlog.storage.store import Store
+from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
+
+IMPORT_CLIENT = "cli:import"
+LEASE_TTL_US = 15 * 1_000_000
+WAIT_POLL_S = 0.2
+
+log = logging.getLogger("healthlog.cli")
+
+
+class CliError(Exception):
+    """A user-facing error: printed without a traceback, exit status 2."""
+
+
+class Progress:
+    """Progress on stderr: a rewritten line on a terminal, else at most a line a second."""
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self._last < (0.1 if self._tty else 1.0):
+            return
+        self._last = now
+        end = "\n" if done >= total or not self._tty else ""
+        prefix = "\r" if self._tty else ""
+        print(f"{prefix}{self._what}: {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+
+def _instant(value: str) -> int:
+    try:
+        return parse_instant(value)
+    except TimestampError as exc:
+        raise argparse.ArgumentTypeError(f"not a timestamp: {exc}") from None
+
+
+def _layer(value: str) -> str:
+    layer = layers.layer_from_header(value)
+    if layer is None:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(layers.LAYERS)}")
+    return layer
+
+
+def _holder() -> str:
+    return f"cli:{os.uname().nodename}:{os.getpid()}"
+
+
+def _now() -> int:
+    return time.time_ns() // 1000
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
+    bodies = []
+    for name in args.files:
+        try:
+            bodies.append(Path(name).read_bytes())
+        except OSError as exc:
+            raise CliError(f"cannot read {name}: {exc.strerror}") from None
+    with data.open_journal() as journal:
+        ids = []
+        for name, body in zip(args.files, bodies, strict=True):
+            receipt = journal.append(
+                NewDelivery(
+                    body=body,
+                    client=IMPORT_CLIENT,
+                    content_type="application/json",
+                    automation_id=args.automation_id,
+                    automation_aggregation=args.aggregation,
+                    received_at=args.received_at,
+                )
+            )
+            ids.append(receipt.delivery_id)
+            print(
+                f"journaled {name} as delivery {receipt.delivery_id}"
+                f" ({receipt.bytes} bytes, received_at {format_instant(receipt.received_at)})",
+                file=sys.stderr,
+            )
+        if args.no_wait:
+            return 0
+        with data.open_store() as store:
+            _fold_or_wait(journal, store, set(ids))
+            for delivery_id in ids:
+                outcome = store.outcome(delivery_id)
+                assert outcome is not None
+                print(f"delivery {delivery_id}: {outcome.status}", file=sys.stderr)
+    return 0
+
+
+def _fold_or_wait(journal: Journal, store: Store, ids: set[int]) -> None:
+    """Fold pending deliveries in-process when the lease is free, else wait for its holder."""
+    progress = Progress("fold")
+    holder = _holder()
+    while not ids <= store.folded_ids():
+        epoch = store.acquire_lease(holder, now=_now(), ttl=LEASE_TTL_US)
+        if epoch is None:
+            time.sleep(WAIT_POLL_S)
+            continue
+        try:
+            report = run_pass(journal, store, epoch, progress=progress)
+        finally:
+            store.release_lease(holder, epoch)
+        if report.stopped_because in ("deferred", "fenced", "selection_failed"):
+            time.sleep(WAIT_POLL_S)
+
+
+def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
+    with data.open_store() as store:
+        stored = store.iter_objects(
+            metric=args.metric,
+            layer=args.layer,
+            hour_from=None if args.start_from is None else hour_of(args.start_from),
+            hour_to=None if args.start_to is None else hour_of(args.start_to),
+        )
+        out = sys.stdout.buffer
+        for line in export_lines(
+            stored, start_from=args.start_from, start_to=args.start_to, fmt=args.format
+        ):
+            out.write(line)
+        out.flush()
+    return 0
+
+
+def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
+    with data.open_journal() as journal, data.open_store() as store:
+        changed = reindex(journal, store, _holder(), progress=Progress("reindex"))
+    print(f"reindex: done, {changed} objects changed", file=sys.stderr)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
+    with data.open_journal() as journal, data.open_store() as store:
+        differences = verify(journal, store, progress=Progress("verify"))
+    for diff in differences:
+        what = "missing" if diff.live is None else "extra" if diff.rebuilt is None else "differs"
+        print(f"{what}\t{diff.key.metric}\t{diff.key.layer}\t{format_instant(diff.key.hour)}")
+    print(f"verify: {len(differences)} objects differ", file=sys.stderr)
+    return 1 if differences else 0
+
+
+def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
+    with data.open_journal() as journal, data.open_store() as store:
+        status = collect_status(journal, store)
+    if args.json:
+        sys.stdout.buffer.write(documents.dumps(status) + b"\n")
+        return 0
+    d = status.deliveries
+    lines = [
+        f"journal     {status.journal.deliveries} deliveries, {status.journal.bytes} bytes",
+        f"deliveries  pending {d.pending}, parsed {d.parsed}, partial {d.partial},"
+        f" failed {d.failed}",
+        f"lag         oldest pending {status.lag.oldest_pending_id},"
+        f" waited {status.lag.waited_s} s, last pass stopped: {status.lag.stopped_because}",
+        f"lease       holder {status.lease.holder}, epoch {status.lease.epoch}",
+        f"first pass  {'completed' if status.first_pass_completed else 'not completed'}",
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------
+
+Command = Callable[[argparse.Namespace, DataDir], int]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="healthlog", description="A self-hosted home for Apple Health data."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, func: Command, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument(
+            "--data",
+            type=Path,
+            default=None,
+            help="data directory (default: $HEALTHLOG_DATA, else ./var)",
+        )
+        p.set_defaults(func=func)
+        return p
+
+    p = command("import", cmd_import, "journal files as deliveries, then fold them")
+    p.add_argument("--automation-id", default=None)
+    p.add_argument("--aggregation", type=_layer, default=None, help="the automation's layer")
+    p.add_argument("--received-at", type=_instant, default=None, help="historical stamp")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")
+    p.add_argument("files", nargs="+", metavar="FILE")
+
+    p = command("export", cmd_export, "write stored points to stdout")
+    p.add_argument("--metric", default=None)
+    p.add_argument("--layer", default=None)
+    p.add_argument("--from", dest="start_from", type=_instant, default=None)
+    p.add_argument("--to", dest="start_to", type=_instant, default=None)
+    p.add_argument("--format", choices=FORMATS, default="jsonl")
+
+    command("reindex", cmd_reindex, "rebuild the projection from the journal")
+    command("verify", cmd_verify, "prove the projection equals a rebuild from the journal")
+
+    p = command("status", cmd_status, "journal size, deliveries by status, lag, lease")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
+    )
+    args = build_parser().parse_args(argv)
+    data = DataDir(args.data if args.data is not None else default_data_dir())
+    func: Command = args.func
+    try:
+        return func(args, data)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except CliError as exc:
+        print(f"healthlog: {exc}", file=sys.stderr)
+        return 2
+    except (StorageError, RebuildError) as exc:
+        print(f"healthlog: {exc}", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

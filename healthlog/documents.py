@@ -1,0 +1,65 @@
+"""Typed documents the service reads and writes (T3), with one cattrs converter for the wire."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from cattrs.preconf.orjson import make_converter
+
+converter = make_converter()
+
+
+@attrs.frozen
+class JournalFigures:
+    deliveries: int
+    bytes: int
+
+
+@attrs.frozen
+class DeliveryCounts:
+    pending: int
+    parsed: int
+    partial: int
+    failed: int
+
+
+@attrs.frozen
+class Lag:
+    oldest_pending_id: int | None
+    waited_s: float
+    stopped_because: str
+
+
+@attrs.frozen
+class LeaseInfo:
+    holder: str | None
+    epoch: int
+
+
+@attrs.frozen
+class Status:
+    """The ``status --json`` document (and ``GET /v1/status``)."""
+
+    journal: JournalFigures
+    deliveries: DeliveryCounts
+    lag: Lag
+    lease: LeaseInfo
+    first_pass_completed: bool
+    subscribers: dict[str, int]
+
+
+@attrs.frozen
+class DeliveryStatus:
+    """The ``GET /v1/deliveries/{id}`` document: status and counters, never values."""
+
+    delivery_id: int
+    received_at: str
+    status: str
+    reason: str | None
+    counters: dict[str, int]
+
+
+def dumps(document: Any) -> bytes:
+    """A document as compact JSON."""
+    return converter.dumps(document)

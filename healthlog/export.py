@@ -1,0 +1,78 @@
+"""The export line formats (``healthlog export``, ``GET /v1/points``), from hourly objects.
+
+Points come out sorted by metric, layer, start and end, each embedded verbatim.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Iterable, Iterator
+
+import orjson
+
+from healthlog import objects
+from healthlog.objects import HourlyObject
+from healthlog.timestamps import format_instant
+
+FORMATS = ("jsonl", "csv")
+CSV_HEADER = b"metric,layer,start,end,units,point\r\n"
+
+
+def export_lines(
+    stored: Iterable[HourlyObject],
+    *,
+    start_from: int | None = None,
+    start_to: int | None = None,
+    fmt: str = "jsonl",
+) -> Iterator[bytes]:
+    """Lines for every point whose start lies in ``[start_from, start_to)``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}")
+    if fmt == "csv":
+        yield CSV_HEADER
+    for obj in stored:
+        for (start, end), raw in sorted(objects.decode(obj.body).items()):
+            if start_from is not None and start < start_from:
+                continue
+            if start_to is not None and start >= start_to:
+                continue
+            if fmt == "jsonl":
+                yield _jsonl(obj, start, end, raw)
+            else:
+                yield _csv(obj, start, end, raw)
+
+
+def _jsonl(obj: HourlyObject, start: int, end: int, raw: bytes) -> bytes:
+    return b"".join(
+        (
+            b'{"metric":',
+            orjson.dumps(obj.key.metric),
+            b',"layer":',
+            orjson.dumps(obj.key.layer),
+            b',"start":"',
+            format_instant(start).encode(),
+            b'","end":"',
+            format_instant(end).encode(),
+            b'","units":',
+            orjson.dumps(obj.units),
+            b',"point":',
+            raw,
+            b"}\n",
+        )
+    )
+
+
+def _csv(obj: HourlyObject, start: int, end: int, raw: bytes) -> bytes:
+    out = io.StringIO()
+    csv.writer(out).writerow(
+        [
+            obj.key.metric,
+            obj.key.layer,
+            format_instant(start),
+            format_instant(end),
+            obj.units or "",
+            raw.decode(),
+        ]
+    )
+    return out.getvalue().encode()

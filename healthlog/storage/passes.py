@@ -1,0 +1,120 @@
+"""A folding pass (F1 to F5, F7): pending deliveries folded one at a time in journal order.
+
+The pass is synchronous; the folding actor runs it in a worker and decides when. It stops at
+the first deferred delivery (never skipping it), moves past an unwritten one (its strictly
+increasing cursor goes on, the next pass retries it), and stops at once when fenced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import attrs
+
+from healthlog.fold import BudgetExceeded
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.journal import DeliveryMeta, Journal
+from healthlog.storage.store import OutcomeClass, Store
+
+log = logging.getLogger("healthlog.pass")
+
+LAG_MARK = "lag"
+FIRST_PASS_MARK = "first_pass_completed"
+
+Progress = Callable[[int, int], None]
+
+
+@attrs.frozen
+class Budget:
+    """The fold's own deadline (F5): a base plus a share per MiB of body."""
+
+    base_s: float = 60.0
+    per_mib_s: float = 1.0
+
+    def checker(self, body_bytes: int) -> Callable[[], None]:
+        deadline = time.monotonic() + self.base_s + self.per_mib_s * body_bytes / 2**20
+
+        def check() -> None:
+            if time.monotonic() > deadline:
+                raise BudgetExceeded
+
+        return check
+
+
+@attrs.frozen
+class PassReport:
+    """What one pass did and why it stopped."""
+
+    folded: int
+    unwritten: tuple[int, ...]
+    stopped_because: str
+    deferred_at: int | None = None
+
+
+def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
+    """Journaled deliveries without an outcome, in journal order."""
+    folded = store.folded_ids()
+    return [meta for meta in journal.iter_order() if meta.id not in folded]
+
+
+def run_pass(
+    journal: Journal,
+    store: Store,
+    epoch: int,
+    *,
+    guard: bool = True,
+    budget: Budget = Budget(),
+    progress: Progress | None = None,
+    now: Callable[[], int] = lambda: time.time_ns() // 1000,
+) -> PassReport:
+    """Fold every pending delivery in journal order until the end, a deferral or a fence."""
+    try:
+        queue = pending(journal, store)
+    except StorageError as exc:
+        log.error("folding pass: selection failed: %s", type(exc).__name__)
+        return PassReport(0, (), "selection_failed")
+    folded, unwritten = 0, []
+    stopped, deferred_at = "empty", None
+    for done, meta in enumerate(queue, start=1):
+        report = store.fold(
+            journal, meta, epoch, guard=guard, check_budget=budget.checker(meta.bytes)
+        )
+        if report.outcome_class is OutcomeClass.DONE:
+            folded += 1
+        elif report.outcome_class is OutcomeClass.UNWRITTEN:
+            unwritten.append(meta.id)
+        elif report.outcome_class is OutcomeClass.DEFERRED:
+            stopped, deferred_at = "deferred", meta.id
+            break
+        else:
+            stopped = "fenced"
+            break
+        if progress is not None:
+            progress(done, len(queue))
+    if stopped == "empty" and unwritten:
+        stopped = "unwritten"
+    _write_marks(journal, store, stopped, now)
+    return PassReport(folded, tuple(unwritten), stopped, deferred_at)
+
+
+def _write_marks(journal: Journal, store: Store, stopped: str, now: Callable[[], int]) -> None:
+    """The lag mark at every pass end (F7), the first-pass flag only at the end of the queue."""
+    if stopped == "fenced":
+        return
+    try:
+        left = pending(journal, store)
+        oldest = left[0] if left else None
+        store.set_mark(
+            LAG_MARK,
+            {
+                "oldest_pending_id": oldest.id if oldest else None,
+                "waited_s": max(0, now() - oldest.received_at) / 1e6 if oldest else 0.0,
+                "stopped_because": stopped,
+            },
+        )
+        if stopped in ("empty", "unwritten"):
+            store.set_mark(FIRST_PASS_MARK, True)
+    except StorageError as exc:
+        log.warning("folding pass: lag mark not written: %s", type(exc).__name__)

@@ -1,0 +1,38 @@
+"""The status document, read from the journal and the projection."""
+
+from __future__ import annotations
+
+import time
+
+from healthlog.documents import DeliveryCounts, JournalFigures, Lag, LeaseInfo, Status
+from healthlog.storage.journal import Journal
+from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, pending
+from healthlog.storage.store import Store
+
+
+def collect_status(journal: Journal, store: Store) -> Status:
+    """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors."""
+    deliveries, size = journal.count()
+    counts = store.status_counts()
+    waiting = pending(journal, store)
+    oldest = waiting[0] if waiting else None
+    mark = store.mark(LAG_MARK) or {}
+    lease = store.lease()
+    now = time.time_ns() // 1000
+    return Status(
+        journal=JournalFigures(deliveries, size),
+        deliveries=DeliveryCounts(
+            pending=len(waiting),
+            parsed=counts.get("parsed", 0),
+            partial=counts.get("partial", 0),
+            failed=counts.get("failed", 0),
+        ),
+        lag=Lag(
+            oldest_pending_id=oldest.id if oldest else None,
+            waited_s=round(max(0, now - oldest.received_at) / 1e6, 3) if oldest else 0.0,
+            stopped_because=str(mark.get("stopped_because", "no_pass_yet")),
+        ),
+        lease=LeaseInfo(lease.holder, lease.epoch),
+        first_pass_completed=bool(store.mark(FIRST_PASS_MARK)),
+        subscribers=store.subscribers(),
+    )

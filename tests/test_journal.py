@@ -1,0 +1,640 @@
+"""The journal against real SQLite files (specs/journal.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import cast
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from healthlog.storage import _sqlite
+from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage.journal import (
+    CorruptBody,
+    IdempotencyCollision,
+    Journal,
+    NewDelivery,
+    Receipt,
+)
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "journal.sqlite"
+
+
+@pytest.fixture
+def journal(path: Path) -> Iterator[Journal]:
+    with Journal(path) as journal:
+        yield journal
+
+
+def raw(path: Path) -> closing[sqlite3.Connection]:
+    """A second, plain connection to the same file, closed on leaving the ``with`` block."""
+    return closing(sqlite3.connect(path, isolation_level=None))
+
+
+def clock_of(*readings: int) -> Callable[[], int]:
+    values = iter(readings)
+    return lambda: next(values)
+
+
+def delivery(body: bytes = b"{}", client: str = "phone", **fields: object) -> NewDelivery:
+    return NewDelivery(body, client, **fields)  # type: ignore[arg-type]
+
+
+def stored_encoding(path: Path, delivery_id: int) -> tuple[str, int]:
+    with raw(path) as conn:
+        encoding, size = conn.execute(
+            "SELECT encoding, length(body) FROM deliveries WHERE id = ?", (delivery_id,)
+        ).fetchone()
+    return str(encoding), int(size)
+
+
+def test_bodies_round_trip_verbatim_journal_1(journal: Journal) -> None:
+    """JOURNAL-1: empty, invalid UTF-8 and 3 MiB bodies come back byte for byte, with metadata."""
+    rng = random.Random(1)
+    bodies = [b"", b"\xff\xfe\x80 not utf-8 \xc3\x28", rng.randbytes(3 * 1024 * 1024)]
+    receipts = [
+        journal.append(
+            delivery(
+                body,
+                client="anton",
+                content_type="application/json",
+                automation_name="Hourly",
+                automation_id="A-1",
+                automation_aggregation="minutes",
+                automation_period="Since Last Sync",
+                session_id="S-9",
+            )
+        )
+        for body in bodies
+    ]
+    for body, receipt in zip(bodies, receipts, strict=True):
+        assert journal.read_body(receipt.delivery_id) == body
+        assert receipt.sha256 == hashlib.sha256(body).hexdigest()
+        assert receipt.bytes == len(body)
+        meta = journal.get_meta(receipt.delivery_id)
+        assert meta is not None
+        assert (meta.id, meta.received_at, meta.sha256, meta.bytes) == (
+            receipt.delivery_id,
+            receipt.received_at,
+            receipt.sha256,
+            len(body),
+        )
+        assert (meta.content_type, meta.client, meta.session_id) == (
+            "application/json",
+            "anton",
+            "S-9",
+        )
+        assert (
+            meta.automation_name,
+            meta.automation_id,
+            meta.automation_aggregation,
+            meta.automation_period,
+        ) == ("Hourly", "A-1", "minutes", "Since Last Sync")
+
+
+def test_any_bytes_round_trip_journal_1(tmp_path: Path) -> None:
+    """JOURNAL-1: arbitrary bodies, compressed or not, read back verbatim."""
+    with Journal(tmp_path / "j.sqlite", compress_min_bytes=16) as journal:
+
+        @settings(max_examples=40, deadline=None)
+        @given(st.binary(max_size=4096))
+        def round_trip(body: bytes) -> None:
+            receipt = journal.append(delivery(body))
+            assert journal.read_body(receipt.delivery_id) == body
+
+        round_trip()
+
+
+def test_compression_above_threshold_journal_2(path: Path, journal: Journal) -> None:
+    """JOURNAL-2: bodies from compress_min_bytes on are stored zlib-compressed, smaller ones not."""
+    big = b'{"name":"heart_rate","qty":72},' * 64
+    at_threshold = big[:1024]
+    below = big[:1023]
+    ids = [journal.append(delivery(body)).delivery_id for body in (big, at_threshold, below)]
+    big_encoding, big_size = stored_encoding(path, ids[0])
+    assert big_encoding == "zlib"
+    assert big_size < len(big) // 4
+    assert stored_encoding(path, ids[1])[0] == "zlib"
+    assert stored_encoding(path, ids[2]) == ("identity", 1023)
+    for body, delivery_id in zip((big, at_threshold, below), ids, strict=True):
+        assert journal.read_body(delivery_id) == body
+
+
+def test_ids_increase_and_are_never_reused_journal_3(path: Path) -> None:
+    """JOURNAL-3: committed ids strictly increase, also across a rolled-back append."""
+
+    def failing_clock() -> int:
+        raise RuntimeError("clock failed")
+
+    clock: list[Callable[[], int]] = [lambda: 1]
+    handed_out: list[int] = []
+    with Journal(path, clock=lambda: clock[0]()) as journal:
+        handed_out += [journal.append(delivery()).delivery_id for _ in range(2)]
+        clock[0] = failing_clock
+        with pytest.raises(RuntimeError, match="clock failed"):
+            journal.append_many([delivery(), delivery()])
+        clock[0] = lambda: 2
+        handed_out += [journal.append(delivery()).delivery_id for _ in range(2)]
+    with Journal(path, clock=lambda: 3) as journal:
+        handed_out.append(journal.append(delivery()).delivery_id)
+        stored = [meta.id for meta in journal.iter_order()]
+    assert handed_out == sorted(set(handed_out))
+    assert stored == handed_out
+
+
+def test_live_stamps_never_decrease_journal_4(path: Path) -> None:
+    """JOURNAL-4: a clock jumping backwards never makes received_at decrease, across reopening."""
+    with Journal(path, clock=clock_of(1_000, 2_000, 500, 400, 3_000)) as journal:
+        stamps = [journal.append(delivery()).received_at for _ in range(5)]
+    assert stamps == [1_000, 2_000, 2_000, 2_000, 3_000]
+    with Journal(path, clock=clock_of(100, 3_500)) as journal:
+        assert [r.received_at for r in journal.append_many([delivery(), delivery()])] == [
+            3_000,
+            3_500,
+        ]
+
+
+def test_historical_stamps_journal_5(path: Path) -> None:
+    """JOURNAL-5: backfill keeps its stamp, takes its place in order, never pulls stamps back."""
+    with Journal(path, clock=clock_of(10_000, 9_000, 11_000)) as journal:
+        live = journal.append(delivery(b"live-1"))
+        old = journal.append(delivery(b"old", received_at=5_000))
+        after_old = journal.append(delivery(b"live-2"))
+        future = journal.append(delivery(b"future", received_at=20_000))
+        after_future = journal.append(delivery(b"live-3"))
+        order = [(meta.received_at, meta.id) for meta in journal.iter_order()]
+    assert (live.received_at, old.received_at, after_old.received_at) == (10_000, 5_000, 10_000)
+    assert (future.received_at, after_future.received_at) == (20_000, 20_000)
+    assert order == [
+        (5_000, old.delivery_id),
+        (10_000, live.delivery_id),
+        (10_000, after_old.delivery_id),
+        (20_000, future.delivery_id),
+        (20_000, after_future.delivery_id),
+    ]
+
+
+def test_iter_order_after_and_limit_journal_6(path: Path) -> None:
+    """JOURNAL-6: iter_order returns at most limit deliveries strictly after the position."""
+    with Journal(path, clock=clock_of(100, 100, 200, 300)) as journal:
+        live = [journal.append(delivery()) for _ in range(4)]
+        backfill = journal.append(delivery(received_at=150))
+        positions = [(r.received_at, r.delivery_id) for r in (*live[:2], backfill, *live[2:])]
+        listed = [(m.received_at, m.id) for m in journal.iter_order()]
+        assert listed == positions
+        for index, position in enumerate(positions):
+            after = [(m.received_at, m.id) for m in journal.iter_order(after=position)]
+            assert after == positions[index + 1 :]
+            limited = journal.iter_order(after=position, limit=2)
+            assert [(m.received_at, m.id) for m in limited] == positions[index + 1 : index + 3]
+        assert journal.iter_order(limit=0) == []
+        assert journal.iter_order(after=(100, 0), limit=1)[0].id == live[0].delivery_id
+        assert journal.iter_order(after=(10**18, 0)) == []
+        with pytest.raises(ValueError, match="limit"):
+            journal.iter_order(limit=-1)
+
+
+def test_group_commit_of_fifty_journal_7(journal: Journal) -> None:
+    """JOURNAL-7: fifty deliveries in one append_many are one transaction with consecutive ids."""
+    bodies = [f'{{"n":{n}}}'.encode() for n in range(50)]
+    receipts = journal.append_many([delivery(body) for body in bodies])
+    ids = [r.delivery_id for r in receipts if isinstance(r, Receipt)]
+    assert ids == list(range(ids[0], ids[0] + 50))
+    statistics = journal.statistics()
+    assert (statistics.groups, statistics.appends, statistics.deliveries) == (1, 50, 50)
+    assert journal.count() == (50, sum(map(len, bodies)))
+    assert [journal.read_body(i) for i in ids] == bodies
+
+
+def test_group_is_all_or_nothing_journal_8(path: Path) -> None:
+    """JOURNAL-8: a group whose transaction fails part way journals none of its deliveries."""
+    readings = iter(range(1, 30))
+
+    def clock() -> int:
+        reading = next(readings, None)
+        if reading is None:
+            raise RuntimeError("clock failed")
+        return reading
+
+    with Journal(path, clock=clock) as journal:
+        with pytest.raises(RuntimeError, match="clock failed"):
+            journal.append_many([delivery(f"{n}".encode()) for n in range(50)])
+        assert journal.count() == (0, 0)
+    group = [delivery(f"{n}".encode()) for n in range(50)]
+    group[30] = delivery(client=cast(str, None))
+    with Journal(path) as journal:
+        with pytest.raises(StorageError, match="NOT NULL"):
+            journal.append_many(group)
+        assert journal.count() == (0, 0)
+        assert journal.iter_order() == []
+        assert journal.statistics().groups == 0
+
+
+def test_database_refuses_update_and_delete_journal_9(path: Path, journal: Journal) -> None:
+    """JOURNAL-9: UPDATE and DELETE on deliveries and receipts are aborted by the database."""
+    receipt = journal.append(delivery(b"truth", idempotency_key="k"))
+    with raw(path) as conn:
+        for statement in (
+            "UPDATE deliveries SET body = x'00' WHERE id = ?",
+            "UPDATE deliveries SET received_at = 0 WHERE id = ?",
+            "DELETE FROM deliveries WHERE id = ?",
+            "UPDATE receipts SET delivery_id = 99 WHERE delivery_id = ?",
+            "DELETE FROM receipts WHERE delivery_id = ?",
+        ):
+            with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+                conn.execute(statement, (receipt.delivery_id,))
+    assert journal.read_body(receipt.delivery_id) == b"truth"
+    assert journal.append(delivery(b"truth", idempotency_key="k")).replayed
+
+
+@pytest.mark.parametrize("size", [100, 5000], ids=["identity", "zlib"])
+def test_tampered_body_is_detected_journal_10(path: Path, journal: Journal, size: int) -> None:
+    """JOURNAL-10: a byte flipped on disk makes read_body raise CorruptBody naming the id."""
+    body = (b"secret-heart-rate " * 300)[:size]
+    journal.append(delivery(b"first"))
+    receipt = journal.append(delivery(body))
+    with raw(path) as conn:
+        (stored,) = conn.execute(
+            "SELECT body FROM deliveries WHERE id = ?", (receipt.delivery_id,)
+        ).fetchone()
+        tampered = bytearray(stored)
+        tampered[len(tampered) // 2] ^= 0x01
+        conn.execute("DROP TRIGGER deliveries_no_update")
+        conn.execute(
+            "UPDATE deliveries SET body = ? WHERE id = ?", (bytes(tampered), receipt.delivery_id)
+        )
+    with pytest.raises(CorruptBody, match=f"delivery {receipt.delivery_id}\\b") as caught:
+        journal.read_body(receipt.delivery_id)
+    assert "secret" not in str(caught.value)
+    assert journal.read_body(1) == b"first"
+
+
+def test_identical_bytes_replay_journal_11(journal: Journal) -> None:
+    """JOURNAL-11: the same bytes under the same key return the original receipt, replayed."""
+    for body in (b'{"data":{"metrics":[]}}', b"\x00 not json \xff"):
+        original = journal.append(delivery(body, idempotency_key=f"key-{body[:1]!r}"))
+        count = journal.count()
+        again = journal.append(delivery(body, idempotency_key=f"key-{body[:1]!r}"))
+        assert again.replayed
+        assert again == Receipt(
+            original.delivery_id, original.received_at, original.sha256, original.bytes, True
+        )
+        assert journal.count() == count
+
+
+def test_equivalent_json_replays_journal_12(journal: Journal) -> None:
+    """JOURNAL-12: the same JSON with other key order and whitespace replays the original."""
+    body = b'{"data":{"metrics":[{"name":"steps","qty":12,"u":"count"}]}}'
+    reordered = b'{ "data" : { "metrics" : [ {"u": "count", "qty" : 12, "name":"steps"} ] } }\n'
+    original = journal.append(delivery(body, idempotency_key="k"))
+    again = journal.append(delivery(reordered, idempotency_key="k"))
+    assert again == attrs_replayed(original)
+    assert journal.count() == (1, original.bytes)
+
+
+def test_equivalent_json_of_any_shape_replays_journal_12(journal: Journal) -> None:
+    """JOURNAL-12: any JSON document re-sent with shuffled keys and whitespace is a replay."""
+    json_values = st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**63 - 1)
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+        max_leaves=12,
+    )
+
+    @settings(max_examples=40, deadline=None)
+    @given(json_values, st.randoms(use_true_random=False))
+    def replays(value: object, rng: random.Random) -> None:
+        key = uuid.uuid4().hex
+        original = journal.append(delivery(json.dumps(value).encode(), idempotency_key=key))
+        resent = json.dumps(shuffled(value, rng), indent=rng.choice([None, 1, 4])).encode()
+        assert journal.append(delivery(resent, idempotency_key=key)) == attrs_replayed(original)
+
+    replays()
+
+
+def shuffled(value: object, rng: random.Random) -> object:
+    if isinstance(value, dict):
+        items = list(value.items())
+        rng.shuffle(items)
+        return {k: shuffled(v, rng) for k, v in items}
+    if isinstance(value, list):
+        return [shuffled(v, rng) for v in value]
+    return value
+
+
+def attrs_replayed(receipt: Receipt) -> Receipt:
+    return Receipt(receipt.delivery_id, receipt.received_at, receipt.sha256, receipt.bytes, True)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (b'{"qty":1}', b'{"qty":2}'),
+        (b'{"qty":1}', b'{"qty":1.0}'),
+        (b"not json", b"not json!"),
+        (b'{"qty":1}', b"not json"),
+    ],
+    ids=["value", "int-vs-float", "raw", "json-vs-raw"],
+)
+def test_different_content_collides_journal_13(
+    journal: Journal, first: bytes, second: bytes
+) -> None:
+    """JOURNAL-13: different content under a used key is a collision and journals nothing."""
+    original = journal.append(delivery(first, idempotency_key="k"))
+    with pytest.raises(IdempotencyCollision, match=f"delivery {original.delivery_id}") as caught:
+        journal.append(delivery(second, idempotency_key="k"))
+    assert caught.value.original_delivery_id == original.delivery_id
+    assert journal.count() == (1, len(first))
+    results = journal.append_many(
+        [delivery(b"a"), delivery(second, idempotency_key="k"), delivery(b"b")]
+    )
+    assert isinstance(results[1], IdempotencyCollision)
+    assert [journal.read_body(r.delivery_id) for r in results if isinstance(r, Receipt)] == [
+        b"a",
+        b"b",
+    ]
+    assert journal.count() == (3, len(first) + 2)
+    assert journal.statistics().collisions == 2
+
+
+def test_keys_are_per_client_journal_14(journal: Journal) -> None:
+    """JOURNAL-14: the same key from another client is independent."""
+    anton = journal.append(delivery(b'{"a":1}', client="anton", idempotency_key="k"))
+    berta = journal.append(delivery(b'{"b":2}', client="berta", idempotency_key="k"))
+    assert not berta.replayed
+    assert berta.delivery_id != anton.delivery_id
+    again = journal.append(delivery(b'{"b":2}', client="berta", idempotency_key="k"))
+    assert again == attrs_replayed(berta)
+    assert journal.count()[0] == 2
+
+
+def test_same_key_twice_in_one_group_journal_15(journal: Journal) -> None:
+    """JOURNAL-15: deliveries of one group sharing client and key behave as if sequential."""
+    first, same, different = journal.append_many(
+        [
+            delivery(b'{"a":1,"b":2}', idempotency_key="k"),
+            delivery(b'{"b":2,"a":1}', idempotency_key="k"),
+            delivery(b'{"a":1,"b":3}', idempotency_key="k"),
+        ]
+    )
+    assert isinstance(first, Receipt)
+    assert not first.replayed
+    assert same == attrs_replayed(first)
+    assert isinstance(different, IdempotencyCollision)
+    assert journal.count() == (1, first.bytes)
+    statistics = journal.statistics()
+    assert (statistics.groups, statistics.replays, statistics.collisions) == (1, 1, 1)
+
+
+def test_receipt_commits_with_its_row_journal_16(path: Path) -> None:
+    """JOURNAL-16: a failed group leaves no receipt behind; the retry is journaled as new."""
+    group = [delivery(b"x", idempotency_key="k"), delivery(client=cast(str, None))]
+    with Journal(path) as journal:
+        with pytest.raises(StorageError):
+            journal.append_many(group)
+        with raw(path) as conn:
+            assert conn.execute("SELECT count(*) FROM receipts").fetchone() == (0,)
+        retry = journal.append(group[0])
+        assert not retry.replayed
+        assert journal.count() == (1, 1)
+
+
+def test_stored_content_digest_journal_17(path: Path, journal: Journal) -> None:
+    """JOURNAL-17: receipts store the canonical digest for JSON, the raw sha256 otherwise."""
+    json_body = b'{ "b": [1, 2.5, "x"], "a": null }'
+    raw_body = b"\xff{ not json"
+    journal.append(delivery(json_body, idempotency_key="json"))
+    journal.append(delivery(raw_body, idempotency_key="raw"))
+    with raw(path) as conn:
+        digests = dict(conn.execute("SELECT idempotency_key, content_digest FROM receipts"))
+    canonical = orjson.dumps(orjson.loads(json_body), option=orjson.OPT_SORT_KEYS)
+    assert canonical == b'{"a":null,"b":[1,2.5,"x"]}'
+    assert digests == {
+        "json": hashlib.sha256(canonical).digest(),
+        "raw": hashlib.sha256(raw_body).digest(),
+    }
+    assert journal.append(delivery(canonical, idempotency_key="json")).replayed
+
+
+def test_busy_database_defers_journal_18(path: Path) -> None:
+    """JOURNAL-18: a real connection holding BEGIN EXCLUSIVE makes append raise Deferred."""
+    with Journal(path, busy_timeout_ms=50) as journal, raw(path) as other:
+        other.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(Deferred):
+            journal.append(delivery(b"waiting", idempotency_key="k"))
+        other.execute("ROLLBACK")
+        assert journal.count() == (0, 0)
+        assert journal.statistics().groups == 0
+        receipt = journal.append(delivery(b"waiting", idempotency_key="k"))
+        assert not receipt.replayed
+        assert journal.read_body(receipt.delivery_id) == b"waiting"
+        assert journal.count() == (1, 7)
+
+
+def test_short_lock_is_waited_out_journal_19(path: Path) -> None:
+    """JOURNAL-19: a lock held in another thread shorter than the busy timeout is waited for."""
+    locked = threading.Event()
+    release = threading.Event()
+
+    def hold_lock() -> None:
+        with raw(path) as other:
+            other.execute("BEGIN EXCLUSIVE")
+            locked.set()
+            release.wait(5)
+            other.execute("COMMIT")
+
+    with Journal(path, busy_timeout_ms=10_000) as journal:
+        holder = threading.Thread(target=hold_lock)
+        holder.start()
+        try:
+            assert locked.wait(5)
+            threading.Timer(0.2, release.set).start()
+            receipt = journal.append(delivery(b"patient"))
+        finally:
+            release.set()
+            holder.join()
+        assert journal.read_body(receipt.delivery_id) == b"patient"
+
+
+def test_newer_schema_is_refused_journal_20(path: Path) -> None:
+    """JOURNAL-20: a file from a newer healthlog is refused and left as it was."""
+    Journal(path).close()
+    with raw(path) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    with pytest.raises(StorageError, match="newer than this healthlog") as caught:
+        Journal(path)
+    assert type(caught.value) is StorageError
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (99,)
+
+
+@pytest.mark.parametrize(
+    ("code", "deferred"),
+    [
+        (5, True),
+        (6, True),
+        (261, True),
+        (262, True),
+        (517, True),
+        (1, False),
+        (8, False),
+        (10, False),
+        (11, False),
+        (13, False),
+        (19, False),
+        (2067, False),
+        (None, False),
+    ],
+)
+@pytest.mark.parametrize("message", ["database is locked", "database table is locked", "boom"])
+def test_errors_are_classified_by_code_journal_21(
+    code: int | None, deferred: bool, message: str
+) -> None:
+    """JOURNAL-21: busy/locked is decided from sqlite_errorcode & 0xFF alone, never the message."""
+    error = sqlite3.OperationalError(message)
+    if code is not None:
+        error.sqlite_errorcode = code
+    classified = _sqlite.classify(error)
+    assert type(classified) is (Deferred if deferred else StorageError)
+
+
+def test_connections_are_durable_journal_22(path: Path) -> None:
+    """JOURNAL-22: WAL, synchronous=FULL, foreign keys, busy timeout; read-only refuses writes."""
+    with closing(_sqlite.connect(path, busy_timeout_ms=1234)) as conn:
+        pragmas = [
+            conn.execute(f"PRAGMA {name}").fetchone()[0]
+            for name in ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
+        ]
+        assert pragmas == ["wal", 2, 1, 1234]
+        assert conn.isolation_level is None
+        conn.execute("CREATE TABLE t (x)")
+    with closing(_sqlite.connect(path, readonly=True)) as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (0,)
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            conn.execute("INSERT INTO t VALUES (1)")
+
+
+class Cancelled(BaseException):
+    """Stands in for trio.Cancelled."""
+
+
+def transaction(
+    conn: sqlite3.Connection, *statements: str, then_raise: BaseException | None = None
+) -> None:
+    with _sqlite.write_transaction(conn):
+        for statement in statements:
+            conn.execute(statement)
+        if then_raise is not None:
+            raise then_raise
+
+
+def test_write_transaction_rolls_back_journal_23(path: Path) -> None:
+    """JOURNAL-23: any exception in the block rolls back; SQLite errors come out classified."""
+    with closing(_sqlite.connect(path)) as conn:
+        conn.execute("CREATE TABLE t (x INTEGER NOT NULL)")
+        for exception in (ValueError("plain"), Cancelled()):
+            with pytest.raises(type(exception)):
+                transaction(conn, "INSERT INTO t VALUES (1)", then_raise=exception)
+        with pytest.raises(StorageError, match="NOT NULL") as caught:
+            transaction(conn, "INSERT INTO t VALUES (1)", "INSERT INTO t VALUES (NULL)")
+        assert isinstance(caught.value.__cause__, sqlite3.IntegrityError)
+        assert not conn.in_transaction
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (0,)
+        with _sqlite.write_transaction(conn):
+            conn.execute("INSERT INTO t VALUES (2)")
+        assert conn.execute("SELECT x FROM t").fetchall() == [(2,)]
+
+
+def test_migrations_step_by_step_journal_24(path: Path) -> None:
+    """JOURNAL-24: each migration applies once, atomically, with its version bump."""
+    first = """
+        -- a comment; with a semicolon
+        CREATE TABLE a (x TEXT DEFAULT 'semi;colon');
+        CREATE TRIGGER a_guard BEFORE DELETE ON a
+        BEGIN SELECT RAISE(ABORT, 'no; deleting'); END;
+        INSERT INTO a DEFAULT VALUES
+    """
+    second = "CREATE TABLE b (y); INSERT INTO b VALUES (1);"
+    broken = "CREATE TABLE c (z); INSERT INTO nowhere VALUES (1);"
+    with closing(_sqlite.connect(path)) as conn:
+        _sqlite.migrate(conn, [first])
+        _sqlite.migrate(conn, [first, second])
+        _sqlite.migrate(conn, [first, second])
+        assert conn.execute("SELECT x FROM a").fetchall() == [("semi;colon",)]
+        assert conn.execute("SELECT y FROM b").fetchall() == [(1,)]
+        with pytest.raises(sqlite3.IntegrityError, match="no; deleting"):
+            conn.execute("DELETE FROM a")
+        with pytest.raises(StorageError, match="no such table"):
+            _sqlite.migrate(conn, [first, second, broken])
+        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_schema")}
+        assert "c" not in tables
+        with pytest.raises(StorageError, match="newer"):
+            _sqlite.migrate(conn, [first])
+
+
+def test_instance_id_journal_25(path: Path) -> None:
+    """JOURNAL-25: a uuid4 hex created with the file, stable across reopening."""
+    with Journal(path) as journal:
+        created = journal.instance_id()
+    with Journal(path) as journal:
+        assert journal.instance_id() == created
+    assert uuid.UUID(hex=created).version == 4
+    assert uuid.UUID(hex=created).hex == created
+
+
+def test_unknown_ids_counts_and_statistics_journal_26(journal: Journal) -> None:
+    """JOURNAL-26: missing ids, count() and statistics()."""
+    with pytest.raises(KeyError):
+        journal.read_body(1)
+    assert journal.get_meta(1) is None
+    assert journal.count() == (0, 0)
+    assert journal.append_many([]) == []
+    journal.append(delivery(b"abc", idempotency_key="k"))
+    journal.append_many([delivery(b"defg"), delivery(b"abc", idempotency_key="k")])
+    with pytest.raises(IdempotencyCollision):
+        journal.append(delivery(b"xyz", idempotency_key="k"))
+    assert journal.count() == (2, 7)
+    statistics = journal.statistics()
+    assert (statistics.deliveries, statistics.bytes) == (2, 7)
+    assert (statistics.appends, statistics.groups) == (4, 3)
+    assert (statistics.replays, statistics.collisions) == (1, 1)
+
+
+def test_worker_threads_journal_27(journal: Journal) -> None:
+    """JOURNAL-27: concurrent appends from threads each journal once with distinct ids."""
+    receipts: list[Receipt] = []
+    receipts_lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        for i in range(25):
+            receipt = journal.append(delivery(f"{n}-{i}".encode() * 100))
+            with receipts_lock:
+                receipts.append(receipt)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({r.delivery_id for r in receipts}) == 200
+    assert journal.count()[0] == 200
+    for receipt in receipts[::20]:
+        assert hashlib.sha256(journal.read_body(receipt.delivery_id)).hexdigest() == receipt.sha256
