@@ -1,8 +1,8 @@
 """Health Auto Export bodies: envelopes, sections and lazy point extraction (P1, P2, P6).
 
-The body is never decoded whole into Python objects. It is compacted once (verbatim
-strings and numbers, whitespace removed), the envelope is decoded down to each metric's
-``data`` array as raw JSON, and points are decoded one metric at a time when folded.
+The body is never decoded whole into Python objects. The envelope is decoded down to each
+metric's ``data`` array as raw JSON, and points are decoded one metric at a time when
+folded, each compacted first (whitespace removed, strings and numbers verbatim).
 """
 
 from __future__ import annotations
@@ -61,8 +61,7 @@ def read_envelope(body: bytes) -> Envelope:
     if body.startswith(UTF8_BOM):
         body = body[len(UTF8_BOM) :]
     try:
-        compact = msgspec.json.format(body, indent=-1)
-        top = msgspec.json.decode(compact, type=_Top)
+        top = msgspec.json.decode(body, type=_Top)
     except (msgspec.DecodeError, RecursionError):
         raise EnvelopeError("body is not a JSON object or array") from None
     envelope = Envelope()
@@ -148,6 +147,8 @@ def iter_points(arrays: list[msgspec.Raw]) -> Iterator[Point | PointError]:
     for array in arrays:
         for raw in msgspec.json.decode(array, type=list[msgspec.Raw]):
             try:
-                yield decode_point(bytes(raw))
+                yield decode_point(msgspec.json.format(raw, indent=-1))
+            except (msgspec.DecodeError, RecursionError):
+                yield PointError("point is not valid JSON")
             except PointError as exc:
                 yield exc

@@ -7,12 +7,13 @@ form, which is what collisions are decided on, never the raw bytes.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import msgspec
 import orjson
 
-from healthlog.timestamps import TimestampError, format_instant, parse_instant
+from healthlog.timestamps import TimestampError, parse_instant
 
 TIMESTAMP_KEYS = frozenset({"date", "start", "end", "startDate", "endDate"})
 START_KEYS = ("start", "startDate", "date")
@@ -35,12 +36,21 @@ class Point(NamedTuple):
     raw: bytes
 
 
+def _instant_of(value: object) -> int:
+    if type(value) is str:
+        return _cached_instant(value)
+    return parse_instant(value)
+
+
+_cached_instant = functools.lru_cache(maxsize=1 << 16)(parse_instant)
+
+
 def coordinates(value: dict[str, Any]) -> tuple[int, int]:
     """Start and end of a point (P3): the first start key present decides, no fallback."""
     for key in START_KEYS:
         if key in value:
             try:
-                start = parse_instant(value[key])
+                start = _instant_of(value[key])
             except TimestampError as exc:
                 raise PointError(f"unparseable {key}: {exc}") from None
             break
@@ -50,7 +60,7 @@ def coordinates(value: dict[str, Any]) -> tuple[int, int]:
     for key in END_KEYS:
         if key in value:
             try:
-                end = parse_instant(value[key])
+                end = _instant_of(value[key])
             except TimestampError as exc:
                 raise PointError(f"unparseable {key}: {exc}") from None
             break
@@ -65,10 +75,11 @@ def decode_point(raw: bytes) -> Point:
         value = _decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError):
         raise PointError("point is not valid JSON") from None
-    if not isinstance(value, dict):
+    if type(value) is not dict:
         raise PointError(f"point is a JSON {type(value).__name__}, not an object")
     start, end = coordinates(value)
-    return Point(start, end, canonical_form(value), completeness(value), raw)
+    normal = _normalise_object(value)
+    return Point(start, end, _encode(normal), len(normal), raw)
 
 
 def is_empty(value: object) -> bool:
@@ -77,17 +88,21 @@ def is_empty(value: object) -> bool:
 
 
 def completeness(value: dict[str, Any]) -> int:
-    """Number of significant fields: present, not null, not empty."""
-    return sum(1 for v in value.values() if not is_empty(v))
+    """Number of significant fields: those left in the canonical form."""
+    return len(_normalise_object(value))
 
 
 def canonical_form(value: dict[str, Any]) -> bytes:
     """The canonical bytes of a point (S4).
 
     Keys sorted, empty values left out, numbers as ``%.12g`` doubles (integers beyond that
-    precision keep their digits), timestamp fields as UTC instants, compact UTF-8 JSON.
+    precision keep their digits), timestamp fields as their UTC instant in microseconds,
+    compact UTF-8 JSON.
     """
-    normal = _normalise(value, None)
+    return _encode(_normalise_object(value))
+
+
+def _encode(normal: dict[str, object]) -> bytes:
     try:
         return orjson.dumps(normal, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError:
@@ -98,7 +113,7 @@ _TWELVE_DIGITS = 10**12
 
 
 def _number(value: int | float) -> int | float:
-    if isinstance(value, int) and abs(value) >= _TWELVE_DIGITS:
+    if type(value) is int and abs(value) >= _TWELVE_DIGITS:
         return value
     rounded = float(f"{value:.12g}")
     if rounded.is_integer() and abs(rounded) < _TWELVE_DIGITS:
@@ -106,28 +121,45 @@ def _number(value: int | float) -> int | float:
     return rounded
 
 
-def _normalise(value: object, key: str | None) -> object:
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, int | float):
-        return _number(value)
-    if isinstance(value, str):
-        if key in TIMESTAMP_KEYS:
-            try:
-                return format_instant(parse_instant(value))
-            except TimestampError:
-                return value
-        return value
-    if isinstance(value, list):
-        return [_normalise(item, None) for item in value]
-    if isinstance(value, dict):
-        out: dict[str, object] = {}
-        for k, v in value.items():
-            normal = _normalise(v, k)
-            if not is_empty(normal):
-                out[k] = normal
-        return out
-    raise PointError(f"unexpected JSON type {type(value).__name__}")
+def _normalise_object(value: dict[str, Any]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, item in value.items():
+        kind = type(item)
+        if kind is str:
+            if not item:
+                continue
+            if key in TIMESTAMP_KEYS:
+                try:
+                    out[key] = _cached_instant(item)
+                except TimestampError:
+                    out[key] = item
+            else:
+                out[key] = item
+        elif kind is float or kind is int:
+            out[key] = _number(item)
+        elif kind is bool:
+            out[key] = item
+        elif kind is dict:
+            nested = _normalise_object(item)
+            if nested:
+                out[key] = nested
+        elif kind is list:
+            items = [_normalise_item(i) for i in item]
+            if items:
+                out[key] = items
+    return out
+
+
+def _normalise_item(item: object) -> object:
+    if isinstance(item, bool) or item is None or isinstance(item, str):
+        return item
+    if isinstance(item, int | float):
+        return _number(item)
+    if isinstance(item, dict):
+        return _normalise_object(item)
+    if isinstance(item, list):
+        return [_normalise_item(i) for i in item]
+    return item
 
 
 def _encode_slow(value: object) -> bytes:

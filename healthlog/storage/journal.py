@@ -449,10 +449,10 @@ class Journal:
         ).fetchone()
         if row is None:
             return None
-        delivery_id, stored_digest = row[0], bytes(row[1])
-        if stored_digest not in (item.sha256, item.content_digest):
+        delivery_id, stored_digest, original_sha256 = row[0], bytes(row[1]), bytes(row[3])
+        if item.sha256 != original_sha256 and item.content_digest != stored_digest:
             return IdempotencyCollision(delivery_id)
-        return Receipt(delivery_id, row[2], bytes(row[3]).hex(), row[4], replayed=True)
+        return Receipt(delivery_id, row[2], original_sha256.hex(), row[4], replayed=True)
 
     def _load_instance_id(self) -> str:
         row = self._conn.execute("SELECT value FROM meta WHERE key = 'instance_id'").fetchone()
