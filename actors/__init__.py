@@ -1,1 +1,1 @@
-"""Actors of the runtime: intake, journal, folding and lease holder (filled by the runtime issue)."""
+"""The trio runtime: intake, journal, folding and lease-holder actors over memory channels."""

@@ -14,9 +14,10 @@ from collections.abc import Callable
 import attrs
 
 from healthlog.fold import BudgetExceeded
+from healthlog.folding import FoldPass
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal
-from healthlog.storage.store import OutcomeClass, Store
+from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.pass")
 
@@ -43,16 +44,6 @@ class Budget:
         return check
 
 
-@attrs.frozen
-class PassReport:
-    """What one pass did and why it stopped."""
-
-    folded: int
-    unwritten: tuple[int, ...]
-    stopped_because: str
-    deferred_at: int | None = None
-
-
 def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     """Journaled deliveries without an outcome, in journal order."""
     folded = store.folded_ids()
@@ -68,40 +59,29 @@ def run_pass(
     budget: Budget = Budget(),
     progress: Progress | None = None,
     now: Callable[[], int] = lambda: time.time_ns() // 1000,
-) -> PassReport:
+) -> FoldPass[DeliveryMeta]:
     """Fold every pending delivery in journal order until the end, a deferral or a fence."""
     try:
-        queue = pending(journal, store)
+        folding = FoldPass(pending(journal, store))
     except StorageError as exc:
         log.error("folding pass: selection failed: %s", type(exc).__name__)
-        return PassReport(0, (), "selection_failed")
-    folded, unwritten = 0, []
-    stopped, deferred_at = "empty", None
-    for done, meta in enumerate(queue, start=1):
-        report = store.fold(
-            journal, meta, epoch, guard=guard, check_budget=budget.checker(meta.bytes)
-        )
-        if report.outcome_class is OutcomeClass.DONE:
-            folded += 1
-        elif report.outcome_class is OutcomeClass.UNWRITTEN:
-            unwritten.append(meta.id)
-        elif report.outcome_class is OutcomeClass.DEFERRED:
-            stopped, deferred_at = "deferred", meta.id
-            break
-        else:
-            stopped = "fenced"
-            break
+        failed: FoldPass[DeliveryMeta] = FoldPass([])
+        failed.stopped_because = "selection_failed"
+        return failed
+    while (meta := folding.next()) is not None:
+        check = budget.checker(meta.bytes)
+        folding.record(store.fold(journal, meta, epoch, guard=guard, check_budget=check))
         if progress is not None:
-            progress(done, len(queue))
-    if stopped == "empty" and unwritten:
-        stopped = "unwritten"
-    _write_marks(journal, store, stopped, now)
-    return PassReport(folded, tuple(unwritten), stopped, deferred_at)
+            progress(folding.position, folding.total)
+    write_marks(journal, store, folding, now)
+    return folding
 
 
-def _write_marks(journal: Journal, store: Store, stopped: str, now: Callable[[], int]) -> None:
+def write_marks(
+    journal: Journal, store: Store, folding: FoldPass[DeliveryMeta], now: Callable[[], int]
+) -> None:
     """The lag mark at every pass end (F7), the first-pass flag only at the end of the queue."""
-    if stopped == "fenced":
+    if folding.stopped_because in ("fenced", "selection_failed"):
         return
     try:
         left = pending(journal, store)
@@ -111,10 +91,10 @@ def _write_marks(journal: Journal, store: Store, stopped: str, now: Callable[[],
             {
                 "oldest_pending_id": oldest.id if oldest else None,
                 "waited_s": max(0, now() - oldest.received_at) / 1e6 if oldest else 0.0,
-                "stopped_because": stopped,
+                "stopped_because": folding.stopped_because,
             },
         )
-        if stopped in ("empty", "unwritten"):
+        if folding.reached_end:
             store.set_mark(FIRST_PASS_MARK, True)
     except StorageError as exc:
         log.warning("folding pass: lag mark not written: %s", type(exc).__name__)

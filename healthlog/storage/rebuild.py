@@ -18,10 +18,11 @@ from pathlib import Path
 
 import attrs
 
+from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import Progress
-from healthlog.storage.store import OutcomeClass, Store
+from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.rebuild")
 

@@ -7,7 +7,6 @@ yields, the outcome, the checkpoint and the change events, and commits, or write
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import sqlite3
@@ -21,6 +20,7 @@ import orjson
 
 from healthlog import faults
 from healthlog.fold import FAILED, BudgetExceeded, DeliveryFold, DeliveryInfo, Outcome
+from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.storage._sqlite import (
@@ -93,26 +93,6 @@ MIGRATIONS = (
 
 class Fenced(StorageError):
     """The lease epoch changed under a fold: its result is not authoritative (L2, L5)."""
-
-
-class OutcomeClass(enum.Enum):
-    """What a fold attempt amounted to (F2)."""
-
-    DONE = "done"
-    DEFERRED = "deferred"
-    UNWRITTEN = "unwritten"
-    FENCED = "fenced"
-
-
-@attrs.frozen
-class FoldReport:
-    """The result of one fold attempt."""
-
-    delivery_id: int
-    outcome_class: OutcomeClass
-    status: str | None = None
-    reason: str | None = None
-    out_of_order: bool = False
 
 
 @attrs.frozen

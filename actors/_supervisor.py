@@ -1,0 +1,43 @@
+"""Restart a crashed actor with backoff; one ERROR per crash, none for a cancellation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+import trio
+
+log = logging.getLogger("healthlog.supervisor")
+
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+async def supervise(
+    name: str,
+    run: Callable[[], Awaitable[None]],
+    crashes: list[str],
+    *,
+    backoff_start_s: float = BACKOFF_START_S,
+    backoff_max_s: float = BACKOFF_MAX_S,
+) -> None:
+    """Run ``run`` until it returns; restart it after a crash, waiting longer each time.
+
+    A run that lasted longer than the current backoff resets the backoff.
+    """
+    backoff = backoff_start_s
+    while True:
+        started = trio.current_time()
+        try:
+            await run()
+            return
+        except Exception as exc:
+            log.error(
+                "actor %s crashed (%s); restarting in %.1f s", name, type(exc).__name__, backoff
+            )
+            log.debug("actor %s crash", name, exc_info=True)
+            crashes.append(name)
+        if trio.current_time() - started > backoff:
+            backoff = backoff_start_s
+        await trio.sleep(backoff)
+        backoff = min(backoff * 2, backoff_max_s)

@@ -1,0 +1,157 @@
+"""The folding actor: one pass at a time, in journal order, under the lease it is told of.
+
+A pass starts on a wake signal from intake or on the periodic timer (F6), and when the
+lease is (re)acquired. Each delivery folds in a worker process (or, for tests and small
+machines, a worker thread); a change of lease epoch cancels the pass in flight, and the
+fold transaction's own epoch check fences whatever was already running (L2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from collections import Counter
+from pathlib import Path
+
+import attrs
+import trio
+import trio_parallel
+
+from actors.journal import GONE
+from actors.lease import wall_clock_us
+from healthlog.folding import FoldPass, FoldReport, OutcomeClass
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.journal import DeliveryMeta, Journal
+from healthlog.storage.passes import Budget, pending, write_marks
+from healthlog.storage.store import Store
+from healthlog.storage.worker import fold_one
+
+log = logging.getLogger("healthlog.folding")
+
+
+class Executor(enum.Enum):
+    """Where a delivery's fold runs."""
+
+    PROCESS = "process"
+    THREAD = "thread"
+
+
+@attrs.frozen
+class FoldingStatistics:
+    epoch: int | None
+    passes: int
+    passes_by_stop: dict[str, int]
+    outcomes_by_class: dict[str, int]
+    folded: int
+    running: bool
+
+
+class FoldingActor:
+    """Folds pending deliveries while it holds the lease."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        journal: Journal,
+        store: Store,
+        limiter: trio.CapacityLimiter,
+        wake: trio.MemoryReceiveChannel[None],
+        poke: trio.MemorySendChannel[None],
+        lease_updates: trio.MemoryReceiveChannel[int | None],
+        *,
+        period_s: float,
+        budget: Budget,
+        executor: Executor,
+    ) -> None:
+        self._data_dir = data_dir
+        self._journal = journal
+        self._store = store
+        self._limiter = limiter
+        self._wake = wake
+        self._poke = poke
+        self._lease_updates = lease_updates
+        self._period_s = period_s
+        self._budget = budget
+        self._executor = executor
+        self._epoch: int | None = None
+        self._pass_scope: trio.CancelScope | None = None
+        self._passes = 0
+        self._stops: Counter[str] = Counter()
+        self._classes: Counter[str] = Counter()
+
+    def statistics(self) -> FoldingStatistics:
+        return FoldingStatistics(
+            epoch=self._epoch,
+            passes=self._passes,
+            passes_by_stop=dict(self._stops),
+            outcomes_by_class=dict(self._classes),
+            folded=self._classes[OutcomeClass.DONE.value],
+            running=self._pass_scope is not None,
+        )
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_lease)
+            while True:
+                with trio.move_on_after(self._period_s):
+                    await self._wake.receive()
+                while True:
+                    try:
+                        self._wake.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                epoch = self._epoch
+                if epoch is None:
+                    continue
+                with trio.CancelScope() as scope:
+                    self._pass_scope = scope
+                    await self._pass(epoch)
+                self._pass_scope = None
+
+    async def _follow_lease(self) -> None:
+        async for epoch in self._lease_updates:
+            if epoch != self._epoch and self._pass_scope is not None:
+                self._pass_scope.cancel()
+            self._epoch = epoch
+            if epoch is not None:
+                with contextlib.suppress(*GONE):
+                    self._poke.send_nowait(None)
+
+    async def _pass(self, epoch: int) -> None:
+        self._passes += 1
+        try:
+            queue = await trio.to_thread.run_sync(
+                pending, self._journal, self._store, limiter=self._limiter
+            )
+        except StorageError as exc:
+            log.error("folding pass: selection failed: %s", type(exc).__name__)
+            self._stops["selection_failed"] += 1
+            return
+        folding = FoldPass(queue)
+        try:
+            while (meta := folding.next()) is not None:
+                report = await self._fold(meta, epoch)
+                self._classes[report.outcome_class.value] += 1
+                folding.record(report)
+        except trio.Cancelled:
+            folding.cancel()
+            self._stops["cancelled"] += 1
+            raise
+        assert folding.stopped_because is not None
+        self._stops[folding.stopped_because] += 1
+        await trio.to_thread.run_sync(
+            write_marks, self._journal, self._store, folding, wall_clock_us, limiter=self._limiter
+        )
+
+    async def _fold(self, meta: DeliveryMeta, epoch: int) -> FoldReport:
+        if self._executor is Executor.PROCESS:
+            report: FoldReport = await trio_parallel.run_sync(
+                fold_one, str(self._data_dir), meta.id, epoch, self._budget, kill_on_cancel=True
+            )
+            return report
+        check = self._budget.checker(meta.bytes)
+        return await trio.to_thread.run_sync(
+            lambda: self._store.fold(self._journal, meta, epoch, check_budget=check),
+            limiter=self._limiter,
+        )

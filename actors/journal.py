@@ -1,0 +1,93 @@
+"""The journal actor: the only writer of ``journal.sqlite``, with group commit.
+
+Appends that arrive together share one fsync'd transaction; each caller gets its result
+only after the commit that holds its row. A commit in flight is shielded from cancellation,
+so a caller is never told "failed" about a row that is in fact journaled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import attrs
+import trio
+
+from healthlog import faults
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.journal import IdempotencyCollision, Journal, NewDelivery, Receipt
+
+MAX_GROUP = 64
+
+Result = Receipt | IdempotencyCollision | StorageError
+Reply = trio.MemorySendChannel[Result]
+Request = tuple[NewDelivery, Reply]
+
+# A reply or wake channel whose other end is gone or full: never an error for the sender.
+GONE = (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock)
+
+
+@attrs.frozen
+class JournalActorStatistics:
+    queued: int
+    appended: int
+    groups: int
+    largest_group: int
+    errors: int
+
+
+class JournalActor:
+    """Receives ``(delivery, reply)`` requests and answers each with its result."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        requests: trio.MemoryReceiveChannel[Request],
+        limiter: trio.CapacityLimiter,
+    ) -> None:
+        self._journal = journal
+        self._requests = requests
+        self._limiter = limiter
+        self._appended = 0
+        self._groups = 0
+        self._largest = 0
+        self._errors = 0
+
+    def statistics(self) -> JournalActorStatistics:
+        return JournalActorStatistics(
+            queued=self._requests.statistics().current_buffer_used,
+            appended=self._appended,
+            groups=self._groups,
+            largest_group=self._largest,
+            errors=self._errors,
+        )
+
+    async def run(self) -> None:
+        async for first in self._requests:
+            group = [first]
+            while len(group) < MAX_GROUP:
+                try:
+                    group.append(self._requests.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            with trio.CancelScope(shield=True):
+                results = await self._append([d for d, _ in group])
+            for (_, reply), result in zip(group, results, strict=True):
+                with contextlib.suppress(*GONE):
+                    reply.send_nowait(result)
+
+    async def _append(self, deliveries: list[NewDelivery]) -> list[Result]:
+        def append() -> list[Receipt | IdempotencyCollision]:
+            faults.point("journal.append")
+            return self._journal.append_many(deliveries)
+
+        try:
+            results: list[Result] = list(
+                await trio.to_thread.run_sync(append, limiter=self._limiter)
+            )
+        except StorageError as exc:
+            self._errors += 1
+            return [exc] * len(deliveries)
+        self._groups += 1
+        self._largest = max(self._largest, len(deliveries))
+        self._appended += sum(isinstance(r, Receipt) and not r.replayed for r in results)
+        return results

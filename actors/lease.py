@@ -1,0 +1,126 @@
+"""The lease-holder actor: acquires and renews the fold lease, and says which epoch it holds.
+
+It sends the folding actor every change of the epoch it holds (``None`` when it holds none).
+A renewal that cannot reach the database keeps the epoch only until the lease would have
+expired; a takeover by someone else is seen at the next renewal. On shutdown it releases.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import attrs
+import trio
+
+from healthlog import faults
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.store import Store
+
+log = logging.getLogger("healthlog.lease")
+
+
+def wall_clock_us() -> int:
+    return time.time_ns() // 1000
+
+
+@attrs.frozen
+class LeaseStatistics:
+    holder: str
+    epoch: int | None
+    acquisitions: int
+    renewals: int
+    losses: int
+    failures: int
+
+
+class LeaseActor:
+    """Holds the fold lease for ``holder`` while it runs."""
+
+    def __init__(
+        self,
+        store: Store,
+        limiter: trio.CapacityLimiter,
+        holder: str,
+        updates: trio.MemorySendChannel[int | None],
+        *,
+        ttl_s: float,
+        renew_s: float,
+        clock: Callable[[], int] = wall_clock_us,
+    ) -> None:
+        if not 0 < renew_s < ttl_s:
+            raise ValueError("the renew interval must be positive and shorter than the TTL")
+        self._store = store
+        self._limiter = limiter
+        self._holder = holder
+        self._updates = updates
+        self._ttl_us = int(ttl_s * 1_000_000)
+        self._renew_s = renew_s
+        self._clock = clock
+        self._epoch: int | None = None
+        self._valid_until = 0.0
+        self._acquisitions = 0
+        self._renewals = 0
+        self._losses = 0
+        self._failures = 0
+
+    def statistics(self) -> LeaseStatistics:
+        return LeaseStatistics(
+            self._holder,
+            self._epoch,
+            self._acquisitions,
+            self._renewals,
+            self._losses,
+            self._failures,
+        )
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self._renew()
+                await trio.sleep(self._renew_s)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._release()
+
+    async def _renew(self) -> None:
+        def acquire() -> int | None:
+            faults.point("lease.renew")
+            return self._store.acquire_lease(self._holder, now=self._clock(), ttl=self._ttl_us)
+
+        try:
+            epoch = await trio.to_thread.run_sync(acquire, limiter=self._limiter)
+        except StorageError as exc:
+            self._failures += 1
+            log.warning("lease renewal failed: %s", type(exc).__name__)
+            if self._epoch is not None and trio.current_time() >= self._valid_until:
+                await self._publish(None)
+            return
+        if epoch is not None:
+            self._valid_until = trio.current_time() + self._ttl_us / 1e6 - self._renew_s
+        await self._publish(epoch)
+
+    async def _publish(self, epoch: int | None) -> None:
+        if epoch == self._epoch:
+            if epoch is not None:
+                self._renewals += 1
+            return
+        if epoch is None:
+            self._losses += 1
+            log.warning("fold lease lost (epoch %s)", self._epoch)
+        else:
+            self._acquisitions += 1
+            log.info("fold lease held at epoch %d", epoch)
+        self._epoch = epoch
+        await self._updates.send(epoch)
+
+    async def _release(self) -> None:
+        if self._epoch is None:
+            return
+        try:
+            await trio.to_thread.run_sync(
+                self._store.release_lease, self._holder, self._epoch, limiter=self._limiter
+            )
+        except StorageError as exc:
+            log.warning("lease release failed: %s", type(exc).__name__)

@@ -1,0 +1,181 @@
+"""The runtime: one root nursery supervising the journal, intake, lease and folding actors.
+
+``async with open_runtime(config) as runtime:`` is the one entry point that the service,
+the CLI and the tests start. Actors share nothing but the channels wired here; SQLite
+work runs in worker threads, one CapacityLimiter per connection.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TypeVar
+
+import attrs
+import trio
+
+from actors._supervisor import supervise
+from actors.folding import Executor, FoldingActor, FoldingStatistics
+from actors.intake import IntakeActor, IntakeStatistics, Submission, submit
+from actors.journal import JournalActor, JournalActorStatistics, Request
+from actors.lease import LeaseActor, LeaseStatistics
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import Journal, NewDelivery, Receipt
+from healthlog.storage.passes import Budget
+from healthlog.storage.store import Store
+
+T = TypeVar("T")
+
+SUBMISSION_BUFFER = 256
+WAIT_POLL_S = 0.05
+
+
+def default_holder() -> str:
+    """A lease holder name unique to this process."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@attrs.frozen
+class RuntimeConfig:
+    """What a runtime needs; every interval in seconds."""
+
+    data_dir: Path = attrs.field(converter=Path)
+    holder: str = attrs.Factory(default_holder)
+    wake_period_s: float = 60.0
+    lease_ttl_s: float = 15.0
+    lease_renew_s: float = 5.0
+    budget: Budget = attrs.Factory(Budget)
+    executor: Executor = Executor.PROCESS
+    busy_timeout_ms: int = 5000
+
+
+@attrs.frozen
+class RuntimeStatistics:
+    journal: JournalActorStatistics
+    intake: IntakeStatistics
+    lease: LeaseStatistics
+    folding: FoldingStatistics
+    crashes: tuple[str, ...]
+
+
+class Runtime:
+    """Handles for whoever started the runtime: submit deliveries, read state, wait."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        store: Store,
+        journal_limiter: trio.CapacityLimiter,
+        store_limiter: trio.CapacityLimiter,
+        submissions: trio.MemorySendChannel[Submission],
+        actors: tuple[JournalActor, IntakeActor, LeaseActor, FoldingActor],
+        crashes: list[str],
+    ) -> None:
+        self.journal = journal
+        self.store = store
+        self._journal_limiter = journal_limiter
+        self._store_limiter = store_limiter
+        self._submissions = submissions
+        self._actors = actors
+        self._crashes = crashes
+
+    async def submit(self, delivery: NewDelivery) -> Receipt:
+        """Journal a delivery through intake; raises what the journal refused with."""
+        result = await submit(self._submissions, delivery)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def read_store(self, fn: Callable[[Store], T]) -> T:
+        """Run a read of the projection in its worker thread."""
+        return await trio.to_thread.run_sync(fn, self.store, limiter=self._store_limiter)
+
+    async def read_journal(self, fn: Callable[[Journal], T]) -> T:
+        """Run a read of the journal in its worker thread."""
+        return await trio.to_thread.run_sync(fn, self.journal, limiter=self._journal_limiter)
+
+    async def wait_folded(self, ids: Iterable[int]) -> None:
+        """Return once every delivery in ``ids`` has an outcome (folded here or elsewhere)."""
+        wanted = set(ids)
+        while not wanted <= await self.read_store(Store.folded_ids):
+            await trio.sleep(WAIT_POLL_S)
+
+    def statistics(self) -> RuntimeStatistics:
+        journal, intake, lease, folding = self._actors
+        return RuntimeStatistics(
+            journal.statistics(),
+            intake.statistics(),
+            lease.statistics(),
+            folding.statistics(),
+            tuple(self._crashes),
+        )
+
+
+@asynccontextmanager
+async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
+    """Start every actor under supervision; cancel and shut them down on exit."""
+    data = DataDir(config.data_dir)
+    data.path.mkdir(parents=True, exist_ok=True)
+    journal = Journal(data.journal_path, busy_timeout_ms=config.busy_timeout_ms)
+    try:
+        store = Store(data.store_path, busy_timeout_ms=config.busy_timeout_ms)
+    except BaseException:
+        journal.close()
+        raise
+    try:
+        journal_limiter = trio.CapacityLimiter(1)
+        store_limiter = trio.CapacityLimiter(1)
+        submit_send, submit_receive = trio.open_memory_channel[Submission](SUBMISSION_BUFFER)
+        request_send, request_receive = trio.open_memory_channel[Request](SUBMISSION_BUFFER)
+        wake_send, wake_receive = trio.open_memory_channel[None](1)
+        lease_send, lease_receive = trio.open_memory_channel[int | None](0)
+        journal_actor = JournalActor(journal, request_receive, journal_limiter)
+        intake = IntakeActor(submit_receive, request_send, wake_send.clone())
+        lease = LeaseActor(
+            store,
+            store_limiter,
+            config.holder,
+            lease_send,
+            ttl_s=config.lease_ttl_s,
+            renew_s=config.lease_renew_s,
+        )
+        folding = FoldingActor(
+            data.path,
+            journal,
+            store,
+            store_limiter,
+            wake_receive,
+            wake_send,
+            lease_receive,
+            period_s=config.wake_period_s,
+            budget=config.budget,
+            executor=config.executor,
+        )
+        crashes: list[str] = []
+        runtime = Runtime(
+            journal,
+            store,
+            journal_limiter,
+            store_limiter,
+            submit_send,
+            (journal_actor, intake, lease, folding),
+            crashes,
+        )
+        async with trio.open_nursery() as nursery:
+            for name, actor in (
+                ("journal", journal_actor),
+                ("intake", intake),
+                ("lease", lease),
+                ("folding", folding),
+            ):
+                nursery.start_soon(supervise, name, actor.run, crashes)
+            try:
+                yield runtime
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()
+        journal.close()

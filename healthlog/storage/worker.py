@@ -1,0 +1,40 @@
+"""Folding one delivery in a worker process (the event loop's process never parses a body).
+
+A worker keeps its journal and store connections open between calls; killing the worker in
+the middle of a fold rolls its transaction back, as any interrupted SQLite writer does.
+"""
+
+from __future__ import annotations
+
+from healthlog.folding import FoldReport, OutcomeClass
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import Journal
+from healthlog.storage.passes import Budget
+from healthlog.storage.store import Store
+
+_handles: dict[str, tuple[Journal, Store]] = {}
+
+
+def _open(data_dir: str) -> tuple[Journal, Store]:
+    handles = _handles.get(data_dir)
+    if handles is None:
+        data = DataDir(data_dir)
+        journal = data.open_journal()
+        try:
+            handles = journal, data.open_store()
+        except BaseException:
+            journal.close()
+            raise
+        _handles[data_dir] = handles
+    return handles
+
+
+def fold_one(
+    data_dir: str, delivery_id: int, epoch: int, budget: Budget, guard: bool = True
+) -> FoldReport:
+    """Fold one journaled delivery of ``data_dir`` under lease epoch ``epoch``."""
+    journal, store = _open(data_dir)
+    meta = journal.get_meta(delivery_id)
+    if meta is None:
+        return FoldReport(delivery_id, OutcomeClass.UNWRITTEN, reason="not in the journal")
+    return store.fold(journal, meta, epoch, guard=guard, check_budget=budget.checker(meta.bytes))
