@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -10,20 +11,20 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import trio
+
+from actors.runtime import RuntimeConfig, default_holder, open_runtime
 from healthlog import documents, layers
 from healthlog.export import FORMATS, export_lines
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
-from healthlog.storage.journal import Journal, NewDelivery
-from healthlog.storage.passes import run_pass
+from healthlog.storage.journal import NewDelivery
 from healthlog.storage.rebuild import RebuildError, reindex, verify
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
 
 IMPORT_CLIENT = "cli:import"
-LEASE_TTL_US = 15 * 1_000_000
-WAIT_POLL_S = 0.2
 
 log = logging.getLogger("healthlog.cli")
 
@@ -64,14 +65,6 @@ def _layer(value: str) -> str:
     return layer
 
 
-def _holder() -> str:
-    return f"cli:{os.uname().nodename}:{os.getpid()}"
-
-
-def _now() -> int:
-    return time.time_ns() // 1000
-
-
 # -- commands -------------------------------------------------------------------------------
 
 
@@ -82,10 +75,15 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
             bodies.append(Path(name).read_bytes())
         except OSError as exc:
             raise CliError(f"cannot read {name}: {exc.strerror}") from None
-    with data.open_journal() as journal:
+    return trio.run(_import, args, data, bodies)
+
+
+async def _import(args: argparse.Namespace, data: DataDir, bodies: list[bytes]) -> int:
+    """Journal through the runtime's intake, then wait for whichever folder holds the lease."""
+    async with open_runtime(RuntimeConfig(data.path)) as runtime:
         ids = []
         for name, body in zip(args.files, bodies, strict=True):
-            receipt = journal.append(
+            receipt = await runtime.submit(
                 NewDelivery(
                     body=body,
                     client=IMPORT_CLIENT,
@@ -103,30 +101,14 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
             )
         if args.no_wait:
             return 0
-        with data.open_store() as store:
-            _fold_or_wait(journal, store, set(ids))
-            for delivery_id in ids:
-                outcome = store.outcome(delivery_id)
-                assert outcome is not None
-                print(f"delivery {delivery_id}: {outcome.status}", file=sys.stderr)
+        await runtime.wait_folded(ids)
+        for delivery_id in ids:
+            outcome = await runtime.read_store(
+                functools.partial(Store.outcome, delivery_id=delivery_id)
+            )
+            assert outcome is not None
+            print(f"delivery {delivery_id}: {outcome.status}", file=sys.stderr)
     return 0
-
-
-def _fold_or_wait(journal: Journal, store: Store, ids: set[int]) -> None:
-    """Fold pending deliveries in-process when the lease is free, else wait for its holder."""
-    progress = Progress("fold")
-    holder = _holder()
-    while not ids <= store.folded_ids():
-        epoch = store.acquire_lease(holder, now=_now(), ttl=LEASE_TTL_US)
-        if epoch is None:
-            time.sleep(WAIT_POLL_S)
-            continue
-        try:
-            report = run_pass(journal, store, epoch, progress=progress)
-        finally:
-            store.release_lease(holder, epoch)
-        if report.stopped_because in ("deferred", "fenced", "selection_failed"):
-            time.sleep(WAIT_POLL_S)
 
 
 def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
@@ -148,7 +130,9 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
 
 def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     with data.open_journal() as journal, data.open_store() as store:
-        changed = reindex(journal, store, _holder(), progress=Progress("reindex"))
+        changed = reindex(
+            journal, store, f"reindex:{default_holder()}", progress=Progress("reindex")
+        )
     print(f"reindex: done, {changed} objects changed", file=sys.stderr)
     return 0
 
