@@ -29,6 +29,8 @@ from healthlog.storage.worker import fold_one
 
 log = logging.getLogger("healthlog.folding")
 
+DURATION_BOUNDS_S = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
+
 
 class Executor(enum.Enum):
     """Where a delivery's fold runs."""
@@ -45,6 +47,9 @@ class FoldingStatistics:
     outcomes_by_class: dict[str, int]
     folded: int
     running: bool
+    duration_buckets: tuple[tuple[float, int], ...]
+    folds_timed: int
+    duration_sum_s: float
 
 
 class FoldingActor:
@@ -79,6 +84,9 @@ class FoldingActor:
         self._passes = 0
         self._stops: Counter[str] = Counter()
         self._classes: Counter[str] = Counter()
+        self._durations = [0] * len(DURATION_BOUNDS_S)
+        self._timed = 0
+        self._duration_sum = 0.0
 
     def statistics(self) -> FoldingStatistics:
         return FoldingStatistics(
@@ -88,6 +96,11 @@ class FoldingActor:
             outcomes_by_class=dict(self._classes),
             folded=self._classes[OutcomeClass.DONE.value],
             running=self._pass_scope is not None,
+            duration_buckets=tuple(
+                (bound, sum(self._durations[: i + 1])) for i, bound in enumerate(DURATION_BOUNDS_S)
+            ),
+            folds_timed=self._timed,
+            duration_sum_s=self._duration_sum,
         )
 
     async def run(self) -> None:
@@ -131,7 +144,9 @@ class FoldingActor:
         folding = FoldPass(queue)
         try:
             while (meta := folding.next()) is not None:
+                started = trio.current_time()
                 report = await self._fold(meta, epoch)
+                self._time(trio.current_time() - started)
                 self._classes[report.outcome_class.value] += 1
                 folding.record(report)
         except trio.Cancelled:
@@ -143,6 +158,14 @@ class FoldingActor:
         await trio.to_thread.run_sync(
             write_marks, self._journal, self._store, folding, wall_clock_us, limiter=self._limiter
         )
+
+    def _time(self, seconds: float) -> None:
+        self._timed += 1
+        self._duration_sum += seconds
+        for i, bound in enumerate(DURATION_BOUNDS_S):
+            if seconds <= bound:
+                self._durations[i] += 1
+                return
 
     async def _fold(self, meta: DeliveryMeta, epoch: int) -> FoldReport:
         if self._executor is Executor.PROCESS:

@@ -15,14 +15,18 @@ import trio
 
 from actors.runtime import RuntimeConfig, default_holder, open_runtime
 from healthlog import documents, layers
+from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
 from healthlog.export import FORMATS, export_lines
+from healthlog.logs import LEVELS, setup_logging
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.rebuild import RebuildError, reindex, verify
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
+from healthlog.storage.tokens import TokenError
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
+from transport.serve import serve
 
 IMPORT_CLIENT = "cli:import"
 
@@ -108,6 +112,52 @@ async def _import(args: argparse.Namespace, data: DataDir, bodies: list[bytes]) 
             )
             assert outcome is not None
             print(f"delivery {delivery_id}: {outcome.status}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "max_body_mib": args.max_body_mib,
+        "log_format": args.log_format,
+        "log_level": args.log_level,
+    }
+    try:
+        config = load_serve_config(data.config_path, flags)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    setup_logging(config.log_format, config.log_level)
+    trio.run(_serve, data, config)
+    return 0
+
+
+async def _serve(data: DataDir, config: ServeConfig) -> None:
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(serve, data, config)
+        print(f"healthlog serving on {url} (data in {data.path})", flush=True)
+        with data.open_tokens() as tokens:
+            if not tokens.list():
+                print(
+                    f"no client token yet: create one with `healthlog token add NAME --data"
+                    f" {data.path}` and send it as `Authorization: Bearer TOKEN`",
+                    flush=True,
+                )
+
+
+def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
+    with data.open_tokens() as tokens:
+        try:
+            if args.action == "add":
+                print(tokens.add(args.name))
+            elif args.action == "revoke":
+                tokens.revoke(args.name)
+                print(f"revoked {args.name}", file=sys.stderr)
+            else:
+                for info in tokens.list():
+                    print(f"{info.name}\tcreated {format_instant(info.created_at)}")
+        except TokenError as exc:
+            raise CliError(str(exc)) from None
     return 0
 
 
@@ -202,6 +252,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="start_from", type=_instant, default=None)
     p.add_argument("--to", dest="start_to", type=_instant, default=None)
     p.add_argument("--format", choices=FORMATS, default="jsonl")
+
+    p = command("serve", cmd_serve, "run the service until SIGINT or SIGTERM")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8787)")
+    p.add_argument(
+        "--max-body-mib", type=float, default=None, help="body limit (default 256, or env)"
+    )
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=None)
+    p.add_argument("--log-level", choices=LEVELS, default=None)
+
+    token = sub.add_parser("token", help="manage client tokens", description="client tokens")
+    token_sub = token.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for action, help_text in (
+        ("add", "create a token and print it (only now)"),
+        ("list", "list token names, never secrets"),
+        ("revoke", "revoke a token"),
+    ):
+        p = token_sub.add_parser(action, help=help_text, description=help_text)
+        if action != "list":
+            p.add_argument("name", metavar="NAME")
+        p.add_argument("--data", type=Path, default=None, help="data directory")
+        p.set_defaults(func=cmd_token)
 
     command("reindex", cmd_reindex, "rebuild the projection from the journal")
     command("verify", cmd_verify, "prove the projection equals a rebuild from the journal")

@@ -27,20 +27,30 @@ def export_lines(
     fmt: str = "jsonl",
 ) -> Iterator[bytes]:
     """Lines for every point whose start lies in ``[start_from, start_to)``."""
+    yield from header(fmt)
+    for obj in stored:
+        yield from object_lines(obj, start_from=start_from, start_to=start_to, fmt=fmt)
+
+
+def header(fmt: str) -> Iterator[bytes]:
+    """What comes before the first point: the CSV header line, nothing for JSON lines."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}")
     if fmt == "csv":
         yield CSV_HEADER
-    for obj in stored:
-        for (start, end), raw in sorted(objects.decode(obj.body).items()):
-            if start_from is not None and start < start_from:
-                continue
-            if start_to is not None and start >= start_to:
-                continue
-            if fmt == "jsonl":
-                yield _jsonl(obj, start, end, raw)
-            else:
-                yield _csv(obj, start, end, raw)
+
+
+def object_lines(
+    obj: HourlyObject, *, start_from: int | None, start_to: int | None, fmt: str
+) -> Iterator[bytes]:
+    """The lines of one object's points in the window, sorted by start and end."""
+    line = _jsonl if fmt == "jsonl" else _csv
+    for (start, end), raw in sorted(objects.decode(obj.body).items()):
+        if start_from is not None and start < start_from:
+            continue
+        if start_to is not None and start >= start_to:
+            continue
+        yield line(obj, start, end, raw)
 
 
 def _jsonl(obj: HourlyObject, start: int, end: int, raw: bytes) -> bytes:

@@ -1,5 +1,6 @@
-"""The data directory: ``journal.sqlite`` (authoritative, back it up) and ``store.sqlite``
-(the projection, rebuildable from the journal)."""
+"""The data directory: ``journal.sqlite`` (authoritative, back it up), ``store.sqlite`` (the
+projection, rebuildable from the journal), ``tokens.sqlite`` (client token hashes) and the
+optional ``healthlog.toml``."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import attrs
 
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
+from healthlog.storage.tokens import Tokens
 
 JOURNAL_FILE = "journal.sqlite"
 STORE_FILE = "store.sqlite"
+TOKENS_FILE = "tokens.sqlite"
+CONFIG_FILE = "healthlog.toml"
 
 
 @attrs.frozen
@@ -28,6 +32,18 @@ class DataDir:
     @property
     def store_path(self) -> Path:
         return self.path / STORE_FILE
+
+    @property
+    def tokens_path(self) -> Path:
+        return self.path / TOKENS_FILE
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    def open_tokens(self) -> Tokens:
+        self.path.mkdir(parents=True, exist_ok=True)
+        return Tokens(self.tokens_path)
 
     def open_journal(self) -> Journal:
         self.path.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -496,6 +496,13 @@ class Store:
             finally:
                 self._conn.execute("COMMIT")
         return folded, summaries
+
+    def counter_totals(self, names: Sequence[str]) -> dict[str, int]:
+        """Fold counters summed over every recorded outcome."""
+        columns = ", ".join(f"sum(json_extract(counters, '$.{name}'))" for name in names)
+        with self._lock:
+            row = self._conn.execute(f"SELECT {columns} FROM outcomes").fetchone()
+        return {name: int(value or 0) for name, value in zip(names, row, strict=True)}
 
     def summaries(self) -> dict[ObjectKey, ObjectSummary]:
         with self._lock:

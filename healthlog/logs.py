@@ -1,0 +1,48 @@
+"""Log records as one line each, ``key=value`` or JSON. Records carry ids and counts only:
+no point value, body, device name or token is ever logged above DEBUG."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import orjson
+
+LEVELS = ("debug", "info", "warning", "error")
+
+
+class KeyValueFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = (
+            f"time={self.formatTime(record, '%Y-%m-%dT%H:%M:%S')} level={record.levelname}"
+            f" logger={record.name} msg={orjson.dumps(record.getMessage()).decode()}"
+        )
+        if record.exc_info and record.levelno <= logging.DEBUG:
+            line += " exc=" + orjson.dumps(self.formatException(record.exc_info)).decode()
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        document = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info and record.levelno <= logging.DEBUG:
+            document["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(document).decode()
+
+
+def setup_logging(fmt: str = "kv", level: str = "info") -> None:
+    """Send records of ``level`` and above to stderr, one line each."""
+    if level not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else KeyValueFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("hypercorn.access", "hypercorn.error"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -1,0 +1,111 @@
+"""Client tokens (``tokens.sqlite``): only sha256 hashes are stored, never a secret.
+
+A token is shown once, when created. Requests are authenticated by hashing the presented
+token and comparing hashes in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import threading
+import time
+
+import attrs
+
+from healthlog.storage._sqlite import StorageError, connect, migrate, write_transaction
+
+TOKEN_PREFIX = "hl_"
+
+MIGRATIONS = (
+    """
+    CREATE TABLE tokens (
+        name TEXT PRIMARY KEY,
+        hash BLOB NOT NULL UNIQUE,
+        created_at INTEGER NOT NULL
+    );
+    """,
+)
+
+
+class TokenError(StorageError):
+    """A token operation the caller got wrong (duplicate or unknown name)."""
+
+
+@attrs.frozen
+class TokenInfo:
+    name: str
+    created_at: int
+
+
+def token_hash(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Tokens:
+    """The token table. Methods may be called from worker threads."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self._conn = connect(path)
+        self._lock = threading.Lock()
+        try:
+            migrate(self._conn, MIGRATIONS)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Tokens:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add(self, name: str) -> str:
+        """Create a token for ``name`` and return the secret (the only time it is seen)."""
+        if not name or len(name) > 128 or not name.isprintable():
+            raise TokenError("a token name is 1 to 128 printable characters")
+        token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        with self._lock, write_transaction(self._conn):
+            if self._conn.execute("SELECT 1 FROM tokens WHERE name = ?", (name,)).fetchone():
+                raise TokenError(f"a token named {name!r} exists; revoke it first")
+            self._conn.execute(
+                "INSERT INTO tokens (name, hash, created_at) VALUES (?, ?, ?)",
+                (name, token_hash(token), time.time_ns() // 1000),
+            )
+        return token
+
+    def revoke(self, name: str) -> None:
+        """Revoke ``name``; its name can then be used again."""
+        with self._lock, write_transaction(self._conn):
+            gone = self._conn.execute("DELETE FROM tokens WHERE name = ?", (name,)).rowcount
+        if not gone:
+            raise TokenError(f"no token named {name!r}")
+
+    def list(self) -> list[TokenInfo]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT name, created_at FROM tokens ORDER BY name"
+            ).fetchall()
+        return [TokenInfo(*row) for row in rows]
+
+    def hashes(self) -> dict[bytes, str]:
+        """Every live token hash with its client name."""
+        with self._lock:
+            rows = self._conn.execute("SELECT hash, name FROM tokens").fetchall()
+        return {bytes(h): str(n) for h, n in rows}
+
+
+def authenticate(presented: str, hashes: dict[bytes, str]) -> str | None:
+    """The client name of a presented token, comparing every stored hash in constant time."""
+    digest = token_hash(presented)
+    found = None
+    for stored, name in hashes.items():
+        if hmac.compare_digest(stored, digest):
+            found = name
+    return found

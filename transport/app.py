@@ -1,0 +1,215 @@
+"""The quart-trio application: intake, status, read API, health, readiness and metrics.
+
+Only HTTP lives here: every decision is made by the runtime and the storage behind it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import orjson
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from actors.runtime import Runtime
+from healthlog import documents
+from healthlog.config import ServeConfig
+from healthlog.export import FORMATS, header, object_lines
+from healthlog.objects import HourlyObject
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.journal import IdempotencyCollision, NewDelivery, Receipt
+from healthlog.storage.passes import FIRST_PASS_MARK
+from healthlog.storage.status import collect_status
+from healthlog.storage.store import Store
+from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
+from transport.auth import TokenCache
+from transport.metrics import render_metrics
+
+log = logging.getLogger("healthlog.http")
+
+RETRY_AFTER_S = "5"
+JSONL = "application/x-ndjson"
+
+
+def _json(document: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    body = documents.dumps(document) if attrs.has(type(document)) else orjson.dumps(document)
+    return Response(body, status=status, content_type="application/json", headers=headers)
+
+
+def _error(code: str, status: int, headers: dict[str, str] | None = None) -> Response:
+    return _json({"error": code}, status, headers)
+
+
+@attrs.frozen
+class DeliveryReceipt:
+    """The intake answer: where the delivery is in the journal."""
+
+    delivery_id: int
+    received_at: str
+    sha256: str
+    bytes: int
+
+
+def create_app(runtime: Runtime, tokens: TokenCache, config: ServeConfig) -> QuartTrio:
+    """The application bound to a running runtime."""
+    app = QuartTrio("healthlog")
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.config["BODY_TIMEOUT"] = config.body_timeout_s
+    in_flight: set[tuple[str, str]] = set()
+
+    async def client() -> str | None:
+        presented = request.headers.get("api-key")
+        authorization = request.headers.get("Authorization", "")
+        if authorization[:7].lower() == "bearer ":
+            presented = authorization[7:].strip()
+        if not presented:
+            return None
+        return await tokens.authenticate(presented)
+
+    def unauthorized() -> Response:
+        return _error("UNAUTHORIZED", 401, {"WWW-Authenticate": "Bearer"})
+
+    @app.post("/v1/deliveries")
+    async def post_delivery() -> Response:
+        name = await client()
+        if name is None:
+            return unauthorized()
+        if (request.content_length or 0) > config.max_body_bytes:
+            return _error("BODY_TOO_LARGE", 413)
+        try:
+            body = await request.get_data(cache=False)
+        except RequestEntityTooLarge:
+            return _error("BODY_TOO_LARGE", 413)
+        assert isinstance(body, bytes)
+        key = request.headers.get("Idempotency-Key") or None
+        if key is not None:
+            if (name, key) in in_flight:
+                return _error("IDEMPOTENCY_KEY_IN_FLIGHT", 409)
+            in_flight.add((name, key))
+        try:
+            receipt = await runtime.submit(
+                NewDelivery(
+                    body=body,
+                    client=name,
+                    content_type=request.headers.get("Content-Type"),
+                    idempotency_key=key,
+                    automation_name=request.headers.get("automation-name"),
+                    automation_id=request.headers.get("automation-id"),
+                    automation_aggregation=request.headers.get("automation-aggregation"),
+                    automation_period=request.headers.get("automation-period"),
+                    session_id=request.headers.get("session-id"),
+                )
+            )
+        except IdempotencyCollision:
+            return _error("ACTION_ID_COLLISION", 422)
+        except StorageError as exc:
+            log.warning("intake: journal could not commit: %s", type(exc).__name__)
+            return _error("JOURNAL_UNAVAILABLE", 503, {"Retry-After": RETRY_AFTER_S})
+        finally:
+            if key is not None:
+                in_flight.discard((name, key))
+        return _receipt(receipt)
+
+    @app.get("/v1/status")
+    async def get_status() -> Response:
+        if await client() is None:
+            return unauthorized()
+        status = await runtime.read_store(functools.partial(collect_status, runtime.journal))
+        return _json(status)
+
+    @app.get("/v1/deliveries/<int:delivery_id>")
+    async def get_delivery(delivery_id: int) -> Response:
+        if await client() is None:
+            return unauthorized()
+        outcome = await runtime.read_store(
+            functools.partial(Store.outcome, delivery_id=delivery_id)
+        )
+        meta = await runtime.read_journal(lambda j: j.get_meta(delivery_id))
+        if meta is None:
+            return _error("NOT_FOUND", 404)
+        return _json(
+            documents.DeliveryStatus(
+                delivery_id=delivery_id,
+                received_at=format_instant(meta.received_at),
+                status=outcome.status if outcome else "pending",
+                reason=outcome.reason if outcome else None,
+                counters=outcome.counters if outcome else {},
+            )
+        )
+
+    @app.get("/v1/points")
+    async def get_points() -> Response:
+        if await client() is None:
+            return unauthorized()
+        args = request.args
+        fmt = args.get("format", "jsonl")
+        if fmt not in FORMATS:
+            return _error("BAD_FORMAT", 400)
+        try:
+            start_from = parse_instant(args["from"]) if args.get("from") else None
+            start_to = parse_instant(args["to"]) if args.get("to") else None
+        except TimestampError:
+            return _error("BAD_TIMESTAMP", 400)
+        objects = _objects(
+            runtime,
+            metric=args.get("metric") or None,
+            layer=args.get("layer") or None,
+            hour_from=None if start_from is None else hour_of(start_from),
+            hour_to=None if start_to is None else hour_of(start_to),
+        )
+
+        async def lines() -> AsyncIterator[bytes]:
+            for line in header(fmt):
+                yield line
+            async for obj in objects:
+                for line in object_lines(obj, start_from=start_from, start_to=start_to, fmt=fmt):
+                    yield line
+
+        return Response(lines(), content_type=JSONL if fmt == "jsonl" else "text/csv")
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"ok": True})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        ready = bool(await runtime.read_store(lambda s: s.mark(FIRST_PASS_MARK)))
+        return _json({"ready": ready}, 200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = await render_metrics(runtime)
+        return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _objects(runtime: Runtime, **where: Any) -> AsyncIterator[HourlyObject]:
+    """Objects read page by page in the store's worker thread."""
+    iterator = await runtime.read_store(lambda s: s.iter_objects(**where))
+    sentinel = None
+    while True:
+        obj = await runtime.read_store(lambda _s: next(iterator, sentinel))
+        if obj is None:
+            return
+        yield obj
+        await trio.lowlevel.checkpoint()
+
+
+def _receipt(receipt: Receipt) -> Response:
+    headers = {"Idempotent-Replayed": "true"} if receipt.replayed else None
+    return _json(
+        DeliveryReceipt(
+            receipt.delivery_id,
+            format_instant(receipt.received_at),
+            receipt.sha256,
+            receipt.bytes,
+        ),
+        headers=headers,
+    )

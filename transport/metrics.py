@@ -1,0 +1,94 @@
+"""Prometheus text exposition of the runtime's statistics and the store's figures."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import attrs
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from actors.runtime import Runtime, RuntimeStatistics
+from healthlog.documents import Status
+from healthlog.storage.status import collect_status
+
+COUNTERS = ("points_held", "points_erased", "overwrites", "points_rejected")
+
+
+@attrs.frozen(eq=False)
+class _Snapshot(Collector):
+    status: Status
+    statistics: RuntimeStatistics
+    totals: dict[str, int]
+
+    def collect(self) -> Iterator[Metric]:
+        deliveries = GaugeMetricFamily(
+            "healthlog_deliveries", "Journaled deliveries by fold status", labels=["status"]
+        )
+        for name, value in attrs.asdict(self.status.deliveries).items():
+            deliveries.add_metric([name], value)
+        yield deliveries
+        yield GaugeMetricFamily(
+            "healthlog_journal_bytes", "Raw bytes journaled", value=self.status.journal.bytes
+        )
+        yield GaugeMetricFamily(
+            "healthlog_pending_deliveries",
+            "Deliveries journaled but not folded",
+            value=self.status.deliveries.pending,
+        )
+        yield GaugeMetricFamily(
+            "healthlog_lag_seconds",
+            "How long the oldest pending delivery has waited",
+            value=self.status.lag.waited_s,
+        )
+        yield GaugeMetricFamily(
+            "healthlog_lease_epoch", "Epoch of the fold lease", value=self.status.lease.epoch
+        )
+        yield GaugeMetricFamily(
+            "healthlog_first_pass_completed",
+            "1 once a folding pass reached the end of the queue",
+            value=int(self.status.first_pass_completed),
+        )
+        yield GaugeMetricFamily(
+            "healthlog_websocket_subscribers",
+            "Named replay subscribers with a stored cursor",
+            value=len(self.status.subscribers),
+        )
+        points = CounterMetricFamily(
+            "healthlog_points", "Fold counters over every outcome", labels=["counter"]
+        )
+        for name, value in self.totals.items():
+            points.add_metric([name], value)
+        yield points
+        folding = self.statistics.folding
+        buckets = [(str(bound), count) for bound, count in folding.duration_buckets]
+        yield HistogramMetricFamily(
+            "healthlog_fold_duration_seconds",
+            "Time to fold one delivery, in this process",
+            buckets=[*buckets, ("+Inf", folding.folds_timed)],
+            sum_value=folding.duration_sum_s,
+        )
+        yield CounterMetricFamily(
+            "healthlog_intake_accepted",
+            "Deliveries journaled",
+            value=self.statistics.intake.accepted,
+        )
+        yield CounterMetricFamily(
+            "healthlog_actor_crashes", "Actor crashes", value=len(self.statistics.crashes)
+        )
+
+
+async def render_metrics(runtime: Runtime) -> bytes:
+    """The exposition text, from one consistent read of status and counters."""
+    status = await runtime.read_store(functools.partial(collect_status, runtime.journal))
+    totals = await runtime.read_store(lambda s: s.counter_totals(COUNTERS))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(status, runtime.statistics(), totals))
+    return generate_latest(registry)

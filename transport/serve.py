@@ -1,0 +1,78 @@
+"""``healthlog serve``: the runtime and the HTTP app on hypercorn's trio worker.
+
+SIGINT or SIGTERM (or the ``shutdown`` event, for tests) stops accepting connections,
+lets requests in flight finish within the graceful timeout (an upload either gets its 200
+after the journal commit or fails before it), then stops the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from actors.runtime import RuntimeConfig, open_runtime
+from healthlog.config import ServeConfig
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.passes import Budget
+from transport.app import create_app
+from transport.auth import TokenCache
+
+MAX_HEADER_BYTES = 64 * 1024
+
+
+def hypercorn_config(config: ServeConfig) -> HypercornConfig:
+    host = f"[{config.host}]" if ":" in config.host and "[" not in config.host else config.host
+    hc = HypercornConfig()
+    hc.bind = [f"{host}:{config.port}"]
+    hc.graceful_timeout = config.graceful_timeout_s
+    hc.keep_alive_timeout = config.keep_alive_timeout_s
+    hc.read_timeout = int(config.body_timeout_s)
+    hc.h11_max_incomplete_size = MAX_HEADER_BYTES
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    return hc
+
+
+async def serve(
+    data: DataDir,
+    config: ServeConfig,
+    *,
+    shutdown: trio.Event | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until a signal or ``shutdown``; report the base URL once listening."""
+    stop = shutdown if shutdown is not None else trio.Event()
+    runtime_config = RuntimeConfig(
+        data.path,
+        wake_period_s=config.wake_period_s,
+        lease_ttl_s=config.lease_ttl_s,
+        lease_renew_s=config.lease_renew_s,
+        budget=Budget(config.fold_budget_s, config.fold_budget_per_mib_s),
+    )
+    with data.open_tokens() as tokens:
+        async with open_runtime(runtime_config) as runtime, trio.open_nursery() as nursery:
+            app = create_app(runtime, TokenCache(tokens), config)
+
+            async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+                await hypercorn_serve(
+                    app,
+                    hypercorn_config(config),
+                    shutdown_trigger=stop.wait,
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(_on_signals, stop)
+            binds = await nursery.start(http)
+            task_status.started(binds[0])
+
+
+async def _on_signals(stop: trio.Event) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for _ in signals:
+            stop.set()
+            return
