@@ -18,6 +18,7 @@ from healthlog import documents, layers
 from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
 from healthlog.export import FORMATS, export_lines
 from healthlog.logs import LEVELS, setup_logging
+from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
@@ -198,8 +199,9 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
+    public_key = public_key_text(data.signing_key())
     with data.open_journal() as journal, data.open_store() as store:
-        status = collect_status(journal, store)
+        status = collect_status(journal, store, public_key)
     if args.json:
         sys.stdout.buffer.write(documents.dumps(status) + b"\n")
         return 0
@@ -212,6 +214,10 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         f" waited {status.lag.waited_s} s, last pass stopped: {status.lag.stopped_because}",
         f"lease       holder {status.lease.holder}, epoch {status.lease.epoch}",
         f"first pass  {'completed' if status.first_pass_completed else 'not completed'}",
+        f"stream      {status.stream.id} of instance {status.stream.instance},"
+        f" head {status.stream.head}, replayable after {status.stream.oldest_cursor}",
+        f"snapshot key (Ed25519) {status.stream.public_key}",
+        *(f"subscriber  {name} acked {seq}" for name, seq in status.subscribers.items()),
     ]
     print("\n".join(lines))
     return 0

@@ -38,6 +38,17 @@ class LeaseInfo:
 
 
 @attrs.frozen
+class StreamInfo:
+    """The replay stream: its name, the instance it belongs to, and the online window."""
+
+    id: str
+    instance: str
+    head: int
+    oldest_cursor: int
+    public_key: str | None
+
+
+@attrs.frozen
 class Status:
     """The ``status --json`` document (and ``GET /v1/status``)."""
 
@@ -47,6 +58,7 @@ class Status:
     lease: LeaseInfo
     first_pass_completed: bool
     subscribers: dict[str, int]
+    stream: StreamInfo
 
 
 @attrs.frozen

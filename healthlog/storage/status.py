@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import time
 
-from healthlog.documents import DeliveryCounts, JournalFigures, Lag, LeaseInfo, Status
+from healthlog.documents import (
+    DeliveryCounts,
+    JournalFigures,
+    Lag,
+    LeaseInfo,
+    Status,
+    StreamInfo,
+)
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, pending
 from healthlog.storage.store import Store
 
 
-def collect_status(journal: Journal, store: Store) -> Status:
+def collect_status(journal: Journal, store: Store, public_key: str | None = None) -> Status:
     """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors."""
     deliveries, size = journal.count()
     counts = store.status_counts()
@@ -19,6 +26,7 @@ def collect_status(journal: Journal, store: Store) -> Status:
     mark = store.mark(LAG_MARK) or {}
     lease = store.lease()
     now = time.time_ns() // 1000
+    window_start, head = store.event_window()
     return Status(
         journal=JournalFigures(deliveries, size),
         deliveries=DeliveryCounts(
@@ -35,4 +43,11 @@ def collect_status(journal: Journal, store: Store) -> Status:
         lease=LeaseInfo(lease.holder, lease.epoch),
         first_pass_completed=bool(store.mark(FIRST_PASS_MARK)),
         subscribers=store.subscribers(),
+        stream=StreamInfo(
+            id=store.stream_id(),
+            instance=journal.instance_id(),
+            head=head,
+            oldest_cursor=window_start,
+            public_key=public_key,
+        ),
     )

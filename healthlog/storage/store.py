@@ -88,6 +88,10 @@ MIGRATIONS = (
     CREATE TABLE marks (key TEXT PRIMARY KEY, value TEXT NOT NULL);
     CREATE TABLE subscribers (name TEXT PRIMARY KEY, acked INTEGER NOT NULL);
     """,
+    """
+    ALTER TABLE events ADD COLUMN at INTEGER NOT NULL DEFAULT 0;
+    INSERT INTO marks (key, value) VALUES ('stream', json_quote(lower(hex(randomblob(16)))));
+    """,
 )
 
 
@@ -120,6 +124,16 @@ class OutcomeRow:
 
 
 @attrs.frozen
+class Event:
+    """One change event of the replay stream."""
+
+    seq: int
+    id: str
+    kind: str
+    payload: dict[str, Any]
+
+
+@attrs.frozen
 class Lease:
     """The lease row."""
 
@@ -137,6 +151,18 @@ def automation_of(meta: DeliveryMeta) -> str | None:
     return None
 
 
+def _load(conn: sqlite3.Connection, key: ObjectKey) -> HourlyObject | None:
+    row = conn.execute(
+        "SELECT units, body, hash, first, last, points, created_by, sealed FROM objects"
+        " WHERE metric = ? AND layer = ? AND hour = ?",
+        (key.metric, key.layer, key.hour),
+    ).fetchone()
+    if row is None:
+        return None
+    units, body, digest, first, last, count, created_by, sealed = row
+    return HourlyObject(key, units, body, digest, first, last, count, created_by, bool(sealed))
+
+
 class _Projection:
     """The fold's read view of the store, inside the fold transaction."""
 
@@ -145,15 +171,7 @@ class _Projection:
         self._meta = meta
 
     def load(self, key: ObjectKey) -> HourlyObject | None:
-        row = self._conn.execute(
-            "SELECT units, body, hash, first, last, points, created_by, sealed FROM objects"
-            " WHERE metric = ? AND layer = ? AND hour = ?",
-            (key.metric, key.layer, key.hour),
-        ).fetchone()
-        if row is None:
-            return None
-        units, body, digest, first, last, count, created_by, sealed = row
-        return HourlyObject(key, units, body, digest, first, last, count, created_by, bool(sealed))
+        return _load(self._conn, key)
 
     def inherited_layer(self) -> str | None:
         automation = automation_of(self._meta)
@@ -413,9 +431,8 @@ class Store:
 
     def _event(self, event_id: str, kind: str, payload: dict[str, Any]) -> None:
         self._conn.execute(
-            "INSERT INTO events (id, kind, payload) VALUES (?, ?, ?)"
-            " ON CONFLICT (id) DO UPDATE SET id = excluded.id || '.' || events.seq",
-            (event_id, kind, orjson.dumps(payload).decode()),
+            "INSERT INTO events (id, kind, payload, at) VALUES (?, ?, ?, ?)",
+            (event_id, kind, orjson.dumps(payload).decode(), _now_us()),
         )
 
     # -- rebuild swap (L3) ------------------------------------------------------------------
@@ -577,6 +594,83 @@ class Store:
     def subscribers(self) -> dict[str, int]:
         with self._lock:
             return {str(n): int(a) for n, a in self._conn.execute("SELECT * FROM subscribers")}
+
+    # -- change events and subscribers (R1 to R5) -------------------------------------------
+
+    def stream_id(self) -> str:
+        """The name of this store's event stream; a new store file starts a new stream."""
+        return str(self.mark("stream"))
+
+    def events_after(self, after: int, limit: int) -> list[Event]:
+        """Up to ``limit`` events with ``seq > after``, in sequence order."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT seq, id, kind, payload FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                (after, limit),
+            ).fetchall()
+        return [
+            Event(seq, event_id, kind, orjson.loads(payload))
+            for seq, event_id, kind, payload in rows
+        ]
+
+    def event_window(self) -> tuple[int, int]:
+        """(oldest retained seq - 1, head seq): a cursor in that range can be replayed."""
+        with self._lock:
+            oldest, head = self._conn.execute("SELECT min(seq), max(seq) FROM events").fetchone()
+            if head is None:
+                head = self._conn.execute(
+                    "SELECT seq FROM sqlite_sequence WHERE name = 'events'"
+                ).fetchone()
+                head = 0 if head is None else head[0]
+                return head, head
+        return int(oldest) - 1, int(head)
+
+    def prune_events(self, *, keep: int, older_than_us: int) -> int:
+        """Drop events outside the online window: beyond the newest ``keep`` and older than
+        the given instant. The journal is never touched. Returns how many were dropped."""
+        with self._lock, write_transaction(self._conn):
+            return self._conn.execute(
+                "DELETE FROM events WHERE seq <= (SELECT max(seq) FROM events) - ? AND at < ?",
+                (keep, older_than_us),
+            ).rowcount
+
+    def ack(self, subscriber: str, seq: int) -> int:
+        """Store a subscriber's durable cursor, only ever moving forward; returns the stored one."""
+        with self._lock, write_transaction(self._conn):
+            self._conn.execute(
+                "INSERT INTO subscribers (name, acked) VALUES (?, ?)"
+                " ON CONFLICT (name) DO UPDATE SET acked = max(acked, excluded.acked)",
+                (subscriber, seq),
+            )
+            return int(
+                self._conn.execute(
+                    "SELECT acked FROM subscribers WHERE name = ?", (subscriber,)
+                ).fetchone()[0]
+            )
+
+    def object(self, key: ObjectKey) -> HourlyObject | None:
+        with self._lock:
+            return _load(self._conn, key)
+
+    def snapshot_at_head(self) -> tuple[int, list[HourlyObject]]:
+        """Every object and the head sequence they reflect, read in one transaction."""
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                head = self._conn.execute(
+                    "SELECT seq FROM sqlite_sequence WHERE name = 'events'"
+                ).fetchone()
+                rows = self._conn.execute(
+                    "SELECT metric, layer, hour, units, body, hash, first, last, points,"
+                    " created_by, sealed FROM objects ORDER BY metric, layer, hour"
+                ).fetchall()
+            finally:
+                self._conn.execute("COMMIT")
+        objects = [
+            HourlyObject(ObjectKey(m, la, h), u, b, hs, f, ls, p, c, bool(sd))
+            for m, la, h, u, b, hs, f, ls, p, c, sd in rows
+        ]
+        return (0 if head is None else int(head[0])), objects
 
     def last_seq(self) -> int:
         with self._lock:
