@@ -22,6 +22,7 @@ from actors.folding import Executor, FoldingActor, FoldingStatistics
 from actors.intake import IntakeActor, IntakeStatistics, Submission, submit
 from actors.journal import JournalActor, JournalActorStatistics, Request
 from actors.lease import LeaseActor, LeaseStatistics
+from actors.retention import RetentionActor, RetentionStatistics
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
 from healthlog.storage.passes import Budget
@@ -50,6 +51,9 @@ class RuntimeConfig:
     budget: Budget = attrs.Factory(Budget)
     executor: Executor = Executor.PROCESS
     busy_timeout_ms: int = 5000
+    window_events: int = 100_000
+    window_age_s: float = 30 * 86400.0
+    retention_period_s: float = 60.0
 
 
 @attrs.frozen
@@ -58,6 +62,7 @@ class RuntimeStatistics:
     intake: IntakeStatistics
     lease: LeaseStatistics
     folding: FoldingStatistics
+    retention: RetentionStatistics
     crashes: tuple[str, ...]
 
 
@@ -71,7 +76,7 @@ class Runtime:
         journal_limiter: trio.CapacityLimiter,
         store_limiter: trio.CapacityLimiter,
         submissions: trio.MemorySendChannel[Submission],
-        actors: tuple[JournalActor, IntakeActor, LeaseActor, FoldingActor],
+        actors: tuple[JournalActor, IntakeActor, LeaseActor, FoldingActor, RetentionActor],
         crashes: list[str],
     ) -> None:
         self.journal = journal
@@ -90,11 +95,11 @@ class Runtime:
         return result
 
     async def read_store(self, fn: Callable[[Store], T]) -> T:
-        """Run a read of the projection in its worker thread."""
+        """Run ``fn(store)`` in the projection's worker thread (reads, and cursor writes)."""
         return await trio.to_thread.run_sync(fn, self.store, limiter=self._store_limiter)
 
     async def read_journal(self, fn: Callable[[Journal], T]) -> T:
-        """Run a read of the journal in its worker thread."""
+        """Run ``fn(journal)`` in the journal's worker thread (reads: appends go via intake)."""
         return await trio.to_thread.run_sync(fn, self.journal, limiter=self._journal_limiter)
 
     async def wait_folded(self, ids: Iterable[int]) -> None:
@@ -104,12 +109,13 @@ class Runtime:
             await trio.sleep(WAIT_POLL_S)
 
     def statistics(self) -> RuntimeStatistics:
-        journal, intake, lease, folding = self._actors
+        journal, intake, lease, folding, retention = self._actors
         return RuntimeStatistics(
             journal.statistics(),
             intake.statistics(),
             lease.statistics(),
             folding.statistics(),
+            retention.statistics(),
             tuple(self._crashes),
         )
 
@@ -154,6 +160,13 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             budget=config.budget,
             executor=config.executor,
         )
+        retention = RetentionActor(
+            store,
+            store_limiter,
+            keep=config.window_events,
+            max_age_s=config.window_age_s,
+            period_s=config.retention_period_s,
+        )
         crashes: list[str] = []
         runtime = Runtime(
             journal,
@@ -161,7 +174,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             journal_limiter,
             store_limiter,
             submit_send,
-            (journal_actor, intake, lease, folding),
+            (journal_actor, intake, lease, folding, retention),
             crashes,
         )
         async with trio.open_nursery() as nursery:
@@ -170,6 +183,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
                 ("intake", intake),
                 ("lease", lease),
                 ("folding", folding),
+                ("retention", retention),
             ):
                 nursery.start_soon(supervise, name, actor.run, crashes)
             try:

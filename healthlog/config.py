@@ -38,6 +38,9 @@ class ServeConfig:
     body_timeout_s: float = 60.0
     graceful_timeout_s: float = 20.0
     keep_alive_timeout_s: float = 30.0
+    stream_send_timeout_s: float = 30.0
+    stream_window_events: int = 100_000
+    stream_window_days: float = 30.0
 
     @property
     def max_body_bytes(self) -> int:

@@ -30,6 +30,8 @@ from healthlog.storage.store import Store
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
 from transport.auth import TokenCache
 from transport.metrics import render_metrics
+from transport.snapshots import SnapshotService
+from transport.stream import EventHub, serve_stream
 
 log = logging.getLogger("healthlog.http")
 
@@ -56,12 +58,19 @@ class DeliveryReceipt:
     bytes: int
 
 
-def create_app(runtime: Runtime, tokens: TokenCache, config: ServeConfig) -> QuartTrio:
+def create_app(
+    runtime: Runtime, tokens: TokenCache, config: ServeConfig, snapshots: SnapshotService
+) -> QuartTrio:
     """The application bound to a running runtime."""
     app = QuartTrio("healthlog")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["BODY_TIMEOUT"] = config.body_timeout_s
     in_flight: set[tuple[str, str]] = set()
+    hub = EventHub(runtime)
+
+    @app.before_serving
+    async def start_hub() -> None:
+        app.nursery.start_soon(hub.run)
 
     async def client() -> str | None:
         presented = request.headers.get("api-key")
@@ -120,7 +129,9 @@ def create_app(runtime: Runtime, tokens: TokenCache, config: ServeConfig) -> Qua
     async def get_status() -> Response:
         if await client() is None:
             return unauthorized()
-        status = await runtime.read_store(functools.partial(collect_status, runtime.journal))
+        status = await runtime.read_store(
+            functools.partial(collect_status, runtime.journal, public_key=snapshots.public_key)
+        )
         return _json(status)
 
     @app.get("/v1/deliveries/<int:delivery_id>")
@@ -172,6 +183,31 @@ def create_app(runtime: Runtime, tokens: TokenCache, config: ServeConfig) -> Qua
                     yield line
 
         return Response(lines(), content_type=JSONL if fmt == "jsonl" else "text/csv")
+
+    @app.websocket("/v1/stream")
+    async def stream() -> None:
+        await serve_stream(
+            runtime, hub, tokens.authenticate, snapshots.covering, config.stream_send_timeout_s
+        )
+
+    @app.get("/v1/snapshots/key")
+    async def snapshot_key() -> Response:
+        return _json({"public_key": snapshots.public_key, "algorithm": "Ed25519"})
+
+    @app.get("/v1/snapshots")
+    async def snapshot_latest() -> Response:
+        if await client() is None:
+            return unauthorized()
+        return _json(await snapshots.covering(0))
+
+    @app.get("/v1/snapshots/<int:seq>")
+    async def snapshot_file(seq: int) -> Response:
+        if await client() is None:
+            return unauthorized()
+        data = await snapshots.read(seq)
+        if data is None:
+            return _error("NOT_FOUND", 404)
+        return Response(data, content_type="application/octet-stream")
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -20,6 +20,7 @@ from healthlog.storage.datadir import DataDir
 from healthlog.storage.passes import Budget
 from transport.app import create_app
 from transport.auth import TokenCache
+from transport.snapshots import SnapshotService
 
 MAX_HEADER_BYTES = 64 * 1024
 
@@ -52,10 +53,13 @@ async def serve(
         lease_ttl_s=config.lease_ttl_s,
         lease_renew_s=config.lease_renew_s,
         budget=Budget(config.fold_budget_s, config.fold_budget_per_mib_s),
+        window_events=config.stream_window_events,
+        window_age_s=config.stream_window_days * 86400,
     )
     with data.open_tokens() as tokens:
         async with open_runtime(runtime_config) as runtime, trio.open_nursery() as nursery:
-            app = create_app(runtime, TokenCache(tokens), config)
+            snapshots = SnapshotService(runtime, data.snapshot_dir, data.signing_key())
+            app = create_app(runtime, TokenCache(tokens), config, snapshots)
 
             async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 await hypercorn_serve(

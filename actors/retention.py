@@ -1,0 +1,62 @@
+"""The retention actor: keeps the replay stream's online window bounded (R4, R5).
+
+Events beyond the newest ``keep`` that are also older than ``max_age_s`` are dropped from
+the projection; the journal is never touched, so nothing true is lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import attrs
+import trio
+
+from actors.lease import wall_clock_us
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.store import Store
+
+log = logging.getLogger("healthlog.retention")
+
+
+@attrs.frozen
+class RetentionStatistics:
+    runs: int
+    pruned: int
+
+
+class RetentionActor:
+    def __init__(
+        self,
+        store: Store,
+        limiter: trio.CapacityLimiter,
+        *,
+        keep: int,
+        max_age_s: float,
+        period_s: float,
+    ) -> None:
+        self._store = store
+        self._limiter = limiter
+        self._keep = keep
+        self._max_age_us = int(max_age_s * 1_000_000)
+        self._period_s = period_s
+        self._runs = 0
+        self._pruned = 0
+
+    def statistics(self) -> RetentionStatistics:
+        return RetentionStatistics(self._runs, self._pruned)
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(self._period_s)
+            cutoff = wall_clock_us() - self._max_age_us
+            try:
+                prune = functools.partial(
+                    self._store.prune_events, keep=self._keep, older_than_us=cutoff
+                )
+                pruned = await trio.to_thread.run_sync(prune, limiter=self._limiter)
+            except StorageError as exc:
+                log.warning("event pruning deferred: %s", type(exc).__name__)
+                continue
+            self._runs += 1
+            self._pruned += pruned

@@ -1,0 +1,56 @@
+"""Snapshot files in the data directory: built from one read of the store, signed, kept
+until a newer one replaces them. Reading the store is the only SQLite work here."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from healthlog import snapshots
+from healthlog.snapshots import Manifest
+from healthlog.storage.journal import Journal
+from healthlog.storage.store import Store
+
+_NAME = re.compile(r"snapshot-([0-9a-f]+)-([0-9]+)\.snap")
+
+
+def build(
+    directory: Path, journal: Journal, store: Store, key: Ed25519PrivateKey, url_base: str
+) -> Manifest:
+    """Write a snapshot of every object at the current head and remove older ones."""
+    stream = store.stream_id()
+    seq, objects = store.snapshot_at_head()
+    data = snapshots.encode(objects, instance=journal.instance_id(), stream=stream, seq=seq)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"snapshot-{stream}-{seq}.snap"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    for old in directory.glob("snapshot-*.snap"):
+        if old != path:
+            old.unlink(missing_ok=True)
+    return snapshots.sign(
+        key, data, url=f"{url_base}/{seq}", instance=journal.instance_id(), stream=stream, seq=seq
+    )
+
+
+def find(directory: Path, stream: str, seq: int) -> Path | None:
+    """The snapshot file of ``stream`` at ``seq``, if it is still kept."""
+    path = directory / f"snapshot-{stream}-{seq}.snap"
+    return path if path.exists() else None
+
+
+def latest(directory: Path, stream: str) -> int | None:
+    """The sequence of the newest kept snapshot of ``stream``."""
+    seqs = [
+        int(m.group(2))
+        for p in directory.glob("snapshot-*.snap")
+        if (m := _NAME.fullmatch(p.name)) and m.group(1) == stream
+    ]
+    return max(seqs, default=None)

@@ -1,0 +1,56 @@
+"""Snapshots on demand for subscribers whose cursor fell out of the online window."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from actors.runtime import Runtime
+from healthlog import snapshots
+from healthlog.snapshots import Manifest
+from healthlog.storage import snapshot_files
+from healthlog.storage.store import Store
+
+URL_PATH = "/v1/snapshots"
+
+
+class SnapshotService:
+    """Builds (one at a time) and serves the signed snapshot files of the data directory."""
+
+    def __init__(self, runtime: Runtime, directory: Path, key: Ed25519PrivateKey) -> None:
+        self._runtime = runtime
+        self._directory = directory
+        self._key = key
+        self.public_key = snapshots.public_key_text(key)
+        self._latest: Manifest | None = None
+        self._lock = trio.Lock()
+
+    async def covering(self, after: int) -> Manifest:
+        """A snapshot a subscriber at cursor ``after`` can restore and resume from."""
+        async with self._lock:
+            window_start, _ = await self._runtime.read_store(Store.event_window)
+            stream = await self._runtime.read_store(Store.stream_id)
+            latest = self._latest
+            if (
+                latest is None
+                or latest.stream != stream
+                or latest.seq < max(after, window_start)
+                or snapshot_files.find(self._directory, stream, latest.seq) is None
+            ):
+                latest = await trio.to_thread.run_sync(self._build)
+                self._latest = latest
+            return latest
+
+    def _build(self) -> Manifest:
+        return snapshot_files.build(
+            self._directory, self._runtime.journal, self._runtime.store, self._key, URL_PATH
+        )
+
+    async def read(self, seq: int) -> bytes | None:
+        stream = await self._runtime.read_store(Store.stream_id)
+        path = snapshot_files.find(self._directory, stream, seq)
+        if path is None:
+            return None
+        return await trio.to_thread.run_sync(path.read_bytes)
