@@ -23,10 +23,12 @@ from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.rebuild import RebuildError, reindex, verify
+from healthlog.storage.replica import Replica
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import TokenError
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
+from transport.follow import FollowError, follow
 from transport.serve import serve
 
 IMPORT_CLIENT = "cli:import"
@@ -162,9 +164,34 @@ def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
     return 0
 
 
+def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
+    with Replica(args.replica) as replica:
+        try:
+            trio.run(
+                functools.partial(
+                    follow,
+                    args.url,
+                    args.token,
+                    replica,
+                    subscriber=args.subscriber,
+                    until_caught_up=args.until_caught_up,
+                )
+            )
+        except FollowError as exc:
+            raise CliError(str(exc)) from None
+        except KeyboardInterrupt:
+            return 0
+        cursor = replica.binding().cursor
+    print(f"follow: replica at seq {cursor}", file=sys.stderr)
+    return 0
+
+
 def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
-    with data.open_store() as store:
-        stored = store.iter_objects(
+    source: Store | Replica = (
+        Replica(args.replica) if args.replica is not None else data.open_store()
+    )
+    with source:
+        stored = source.iter_objects(
             metric=args.metric,
             layer=args.layer,
             hour_from=None if args.start_from is None else hour_of(args.start_from),
@@ -258,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="start_from", type=_instant, default=None)
     p.add_argument("--to", dest="start_to", type=_instant, default=None)
     p.add_argument("--format", choices=FORMATS, default="jsonl")
+    p.add_argument("--replica", type=Path, default=None, help="read a follow replica instead")
+
+    p = command("follow", cmd_follow, "keep a local replica of every object, from the stream")
+    p.add_argument("--url", required=True, help="http://host:8787 or ws://host:8787/v1/stream")
+    p.add_argument("--token", required=True)
+    p.add_argument("--replica", type=Path, required=True, help="replica directory")
+    p.add_argument("--subscriber", default=None, help="name under which ACKs are stored")
+    p.add_argument("--until-caught-up", action="store_true", help="exit once at the head")
 
     p = command("serve", cmd_serve, "run the service until SIGINT or SIGTERM")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")

@@ -31,12 +31,13 @@ from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_
 from transport.auth import TokenCache
 from transport.metrics import render_metrics
 from transport.snapshots import SnapshotService
-from transport.stream import EventHub, serve_stream
+from transport.stream import EventHub, StreamEndpoint
 
 log = logging.getLogger("healthlog.http")
 
 RETRY_AFTER_S = "5"
 JSONL = "application/x-ndjson"
+STREAM_PATH = "/v1/stream"
 
 
 def _json(document: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -58,9 +59,23 @@ class DeliveryReceipt:
     bytes: int
 
 
+class HealthlogApp:
+    """The ASGI application: the replay stream endpoint beside the quart-trio app."""
+
+    def __init__(self, http: QuartTrio, stream: StreamEndpoint) -> None:
+        self.http = http
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket" and scope["path"] == STREAM_PATH:
+            await self.stream(scope, receive, send)
+        else:
+            await self.http(scope, receive, send)
+
+
 def create_app(
     runtime: Runtime, tokens: TokenCache, config: ServeConfig, snapshots: SnapshotService
-) -> QuartTrio:
+) -> HealthlogApp:
     """The application bound to a running runtime."""
     app = QuartTrio("healthlog")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
@@ -184,12 +199,6 @@ def create_app(
 
         return Response(lines(), content_type=JSONL if fmt == "jsonl" else "text/csv")
 
-    @app.websocket("/v1/stream")
-    async def stream() -> None:
-        await serve_stream(
-            runtime, hub, tokens.authenticate, snapshots.covering, config.stream_send_timeout_s
-        )
-
     @app.get("/v1/snapshots/key")
     async def snapshot_key() -> Response:
         return _json({"public_key": snapshots.public_key, "algorithm": "Ed25519"})
@@ -223,7 +232,10 @@ def create_app(
         text = await render_metrics(runtime)
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
-    return app
+    stream = StreamEndpoint(
+        runtime, hub, tokens.authenticate, snapshots.covering, config.stream_send_timeout_s
+    )
+    return HealthlogApp(app, stream)
 
 
 async def _objects(runtime: Runtime, **where: Any) -> AsyncIterator[HourlyObject]:

@@ -1,5 +1,10 @@
 """``WS /v1/stream``: replay from a cursor, then live, at least once (R2 to R6).
 
+It is served as a plain ASGI websocket endpoint beside the quart-trio app, on the same
+hypercorn listener: quart-trio cancels a websocket handler as soon as the client's close
+arrives, dropping messages still queued before it (such as a final ACK). Here every frame
+is handled in order, the close last.
+
 The sender never keeps more than one page of events per subscriber: it reads the events
 after its cursor from the store, sends them, and when it has caught up waits for the head
 to move. Replay and live are the same loop, so there is no switch-over to lose an event in.
@@ -16,15 +21,16 @@ from __future__ import annotations
 import base64
 import functools
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 import orjson
 import trio
-from quart import websocket
 
 from actors.runtime import Runtime
+from healthlog import faults
 from healthlog.objects import ObjectKey
 from healthlog.snapshots import Manifest
 from healthlog.storage.store import Event, Store
@@ -73,6 +79,10 @@ class StreamRefused(Exception):
         self.extra = extra or {}
 
 
+class ClientGone(Exception):
+    """The client closed the connection."""
+
+
 @attrs.define
 class _Subscription:
     name: str | None
@@ -82,88 +92,119 @@ class _Subscription:
 
 
 SnapshotFor = Callable[[int], Awaitable[Manifest]]
+Authenticate = Callable[[str], Awaitable[str | None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-async def serve_stream(
-    runtime: Runtime,
-    hub: EventHub,
-    authenticate: Callable[[str], Awaitable[str | None]],
-    snapshot_for: SnapshotFor,
-    send_timeout_s: float,
-) -> None:
-    """One websocket subscription, from authentication to close."""
-    await websocket.accept()
-    try:
-        await _authenticate(authenticate)
-        sub = await _open(runtime, snapshot_for)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_send_loop, runtime, hub, sub, snapshot_for, send_timeout_s)
-            await _receive_loop(runtime, sub)
-            nursery.cancel_scope.cancel()
-    except* StreamRefused as group:
-        refused = group.exceptions[0]
-        assert isinstance(refused, StreamRefused)
-        frame = {"type": "error", "code": refused.code, **refused.extra}
-        with trio.move_on_after(send_timeout_s):
-            await websocket.send(orjson.dumps(frame).decode())
-        await websocket.close(refused.close, refused.code)
+@attrs.frozen
+class StreamEndpoint:
+    """The ASGI websocket endpoint of the replay stream."""
 
+    runtime: Runtime
+    hub: EventHub
+    authenticate: Authenticate
+    snapshot_for: SnapshotFor
+    send_timeout_s: float
 
-async def _authenticate(authenticate: Callable[[str], Awaitable[str | None]]) -> None:
-    presented = websocket.headers.get("api-key") or websocket.args.get("token")
-    authorization = websocket.headers.get("Authorization", "")
-    if authorization[:7].lower() == "bearer ":
-        presented = authorization[7:].strip()
-    if not presented or await authenticate(presented) is None:
-        raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if (await receive())["type"] != "websocket.connect":
+            return
+        await send({"type": "websocket.accept"})
+        query = {k: v[-1] for k, v in urllib.parse.parse_qs(scope["query_string"].decode()).items()}
+        headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope["headers"]}
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._authenticate(headers, query)
+                sub = await self._open(query)
+                nursery.start_soon(self._send_loop, sub, send)
+                await self._receive_loop(sub, receive)
+                nursery.cancel_scope.cancel()
+        except* ClientGone:
+            pass
+        except* StreamRefused as group:
+            refused = group.exceptions[0]
+            assert isinstance(refused, StreamRefused)
+            frame = {"type": "error", "code": refused.code, **refused.extra}
+            with trio.move_on_after(self.send_timeout_s):
+                await send({"type": "websocket.send", "text": orjson.dumps(frame).decode()})
+            await send({"type": "websocket.close", "code": refused.close, "reason": refused.code})
 
+    async def _authenticate(self, headers: dict[str, str], query: dict[str, str]) -> None:
+        presented = headers.get("api-key") or query.get("token")
+        authorization = headers.get("authorization", "")
+        if authorization[:7].lower() == "bearer ":
+            presented = authorization[7:].strip()
+        if not presented or await self.authenticate(presented) is None:
+            raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
 
-async def _open(runtime: Runtime, snapshot_for: SnapshotFor) -> _Subscription:
-    name = websocket.args.get("subscriber")
-    if name is not None and not (0 < len(name) <= MAX_SUBSCRIBER and name.isprintable()):
-        raise StreamRefused("BAD_SUBSCRIBER", CLOSE_BAD_REQUEST)
-    raw_after = websocket.args.get("after", "0")
-    if not raw_after.isascii() or not raw_after.isdigit() or len(raw_after) > 18:
-        raise StreamRefused("BAD_CURSOR", CLOSE_BAD_REQUEST)
-    after = int(raw_after)
-    window_start, head = await runtime.read_store(Store.event_window)
-    if after > head:
-        raise StreamRefused("CURSOR_IN_FUTURE", CLOSE_BAD_REQUEST, {"head": head})
-    if after < window_start:
-        manifest = await snapshot_for(after)
+    async def _open(self, query: dict[str, str]) -> _Subscription:
+        name = query.get("subscriber")
+        if name is not None and not (0 < len(name) <= MAX_SUBSCRIBER and name.isprintable()):
+            raise StreamRefused("BAD_SUBSCRIBER", CLOSE_BAD_REQUEST)
+        raw_after = query.get("after", "0")
+        if not raw_after.isascii() or not raw_after.isdigit() or len(raw_after) > 18:
+            raise StreamRefused("BAD_CURSOR", CLOSE_BAD_REQUEST)
+        after = int(raw_after)
+        window_start, head = await self.runtime.read_store(Store.event_window)
+        if after > head:
+            raise StreamRefused("CURSOR_IN_FUTURE", CLOSE_BAD_REQUEST, {"head": head})
+        if after < window_start:
+            await self._too_old(after)
+        return _Subscription(name, after, after)
+
+    async def _too_old(self, after: int) -> None:
+        manifest = await self.snapshot_for(after)
         raise StreamRefused(
             "CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, {"snapshot": attrs.asdict(manifest)}
         )
-    return _Subscription(name, after, after)
 
-
-async def _send_loop(
-    runtime: Runtime,
-    hub: EventHub,
-    sub: _Subscription,
-    snapshot_for: SnapshotFor,
-    send_timeout_s: float,
-) -> None:
-    stream = await runtime.read_store(Store.stream_id)
-    while True:
-        events = await runtime.read_store(
-            functools.partial(Store.events_after, after=sub.cursor, limit=PAGE)
-        )
-        if not events:
-            await hub.wait_beyond(sub.cursor)
-            continue
-        if events[0].seq != sub.cursor + 1:
-            manifest = await snapshot_for(sub.cursor)
-            raise StreamRefused(
-                "CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, {"snapshot": attrs.asdict(manifest)}
+    async def _send_loop(self, sub: _Subscription, send: Send) -> None:
+        stream = await self.runtime.read_store(Store.stream_id)
+        while True:
+            events = await self.runtime.read_store(
+                functools.partial(Store.events_after, after=sub.cursor, limit=PAGE)
             )
-        for event in events:
-            frame = await _frame(runtime, stream, event)
-            with trio.move_on_after(send_timeout_s) as timer:
-                await websocket.send(frame)
-            if timer.cancelled_caught:
-                raise StreamRefused("TOO_SLOW", CLOSE_TOO_SLOW)
-            sub.cursor = sub.sent = event.seq
+            if not events:
+                await self.hub.wait_beyond(sub.cursor)
+                continue
+            if events[0].seq != sub.cursor + 1:
+                await self._too_old(sub.cursor)
+            for event in events:
+                frame = await _frame(self.runtime, stream, event)
+                with trio.move_on_after(self.send_timeout_s) as timer:
+                    faults.point("stream.send")
+                    await send({"type": "websocket.send", "text": frame})
+                if timer.cancelled_caught:
+                    raise StreamRefused("TOO_SLOW", CLOSE_TOO_SLOW)
+                sub.cursor = sub.sent = event.seq
+
+    async def _receive_loop(self, sub: _Subscription, receive: Receive) -> None:
+        while True:
+            event = await receive()
+            if event["type"] == "websocket.disconnect":
+                raise ClientGone
+            if event.get("text") is None:
+                raise StreamRefused("BINARY_FRAME", CLOSE_BAD_REQUEST)
+            await self._ack(sub, event["text"])
+
+    async def _ack(self, sub: _Subscription, message: str) -> None:
+        try:
+            frame = orjson.loads(message)
+        except orjson.JSONDecodeError:
+            raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST) from None
+        if not isinstance(frame, dict) or frame.get("type") != "ack":
+            raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST)
+        seq = frame.get("seq")
+        if type(seq) is not int or seq < 0:
+            raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST)
+        if seq > sub.sent:
+            raise StreamRefused("ACK_BEYOND_SENT", CLOSE_BAD_REQUEST, {"sent": sub.sent})
+        if sub.name is not None and seq > sub.acked:
+            with trio.CancelScope(shield=True):
+                sub.acked = await self.runtime.read_store(
+                    functools.partial(Store.ack, subscriber=sub.name, seq=seq)
+                )
 
 
 async def _frame(runtime: Runtime, stream: str, event: Event) -> str:
@@ -198,25 +239,3 @@ async def _frame(runtime: Runtime, stream: str, event: Event) -> str:
             }
         )
     return orjson.dumps(frame).decode()
-
-
-async def _receive_loop(runtime: Runtime, sub: _Subscription) -> None:
-    while True:
-        message = await websocket.receive()
-        if not isinstance(message, str):
-            raise StreamRefused("BINARY_FRAME", CLOSE_BAD_REQUEST)
-        try:
-            frame = orjson.loads(message)
-        except orjson.JSONDecodeError:
-            raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST) from None
-        if not isinstance(frame, dict) or frame.get("type") != "ack":
-            raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST)
-        seq = frame.get("seq")
-        if type(seq) is not int or seq < 0:
-            raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST)
-        if seq > sub.sent:
-            raise StreamRefused("ACK_BEYOND_SENT", CLOSE_BAD_REQUEST, {"sent": sub.sent})
-        if sub.name is not None and seq > sub.acked:
-            sub.acked = await runtime.read_store(
-                functools.partial(Store.ack, subscriber=sub.name, seq=seq)
-            )

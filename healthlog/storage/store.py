@@ -23,6 +23,7 @@ from healthlog.fold import FAILED, BudgetExceeded, DeliveryFold, DeliveryInfo, O
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
     Deferred,
     StorageError,
@@ -543,33 +544,14 @@ class Store:
         hour_to: int | None = None,
     ) -> Iterator[HourlyObject]:
         """Objects sorted by metric, layer and hour, one at a time."""
-        clauses, args = ["1"], []
-        for clause, value in (
-            ("metric = ?", metric),
-            ("layer = ?", layer),
-            ("hour >= ?", hour_from),
-            ("hour <= ?", hour_to),
-        ):
-            if value is not None:
-                clauses.append(clause)
-                args.append(value)
-        where = " AND ".join(clauses)
-        last: tuple[str, str, int] | None = None
-        while True:
-            page_where = where + (" AND (metric, layer, hour) > (?, ?, ?)" if last else "")
-            page_args = [*args, *last] if last else args
-            with self._lock:
-                rows = self._conn.execute(
-                    "SELECT metric, layer, hour, units, body, hash, first, last, points,"
-                    f" created_by, sealed FROM objects WHERE {page_where}"
-                    " ORDER BY metric, layer, hour LIMIT 64",
-                    page_args,
-                ).fetchall()
-            if not rows:
-                return
-            for m, la, h, u, b, hs, f, ls, p, c, s in rows:
-                yield HourlyObject(ObjectKey(m, la, h), u, b, hs, f, ls, p, c, bool(s))
-            last = rows[-1][0], rows[-1][1], rows[-1][2]
+        return _objects.iterate(
+            self._conn,
+            self._lock,
+            metric=metric,
+            layer=layer,
+            hour_from=hour_from,
+            hour_to=hour_to,
+        )
 
     def checkpoint(self) -> tuple[int | None, int | None, int]:
         with self._lock:
@@ -661,16 +643,11 @@ class Store:
                     "SELECT seq FROM sqlite_sequence WHERE name = 'events'"
                 ).fetchone()
                 rows = self._conn.execute(
-                    "SELECT metric, layer, hour, units, body, hash, first, last, points,"
-                    " created_by, sealed FROM objects ORDER BY metric, layer, hour"
+                    f"SELECT {_objects.COLUMNS} FROM objects ORDER BY metric, layer, hour"
                 ).fetchall()
             finally:
                 self._conn.execute("COMMIT")
-        objects = [
-            HourlyObject(ObjectKey(m, la, h), u, b, hs, f, ls, p, c, bool(sd))
-            for m, la, h, u, b, hs, f, ls, p, c, sd in rows
-        ]
-        return (0 if head is None else int(head[0])), objects
+        return (0 if head is None else int(head[0])), [_objects.row_to_object(r) for r in rows]
 
     def last_seq(self) -> int:
         with self._lock:

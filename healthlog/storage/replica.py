@@ -1,0 +1,164 @@
+"""A follower's local replica (``replica.sqlite``): every object of the server, the stream
+it follows and its cursor. Applying events and advancing the cursor is one transaction."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import attrs
+
+from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.storage import _objects
+from healthlog.storage._sqlite import StorageError, connect, migrate, write_transaction
+
+REPLICA_FILE = "replica.sqlite"
+
+MIGRATIONS = (
+    """
+    CREATE TABLE objects (
+        metric TEXT NOT NULL,
+        layer TEXT NOT NULL,
+        hour INTEGER NOT NULL,
+        units TEXT,
+        first INTEGER NOT NULL,
+        last INTEGER NOT NULL,
+        points INTEGER NOT NULL,
+        created_by INTEGER NOT NULL,
+        hash BLOB NOT NULL,
+        sealed INTEGER NOT NULL,
+        body BLOB NOT NULL,
+        PRIMARY KEY (metric, layer, hour)
+    ) WITHOUT ROWID;
+    CREATE TABLE binding (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        instance TEXT,
+        stream TEXT,
+        public_key TEXT,
+        cursor INTEGER NOT NULL
+    );
+    INSERT INTO binding VALUES (1, NULL, NULL, NULL, 0);
+    """,
+)
+
+
+class ReplicaMismatch(StorageError):
+    """The replica is bound to another instance or key than the server it is pointed at."""
+
+
+@attrs.frozen
+class Change:
+    """An object change to apply: the object's state, or None when it no longer exists."""
+
+    seq: int
+    key: ObjectKey
+    state: HourlyObject | None
+
+
+@attrs.frozen
+class Binding:
+    instance: str | None
+    stream: str | None
+    public_key: str | None
+    cursor: int
+
+
+class Replica:
+    """The replica database. Methods may be called from worker threads."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self._conn = connect(Path(directory) / REPLICA_FILE)
+        self._lock = threading.Lock()
+        try:
+            migrate(self._conn, MIGRATIONS)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def binding(self) -> Binding:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT instance, stream, public_key, cursor FROM binding WHERE id = 1"
+            ).fetchone()
+        return Binding(*row)
+
+    def bind(self, instance: str, public_key: str) -> None:
+        """Pin the instance and its snapshot key on first contact; refuse any other later."""
+        with self._lock, write_transaction(self._conn):
+            bound_instance, bound_key = self._conn.execute(
+                "SELECT instance, public_key FROM binding WHERE id = 1"
+            ).fetchone()
+            if bound_instance not in (None, instance):
+                raise ReplicaMismatch("the replica follows another healthlog instance")
+            if bound_key not in (None, public_key):
+                raise ReplicaMismatch("the server's snapshot key changed since first contact")
+            self._conn.execute(
+                "UPDATE binding SET instance = ?, public_key = ? WHERE id = 1",
+                (instance, public_key),
+            )
+
+    def apply(self, stream: str, changes: Sequence[Change], through: int) -> int:
+        """Apply changes of ``stream`` newer than the cursor and move it to ``through``."""
+        with self._lock, write_transaction(self._conn):
+            bound, cursor = self._conn.execute(
+                "SELECT stream, cursor FROM binding WHERE id = 1"
+            ).fetchone()
+            if bound != stream:
+                raise ReplicaMismatch("changes from another stream than the replica follows")
+            for change in changes:
+                if change.seq > cursor:
+                    self._put(change.key, change.state)
+            self._conn.execute(
+                "UPDATE binding SET cursor = max(cursor, ?) WHERE id = 1", (through,)
+            )
+            return max(int(cursor), through)
+
+    def restore(self, stream: str, seq: int, objects: Sequence[HourlyObject]) -> None:
+        """Replace every object with a snapshot's and resume strictly after ``seq``."""
+        with self._lock, write_transaction(self._conn):
+            self._conn.execute("DELETE FROM objects")
+            for obj in objects:
+                self._put(obj.key, obj)
+            self._conn.execute(
+                "UPDATE binding SET stream = ?, cursor = ? WHERE id = 1", (stream, seq)
+            )
+
+    def _put(self, key: ObjectKey, state: HourlyObject | None) -> None:
+        if state is None:
+            self._conn.execute(
+                "DELETE FROM objects WHERE metric = ? AND layer = ? AND hour = ?",
+                (key.metric, key.layer, key.hour),
+            )
+        else:
+            _objects.write(self._conn, state)
+
+    def iter_objects(
+        self,
+        *,
+        metric: str | None = None,
+        layer: str | None = None,
+        hour_from: int | None = None,
+        hour_to: int | None = None,
+    ) -> Iterator[HourlyObject]:
+        """Objects sorted by metric, layer and hour, one at a time."""
+        return _objects.iterate(
+            self._conn,
+            self._lock,
+            metric=metric,
+            layer=layer,
+            hour_from=hour_from,
+            hour_to=hour_to,
+        )
