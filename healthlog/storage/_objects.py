@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import sqlite3
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.storage._sqlite import ConnectionGuard
 
 COLUMNS = "metric, layer, hour, units, body, hash, first, last, points, created_by, sealed"
 PAGE = 64
@@ -40,7 +40,7 @@ def write(conn: sqlite3.Connection, obj: HourlyObject) -> None:
 
 def iterate(
     conn: sqlite3.Connection,
-    lock: threading.Lock,
+    lock: ConnectionGuard,
     *,
     metric: str | None,
     layer: str | None,

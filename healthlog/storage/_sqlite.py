@@ -11,10 +11,12 @@ import contextlib
 import logging
 import os
 import sqlite3
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 __all__ = [
+    "ConnectionGuard",
     "Deferred",
     "StorageError",
     "classify",
@@ -95,6 +97,25 @@ def classify(exc: sqlite3.Error) -> StorageError:
     if isinstance(code, int) and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
         return Deferred(f"database busy: {exc}")
     return StorageError(f"database error: {exc}")
+
+
+class ConnectionGuard:
+    """The lock of a connection shared by worker threads.
+
+    SQLite errors raised inside it come out classified (:func:`classify`), so no caller
+    ever sees a raw ``sqlite3.Error``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        self._lock.release()
+        if isinstance(exc, sqlite3.Error):
+            raise classify(exc) from exc
 
 
 @contextlib.contextmanager

@@ -4,7 +4,6 @@ it follows and its cursor. Applying events and advancing the cursor is one trans
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -12,7 +11,13 @@ import attrs
 
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.storage import _objects
-from healthlog.storage._sqlite import StorageError, connect, migrate, write_transaction
+from healthlog.storage._sqlite import (
+    ConnectionGuard,
+    StorageError,
+    connect,
+    migrate,
+    write_transaction,
+)
 
 REPLICA_FILE = "replica.sqlite"
 
@@ -71,7 +76,7 @@ class Replica:
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         self._conn = connect(Path(directory) / REPLICA_FILE)
-        self._lock = threading.Lock()
+        self._lock = ConnectionGuard()
         try:
             migrate(self._conn, MIGRATIONS)
         except BaseException:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
+    ConnectionGuard,
     Deferred,
     StorageError,
     connect,
@@ -195,7 +195,7 @@ class Store:
     ) -> None:
         self.path = os.fspath(path)
         self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
-        self._lock = threading.Lock()
+        self._lock = ConnectionGuard()
         try:
             if not durable:
                 self._conn.execute("PRAGMA synchronous = OFF")
@@ -273,6 +273,9 @@ class Store:
         except CorruptBody:
             log.error("delivery %d: body does not match its sha256", meta.id)
             return self._fold_failed(meta, epoch, "body does not match its sha256")
+        except StorageError as exc:
+            log.warning("delivery %d: body not readable: %s", meta.id, type(exc).__name__)
+            return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
         try:
             with self._lock:
                 return self._fold_locked(meta, body, epoch, guard, check_budget)
@@ -319,15 +322,18 @@ class Store:
             assert fold.outcome is not None
             self._write_outcome(meta, fold.outcome, epoch)
             faults.point("fold.before_commit")
-        faults.point("fold.after_commit")
         if later:
             waited = max(0, _now_us() - meta.received_at) // 1_000_000
             log.warning(
-                "delivery %d folded after a later delivery (waited %d s): journal order was"
-                " broken by a backfill; run `healthlog reindex`",
+                "delivery %d folded after a later delivery (waited %d s): the projection no"
+                " longer follows journal order; run `healthlog reindex`",
                 meta.id,
                 waited,
             )
+        try:
+            faults.point("fold.after_commit")
+        except Exception as exc:
+            log.warning("delivery %d: fault after commit: %s", meta.id, type(exc).__name__)
         return FoldReport(
             meta.id, OutcomeClass.DONE, fold.outcome.status, fold.outcome.reason, later
         )

@@ -10,12 +10,17 @@ import hashlib
 import hmac
 import os
 import secrets
-import threading
 import time
 
 import attrs
 
-from healthlog.storage._sqlite import StorageError, connect, migrate, write_transaction
+from healthlog.storage._sqlite import (
+    ConnectionGuard,
+    StorageError,
+    connect,
+    migrate,
+    write_transaction,
+)
 
 TOKEN_PREFIX = "hl_"
 
@@ -49,7 +54,7 @@ class Tokens:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self._conn = connect(path)
-        self._lock = threading.Lock()
+        self._lock = ConnectionGuard()
         try:
             migrate(self._conn, MIGRATIONS)
         except BaseException:

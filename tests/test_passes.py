@@ -1,0 +1,300 @@
+"""Folding passes against real SQLite files (specs/folding.md, FOLD-n)."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+from _bodies import BASE_US, body, delivery, point, rows
+
+from healthlog import faults
+from healthlog.folding import FoldPass
+from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
+from healthlog.storage.passes import (
+    FIRST_PASS_MARK,
+    LAG_MARK,
+    Budget,
+    pending,
+    run_pass,
+)
+from healthlog.storage.store import Store
+
+NOW = BASE_US
+TTL = 15_000_000
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Iterator[Journal]:
+    with Journal(tmp_path / "journal.sqlite") as journal:
+        yield journal
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store(tmp_path / "store.sqlite") as store:
+        yield store
+
+
+@pytest.fixture
+def epoch(store: Store) -> int:
+    held = store.acquire_lease("folder", now=NOW, ttl=TTL)
+    assert held is not None
+    return held
+
+
+def append(journal: Journal, new: NewDelivery) -> DeliveryMeta:
+    meta = journal.get_meta(journal.append(new).delivery_id)
+    assert meta is not None
+    return meta
+
+
+def ended(folding: FoldPass[DeliveryMeta]) -> tuple[int, list[int], str | None, int | None]:
+    """What a pass did: (folded, unwritten ids, stopped_because, deferred_at)."""
+    return folding.folded, folding.unwritten, folding.stopped_because, folding.deferred_at
+
+
+def three(journal: Journal) -> list[DeliveryMeta]:
+    """Three deliveries of distinct points, journaled in journal order."""
+    return [
+        append(journal, delivery(body({"hr": [point(n, n)]}), received_at=BASE_US + n))
+        for n in range(3)
+    ]
+
+
+def folded_in_order(store: Store) -> list[int]:
+    """Delivery ids in the order of their ``delivery.folded`` events."""
+    return [
+        e.payload["delivery_id"] for e in store.events_after(0, 1000) if e.kind == "delivery.folded"
+    ]
+
+
+def plan(**actions: tuple[set[int], type[Exception]]) -> faults.Plan:
+    """A fault plan; keyword names use ``__`` for the dot of a fault point name."""
+    return faults.Plan(
+        actions={
+            name.replace("__", "."): faults.Action(frozenset(hits), faults.raise_fault(error))
+            for name, (hits, error) in actions.items()
+        }
+    )
+
+
+def test_pending_deliveries_fold_one_at_a_time_in_journal_order_fold_1(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FOLD-1: deliveries fold in (received_at, id) order, not insertion order, one at a time;
+    the checkpoint follows each commit."""
+    stamps = [BASE_US + 30, BASE_US + 10, BASE_US + 20, BASE_US + 10, None]
+    metas = [
+        append(journal, delivery(body({"hr": [point(n, n)]}), received_at=stamp))
+        for n, stamp in enumerate(stamps)
+    ]
+    order = [metas[i].id for i in (1, 3, 2, 0, 4)]
+    seen: list[tuple[tuple[int, int], tuple[int | None, int | None, int], int]] = []
+
+    def progress(done: int, total: int) -> None:
+        seen.append(((done, total), store.checkpoint(), len(store.folded_ids())))
+
+    report = run_pass(journal, store, epoch, progress=progress)
+
+    assert ended(report) == (5, [], "empty", None)
+    assert folded_in_order(store) == order
+    by_id = {m.id: m for m in metas}
+    assert seen == [
+        ((n, 5), (by_id[i].received_at, i, epoch), n) for n, i in enumerate(order, start=1)
+    ]
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_deferred_delivery_stops_the_pass_fold_2(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """FOLD-2: a deferred delivery stops the pass, its successors stay unfolded, and the next
+    pass starts from it."""
+    first, second, third = three(journal)
+
+    with faults.loaded(plan(fold__begin=({2}, Deferred))):
+        report = run_pass(journal, store, epoch)
+
+    assert ended(report) == (1, [], "deferred", second.id)
+    assert store.folded_ids() == {first.id}
+    assert [m.id for m in pending(journal, store)] == [second.id, third.id]
+
+    assert ended(run_pass(journal, store, epoch)) == (2, [], "empty", None)
+    assert folded_in_order(store) == [first.id, second.id, third.id]
+
+
+def test_busy_store_stops_the_pass_at_its_head_fold_3(
+    journal: Journal, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FOLD-3: while another connection holds the store's write lock the pass defers at the
+    head of the queue and folds nothing; the lag mark cannot be written there either, which is
+    logged. After the lock is released a pass folds everything."""
+    metas = three(journal)
+    with Store(tmp_path / "store.sqlite", busy_timeout_ms=50) as store:
+        epoch = store.acquire_lease("folder", now=NOW, ttl=TTL)
+        assert epoch is not None
+        with closing(sqlite3.connect(store.path, isolation_level=None)) as holder:
+            holder.execute("BEGIN EXCLUSIVE")
+            report = run_pass(journal, store, epoch)
+            holder.execute("ROLLBACK")
+
+        assert ended(report) == (0, [], "deferred", metas[0].id)
+        assert store.mark(LAG_MARK) is None
+        assert "folding pass: lag mark not written: Deferred" in caplog.messages
+        assert ended(run_pass(journal, store, epoch)) == (3, [], "empty", None)
+        assert folded_in_order(store) == [m.id for m in metas]
+
+
+@pytest.mark.parametrize(
+    "faulted",
+    [
+        plan(fold__outcome_write=({2}, StorageError)),
+        plan(fold__begin=({2}, faults.InjectedFault), fold__outcome_write=({2}, StorageError)),
+    ],
+    ids=["outcome_write", "failed_outcome_write"],
+)
+def test_unwritten_delivery_does_not_stop_the_pass_fold_4(
+    journal: Journal,
+    store: Store,
+    epoch: int,
+    caplog: pytest.LogCaptureFixture,
+    faulted: faults.Plan,
+) -> None:
+    """FOLD-4: a delivery whose outcome cannot be written stays pending, its successors fold,
+    and the next pass retries it."""
+    first, second, third = three(journal)
+
+    with faults.loaded(faulted):
+        report = run_pass(journal, store, epoch, now=lambda: second.received_at)
+
+    assert ended(report) == (2, [second.id], "unwritten", None)
+    assert store.folded_ids() == {first.id, third.id}
+    assert store.mark(LAG_MARK) == {
+        "oldest_pending_id": second.id,
+        "waited_s": 0.0,
+        "stopped_because": "unwritten",
+    }
+    assert store.mark(FIRST_PASS_MARK) is True
+    caplog.clear()
+
+    assert ended(run_pass(journal, store, epoch)) == (1, [], "empty", None)
+    outcome = store.outcome(second.id)
+    assert outcome is not None
+    assert outcome.status == "parsed"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert f"delivery {second.id} " in warnings[0]
+    assert "healthlog reindex" in warnings[0]
+
+
+def test_fold_over_budget_is_failed_and_the_queue_moves_on_fold_5(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """FOLD-5: a delivery over its fold budget is failed, not deferred; the pass goes on."""
+    heavy = append(journal, delivery(body({"hr": [point(1, 60)]})))
+    empty = append(journal, delivery(b'{"data": {}}'))
+
+    report = run_pass(journal, store, epoch, budget=Budget(base_s=0, per_mib_s=0))
+
+    assert ended(report) == (2, [], "empty", None)
+    failed = store.outcome(heavy.id)
+    assert failed is not None
+    assert failed.status == "failed"
+    assert failed.reason is not None
+    assert "budget" in failed.reason
+    parsed = store.outcome(empty.id)
+    assert parsed is not None
+    assert parsed.status == "parsed"
+    assert rows(store.path)["objects"] == []
+    assert pending(journal, store) == []
+
+
+def test_lag_mark_and_first_pass_flag_on_an_empty_selection_fold_6(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """FOLD-6: a pass over an empty queue writes the lag mark and sets the first-pass flag."""
+    assert store.mark(FIRST_PASS_MARK) is None
+
+    assert ended(run_pass(journal, store, epoch)) == (0, [], "empty", None)
+
+    assert store.mark(LAG_MARK) == {
+        "oldest_pending_id": None,
+        "waited_s": 0.0,
+        "stopped_because": "empty",
+    }
+    assert store.mark(FIRST_PASS_MARK) is True
+
+
+def test_lag_mark_at_a_deferred_barrier_fold_7(journal: Journal, store: Store, epoch: int) -> None:
+    """FOLD-7: a pass stopped by a deferral records the stuck delivery and its wait, and does
+    not set the first-pass flag; a later pass that reaches the end does."""
+    _, second, _ = three(journal)
+
+    with faults.loaded(plan(fold__begin=({2}, Deferred))):
+        run_pass(journal, store, epoch, now=lambda: second.received_at + 90_000_000)
+
+    assert store.mark(LAG_MARK) == {
+        "oldest_pending_id": second.id,
+        "waited_s": 90.0,
+        "stopped_because": "deferred",
+    }
+    assert store.mark(FIRST_PASS_MARK) is None
+
+    run_pass(journal, store, epoch)
+    assert store.mark(LAG_MARK)["oldest_pending_id"] is None
+    assert store.mark(FIRST_PASS_MARK) is True
+
+
+@pytest.mark.parametrize(
+    "unreadable",
+    [
+        "journal",
+        "store",
+    ],
+)
+def test_failed_selection_logs_error_and_ends_the_pass_fold_8(
+    journal: Journal,
+    store: Store,
+    epoch: int,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    unreadable: str,
+) -> None:
+    """FOLD-8: when the selection cannot be read (journal or store side) the pass logs an ERROR
+    and ends, folding nothing and writing no mark."""
+    three(journal)
+    (journal if unreadable == "journal" else store).close()
+
+    report = run_pass(journal, store, epoch)
+
+    assert ended(report) == (0, [], "selection_failed", None)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert errors[0].startswith("folding pass: selection failed")
+    with Store(tmp_path / "store.sqlite") as reopened:
+        assert reopened.folded_ids() == set()
+        assert reopened.mark(LAG_MARK) is None
+        assert reopened.mark(FIRST_PASS_MARK) is None
+
+
+def test_takeover_mid_pass_stops_it_fold_9(journal: Journal, store: Store, epoch: int) -> None:
+    """FOLD-9: once another holder takes the lease over, the pass stops at its next delivery
+    and writes no mark."""
+    first, _, _ = three(journal)
+
+    with Store(store.path) as other:
+
+        def take_over(done: int, total: int) -> None:
+            other.acquire_lease("other", now=NOW, ttl=TTL, force=True)
+
+        report = run_pass(journal, store, epoch, progress=take_over)
+
+    assert ended(report) == (1, [], "fenced", None)
+    assert store.folded_ids() == {first.id}
+    assert store.mark(LAG_MARK) is None
+    assert store.mark(FIRST_PASS_MARK) is None

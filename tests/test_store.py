@@ -1,0 +1,459 @@
+"""The projection store and its fold transaction against real SQLite files.
+
+Scenarios: STORE-n in specs/storage.md, FOLD-n in specs/folding.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _bodies import BASE_US, body, delivery, point, rows
+
+from healthlog import faults
+from healthlog.folding import FoldReport, OutcomeClass
+from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
+from healthlog.storage.store import Lease, Store
+
+NOW = BASE_US
+TTL = 15_000_000
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Iterator[Journal]:
+    with Journal(tmp_path / "journal.sqlite") as journal:
+        yield journal
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store(tmp_path / "store.sqlite") as store:
+        yield store
+
+
+@pytest.fixture
+def epoch(store: Store) -> int:
+    held = store.acquire_lease("folder", now=NOW, ttl=TTL)
+    assert held is not None
+    return held
+
+
+def append(journal: Journal, new: NewDelivery) -> DeliveryMeta:
+    meta = journal.get_meta(journal.append(new).delivery_id)
+    assert meta is not None
+    return meta
+
+
+def fold(
+    journal: Journal, store: Store, meta: DeliveryMeta, epoch: int, *, guard: bool = True
+) -> FoldReport:
+    return store.fold(journal, meta, epoch, guard=guard)
+
+
+def events(store: Store) -> list[tuple[int, str, str, dict[str, Any]]]:
+    """Every change event in seq order: (seq, id, kind, payload)."""
+    return [(e.seq, e.id, e.kind, e.payload) for e in store.events_after(0, 1000)]
+
+
+def plan(name: str, hits: set[int], error: type[Exception]) -> faults.Plan:
+    return faults.Plan(actions={name: faults.Action(frozenset(hits), faults.raise_fault(error))})
+
+
+FIRST = body({"hr": [point(1, 60), point(61, 61)]})
+FOUR_HOURS = body({"hr": [point(2, 70), point(62, 71), point(122, 72), point(182, 73)]})
+
+FOLD_PATH_FAULTS = [
+    ("fold.begin", 1),
+    ("fold.object_write", 1),
+    ("fold.object_write", 2),
+    ("fold.object_write", 3),
+    ("fold.outcome_write", 1),
+    ("fold.before_commit", 1),
+]
+
+
+@pytest.mark.parametrize(("name", "hit"), FOLD_PATH_FAULTS)
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (faults.InjectedFault, OutcomeClass.DONE),
+        (StorageError, OutcomeClass.UNWRITTEN),
+        (Deferred, OutcomeClass.DEFERRED),
+    ],
+)
+def test_fault_inside_the_fold_transaction_writes_nothing_store_1(
+    journal: Journal,
+    store: Store,
+    epoch: int,
+    name: str,
+    hit: int,
+    error: type[Exception],
+    expected: OutcomeClass,
+) -> None:
+    """STORE-1: a fault anywhere in the fold transaction leaves none of the delivery's writes."""
+    first = append(journal, delivery(FIRST))
+    assert fold(journal, store, first, epoch).status == "parsed"
+    second = append(journal, delivery(FOUR_HOURS))
+    before = rows(store.path)
+
+    with faults.loaded(plan(name, {hit}, error)) as loaded:
+        report = fold(journal, store, second, epoch)
+
+    assert loaded.fired == {name: 1}
+    assert report.outcome_class is expected
+    after = rows(store.path)
+    outcome_tables = {"outcomes", "checkpoint", "events", "sqlite_sequence"}
+    assert {k: v for k, v in after.items() if k not in outcome_tables} == {
+        k: v for k, v in before.items() if k not in outcome_tables
+    }
+    if expected is OutcomeClass.DONE:
+        assert (report.status, report.reason) == ("failed", "internal error: InjectedFault")
+        outcome = store.outcome(second.id)
+        assert outcome is not None
+        assert (outcome.status, outcome.reason) == ("failed", "internal error: InjectedFault")
+        assert outcome.counters["objects_written"] == 0
+        folded = {"delivery_id": second.id, "status": "failed", "counters": outcome.counters}
+        new_events = events(store)[len(before["events"]) :]
+        assert [(kind, payload) for _, _, kind, payload in new_events] == [
+            ("delivery.folded", folded)
+        ]
+        assert store.checkpoint() == (second.received_at, second.id, epoch)
+    else:
+        assert after == before
+        assert fold(journal, store, second, epoch).status == "parsed"
+        assert len(rows(store.path)["objects"]) == 4
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        faults.InjectedFault,
+        StorageError,
+        Deferred,
+    ],
+)
+def test_fault_after_the_commit_leaves_the_delivery_committed_store_2(
+    journal: Journal, store: Store, epoch: int, error: type[Exception]
+) -> None:
+    """STORE-2: a fault after the commit cannot undo it; the report says the fold is done."""
+    meta = append(journal, delivery(FOUR_HOURS))
+
+    with faults.loaded(plan("fold.after_commit", {1}, error)) as loaded:
+        report = fold(journal, store, meta, epoch)
+
+    assert loaded.fired == {"fold.after_commit": 1}
+    outcome = store.outcome(meta.id)
+    assert outcome is not None
+    assert outcome.status == "parsed"
+    assert len(rows(store.path)["objects"]) == 4
+    assert (report.outcome_class, report.status) == (OutcomeClass.DONE, "parsed")
+
+
+def test_stale_epoch_is_fenced_and_writes_nothing_store_3(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STORE-3: a fold under an epoch that is not the lease's is fenced; nothing is written,
+    not even the failed outcome of a fold that broke down."""
+    meta = append(journal, delivery(FOUR_HOURS))
+    before = rows(store.path)
+
+    assert fold(journal, store, meta, epoch - 1).outcome_class is OutcomeClass.FENCED
+    with faults.loaded(plan("fold.begin", {1}, faults.InjectedFault)):
+        assert fold(journal, store, meta, epoch + 1).outcome_class is OutcomeClass.FENCED
+
+    assert rows(store.path) == before
+    assert any(
+        r.levelno == logging.WARNING and f"delivery {meta.id}" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+def test_takeover_fences_the_first_holder_store_4(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-4: after another holder takes the lease over, the first holder's next fold is
+    fenced; checkpoint and outcomes record each delivery's position and its epoch."""
+    first = append(journal, delivery(FIRST))
+    second = append(journal, delivery(FOUR_HOURS))
+    assert fold(journal, store, first, epoch).status == "parsed"
+    assert store.checkpoint() == (first.received_at, first.id, epoch)
+
+    with Store(store.path) as other:
+        taken = other.acquire_lease("other", now=NOW + 1, ttl=TTL, force=True)
+        assert taken == epoch + 1
+        before = rows(store.path)
+        assert fold(journal, store, second, epoch).outcome_class is OutcomeClass.FENCED
+        assert rows(store.path) == before
+        assert fold(journal, other, second, taken).status == "parsed"
+
+    assert store.checkpoint() == (second.received_at, second.id, taken)
+    epochs = {row[0]: row[-1] for row in rows(store.path)["outcomes"]}
+    assert epochs == {first.id: epoch, second.id: taken}
+
+
+def test_lease_acquire_renew_refuse_takeover_release_force_store_5(store: Store) -> None:
+    """STORE-5: the lease row through its life; every takeover increments the epoch."""
+    assert store.lease() == Lease(None, 0, 0)
+    assert store.acquire_lease("a", now=100, ttl=10) == 1
+    assert store.lease() == Lease("a", 1, 110)
+
+    assert store.acquire_lease("a", now=105, ttl=10) == 1
+    assert store.lease() == Lease("a", 1, 115)
+
+    assert store.acquire_lease("b", now=114, ttl=10) is None
+    assert store.lease() == Lease("a", 1, 115)
+
+    assert store.acquire_lease("b", now=115, ttl=10) == 2
+    assert store.lease() == Lease("b", 2, 125)
+
+    store.release_lease("b", 1)
+    assert store.lease() == Lease("b", 2, 125)
+    store.release_lease("b", 2)
+    assert store.lease() == Lease(None, 2, 0)
+
+    assert store.acquire_lease("a", now=130, ttl=10) == 3
+    assert store.acquire_lease("b", now=131, ttl=10, force=True) == 4
+    assert store.acquire_lease("b", now=132, ttl=10, force=True) == 5
+    assert store.lease() == Lease("b", 5, 142)
+
+
+def test_busy_store_defers_and_writes_nothing_store_6(journal: Journal, tmp_path: Path) -> None:
+    """STORE-6: a second connection holding the write lock makes the fold DEFERRED; once it
+    commits, the same fold goes through."""
+    meta = append(journal, delivery(FOUR_HOURS))
+    with Store(tmp_path / "store.sqlite", busy_timeout_ms=50) as store:
+        epoch = store.acquire_lease("folder", now=NOW, ttl=TTL)
+        assert epoch is not None
+        before = rows(store.path)
+        with closing(sqlite3.connect(store.path, isolation_level=None)) as holder:
+            holder.execute("BEGIN EXCLUSIVE")
+            assert fold(journal, store, meta, epoch).outcome_class is OutcomeClass.DEFERRED
+            assert rows(store.path) == before
+            holder.execute("COMMIT")
+
+        report = fold(journal, store, meta, epoch)
+        assert (report.outcome_class, report.status) == (OutcomeClass.DONE, "parsed")
+        assert len(rows(store.path)["objects"]) == 4
+
+
+def test_unreadable_journal_leaves_the_delivery_pending_store_17(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-17: when the body cannot be read for another reason than busy, the fold writes
+    nothing and reports UNWRITTEN; the delivery stays pending."""
+    meta = append(journal, delivery(FOUR_HOURS))
+    before = rows(store.path)
+    journal.close()
+
+    report = fold(journal, store, meta, epoch)
+
+    assert report.outcome_class is OutcomeClass.UNWRITTEN
+    assert rows(store.path) == before
+
+
+@pytest.mark.parametrize("points", [4, 200], ids=["identity", "zlib"])
+def test_corrupt_journal_body_fails_the_delivery_store_7(
+    journal: Journal,
+    store: Store,
+    epoch: int,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    points: int,
+) -> None:
+    """STORE-7: a body that no longer matches its sha256 is failed with a reason and an ERROR
+    naming the delivery; nothing of it is folded."""
+    meta = append(journal, delivery(body({"hr": [point(m, m) for m in range(points)]})))
+    with closing(sqlite3.connect(tmp_path / "journal.sqlite", isolation_level=None)) as conn:
+        conn.execute("DROP TRIGGER deliveries_no_update")
+        encoding, stored = conn.execute(
+            "SELECT encoding, body FROM deliveries WHERE id = ?", (meta.id,)
+        ).fetchone()
+        flipped = bytearray(stored)
+        flipped[len(flipped) // 2] ^= 0x01
+        conn.execute("UPDATE deliveries SET body = ? WHERE id = ?", (bytes(flipped), meta.id))
+    assert encoding == ("identity" if points == 4 else "zlib")
+
+    report = fold(journal, store, meta, epoch)
+
+    assert (report.outcome_class, report.status) == (OutcomeClass.DONE, "failed")
+    assert report.reason == "body does not match its sha256"
+    outcome = store.outcome(meta.id)
+    assert outcome is not None
+    assert (outcome.status, outcome.reason) == ("failed", report.reason)
+    assert rows(store.path)["objects"] == []
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR] == [
+        f"delivery {meta.id}: body does not match its sha256"
+    ]
+
+
+def test_folding_a_folded_delivery_again_changes_nothing_store_8(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-8: a second fold of a folded delivery reports its outcome and writes nothing."""
+    meta = append(journal, delivery(FOUR_HOURS))
+    first = fold(journal, store, meta, epoch)
+    before = rows(store.path)
+
+    again = fold(journal, store, meta, epoch)
+
+    assert again == first
+    assert rows(store.path) == before
+
+
+def test_change_events_per_object_and_delivery_store_9(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-9: one object.changed per written object and one delivery.folded per delivery,
+    committed with the fold, gapless; a rolled-back fold leaves no event and no gap."""
+    three = body({"hr": [point(1, 60), point(61, 61)], "steps": [point(5, 100)]})
+    first = append(journal, delivery(three))
+    resend = append(journal, delivery(three))
+    later = append(journal, delivery(body({"hr": [point(2, 62)]})))
+
+    fold(journal, store, first, epoch)
+    fold(journal, store, resend, epoch)
+    with faults.loaded(plan("fold.before_commit", {1}, Deferred)):
+        assert fold(journal, store, later, epoch).outcome_class is OutcomeClass.DEFERRED
+    assert len(events(store)) == 5
+    fold(journal, store, later, epoch)
+
+    log = events(store)
+    assert [seq for seq, *_ in log] == list(range(1, 8))
+    assert [(event_id, kind) for _, event_id, kind, _ in log] == [
+        (f"{first.id}.1", "object.changed"),
+        (f"{first.id}.2", "object.changed"),
+        (f"{first.id}.3", "object.changed"),
+        (f"{first.id}.folded", "delivery.folded"),
+        (f"{resend.id}.folded", "delivery.folded"),
+        (f"{later.id}.1", "object.changed"),
+        (f"{later.id}.folded", "delivery.folded"),
+    ]
+    objects = {(o.key.metric, o.key.hour): o for o in store.iter_objects()}
+    changed = [payload for _, _, kind, payload in log if kind == "object.changed"]
+    assert [(p["metric"], p["layer"], p["delivery_id"]) for p in changed] == [
+        ("hr", "minutes", first.id),
+        ("hr", "minutes", first.id),
+        ("steps", "minutes", first.id),
+        ("hr", "minutes", later.id),
+    ]
+    last = changed[-1]
+    assert last["hour"] == "2024-03-01T00:00:00Z"
+    assert (last["hash"], last["points"]) == (objects["hr", BASE_US].hash.hex(), 2)
+    folded = [payload for _, _, kind, payload in log if kind == "delivery.folded"]
+    assert [(p["delivery_id"], p["status"]) for p in folded] == [
+        (first.id, "parsed"),
+        (resend.id, "parsed"),
+        (later.id, "parsed"),
+    ]
+    counters = [p["counters"] for p in folded]
+    assert [(c["objects_written"], c["objects_unchanged"]) for c in counters] == [
+        (3, 0),
+        (0, 3),
+        (1, 0),
+    ]
+
+
+def test_layer_is_inherited_from_the_journal_order_predecessor_store_10(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-10: a delivery without header and dense metric takes the layer of the preceding
+    delivery of its automation in journal order, not of the one journaled just before it."""
+    sparse = body({"weight": [point(30, 80.5)]})
+    early = append(journal, delivery(FIRST, received_at=BASE_US, aggregation="minutes"))
+    other = append(
+        journal, delivery(FIRST, received_at=BASE_US + 2, aggregation="days", automation="B")
+    )
+    late = append(journal, delivery(FIRST, received_at=BASE_US + 3, aggregation="hours"))
+    backfill = append(journal, delivery(sparse, received_at=BASE_US + 1, aggregation=None))
+    assert [m.id for m in journal.iter_order()] == [early.id, backfill.id, other.id, late.id]
+
+    for meta in (early, other, late, backfill):
+        assert fold(journal, store, meta, epoch, guard=False).status == "parsed"
+
+    outcome = store.outcome(backfill.id)
+    assert outcome is not None
+    assert outcome.layer == "minutes"
+    assert [o.key.layer for o in store.iter_objects(metric="weight")] == ["minutes"]
+
+
+@pytest.mark.parametrize("automation", ["B", None])
+def test_layer_not_derivable_fails_the_delivery_store_11(
+    journal: Journal, store: Store, epoch: int, automation: str | None
+) -> None:
+    """STORE-11: without header, dense metric or a predecessor of the same automation, the
+    delivery is failed and nothing of it is written."""
+    earlier = append(journal, delivery(FIRST, received_at=BASE_US, automation="A"))
+    sparse = body({"weight": [point(30, 80.5)]})
+    meta = append(
+        journal,
+        delivery(sparse, received_at=BASE_US + 1, aggregation=None, automation=automation),
+    )
+    fold(journal, store, earlier, epoch)
+
+    report = fold(journal, store, meta, epoch)
+
+    assert report.status == "failed"
+    assert report.reason is not None
+    assert report.reason.startswith("layer not derivable")
+    assert list(store.iter_objects(metric="weight")) == []
+
+
+@pytest.mark.parametrize(
+    ("later_body", "later_status"),
+    [
+        (body({"hr": [point(1, 60)]}), "parsed"),
+        (body({"hr": [point(1, 60), {"date": "yesterday-ish", "qty": 2}]}), "partial"),
+    ],
+)
+def test_backfill_behind_a_folded_delivery_warns_once_fold_10(
+    journal: Journal,
+    store: Store,
+    epoch: int,
+    caplog: pytest.LogCaptureFixture,
+    later_body: bytes,
+    later_status: str,
+) -> None:
+    """FOLD-10: folding a delivery when a later one is already parsed or partial commits, marks
+    the report out of order and logs one WARNING naming the delivery and `healthlog reindex`."""
+    later = append(journal, delivery(later_body))
+    assert fold(journal, store, later, epoch).status == later_status
+    backfill = append(journal, delivery(body({"steps": [point(1, 5)]}), received_at=BASE_US))
+    caplog.clear()
+
+    report = fold(journal, store, backfill, epoch)
+
+    assert (report.status, report.out_of_order) == ("parsed", True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert f"delivery {backfill.id} " in warnings[0]
+    assert "healthlog reindex" in warnings[0]
+
+
+@pytest.mark.parametrize("case", ["later_failed", "guard_off", "not_committed"])
+def test_out_of_order_guard_stays_silent_fold_11(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture, case: str
+) -> None:
+    """FOLD-11: no out-of-order warning when the later delivery failed, when the guard is off
+    (rebuilds), or when the fold does not commit."""
+    later_body = b"not json" if case == "later_failed" else body({"hr": [point(1, 60)]})
+    later = append(journal, delivery(later_body))
+    fold(journal, store, later, epoch)
+    backfill = append(journal, delivery(body({"steps": [point(1, 5)]}), received_at=BASE_US))
+    caplog.clear()
+
+    if case == "not_committed":
+        with faults.loaded(plan("fold.before_commit", {1}, Deferred)):
+            report = fold(journal, store, backfill, epoch)
+        assert report.outcome_class is OutcomeClass.DEFERRED
+    else:
+        report = fold(journal, store, backfill, epoch, guard=case != "guard_off")
+        assert report.status == "parsed"
+
+    assert not report.out_of_order
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
