@@ -99,12 +99,12 @@ class DeliveryFold:
             if self._layer is None:
                 self._finish(failure="layer not derivable: no header, no dense metric, no history")
                 return
-        for name in sorted(envelope.metrics):
-            group = envelope.metrics[name]
-            units = self._units(group.units)
-            self._counters.metrics += 1
-            assert self._layer is not None
-            yield from self._fold_series(name, self._layer, units, group.arrays)
+        self._counters.metrics = len(envelope.metrics)
+        if self._layer is not None:
+            for name in sorted(envelope.metrics):
+                group = envelope.metrics[name]
+                units = self._units(group.units)
+                yield from self._fold_series(name, self._layer, units, group.arrays)
         for section in sorted(envelope.sections):
             self._counters.sections += 1
             yield from self._fold_series(section, layers.RECORDS, None, envelope.sections[section])
@@ -167,8 +167,9 @@ class DeliveryFold:
             created_by, sealed, object_units = self._info.id, False, units
         else:
             points = objects.decode(stored.body)
-            created_by, sealed, object_units = stored.created_by, stored.sealed, stored.units
-            if units is not None and units != stored.units:
+            created_by, sealed = stored.created_by, stored.sealed
+            object_units = stored.units if stored.units is not None else units
+            if units is not None and units != object_units:
                 self._counters.unit_mismatches += 1
                 self._warn("unit mismatch, stored units kept", key.metric, key.layer, key.hour)
         if not merge_points(points, incoming, self._counters, on_collision):

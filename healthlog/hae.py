@@ -93,6 +93,7 @@ def _read_top(top: _Object | list[msgspec.Raw], envelope: Envelope, depth: int) 
             _read_top(inner, envelope, depth)
         else:
             _read_sections(inner, envelope)
+        _read_sections({k: v for k, v in top.items() if k != "data"}, envelope)
         return
     _read_sections(top, envelope)
 

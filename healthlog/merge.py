@@ -14,7 +14,8 @@ equally complete, different       incoming replaces stored    points_erased
 Within one delivery, points at equal coordinates are first reduced to one: the more
 complete wins, then the greater canonical form, then the greater raw bytes, so the result
 never depends on array order. Every collision between different canonical forms counts
-one overwrite.
+one overwrite; within a delivery, a coordinate with n distinct forms counts n - 1 and logs
+one warning, whatever the array order.
 """
 
 from __future__ import annotations
@@ -72,17 +73,21 @@ def reduce_delivery(
 ) -> dict[Coordinates, Point]:
     """Reduce the points of one delivery to one per coordinates, independent of order."""
     reduced: dict[Coordinates, Point] = {}
+    forms: dict[Coordinates, set[bytes]] = {}
     for point in points:
         key = (point.start, point.end)
         seen = reduced.get(key)
         if seen is None:
             reduced[key] = point
             continue
-        if seen.canonical != point.canonical:
-            counters.overwrites += 1
-            on_collision(key, Collision.WITHIN_DELIVERY)
+        if seen.canonical != point.canonical or key in forms:
+            forms.setdefault(key, {seen.canonical}).add(point.canonical)
         if _rank(point) > _rank(seen):
             reduced[key] = point
+    for key in sorted(forms):
+        if len(forms[key]) > 1:
+            counters.overwrites += len(forms[key]) - 1
+            on_collision(key, Collision.WITHIN_DELIVERY)
     return reduced
 
 

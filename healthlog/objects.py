@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import zlib
 
 import attrs
 
@@ -86,6 +87,8 @@ def decode(body: bytes) -> dict[Coordinates, bytes]:
         for line in plain.split(b"\n")[:-1]:
             start, end, raw = line.split(b"\t", 2)
             points[(int(start), int(end))] = raw
-    except (OSError, EOFError, ValueError) as exc:
+    except (OSError, EOFError, ValueError, zlib.error) as exc:
         raise ObjectCorrupt(f"object body cannot be decoded: {type(exc).__name__}") from None
+    if not points:
+        raise ObjectCorrupt("object body holds no point")
     return points

@@ -1,0 +1,531 @@
+"""Envelopes, metric entries, points and record sections, folded (specs/parsing.md)."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from fixtures import MemoryProjection, fold, make_body, resend
+
+from healthlog import objects
+from healthlog.fold import FAILED, PARSED, PARTIAL
+from healthlog.objects import ObjectKey
+from healthlog.points import decode_point
+from healthlog.timestamps import hour_of, parse_instant
+
+D0 = "2024-02-06 07:00:00 -0800"
+D1 = "2024-02-06 07:01:00 -0800"
+D2 = "2024-02-06 07:02:00 -0800"
+GOOD = [{"date": D0, "qty": 1}, {"date": D1, "qty": 2}]
+
+
+def envelope(*entries: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    return {"data": {"metrics": list(entries), **sections}}
+
+
+def metric(data: Any, name: str = "step_count", units: str = "count") -> dict[str, Any]:
+    return {"name": name, "units": units, "data": data}
+
+
+def encoded(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False).encode()
+
+
+def compact(point: dict[str, Any]) -> bytes:
+    return json.dumps(point, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def stored(projection: MemoryProjection) -> dict[tuple[str, str], dict[tuple[int, int], bytes]]:
+    """Every stored point by metric and layer."""
+    out: dict[tuple[str, str], dict[tuple[int, int], bytes]] = {}
+    for key, obj in projection.objects.items():
+        out.setdefault((key.metric, key.layer), {}).update(objects.decode(obj.body))
+    return out
+
+
+def hashes(projection: MemoryProjection) -> dict[ObjectKey, bytes]:
+    return {key: obj.hash for key, obj in projection.objects.items()}
+
+
+def folded(body: bytes, **kwargs: Any) -> tuple[MemoryProjection, Any]:
+    projection = MemoryProjection()
+    _, outcome = fold(body, projection, **kwargs)
+    return projection, outcome
+
+
+def test_app_envelope() -> None:
+    """PARSE-1: every point of the app's envelope is stored under its metric, verbatim."""
+    body = make_body(1, hours=1)
+    projection, outcome = folded(body)
+    assert outcome.status == PARSED
+    assert outcome.reason is None
+    assert outcome.counters.metrics == 2
+    assert outcome.counters.points == outcome.counters.points_new == 120
+    points = stored(projection)
+    for entry in json.loads(body)["data"]["metrics"]:
+        raws = points[(entry["name"], "minutes")]
+        assert sorted(raws.values()) == sorted(compact(p) for p in entry["data"])
+    assert {obj.units for obj in projection.objects.values()} == {"count/min", "count"}
+
+
+def test_no_data_wrapper() -> None:
+    """PARSE-2: the inner object alone folds like the wrapped body."""
+    body = make_body(2, hours=2)
+    inner = json.loads(body)["data"]
+    inner["workouts"] = []
+    wrapped, _ = folded(body)
+    bare, outcome = folded(encoded(inner))
+    assert outcome.status == PARSED
+    assert hashes(bare) == hashes(wrapped)
+
+
+def test_array_wrapped_bodies() -> None:
+    """PARSE-3: `[{"data":...}]`, `{"data":[...]}` and split envelopes fold alike."""
+    body = make_body(3, hours=1)
+    whole = json.loads(body)
+    heart, steps = whole["data"]["metrics"]
+    expected, _ = folded(body)
+    for variant in (
+        [whole],
+        {"data": [whole["data"]]},
+        [envelope(heart), envelope(steps)],
+        [{"data": {"metrics": [heart]}}, {"metrics": [steps]}],
+    ):
+        projection, outcome = folded(encoded(variant))
+        assert outcome.status == PARSED
+        assert hashes(projection) == hashes(expected)
+
+
+def test_array_wrapped_bad_elements() -> None:
+    """PARSE-3: an element that is not an object, or a nested array, is a rejected entry."""
+    body = [envelope(metric(GOOD)), 3, "x", [envelope(metric(GOOD))]]
+    projection, outcome = folded(encoded(body))
+    assert outcome.status == PARTIAL
+    assert outcome.counters.entries_rejected == 3
+    assert len(stored(projection)[("step_count", "minutes")]) == 2
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{}",
+        b"[]",
+        b'{"data":{}}',
+        b'{"data":[]}',
+        b'{"data":{"metrics":[]}}',
+        b'{"data":{"metrics":[],"workouts":[],"symptoms":[]}}',
+        b'[{"data":{}},{}]',
+    ],
+)
+def test_empty_envelopes(body: bytes) -> None:
+    """PARSE-4: empty envelopes are parsed, write nothing and need no layer."""
+    projection, outcome = folded(body)
+    assert (outcome.status, outcome.reason, outcome.layer) == (PARSED, None, None)
+    assert projection.objects == {}
+
+
+@pytest.mark.parametrize(
+    ("body", "aggregation"),
+    [
+        (envelope(metric([])), None),
+        (envelope(metric([])), "minutes"),
+        (envelope({"name": "step_count", "units": "count"}), None),
+        (envelope(metric([]), workouts=[{"start": D0, "end": D2, "name": "Walk"}]), None),
+    ],
+    ids=["empty data", "empty data with header", "no data key", "beside a section"],
+)
+def test_empty_metric(body: dict[str, Any], aggregation: str | None) -> None:
+    """PARSE-5: a metric without points is an empty metric, not an error."""
+    projection, outcome = folded(encoded(body), aggregation=aggregation)
+    assert outcome.status == PARSED
+    assert outcome.counters.points == len(body["data"].get("workouts", []))
+    assert len(projection.objects) == outcome.counters.points
+
+
+def test_unknown_sections() -> None:
+    """PARSE-6: unknown sections are counted, not an error."""
+    body = envelope(metric(GOOD), foo=[{"date": D0}], bar={"x": 1})
+    projection, outcome = folded(encoded(body))
+    assert outcome.status == PARSED
+    assert outcome.counters.unknown_sections == 2
+    assert outcome.reason is None
+    assert len(stored(projection)[("step_count", "minutes")]) == 2
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'"x"',
+        b"3",
+        b"null",
+        b"true",
+        b"",
+        b"   ",
+        make_body(4)[:-7],
+        b'{"data":{"metrics":[{"name":"a","data":[{"date":"%s","qty":NaN}]}]}}' % D0.encode(),
+        b'{"data":{"metrics":[{"name":"a","data":[{"date":"%s","qty":Infinity}]}]}}' % D0.encode(),
+        b'{"data":{"metrics":[{"name":"a","data":[{"date":"%s","source":"\\ud800"}]}]}}'
+        % D0.encode(),
+        b"\xff\xfe{}",
+    ],
+    ids=[
+        "string",
+        "number",
+        "null",
+        "bool",
+        "empty",
+        "blank",
+        "truncated",
+        "NaN",
+        "Infinity",
+        "lone surrogate",
+        "UTF-16 BOM",
+    ],
+)
+def test_undecodable_bodies(body: bytes) -> None:
+    """PARSE-7: a body that is not a JSON object or array fails and writes nothing."""
+    projection, outcome = folded(body, aggregation="minutes")
+    assert outcome.status == FAILED
+    assert outcome.reason is not None
+    assert outcome.reason.startswith("undecodable body")
+    assert projection.objects == {}
+
+
+def test_byte_order_mark() -> None:
+    """PARSE-8: a UTF-8 BOM in front of the body is ignored."""
+    body = make_body(5)
+    plain, _ = folded(body)
+    marked, outcome = folded(b"\xef\xbb\xbf" + body)
+    assert outcome.status == PARSED
+    assert hashes(marked) == hashes(plain)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"metrics": [metric(GOOD), {"units": "count", "data": GOOD}]},
+        {"metrics": [metric(GOOD), {"name": "", "data": GOOD}]},
+        {"metrics": [metric(GOOD), {"name": 7, "data": GOOD}]},
+        {"metrics": [metric(GOOD), {"name": None, "data": GOOD}]},
+        {"metrics": [metric(GOOD), metric({"date": D0}, name="heart_rate")]},
+        {"metrics": [metric(GOOD), metric("none", name="heart_rate")]},
+        {"metrics": [metric(GOOD), "heart_rate"]},
+        {"metrics": [metric(GOOD), ["heart_rate"]]},
+        {"metrics": [metric(GOOD)], "workouts": {"start": D0}},
+        {"metrics": [metric(GOOD)], "symptoms": "none"},
+    ],
+    ids=[
+        "no name",
+        "empty name",
+        "numeric name",
+        "null name",
+        "data an object",
+        "data a string",
+        "entry a string",
+        "entry an array",
+        "workouts an object",
+        "symptoms a string",
+    ],
+)
+def test_broken_entries_beside_good_ones(broken: dict[str, Any]) -> None:
+    """PARSE-9: a broken entry is rejected and counted; the good metric is stored."""
+    projection, outcome = folded(encoded({"data": broken}))
+    assert outcome.status == PARTIAL
+    assert outcome.counters.entries_rejected == 1
+    assert outcome.counters.points == 2
+    assert list(stored(projection)) == [("step_count", "minutes")]
+
+
+def test_metrics_not_an_array() -> None:
+    """PARSE-9: a `metrics` value that is not an array is a rejected entry beside good records."""
+    body = {"data": {"metrics": {"name": "x"}, "workouts": [{"start": D0, "end": D1}]}}
+    projection, outcome = folded(encoded(body))
+    assert outcome.status == PARTIAL
+    assert outcome.counters.entries_rejected == 1
+    assert list(stored(projection)) == [("workouts", "records")]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"data": {"metrics": [{"units": "count", "data": GOOD}]}},
+        {"data": "metrics"},
+        {"data": {"metrics": "none"}},
+        [1, 2],
+        {"data": {"metrics": [metric([{"date": "soon", "qty": 1}, {"qty": 2}, 3])]}},
+    ],
+    ids=["nameless metric", "data a string", "metrics a string", "array of numbers", "bad points"],
+)
+def test_nothing_readable(body: Any) -> None:
+    """PARSE-10: when everything is rejected the delivery fails and writes nothing."""
+    projection, outcome = folded(encoded(body), aggregation="minutes")
+    assert outcome.status == FAILED
+    assert outcome.reason is not None
+    assert outcome.reason.startswith("nothing could be read")
+    assert projection.objects == {}
+
+
+def test_point_shapes() -> None:
+    """PARSE-11: every point shape is stored verbatim, as an instant at its date."""
+    shapes = {
+        "step_count": {"date": D0, "qty": 46, "source": "Anna\u2019s iPhone"},
+        "heart_rate": {"date": D0, "Min": 48.4, "Avg": 76.04408808920257, "Max": 133},
+        "blood_pressure": {"systolic": 121, "date": D0, "diastolic": 79},
+        "sexual_activity": {"date": D0, "Unspecified": 0, "Protection Used": 1},
+        "blood_glucose": {"date": D0, "qty": 5.4, "mealTime": "Before Meal"},
+    }
+    body = envelope(*(metric([p], name=n) for n, p in shapes.items()))
+    projection, outcome = folded(encoded(body), aggregation="minutes")
+    assert outcome.status == PARSED
+    instant = parse_instant(D0)
+    points = stored(projection)
+    for name, point in shapes.items():
+        assert points[(name, "minutes")] == {(instant, instant): compact(point)}
+
+
+def test_pretty_printed_points_are_compacted() -> None:
+    """PARSE-11: whitespace between tokens goes; the rest of the point stays as written."""
+    body = (
+        b'{\n  "data" : {\n    "metrics" : [ {\n      "data" : [ {\n        "qty" : 34 ,\n'
+        b'        "date" : "2021-03-14 00:01:00 +0000"\n      } ],\n'
+        b'      "name" : "step_count",\n      "units" : "count"\n    } ]\n  }\n}\n'
+    )
+    projection, _ = folded(body, aggregation="minutes")
+    [raw] = stored(projection)[("step_count", "minutes")].values()
+    assert raw == b'{"qty":34,"date":"2021-03-14 00:01:00 +0000"}'
+
+
+def test_sleep_segments_sharing_a_start() -> None:
+    """PARSE-12: two segments with the same startDate and different endDate are two points."""
+    segments = [
+        {"startDate": D0, "endDate": "2024-02-06 08:00:00 -0800", "value": "Core", "qty": 1},
+        {"startDate": D0, "endDate": "2024-02-06 07:30:00 -0800", "value": "Deep", "qty": 0.5},
+    ]
+    body = envelope(metric(segments, name="sleep_analysis", units="hr"))
+    projection, outcome = folded(encoded(body), aggregation="days")
+    assert outcome.counters.points_new == 2
+    points = stored(projection)[("sleep_analysis", "days")]
+    start = parse_instant(D0)
+    assert sorted(points) == [
+        (start, parse_instant("2024-02-06 07:30:00 -0800")),
+        (start, parse_instant("2024-02-06 08:00:00 -0800")),
+    ]
+
+
+def test_coordinates_in_a_fold() -> None:
+    """PARSE-13: start/end win over date, date alone is an instant, sleepStart does not count."""
+    hourly = {"date": D0, "start": D1, "end": "2024-02-06 08:00:00 -0800", "qty": 3}
+    sleep = {"date": D0, "sleepStart": "2024-02-05 22:00:00 -0800", "totalSleep": 6.4}
+    body = envelope(metric([hourly], name="step_count"), metric([sleep], name="sleep_analysis"))
+    projection, _ = folded(encoded(body), aggregation="hours")
+    points = stored(projection)
+    assert list(points[("step_count", "hours")]) == [
+        (parse_instant(D1), parse_instant("2024-02-06 08:00:00 -0800"))
+    ]
+    assert list(points[("sleep_analysis", "hours")]) == [(parse_instant(D0), parse_instant(D0))]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"start": "2024-02-06 25:00:00 -0800", "date": D2, "qty": 3},
+        {"start": None, "date": D2, "qty": 3},
+        {"startDate": "", "date": D2, "qty": 3},
+    ],
+    ids=["start impossible", "start null", "startDate empty"],
+)
+def test_no_fallback_in_a_fold(bad: dict[str, Any]) -> None:
+    """PARSE-14: the point whose first start key does not parse is rejected, the rest stored."""
+    projection, outcome = folded(encoded(envelope(metric([*GOOD, bad]))), aggregation="minutes")
+    assert outcome.status == PARTIAL
+    assert (outcome.counters.points, outcome.counters.points_rejected) == (2, 1)
+    assert len(stored(projection)[("step_count", "minutes")]) == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        3,
+        "2024-02-06 07:02:00 -0800",
+        [D2],
+        None,
+        {"date": 1707231720, "qty": 3},
+        {"qty": 3},
+        {},
+        {"start": D2, "end": D0},
+    ],
+    ids=["number", "string", "array", "null", "date a number", "no start", "empty", "end first"],
+)
+def test_not_a_point_in_a_fold(bad: Any) -> None:
+    """PARSE-15: a point that is no point is rejected and counted; the good ones are stored."""
+    projection, outcome = folded(encoded(envelope(metric([*GOOD, bad]))), aggregation="minutes")
+    assert outcome.status == PARTIAL
+    assert outcome.counters.points_rejected == 1
+    assert len(stored(projection)[("step_count", "minutes")]) == 2
+
+
+def test_qty_as_string_in_a_fold() -> None:
+    """PARSE-16: a string quantity is stored as it came."""
+    point = {"date": D2, "qty": "12", "source": ""}
+    projection, outcome = folded(encoded(envelope(metric([*GOOD, point]))))
+    assert outcome.status == PARSED
+    assert compact(point) in stored(projection)[("step_count", "minutes")].values()
+
+
+def test_numbers_verbatim() -> None:
+    """PARSE-17: number spellings survive byte for byte; 2**70 keeps its digits."""
+    raw = b'{"date":"%s","qty":%d,"f":1E5,"g":46.00000000000001,"h":-0.0}' % (D2.encode(), 2**70)
+    body = b'{"data":{"metrics":[{"name":"n","data":[%s]}]}}' % raw
+    projection, outcome = folded(body, aggregation="minutes")
+    assert outcome.status == PARSED
+    [stored_raw] = stored(projection)[("n", "minutes")].values()
+    assert stored_raw == raw
+    assert b"1180591620717411303424" in decode_point(stored_raw).canonical
+
+
+@pytest.mark.parametrize("depth", [500, 10_000])
+def test_deep_nesting(depth: int) -> None:
+    """PARSE-18: a deeply nested point is rejected or fails the delivery; never an exception."""
+    deep = b'{"date":"%s","x":%s%s}' % (D2.encode(), b"[" * depth, b"]" * depth)
+    good = b",".join(compact(p) for p in GOOD)
+    body = b'{"data":{"metrics":[{"name":"n","data":[%s,%s]}]}}' % (good, deep)
+    projection, outcome = folded(body, aggregation="minutes")
+    if outcome.status == FAILED:
+        assert projection.objects == {}
+    else:
+        assert outcome.status == PARTIAL
+        assert outcome.counters.points_rejected == 1
+        assert len(stored(projection)[("n", "minutes")]) == 2
+
+
+def test_invalid_utf8_in_a_point() -> None:
+    """PARSE-19: a point with invalid UTF-8 is rejected, its neighbours stored."""
+    bad = b'{"date":"%s","source":"Anna\xff\xfe Watch","qty":3}' % D2.encode()
+    good = b",".join(compact(p) for p in GOOD)
+    body = b'{"data":{"metrics":[{"name":"n","data":[%s,%s]}]}}' % (good, bad)
+    projection, outcome = folded(body, aggregation="minutes")
+    assert outcome.status == PARTIAL
+    assert outcome.counters.points_rejected == 1
+    assert b"\xff" not in b"".join(stored(projection)[("n", "minutes")].values())
+
+
+def test_strings_verbatim() -> None:
+    """PARSE-20: `&<>`, escapes and non-ASCII text are stored byte-identical."""
+    raw = (
+        b'{"date":"%s","qty":1,"note":"a&b <i>x</i> \\u0026 \\/ \\"q\\"",'
+        b'"source":"Anna\xe2\x80\x99s Apple\xc2\xa0Watch \xf0\x9f\x92\x96"}' % D2.encode()
+    )
+    body = b'{"data":{"metrics":[{"name":"n","data":[%s]}]}}' % raw
+    projection, _ = folded(body, aggregation="minutes")
+    [obj] = projection.objects.values()
+    assert list(objects.decode(obj.body).values()) == [raw]
+
+
+RECORDS: dict[str, list[dict[str, Any]]] = {
+    "workouts": [
+        {
+            "name": "Walking",
+            "start": "2023-05-14 18:12:05 -0500",
+            "end": "2023-05-14 18:40:55 -0500",
+            "distance": {"qty": 0.59, "units": "mi"},
+            "heartRateRecovery": [{"date": "2023-05-14 18:30:01 -0500", "qty": 74}],
+        },
+        {
+            "id": "0F6E2C1A-0000-4000-8000-00000000C0DE",
+            "name": "Hiking",
+            "start": "2024-02-06 06:45:00 -0700",
+            "end": "2024-02-06 08:05:30 -0700",
+            "source": {"identifier": "org.test.fixture", "name": "Fixture"},
+            "route": [
+                {
+                    "latitude": 47.0101,
+                    "longitude": 8.3045,
+                    "timestamp": "2024-02-06 07:00 -0700",
+                },
+                {
+                    "latitude": 47.0104,
+                    "longitude": 8.3049,
+                    "timestamp": "2024-02-06 07:01 -0700",
+                },
+            ],
+            "heartRateData": [{"date": "2024-02-06 07:00:00 -0700", "Avg": 119.8, "units": "bpm"}],
+        },
+    ],
+    "symptoms": [{"name": "Headache", "severity": "Mild", "start": D0, "end": D2}],
+    "ecg": [{"classification": "Sinus Rhythm", "start": D0, "end": D1, "voltageMeasurements": []}],
+    "stateOfMind": [{"id": "s1", "kind": "momentaryEmotion", "valence": 0.4, "start": D0}],
+    "medications": [{"displayText": "Ibuprofen", "start": D0, "end": D0, "dosage": 1}],
+    "cycleTracking": [{"date": "2024-02-06", "flow": "medium"}],
+    "heartRateNotifications": [{"start": D0, "end": D2, "threshold": 120}],
+}
+
+
+def test_record_sections() -> None:
+    """PARSE-21: every record section becomes a pseudo-metric in layer `records`, units null."""
+    body = encoded({"data": {"metrics": [], **RECORDS}})
+    projection, outcome = folded(body)
+    assert outcome.status == PARSED
+    assert outcome.counters.sections == len(RECORDS)
+    assert outcome.layer is None
+    points = stored(projection)
+    assert set(points) == {(name, "records") for name in RECORDS}
+    for name, records in RECORDS.items():
+        expected = {}
+        for record in records:
+            start = parse_instant(record.get("start", record.get("date")))
+            end = parse_instant(record.get("end", record.get("start", record.get("date"))))
+            expected[(start, end)] = compact(record)
+        assert points[(name, "records")] == expected
+    for key, obj in projection.objects.items():
+        assert obj.units is None
+        assert key.hour == hour_of(obj.first)
+
+
+def test_record_without_parseable_start() -> None:
+    """PARSE-22: a record without a parseable start is rejected, the others stored."""
+    workouts = [
+        RECORDS["workouts"][0],
+        {"name": "Run", "end": D2},
+        {"name": "Swim", "start": "later", "end": D2},
+    ]
+    projection, outcome = folded(encoded({"workouts": workouts}))
+    assert outcome.status == PARTIAL
+    assert (outcome.counters.points, outcome.counters.points_rejected) == (1, 2)
+    assert len(stored(projection)[("workouts", "records")]) == 1
+
+
+def test_same_instant_other_offset() -> None:
+    """PARSE-23: a re-send in another UTC offset lands on the same coordinates."""
+    body = make_body(6, hours=2, metrics=("heart_rate", "sleep_analysis"))
+    projection = MemoryProjection()
+    fold(body, projection, aggregation="minutes")
+    before = hashes(projection)
+    for offset_hours in (0, 5.5, -3):
+        again = resend(body, 7, offset=timedelta(hours=offset_hours))
+        written, outcome = fold(again, projection, delivery_id=2, aggregation="minutes")
+        assert written == []
+        assert outcome.counters.points_unchanged == outcome.counters.points
+    assert hashes(projection) == before
+
+
+def test_reasons_keep_values_private() -> None:
+    """PARSE-33: the reason counts kinds of rejection and quotes nothing from the body."""
+    secrets = ["2031-13-45 99:99:99 +9999", "Secret Watch 4711", "987.654"]
+    points = [
+        *GOOD,
+        {"date": secrets[0], "qty": 987.654, "source": secrets[1]},
+        {"date": secrets[0], "qty": 987.654},
+        {"start": D0, "end": secrets[0]},
+        987.654,
+    ]
+    body = envelope(metric(points), {"name": secrets[1], "data": secrets[1]})
+    _, outcome = folded(encoded(body), aggregation="minutes")
+    assert outcome.status == PARTIAL
+    assert outcome.counters.points_rejected == 4
+    assert outcome.counters.entries_rejected == 1
+    assert outcome.reason is not None
+    assert "(x2)" in outcome.reason
+    for secret in secrets:
+        assert secret not in outcome.reason

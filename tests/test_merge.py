@@ -1,0 +1,178 @@
+"""The merge table and the reduction within a delivery, as pure functions (specs/merge.md)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import attrs
+import pytest
+
+from healthlog.merge import Collision, Coordinates, Counters, merge_points, reduce_delivery
+from healthlog.points import Point, decode_point
+
+DATE = "2024-02-06 07:00:00 -0800"
+AT = decode_point(b'{"date":"%s"}' % DATE.encode()).start
+KEY = (AT, AT)
+
+
+def point(**fields: Any) -> Point:
+    return decode_point(json.dumps({"date": DATE, **fields}).encode())
+
+
+class Recorder:
+    """Collects the collisions reported by the merge functions."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Coordinates, Collision]] = []
+
+    def __call__(self, coords: Coordinates, kind: Collision) -> None:
+        self.seen.append((coords, kind))
+
+
+def merge(stored_point: Point | None, incoming: Point) -> tuple[bool, bytes, Counters, Recorder]:
+    stored = {} if stored_point is None else {KEY: stored_point.raw}
+    counters, recorder = Counters(), Recorder()
+    changed = merge_points(stored, {KEY: incoming}, counters, recorder)
+    return changed, stored[KEY], counters, recorder
+
+
+def test_new_point() -> None:
+    """MERGE-7: a point at free coordinates is stored and counted as new."""
+    incoming = point(qty=1)
+    changed, kept, counters, recorder = merge(None, incoming)
+    assert (changed, kept) == (True, incoming.raw)
+    assert (counters.points_new, counters.overwrites) == (1, 0)
+    assert recorder.seen == []
+
+
+def test_same_canonical_form_changes_nothing() -> None:
+    """MERGE-6: same canonical form: stored bytes kept, no counter but unchanged, no report."""
+    stored = point(qty=46, source="A")
+    incoming = decode_point(
+        b'{"source":"A","qty":46.00000000000001,"date":"2024-02-06 15:00:00 +0000","x":""}'
+    )
+    changed, kept, counters, recorder = merge(stored, incoming)
+    assert (changed, kept) == (False, stored.raw)
+    assert counters == Counters(points_unchanged=1)
+    assert recorder.seen == []
+
+
+def test_more_complete_replaces() -> None:
+    """MERGE-7: a more complete point replaces the stored one."""
+    stored = point(qty=46)
+    incoming = point(qty=46, source="A")
+    changed, kept, counters, recorder = merge(stored, incoming)
+    assert (changed, kept) == (True, incoming.raw)
+    assert counters == Counters(points_replaced=1, overwrites=1)
+    assert recorder.seen == [(KEY, Collision.REPLACED)]
+
+
+def test_less_complete_is_held() -> None:
+    """MERGE-8: a less complete point never erases fields of the stored one."""
+    stored = point(qty=46, source="A", context="resting")
+    incoming = point(qty=47)
+    changed, kept, counters, recorder = merge(stored, incoming)
+    assert (changed, kept) == (False, stored.raw)
+    assert counters == Counters(points_held=1, overwrites=1)
+    assert recorder.seen == [(KEY, Collision.HELD)]
+
+
+def test_equal_completeness_later_wins() -> None:
+    """MERGE-9: equally complete, different content: the incoming (later) point wins."""
+    stored = point(qty=46, source="A")
+    incoming = point(qty=47, source="A")
+    changed, kept, counters, recorder = merge(stored, incoming)
+    assert (changed, kept) == (True, incoming.raw)
+    assert counters == Counters(points_erased=1, overwrites=1)
+    assert recorder.seen == [(KEY, Collision.ERASED)]
+
+
+def test_reattributed_source_is_one_point() -> None:
+    """MERGE-1: a point re-attributed from `A|B` to `A` stays one point at its coordinates."""
+    stored = point(qty=46, source="Watch|iPad")
+    incoming = point(qty=46, source="Watch")
+    changed, kept, counters, _ = merge(stored, incoming)
+    assert (changed, kept) == (True, incoming.raw)
+    assert counters.points_new == 0
+
+
+def test_merge_touches_only_incoming_coordinates() -> None:
+    """MERGE-14: merging never removes a stored point the delivery does not carry."""
+    other = (AT + 1, AT + 1)
+    stored = {KEY: point(qty=1).raw, other: b'{"date":"x"}'}
+    merge_points(stored, {KEY: point(qty=2)}, Counters(), Recorder())
+    assert set(stored) == {KEY, other}
+    assert stored[other] == b'{"date":"x"}'
+
+
+def reduced(points: list[Point]) -> tuple[Point, Counters, Recorder]:
+    counters, recorder = Counters(), Recorder()
+    result = reduce_delivery(points, counters, recorder)
+    assert list(result) == [KEY]
+    return result[KEY], counters, recorder
+
+
+def test_reduction_prefers_completeness() -> None:
+    """MERGE-10: within a delivery the more complete point wins."""
+    rich = point(qty=1, source="A", context="x")
+    for order in itertools.permutations([point(qty=9), rich, point(qty=5, source="B")]):
+        winner, counters, recorder = reduced(list(order))
+        assert winner == rich
+        assert counters.overwrites == 2
+        assert recorder.seen == [(KEY, Collision.WITHIN_DELIVERY)]
+
+
+def test_reduction_tie_takes_greater_canonical_form() -> None:
+    """MERGE-10: at equal completeness the greater canonical form wins, in any order."""
+    candidates = [point(qty=q, source="A") for q in (1.5, 10, 2, 1.6)]
+    greatest = max(candidates, key=lambda p: p.canonical)
+    assert json.loads(greatest.raw)["qty"] == 2
+    for order in itertools.permutations(candidates):
+        winner, _, _ = reduced(list(order))
+        assert winner == greatest
+
+
+def test_reduction_same_canonical_form_is_no_collision() -> None:
+    """MERGE-10: copies with the same canonical form reduce to one raw choice, no overwrite."""
+    copies = [
+        decode_point(b'{"date":"%s","qty":46}' % DATE.encode()),
+        decode_point(b'{"qty":46.0,"date":"%s"}' % DATE.encode()),
+        decode_point(b'{"qty":46,"date":"2024-02-06T15:00:00Z","source":""}'),
+    ]
+    winners = set()
+    for order in itertools.permutations(copies):
+        winner, counters, recorder = reduced(list(order))
+        winners.add(winner.raw)
+        assert counters.overwrites == 0
+        assert recorder.seen == []
+    assert len(winners) == 1
+
+
+def test_reduction_keeps_distinct_coordinates() -> None:
+    """MERGE-10: points at different coordinates are never reduced together."""
+    first = point(qty=1)
+    later = decode_point(b'{"date":"2024-02-06 07:01:00 -0800","qty":1}')
+    segment = point(endDate="2024-02-06 08:00:00 -0800")
+    counters = Counters()
+    result = reduce_delivery([first, later, segment], counters, Recorder())
+    assert len(result) == 3
+    assert counters.overwrites == 0
+
+
+@pytest.mark.parametrize(
+    ("stored", "incoming", "counter"),
+    [
+        ({"qty": 1}, {"qty": 1.0}, "points_unchanged"),
+        ({"qty": 1}, {"qty": 1, "source": "A"}, "points_replaced"),
+        ({"qty": 1, "source": "A"}, {"qty": 2}, "points_held"),
+        ({"qty": 1}, {"qty": 2}, "points_erased"),
+    ],
+)
+def test_table_counters(stored: dict[str, Any], incoming: dict[str, Any], counter: str) -> None:
+    """MERGE-6, MERGE-7, MERGE-8, MERGE-9: each row of the table moves exactly its counter."""
+    _, _, counters, _ = merge(point(**stored), point(**incoming))
+    moved = {name for name, value in attrs.asdict(counters).items() if value} - {"overwrites"}
+    assert moved == {counter}
+    assert counters.overwrites == (0 if counter == "points_unchanged" else 1)

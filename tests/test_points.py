@@ -1,0 +1,219 @@
+"""Points: coordinates and canonical form (specs/parsing.md, specs/merge.md)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from healthlog.points import PointError, canonical_form, completeness, coordinates, decode_point
+from healthlog.timestamps import parse_instant
+
+FEB_6_15H = parse_instant("2024-02-06 15:00:00 +0000")
+FEB_6_16H = parse_instant("2024-02-06 16:00:00 +0000")
+
+
+def test_start_and_end_win_over_date() -> None:
+    """PARSE-13: `start`/`end` next to `date` give the coordinates."""
+    point = {
+        "date": "2024-02-06 00:00:00 +0000",
+        "start": "2024-02-06 15:00:00 +0000",
+        "end": "2024-02-06 16:00:00 +0000",
+    }
+    assert coordinates(point) == (FEB_6_15H, FEB_6_16H)
+
+
+def test_date_only_is_an_instant() -> None:
+    """PARSE-13: a point with `date` only has end equal to start."""
+    assert coordinates({"date": "2024-02-06 07:00:00 -0800", "qty": 1}) == (FEB_6_15H, FEB_6_15H)
+
+
+def test_aggregated_sleep_takes_its_date() -> None:
+    """PARSE-13: sleepStart/sleepEnd of aggregated sleep do not give coordinates."""
+    point = {
+        "date": "2024-02-06 07:00:00 -0800",
+        "sleepStart": "2024-02-05 22:05:47 -0800",
+        "sleepEnd": "2024-02-06 05:31:32 -0800",
+        "totalSleep": 6.4,
+    }
+    assert coordinates(point) == (FEB_6_15H, FEB_6_15H)
+
+
+def test_segments_with_one_start_keep_their_ends() -> None:
+    """PARSE-12: startDate/endDate segments sharing a start differ by their end."""
+    first = {"startDate": "2024-02-06 07:00:00 -0800", "endDate": "2024-02-06 08:00:00 -0800"}
+    second = {"startDate": "2024-02-06 07:00:00 -0800", "endDate": "2024-02-06 07:30:00 -0800"}
+    assert coordinates(first)[0] == coordinates(second)[0]
+    assert coordinates(first) != coordinates(second)
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        {"start": "not a date", "date": "2024-02-06 07:00:00 -0800"},
+        {"start": None, "startDate": "2024-02-06 07:00:00 -0800"},
+        {"startDate": "2024-02-31 07:00:00 -0800", "date": "2024-02-06 07:00:00 -0800"},
+    ],
+    ids=["start garbage", "start null", "startDate impossible"],
+)
+def test_first_start_key_decides_without_fallback(point: dict[str, Any]) -> None:
+    """PARSE-14: an unparseable value in the first present start key rejects the point."""
+    with pytest.raises(PointError):
+        coordinates(point)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"3",
+        b'"2024-02-06 07:00:00 -0800"',
+        b'["2024-02-06 07:00:00 -0800"]',
+        b"null",
+        b'{"date": 1707231600, "qty": 1}',
+        b'{"qty": 1, "source": "x"}',
+        b'{"start": "2024-02-06 08:00:00 -0800", "end": "2024-02-06 07:00:00 -0800"}',
+        b'{"date": "2024-02-06 07:00:00 -0800", "end": "soon"}',
+        b'{"date": "2024-02-06 07:00:00 -0800"',
+    ],
+    ids=[
+        "number",
+        "string",
+        "array",
+        "null",
+        "date as number",
+        "no start key",
+        "end before start",
+        "end unparseable",
+        "truncated",
+    ],
+)
+def test_not_a_point(raw: bytes) -> None:
+    """PARSE-15: a point that is not an object or has no usable coordinates is rejected."""
+    with pytest.raises(PointError):
+        decode_point(raw)
+
+
+def test_qty_as_string_is_kept() -> None:
+    """PARSE-16: field values are not interpreted; a string `qty` is a point like any other."""
+    raw = b'{"date":"2024-02-06 07:00:00 -0800","qty":"12"}'
+    point = decode_point(raw)
+    assert point.raw == raw
+    assert point.canonical == b'{"date":%d,"qty":"12"}' % FEB_6_15H
+
+
+def test_big_integer_keeps_its_digits() -> None:
+    """PARSE-17, MERGE-3: 2**70 is kept exactly, verbatim and in the canonical form."""
+    raw = b'{"date":"2024-02-06 07:00:00 -0800","qty":%d}' % 2**70
+    point = decode_point(raw)
+    assert point.raw == raw
+    assert b"1180591620717411303424" in point.canonical
+    assert json.loads(point.canonical)["qty"] == 2**70
+
+
+def test_canonical_sorts_keys() -> None:
+    """MERGE-2: key order never matters and the keys come out sorted."""
+    first = {"qty": 1, "date": "2024-02-06 07:00:00 -0800", "source": "A"}
+    second = {"source": "A", "qty": 1, "date": "2024-02-06 07:00:00 -0800"}
+    assert canonical_form(first) == canonical_form(second)
+    assert canonical_form(first) == b'{"date":%d,"qty":1,"source":"A"}' % FEB_6_15H
+
+
+@pytest.mark.parametrize("empty", ["", None, [], {}])
+def test_canonical_drops_empty_values(empty: object) -> None:
+    """MERGE-2: `"source": ""`, null, [] and {} equal an absent key."""
+    bare = {"date": "2024-02-06 07:00:00 -0800", "qty": 46}
+    assert canonical_form({**bare, "source": empty}) == canonical_form(bare)
+
+
+def test_canonical_normalises_nested_objects() -> None:
+    """MERGE-2: nested objects get sorted keys, dropped empties and normalised numbers."""
+    first = {
+        "start": "2024-02-06 07:00:00 -0800",
+        "distance": {"units": "mi", "qty": 2.0, "note": None},
+        "route": [{"timestamp": "x", "speed": 1.10000000000001, "extra": {"a": ""}}],
+    }
+    second = {
+        "route": [{"speed": 1.1, "timestamp": "x"}],
+        "distance": {"qty": 2, "units": "mi"},
+        "start": "2024-02-06 15:00:00 +0000",
+    }
+    assert canonical_form(first) == canonical_form(second)
+    assert canonical_form(first) == (
+        b'{"distance":{"qty":2,"units":"mi"},"route":[{"speed":1.1,"timestamp":"x"}],'
+        b'"start":%d}' % FEB_6_15H
+    )
+
+
+@pytest.mark.parametrize(
+    ("left", "right"),
+    [
+        (46, 46.0),
+        (46, 46.00000000000001),
+        (0.1 + 0.2, 0.3),
+        (-0.0, 0),
+        (97.51367874145501, 97.513678741455),
+    ],
+)
+def test_canonical_numbers_equal(left: float, right: float) -> None:
+    """MERGE-3: numbers compare at 12 significant digits."""
+    assert canonical_form({"qty": left}) == canonical_form({"qty": right})
+
+
+@pytest.mark.parametrize(
+    ("left", "right"),
+    [(1.5, 1.6), (2**70, 2**70 + 1), (97.5136787414, 97.5136787415)],
+)
+def test_canonical_numbers_differ(left: float, right: float) -> None:
+    """MERGE-3: different values at 12 significant digits stay different."""
+    assert canonical_form({"qty": left}) != canonical_form({"qty": right})
+
+
+def test_canonical_integer_forms() -> None:
+    """MERGE-3: whole doubles print as integers; 13-digit integers keep every digit."""
+    assert canonical_form({"qty": 46.0}) == b'{"qty":46}'
+    assert canonical_form({"qty": 1_234_567_890_123}) == b'{"qty":1234567890123}'
+    assert canonical_form({"qty": -(2**70)}) == b'{"qty":-1180591620717411303424}'
+
+
+@pytest.mark.parametrize("key", ["date", "start", "end", "startDate", "endDate"])
+def test_canonical_timestamps_are_instants(key: str) -> None:
+    """MERGE-4: each timestamp field compares as its UTC instant."""
+    forms = {
+        canonical_form({key: text, "qty": 1})
+        for text in (
+            "2024-02-06 07:00:00 -0800",
+            "2024-02-06 15:00:00 +0000",
+            "2024-02-06 20:30:00 +0530",
+            "2024-02-06T15:00:00Z",
+        )
+    }
+    assert len(forms) == 1
+    assert b'"%s":%d' % (key.encode(), FEB_6_15H) in forms.pop()
+
+
+def test_canonical_other_dates_stay_as_written() -> None:
+    """MERGE-4: a date string under another key, or an unparseable timestamp, is kept as is."""
+    value = {"sleepStart": "2024-02-05 22:05:47 -0800", "date": "yesterday"}
+    assert canonical_form(value) == b'{"date":"yesterday","sleepStart":"2024-02-05 22:05:47 -0800"}'
+
+
+def test_canonical_text_is_raw_utf8() -> None:
+    """MERGE-5: non-ASCII and HTML characters are not escaped."""
+    text = "Anna\u2019s Apple\u00a0Watch \U0001f496 & <b>"
+    assert canonical_form({"source": text}) == b'{"source":"' + text.encode() + b'"}'
+
+
+def test_completeness_counts_significant_fields() -> None:
+    """MERGE-7: completeness counts the top-level fields left in the canonical form."""
+    value = {
+        "date": "x",
+        "qty": 0,
+        "flag": False,
+        "source": "",
+        "context": None,
+        "tags": [],
+        "meta": {"a": 1},
+        "hollow": {"a": None, "b": ""},
+    }
+    assert completeness(value) == 4
