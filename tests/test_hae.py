@@ -70,6 +70,20 @@ def test_app_envelope() -> None:
     assert {obj.units for obj in projection.objects.values()} == {"count/min", "count"}
 
 
+def test_sections_beside_data() -> None:
+    """PARSE-34: a section next to `data` at the top level is folded with it."""
+    workout = {
+        "name": "Walk",
+        "start": "2024-02-06 07:00:00 -0800",
+        "end": "2024-02-06 07:30:00 -0800",
+    }
+    body = {**json.loads(make_body(1, hours=1)), "workouts": [workout]}
+    projection, outcome = folded(encoded(body))
+    assert outcome.status == PARSED
+    assert outcome.counters.sections == 1
+    assert list(stored(projection)[("workouts", "records")].values()) == [compact(workout)]
+
+
 def test_no_data_wrapper() -> None:
     """PARSE-2: the inner object alone folds like the wrapped body."""
     body = make_body(2, hours=2)
