@@ -47,6 +47,7 @@ class FoldingStatistics:
     outcomes_by_class: dict[str, int]
     folded: int
     running: bool
+    first_pass_completed: bool
     duration_buckets: tuple[tuple[float, int], ...]
     folds_timed: int
     duration_sum_s: float
@@ -96,6 +97,7 @@ class FoldingActor:
             outcomes_by_class=dict(self._classes),
             folded=self._classes[OutcomeClass.DONE.value],
             running=self._pass_scope is not None,
+            first_pass_completed=self._stops["empty"] + self._stops["unwritten"] > 0,
             duration_buckets=tuple(
                 (bound, sum(self._durations[: i + 1])) for i, bound in enumerate(DURATION_BOUNDS_S)
             ),

@@ -108,6 +108,10 @@ class Runtime:
         while not wanted <= await self.read_store(Store.folded_ids):
             await trio.sleep(WAIT_POLL_S)
 
+    def ready(self) -> bool:
+        """True once this process's folding actor has completed a pass to the end of the queue."""
+        return self._actors[3].statistics().first_pass_completed
+
     def statistics(self) -> RuntimeStatistics:
         journal, intake, lease, folding, retention = self._actors
         return RuntimeStatistics(

@@ -66,13 +66,15 @@ def load_serve_config(
         if value is not None:
             merged[name] = value
     merged.update({k: v for k, v in flags.items() if v is not None})
-    try:
-        return converter.structure(merged, ServeConfig)
-    except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
-        raise ConfigError(f"invalid configuration: {_describe(exc)}") from None
-
-
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, cattrs.BaseValidationError):
-        return "; ".join(cattrs.transform_error(exc))
-    return str(exc)
+    fields = attrs.fields_dict(attrs.resolve_types(ServeConfig))
+    values = {}
+    for name, value in merged.items():
+        field = fields[name]
+        assert field.type is not None
+        try:
+            values[name] = converter.structure(value, field.type)
+            if field.validator is not None:
+                field.validator(None, field, values[name])
+        except (cattrs.BaseValidationError, ValueError, TypeError):
+            raise ConfigError(f"invalid {name}: {value!r}") from None
+    return ServeConfig(**values)

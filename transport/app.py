@@ -24,7 +24,6 @@ from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import IdempotencyCollision, NewDelivery, Receipt
-from healthlog.storage.passes import FIRST_PASS_MARK
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
@@ -38,6 +37,7 @@ log = logging.getLogger("healthlog.http")
 RETRY_AFTER_S = "5"
 JSONL = "application/x-ndjson"
 STREAM_PATH = "/v1/stream"
+MAX_HEADER_BYTES = 64 * 1024
 
 
 def _json(document: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -67,10 +67,32 @@ class HealthlogApp:
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "websocket" and scope["path"] == STREAM_PATH:
+        if scope["type"] in ("http", "websocket") and _header_bytes(scope) > MAX_HEADER_BYTES:
+            await _refuse_headers(scope, send)
+        elif scope["type"] == "websocket" and scope["path"] == STREAM_PATH:
             await self.stream(scope, receive, send)
         else:
             await self.http(scope, receive, send)
+
+
+def _header_bytes(scope: Any) -> int:
+    return sum(len(name) + len(value) for name, value in scope["headers"])
+
+
+async def _refuse_headers(scope: Any, send: Any) -> None:
+    """431 for an HTTP request, a refused handshake for a websocket."""
+    if scope["type"] == "websocket":
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    body = orjson.dumps({"error": "HEADERS_TOO_LARGE"})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 431,
+            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def create_app(
@@ -105,18 +127,18 @@ def create_app(
         if name is None:
             return unauthorized()
         if (request.content_length or 0) > config.max_body_bytes:
-            return _error("BODY_TOO_LARGE", 413)
-        try:
-            body = await request.get_data(cache=False)
-        except RequestEntityTooLarge:
-            return _error("BODY_TOO_LARGE", 413)
-        assert isinstance(body, bytes)
+            return _error("BODY_TOO_LARGE", 413, {"Connection": "close"})
         key = request.headers.get("Idempotency-Key") or None
         if key is not None:
             if (name, key) in in_flight:
                 return _error("IDEMPOTENCY_KEY_IN_FLIGHT", 409)
             in_flight.add((name, key))
         try:
+            try:
+                body = await request.get_data(cache=False)
+            except RequestEntityTooLarge:
+                return _error("BODY_TOO_LARGE", 413, {"Connection": "close"})
+            assert isinstance(body, bytes)
             receipt = await runtime.submit(
                 NewDelivery(
                     body=body,
@@ -224,7 +246,7 @@ def create_app(
 
     @app.get("/readyz")
     async def readyz() -> Response:
-        ready = bool(await runtime.read_store(lambda s: s.mark(FIRST_PASS_MARK)))
+        ready = runtime.ready()
         return _json({"ready": ready}, 200 if ready else 503)
 
     @app.get("/metrics")

@@ -18,11 +18,9 @@ from actors.runtime import RuntimeConfig, open_runtime
 from healthlog.config import ServeConfig
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.passes import Budget
-from transport.app import create_app
+from transport.app import MAX_HEADER_BYTES, create_app
 from transport.auth import TokenCache
 from transport.snapshots import SnapshotService
-
-MAX_HEADER_BYTES = 64 * 1024
 
 
 def hypercorn_config(config: ServeConfig) -> HypercornConfig:
@@ -31,7 +29,6 @@ def hypercorn_config(config: ServeConfig) -> HypercornConfig:
     hc.bind = [f"{host}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout_s
     hc.keep_alive_timeout = config.keep_alive_timeout_s
-    hc.read_timeout = int(config.body_timeout_s)
     hc.h11_max_incomplete_size = MAX_HEADER_BYTES
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")

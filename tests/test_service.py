@@ -1,0 +1,701 @@
+"""``healthlog serve`` over real HTTP (specs/service.md, SERVE-1 to SERVE-26).
+
+Every test talks to :func:`transport.serve.serve` listening on a free port, started in the
+test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw socket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sqlite3
+import sys
+from collections.abc import AsyncIterator
+from contextlib import closing
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from _cli_bodies import body, compact, metric, point
+from _service_helpers import (
+    CLIENT_TIMEOUT_S,
+    POLL_S,
+    TOKEN_NAME,
+    Drip,
+    Service,
+    post_stream,
+    serving,
+    write_minute_body,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from healthlog.config import ConfigError, ServeConfig, load_serve_config
+from healthlog.storage.datadir import DataDir
+from healthlog.timestamps import format_instant
+
+MiB = 2**20
+HEART_RATE = body(
+    metric(
+        "heart_rate",
+        "count/min",
+        point("2024-03-01 10:00:00 +0000", qty=61, source="Watch"),
+        point("2024-03-01 10:01:00 +0000", qty=62),
+    )
+)
+AUTOMATION = {
+    "automation-name": "Vitals every hour",
+    "automation-id": "A-7F3C",
+    "automation-aggregation": "minutes",
+    "automation-period": "Since Last Sync",
+    "session-id": "S-0042",
+}
+RECEIPT_KEYS = ["delivery_id", "received_at", "sha256", "bytes"]
+ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?Z")
+REVOKE_LIMIT_S = 6.0
+NEXT_REQUEST_S = 2.0
+HEAD_START_S = 0.5
+READY_LIMIT_S = 15.0
+STALL_LIMIT_S = 10.0
+CLIENT_ERROR = re.compile(rb"HTTP/1\.1 4\d\d ")
+CLOSE = {"Connection": "close"}
+MINUTES = {"automation-aggregation": "minutes"}
+
+
+def sha256(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()
+
+
+def small(n: int) -> bytes:
+    """A distinct small delivery: one step count point at minute ``n``."""
+    day, minute = divmod(n, 24 * 60)
+    date = f"2024-04-{1 + day:02d} {minute // 60:02d}:{minute % 60:02d}:00 +0000"
+    return body(metric("step_count", "count", point(date, qty=n)))
+
+
+async def journaled(service: Service) -> list[str]:
+    """The sha256 of every journaled delivery, in journal order."""
+    return [meta.sha256 for meta in await service.journal()]
+
+
+async def metric_samples(client: httpx.AsyncClient) -> dict[tuple[str, frozenset[Any]], float]:
+    """``/metrics`` parsed: (sample name, labels) -> value."""
+    response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def labelled(**labels: str) -> frozenset[Any]:
+    return frozenset(labels.items())
+
+
+@pytest.fixture
+async def service(tmp_path: Path) -> AsyncIterator[Service]:
+    async with serving(tmp_path / "data") as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def big_body(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 62 MiB body: 20 metrics of 30,000 minute points each, written once per session."""
+    path = tmp_path_factory.mktemp("big") / "minutes.json"
+    write_minute_body(path, metrics=20, points=30_000)
+    return path
+
+
+# -- authentication -------------------------------------------------------------------------
+
+
+async def test_no_or_unknown_token_is_401_and_journals_nothing(service: Service) -> None:
+    """SERVE-1: no token, unknown tokens, and the token under another scheme get 401."""
+    anonymous = await service.client.post("/v1/deliveries", content=HEART_RATE)
+    wrong_bearer = await service.post(HEART_RATE, {"Authorization": "Bearer hl_not-a-token"})
+    wrong_key = await service.client.post(
+        "/v1/deliveries", content=HEART_RATE, headers={"api-key": "hl_not-a-token"}
+    )
+    other_scheme = await service.post(HEART_RATE, {"Authorization": f"Basic {service.token}"})
+    for response in (anonymous, wrong_bearer, wrong_key, other_scheme):
+        assert response.status_code == 401
+        assert response.json() == {"error": "UNAUTHORIZED"}
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert await service.journal() == []
+
+
+async def test_bearer_and_api_key_are_both_accepted(service: Service) -> None:
+    """SERVE-2: the same token as `Authorization: Bearer T` and as `api-key: T`."""
+    bearer = await service.client.post(
+        "/v1/deliveries", content=small(1), headers={"Authorization": f"Bearer {service.token}"}
+    )
+    api_key = await service.client.post(
+        "/v1/deliveries", content=small(2), headers={"api-key": service.token}
+    )
+    assert (bearer.status_code, api_key.status_code) == (200, 200)
+    metas = await service.journal()
+    assert [(m.sha256, m.client) for m in metas] == [
+        (sha256(small(1)), TOKEN_NAME),
+        (sha256(small(2)), TOKEN_NAME),
+    ]
+
+
+async def test_revoked_token_stops_working_while_serving(service: Service) -> None:
+    """SERVE-3: a token revoked in the token table is refused within a few seconds."""
+    assert (await service.get("/v1/status")).status_code == 200
+
+    def revoke() -> None:
+        with service.data.open_tokens() as tokens:
+            tokens.revoke(TOKEN_NAME)
+
+    await trio.to_thread.run_sync(revoke)
+    revoked_at = trio.current_time()
+    with trio.fail_after(REVOKE_LIMIT_S):
+        while (await service.get("/v1/status")).status_code != 401:
+            await trio.sleep(POLL_S)
+    print(f"revoked token refused after {trio.current_time() - revoked_at:.2f} s")
+    assert (await service.post(small(1))).status_code == 401
+    assert await service.journal() == []
+
+
+async def test_read_routes_need_a_token_probes_do_not(service: Service) -> None:
+    """SERVE-4: status, one delivery and points need a token; health, readiness, metrics not."""
+    assert (await service.post(small(1))).status_code == 200
+    for path in ("/v1/status", "/v1/deliveries/1", "/v1/points"):
+        assert (await service.client.get(path)).status_code == 401, path
+        assert (await service.get(path)).status_code == 200, path
+    await service.wait_folded()
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert (await service.client.get(path)).status_code == 200, path
+
+
+# -- intake ---------------------------------------------------------------------------------
+
+
+async def test_receipt_names_the_journal_row(service: Service) -> None:
+    """SERVE-5: the receipt has exactly its four keys, the sha256 of the raw body."""
+    response = await service.post(HEART_RATE, AUTOMATION)
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "application/json"
+    assert "Idempotent-Replayed" not in response.headers
+    receipt = response.json()
+    assert list(receipt) == RECEIPT_KEYS
+    assert receipt["sha256"] == sha256(HEART_RATE)
+    assert receipt["bytes"] == len(HEART_RATE)
+    assert ISO_UTC.fullmatch(receipt["received_at"])
+    [meta] = await service.journal()
+    assert (meta.id, format_instant(meta.received_at), meta.sha256, meta.bytes) == (
+        receipt["delivery_id"],
+        receipt["received_at"],
+        receipt["sha256"],
+        receipt["bytes"],
+    )
+    await service.wait_folded()
+    outcome = (await service.get(f"/v1/deliveries/{meta.id}")).json()
+    assert list(outcome) == ["delivery_id", "received_at", "status", "reason", "counters"]
+    assert outcome["delivery_id"] == meta.id
+    assert outcome["received_at"] == receipt["received_at"]
+    assert outcome["status"] == "parsed"
+    assert outcome["counters"]["points"] == 2
+
+
+async def test_automation_headers_and_content_type_are_journaled(service: Service) -> None:
+    """SERVE-6: the HAE headers are kept; any or no Content-Type is accepted as sent."""
+    sent = [
+        (small(1), {**AUTOMATION, "Content-Type": "application/json"}),
+        (small(2), {}),
+        (small(3), {"Content-Type": "text/plain; charset=latin-1"}),
+    ]
+    for content, headers in sent:
+        assert (await service.post(content, headers)).status_code == 200
+    first, bare, odd = await service.journal()
+    assert (
+        first.automation_name,
+        first.automation_id,
+        first.automation_aggregation,
+        first.automation_period,
+        first.session_id,
+        first.content_type,
+    ) == (*AUTOMATION.values(), "application/json")
+    assert bare.content_type is None
+    assert bare.automation_id is None
+    assert bare.session_id is None
+    assert odd.content_type == "text/plain; charset=latin-1"
+
+
+async def test_body_that_is_not_json_is_journaled_and_failed(service: Service) -> None:
+    """SERVE-7: a non-JSON body is answered 200; its `failed` outcome shows everywhere."""
+    garbage = b"this is <not> json {"
+    response = await service.post(garbage, {"Content-Type": "application/json"})
+    assert response.status_code == 200
+    delivery_id = response.json()["delivery_id"]
+    assert await journaled(service) == [sha256(garbage)]
+    status = await service.wait_folded()
+    assert status["deliveries"] == {"pending": 0, "parsed": 0, "partial": 0, "failed": 1}
+    outcome = (await service.get(f"/v1/deliveries/{delivery_id}")).json()
+    assert outcome["status"] == "failed"
+    assert outcome["reason"]
+    assert "not>" not in outcome["reason"]
+    samples = await metric_samples(service.client)
+    assert samples["healthlog_deliveries", labelled(status="failed")] == 1
+
+
+async def test_empty_body_is_journaled_with_an_outcome(service: Service) -> None:
+    """SERVE-8: an empty body is answered 200, journaled with 0 bytes and folded."""
+    response = await service.post(b"")
+    assert response.status_code == 200
+    receipt = response.json()
+    assert (receipt["bytes"], receipt["sha256"]) == (0, sha256(b""))
+    await service.wait_folded()
+    outcome = (await service.get(f"/v1/deliveries/{receipt['delivery_id']}")).json()
+    assert outcome["status"] == "failed"
+    assert outcome["reason"]
+
+
+async def test_unknown_delivery_is_404(service: Service) -> None:
+    """SERVE-9"""
+    response = await service.get("/v1/deliveries/4711")
+    assert response.status_code == 404
+    assert response.json() == {"error": "NOT_FOUND"}
+
+
+# -- size limit -----------------------------------------------------------------------------
+
+
+async def test_content_length_over_the_limit_is_413(tmp_path: Path) -> None:
+    """SERVE-10: 2 MiB and limit + 1 bytes get 413 and journal nothing; the limit itself is 200.
+
+    Over-limit requests ask for `Connection: close` (see SERVE-12 for a reused connection) and
+    go as a :class:`Drip`, which the client may abandon when the server closes early.
+    """
+    async with serving(tmp_path / "data", max_body_mib=1) as service:
+        for size in (2 * MiB, MiB + 1):
+            headers = {**service.auth, **CLOSE, "Content-Length": str(size)}
+            response = await post_stream(service.client, Drip([b"x" * size]), headers)
+            assert response.status_code == 413, size
+            assert response.json() == {"error": "BODY_TOO_LARGE"}
+        assert await service.journal() == []
+        at_limit = b"y" * MiB
+        assert (await service.post(at_limit)).status_code == 200
+        assert await journaled(service) == [sha256(at_limit)]
+
+
+async def test_chunked_body_over_the_limit_is_413(tmp_path: Path) -> None:
+    """SERVE-11: a chunked upload is cut off at the limit; exactly the limit is 200."""
+    chunk = 64 * 1024
+    async with serving(tmp_path / "data", max_body_mib=1) as service:
+        over = Drip([b"z" * chunk] * (MiB // chunk + 1))
+        response = await post_stream(service.client, over, {**service.auth, **CLOSE})
+        assert response.status_code == 413
+        assert response.json() == {"error": "BODY_TOO_LARGE"}
+        assert await service.journal() == []
+        at_limit = Drip([b"w" * chunk] * (MiB // chunk))
+        response = await post_stream(service.client, at_limit, service.auth)
+        assert response.status_code == 200
+        assert response.json()["bytes"] == MiB
+        assert await journaled(service) == [sha256(at_limit.body)]
+
+
+async def test_connection_after_an_early_413_still_serves(tmp_path: Path) -> None:
+    """SERVE-12: 2 MiB announced, the body paused after 64 KiB; then a small post."""
+    async with serving(tmp_path / "data", max_body_mib=1, graceful_timeout_s=1) as service:
+        content = b"x" * (2 * MiB)
+        slow = Drip([content[: 64 * 1024], content[64 * 1024 :]], pause_s=0.1)
+        headers = {**service.auth, "Content-Length": str(len(content))}
+        assert (await post_stream(service.client, slow, headers)).status_code == 413
+        response = await service.client.post(
+            "/v1/deliveries", content=small(1), headers=service.auth, timeout=NEXT_REQUEST_S
+        )
+        assert response.status_code == 200
+
+
+# -- idempotency ----------------------------------------------------------------------------
+
+
+async def test_same_key_same_content_replays_the_receipt(service: Service) -> None:
+    """SERVE-13: identical bytes, or the same JSON reordered and reformatted, replay."""
+    key = {"Idempotency-Key": "run-2024-03-01T10"}
+    first = await service.post(HEART_RATE, key)
+    assert first.status_code == 200
+    assert "Idempotent-Replayed" not in first.headers
+    document = json.loads(HEART_RATE)
+    [entry] = document["data"]["metrics"]
+    reordered = {"data": {"metrics": [dict(reversed(entry.items()))]}}
+    reordered["data"]["metrics"][0]["data"] = [dict(reversed(p.items())) for p in entry["data"]]
+    equivalent = json.dumps(reordered, indent=3).encode()
+    assert equivalent != HEART_RATE
+    for content in (HEART_RATE, equivalent):
+        again = await service.post(content, key)
+        assert again.status_code == 200
+        assert again.headers["Idempotent-Replayed"] == "true"
+        assert again.json() == first.json()
+    assert await journaled(service) == [sha256(HEART_RATE)]
+
+
+async def test_same_key_other_content_is_a_collision(tmp_path: Path) -> None:
+    """SERVE-14: other content under a used key is 422; another client's key is its own."""
+    data = DataDir(tmp_path / "data")
+    with data.open_tokens() as tokens:
+        watch = tokens.add("watch")
+    async with serving(data.path) as service:
+        key = {"Idempotency-Key": "k-1"}
+        first = await service.post(small(1), key)
+        assert first.status_code == 200
+        collision = await service.post(small(2), key)
+        assert collision.status_code == 422
+        assert collision.json() == {"error": "ACTION_ID_COLLISION"}
+        other_client = await service.post(small(2), {**key, "Authorization": f"Bearer {watch}"})
+        assert other_client.status_code == 200
+        assert "Idempotent-Replayed" not in other_client.headers
+        assert other_client.json()["delivery_id"] != first.json()["delivery_id"]
+        metas = await service.journal()
+    assert [(m.sha256, m.client) for m in metas] == [
+        (sha256(small(1)), TOKEN_NAME),
+        (sha256(small(2)), "watch"),
+    ]
+
+
+async def test_same_key_while_the_first_waits_for_the_journal_is_409(service: Service) -> None:
+    """SERVE-15: two requests with one key while the journal is write-locked elsewhere."""
+    key = {"Idempotency-Key": "k-busy"}
+    answers: list[httpx.Response] = []
+
+    async def send() -> None:
+        answers.append(await service.post(HEART_RATE, key))
+
+    with closing(sqlite3.connect(service.data.journal_path, isolation_level=None)) as lock:
+        lock.execute("BEGIN IMMEDIATE")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            nursery.start_soon(send)
+            with trio.fail_after(3):
+                while not answers:
+                    await trio.sleep(POLL_S)
+            lock.execute("ROLLBACK")
+    in_flight, accepted = answers
+    assert in_flight.status_code == 409
+    assert in_flight.json() == {"error": "IDEMPOTENCY_KEY_IN_FLIGHT"}
+    assert accepted.status_code == 200
+    assert await journaled(service) == [sha256(HEART_RATE)]
+
+
+async def test_same_key_while_the_first_body_uploads_is_409(service: Service) -> None:
+    """SERVE-16: the first request holds its body after 10 bytes while the second arrives."""
+    key = {"Idempotency-Key": "k-slow"}
+    gate = trio.Event()
+    slow = Drip([HEART_RATE[:10], HEART_RATE[10:]], gate=gate)
+    answers: dict[str, httpx.Response] = {}
+
+    async def first() -> None:
+        answers["first"] = await post_stream(service.client, slow, {**service.auth, **key})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(first)
+        await trio.sleep(HEAD_START_S)
+        try:
+            answers["second"] = await service.post(HEART_RATE, key)
+        finally:
+            gate.set()
+    assert answers["second"].status_code == 409
+    assert answers["first"].status_code == 200
+    assert "Idempotent-Replayed" not in answers["first"].headers
+    assert await journaled(service) == [sha256(HEART_RATE)]
+
+
+# -- a large upload ---------------------------------------------------------------------------
+
+
+async def test_62_mib_upload_while_small_posts_go_on(tmp_path: Path, big_body: Path) -> None:
+    """SERVE-17: a 62 MiB body is accepted and folded; small posts during its fold succeed."""
+    content = big_body.read_bytes()
+    assert 62 * MiB <= len(content) < 63 * MiB
+    async with serving(tmp_path / "data") as service:
+        started = trio.current_time()
+        response = await service.post(content, MINUTES)
+        upload_s = trio.current_time() - started
+        assert response.status_code == 200
+        assert response.json()["sha256"] == sha256(content)
+        big_id = response.json()["delivery_id"]
+        latencies = []
+        while (await service.get(f"/v1/deliveries/{big_id}")).json()["status"] == "pending":
+            sent = trio.current_time()
+            small_post = await service.post(small(len(latencies)), MINUTES)
+            latencies.append(trio.current_time() - sent)
+            assert small_post.status_code == 200
+            await trio.sleep(POLL_S)
+        status = await service.wait_folded()
+        outcome = (await service.get(f"/v1/deliveries/{big_id}")).json()
+    print(
+        f"62 MiB upload answered in {upload_s:.2f} s; {len(latencies)} small posts during its"
+        f" fold, max latency {max(latencies, default=0.0):.3f} s"
+    )
+    assert latencies
+    assert outcome["status"] == "parsed"
+    assert outcome["counters"]["points"] == 20 * 30_000
+    assert status["deliveries"]["parsed"] == 1 + len(latencies)
+
+
+# -- readiness ------------------------------------------------------------------------------
+
+
+async def test_readyz_waits_for_the_first_pass(tmp_path: Path) -> None:
+    """SERVE-18: a write-locked store keeps the service unready until the lock goes."""
+    data = DataDir(tmp_path / "data")
+    data.open_store().close()
+    with closing(sqlite3.connect(data.store_path, isolation_level=None)) as lock:
+        lock.execute("BEGIN EXCLUSIVE")
+        async with serving(data.path, lease_ttl_s=2, lease_renew_s=0.5) as service:
+            assert (await service.client.get("/healthz")).status_code == 200
+            unready = await service.client.get("/readyz")
+            assert unready.status_code == 503
+            assert unready.json() == {"ready": False}
+            lock.execute("ROLLBACK")
+            with trio.fail_after(READY_LIMIT_S):
+                while (ready := await service.client.get("/readyz")).status_code != 200:
+                    await trio.sleep(POLL_S)
+            assert ready.json() == {"ready": True}
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+
+async def test_metrics_after_holding_erasing_and_failing(service: Service) -> None:
+    """SERVE-19: one point held (poorer), one erased (equal, different), one body failed."""
+    richer = body(
+        metric(
+            "heart_rate",
+            "count/min",
+            point("2024-03-01 10:00:00 +0000", qty=60, source="Watch"),
+            point("2024-03-01 10:01:00 +0000", qty=61),
+        )
+    )
+    poorer_and_different = body(
+        metric(
+            "heart_rate",
+            "count/min",
+            point("2024-03-01 10:00:00 +0000", qty=60),
+            point("2024-03-01 10:01:00 +0000", qty=62),
+        )
+    )
+    sent = (richer, poorer_and_different, b"\x00 not json")
+    for content in sent:
+        assert (await service.post(content, AUTOMATION)).status_code == 200
+    await service.wait_folded()
+    samples = await metric_samples(service.client)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[name, labelled(**labels)]
+
+    statuses = ("pending", "parsed", "partial", "failed")
+    by_status = {status: value("healthlog_deliveries", status=status) for status in statuses}
+    assert by_status == {"pending": 0, "parsed": 2, "partial": 0, "failed": 1}
+    assert value("healthlog_journal_bytes") == sum(map(len, sent))
+    assert value("healthlog_pending_deliveries") == 0
+    assert value("healthlog_lag_seconds") == 0
+    assert value("healthlog_points_total", counter="points_held") == 1
+    assert value("healthlog_points_total", counter="points_erased") == 1
+    assert value("healthlog_points_total", counter="overwrites") == 2
+    assert value("healthlog_points_total", counter="points_rejected") == 0
+    assert value("healthlog_lease_epoch") >= 1
+    assert value("healthlog_first_pass_completed") == 1
+    assert value("healthlog_websocket_subscribers") == 0
+    assert value("healthlog_intake_accepted_total") == 3
+    assert value("healthlog_actor_crashes_total") == 0
+    assert value("healthlog_fold_duration_seconds_count") == 3
+    assert value("healthlog_fold_duration_seconds_sum") > 0
+    buckets = sorted(
+        (float(dict(labels)["le"]), count)
+        for (name, labels), count in samples.items()
+        if name == "healthlog_fold_duration_seconds_bucket"
+    )
+    counts = [count for _, count in buckets]
+    assert counts == sorted(counts)
+    assert buckets[-1] == (float("inf"), 3)
+
+
+# -- read side ------------------------------------------------------------------------------
+
+POINTS_FILTERS: list[dict[str, str]] = [
+    {},
+    {"metric": "heart_rate"},
+    {"metric": "heart_rate", "layer": "hours"},
+    {"layer": "records"},
+    {"from": "2024-02-06T15:30:00Z", "to": "2024-02-06T17:00:00Z"},
+]
+
+
+async def export(data: DataDir, filters: dict[str, str], fmt: str) -> bytes:
+    """``healthlog export`` with the same filters, as a process of its own."""
+    flags = [part for name, value in filters.items() for part in (f"--{name}", value)]
+    args = ["export", "--data", data.path, *flags, "--format", fmt]
+    done = await trio.run_process(
+        [sys.executable, "-m", "healthlog.cli", *args], capture_stdout=True, capture_stderr=True
+    )
+    return bytes(done.stdout)
+
+
+async def test_points_equal_the_export(service: Service) -> None:
+    """SERVE-20: `/v1/points` gives the bytes `healthlog export` prints, filter by filter."""
+    minutes = body(
+        metric(
+            "heart_rate",
+            "count/min",
+            *(
+                point(f"2024-02-06 {stamp} +0000", qty=60 + i, source="Anna\u2019s Watch")
+                for i, stamp in enumerate(("15:00:00", "15:30:00", "16:10:00", "17:45:00"))
+            ),
+        ),
+        metric("step_count", "count", point("2024-02-06 16:00:00 +0000", qty=1200)),
+        workouts=[
+            compact(
+                {
+                    "name": "Walk",
+                    "start": "2024-02-06 16:00:00 +0000",
+                    "end": "2024-02-06 16:30:00 +0000",
+                }
+            )
+        ],
+    )
+    hours = body(
+        metric(
+            "heart_rate",
+            "count/min",
+            *(point(f"2024-02-06 {h}:00:00 +0000", Avg=70 + h) for h in (15, 16, 17)),
+        )
+    )
+    for content, layer in ((minutes, "minutes"), (hours, "hours")):
+        response = await service.post(content, {"automation-aggregation": layer})
+        assert response.status_code == 200
+    await service.wait_folded()
+    for filters in POINTS_FILTERS:
+        for fmt in ("jsonl", "csv"):
+            response = await service.get("/v1/points", **filters, format=fmt)
+            assert response.status_code == 200
+            expected = await export(service.data, filters, fmt)
+            assert response.content == expected, (filters, fmt)
+            assert len(expected.splitlines()) > (fmt == "csv"), (filters, fmt)
+    assert (await service.get("/v1/points", format="xml")).json() == {"error": "BAD_FORMAT"}
+    bad_time = await service.get("/v1/points", **{"from": "yesterday"})
+    assert bad_time.status_code == 400
+    assert bad_time.json() == {"error": "BAD_TIMESTAMP"}
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+async def test_thousand_concurrent_posts_are_each_journaled_once(service: Service) -> None:
+    """SERVE-21: 1,000 posts at once over at most 50 connections."""
+    contents = [small(n) for n in range(1000)]
+    statuses: list[int] = []
+    receipts: set[int] = set()
+    limits = httpx.Limits(max_connections=50, max_keepalive_connections=50)
+
+    async def post(client: httpx.AsyncClient, content: bytes) -> None:
+        response = await client.post("/v1/deliveries", content=content, headers=service.auth)
+        statuses.append(response.status_code)
+        receipts.add(response.json()["delivery_id"])
+
+    started = trio.current_time()
+    async with (
+        httpx.AsyncClient(base_url=service.url, limits=limits, timeout=CLIENT_TIMEOUT_S) as client,
+        trio.open_nursery() as nursery,
+    ):
+        for content in contents:
+            nursery.start_soon(post, client, content)
+    print(f"1,000 concurrent posts answered in {trio.current_time() - started:.2f} s")
+    assert statuses == [200] * 1000
+    assert len(receipts) == 1000
+    assert sorted(await journaled(service)) == sorted(map(sha256, contents))
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(
+            100 * 1024,
+            id="100KiB",
+        ),
+        pytest.param(MiB, id="1MiB"),
+    ],
+)
+async def test_oversized_header_is_refused(service: Service, size: int) -> None:
+    """SERVE-22: a huge header is refused (431 or closed) and the next request is served."""
+    try:
+        response = await service.post(small(1), {"X-Padding": "a" * size})
+    except httpx.TransportError:
+        refused = True
+    else:
+        refused = 400 <= response.status_code < 500
+    assert refused
+    assert await service.journal() == []
+    assert (await service.post(small(2))).status_code == 200
+
+
+async def test_stalled_body_is_dropped_and_others_are_served(tmp_path: Path) -> None:
+    """SERVE-23: 10 of 1,000 announced bytes, then silence, with `body_timeout_s = 1`."""
+    async with serving(tmp_path / "data", body_timeout_s=1) as service:
+        stalled = await trio.open_tcp_stream("127.0.0.1", service.port)
+        async with stalled:
+            await stalled.send_all(
+                b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\n"
+                b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"data":{"' % service.token.encode()
+            )
+            others = [small(n) for n in range(3)]
+            for content in others:
+                assert (await service.post(content)).status_code == 200
+            answer = b""
+            with trio.fail_after(STALL_LIMIT_S):
+                while not CLIENT_ERROR.match(answer) and (chunk := await stalled.receive_some()):
+                    answer += chunk
+            assert answer == b"" or CLIENT_ERROR.match(answer), answer[:100]
+        assert await journaled(service) == [sha256(content) for content in others]
+
+
+async def test_slow_journal_commit_is_still_answered(tmp_path: Path) -> None:
+    """SERVE-24: the journal is write-locked for 2 s with `body_timeout_s = 1`."""
+    async with serving(tmp_path / "data", body_timeout_s=1) as service:
+        with closing(sqlite3.connect(service.data.journal_path, isolation_level=None)) as lock:
+            lock.execute("BEGIN IMMEDIATE")
+
+            async def release() -> None:
+                await trio.sleep(2)
+                lock.execute("ROLLBACK")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(release)
+                response = await service.post(HEART_RATE)
+        assert response.status_code == 200
+        assert await journaled(service) == [sha256(HEART_RATE)]
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+def test_configuration_layers(tmp_path: Path) -> None:
+    """SERVE-25: flag > HEALTHLOG_* > healthlog.toml [serve] > default."""
+    file = tmp_path / "healthlog.toml"
+    file.write_text(
+        '[serve]\nport = 9001\nmax_body_mib = 8\nlog_format = "json"\nwake_period_s = 5\n'
+    )
+    environ = {"HEALTHLOG_PORT": "9002", "HEALTHLOG_MAX_BODY_MIB": "16", "HOME": "/root"}
+    flags = {"port": 9003, "host": None, "max_body_mib": None}
+    assert load_serve_config(file, flags, environ) == ServeConfig(
+        port=9003, max_body_mib=16, log_format="json", wake_period_s=5
+    )
+    assert load_serve_config(tmp_path / "absent.toml", {}, {}) == ServeConfig()
+    file.write_text("[serve]\nmax_body_bytes = 1\n")
+    with pytest.raises(ConfigError, match="max_body_bytes"):
+        load_serve_config(file, {}, {})
+    with pytest.raises(ConfigError, match="port"):
+        load_serve_config(tmp_path / "absent.toml", {}, {"HEALTHLOG_PORT": "eighty"})
+
+
+def test_configuration_error_names_a_refused_choice(tmp_path: Path) -> None:
+    """SERVE-26: `HEALTHLOG_LOG_FORMAT=xml` is an error naming `log_format`."""
+    with pytest.raises(ConfigError, match="log_format"):
+        load_serve_config(tmp_path / "absent.toml", {}, {"HEALTHLOG_LOG_FORMAT": "xml"})

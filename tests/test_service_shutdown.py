@@ -1,0 +1,186 @@
+"""Graceful shutdown of ``healthlog serve`` with uploads in flight (specs/service.md,
+SERVE-27 and SERVE-28): in this trio run through the shutdown event, and as a real process
+through SIGTERM."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import httpx
+import trio
+from _cli_bodies import body, metric, point
+from _service_helpers import CLIENT_TIMEOUT_S, Drip, post_stream, read_journal, serving
+
+from healthlog.storage.datadir import DataDir
+
+MiB = 2**20
+CHUNKS = 10
+STOP_AFTER_S = 0.15
+GRACEFUL_S = 1.0
+PROCESS_GRACEFUL_S = 2.0
+PROCESS_START_LIMIT_S = 30.0
+EXIT_MARGIN_S = 3.0
+SOURCE = "Anna\u2019s distinctive Watch"
+URL_LINE = re.compile(rb"healthlog serving on (http://\S+) ")
+LOG_LINE = re.compile(r'time=\S+ level=[A-Z]+ logger=\S+ msg=".*"')
+
+
+def upload(n: int, pause_s: float) -> Drip:
+    """Delivery ``n`` in ``CHUNKS`` pieces with ``pause_s`` between them."""
+    content = body(
+        metric(
+            "heart_rate",
+            "count/min",
+            point(f"2024-03-01 10:{n:02d}:00 +0000", qty=60 + n, source=SOURCE),
+        )
+    )
+    step = -(-len(content) // CHUNKS)
+    return Drip([content[i : i + step] for i in range(0, len(content), step)], pause_s=pause_s)
+
+
+def sha256(content: bytes) -> str:
+    return hashlib.sha256(content).hexdigest()
+
+
+def journal_and_lease(data: DataDir) -> tuple[set[str], str | None]:
+    """The sha256 of every journaled delivery, and the fold lease holder."""
+    with data.open_store() as store:
+        holder = store.lease().holder
+    return {meta.sha256 for meta in read_journal(data)}, holder
+
+
+async def test_shutdown_with_uploads_in_flight(tmp_path: Path) -> None:
+    """SERVE-27: each upload is answered 200 and journaled, or fails and is not journaled."""
+    uploads = [upload(n, pause_s) for n, pause_s in enumerate((0.03, 0.05, 0.3, 0.5, 0.8))]
+    outcomes: dict[int, tuple[int | None, float]] = {}
+
+    async def send(client: httpx.AsyncClient, n: int, headers: dict[str, str]) -> None:
+        try:
+            response = await post_stream(client, uploads[n], headers)
+        except httpx.TransportError:
+            outcomes[n] = (None, trio.current_time())
+        else:
+            if response.status_code == 200:
+                assert response.json()["sha256"] == sha256(uploads[n].body)
+            outcomes[n] = (response.status_code, trio.current_time())
+
+    data = DataDir(tmp_path / "data")
+    async with (
+        serving(data.path, graceful_timeout_s=GRACEFUL_S) as service,
+        trio.open_nursery() as nursery,
+    ):
+        for n in range(len(uploads)):
+            nursery.start_soon(send, service.client, n, service.auth)
+        await trio.sleep(STOP_AFTER_S)
+        stopped_at = trio.current_time()
+        service.stop.set()
+    journaled, holder = journal_and_lease(data)
+    print({n: status for n, (status, _) in sorted(outcomes.items())})
+    for n, (status, _) in outcomes.items():
+        assert status in (200, None), (n, status)
+        assert (sha256(uploads[n].body) in journaled) == (status == 200), n
+    answered = [done for status, done in outcomes.values() if status == 200]
+    assert len(outcomes) == len(uploads)
+    assert answered
+    assert any(done > stopped_at for done in answered)
+    assert len(answered) < len(uploads)
+    assert len(journaled) == len(answered)
+    assert holder is None
+
+
+async def read_url(stdout: trio.abc.ReceiveStream) -> tuple[str, bytes]:
+    """The base URL from the process's first line, and what else was read with it."""
+    seen = b""
+    while (found := URL_LINE.search(seen)) is None:
+        chunk = await stdout.receive_some()
+        assert chunk, seen
+        seen += chunk
+    return found.group(1).decode(), seen
+
+
+async def drain(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
+    async for chunk in stream:
+        into += chunk
+
+
+async def test_serve_process_stops_on_sigterm(tmp_path: Path) -> None:
+    """SERVE-28: `healthlog serve --port 0` as a process: layered settings, SIGTERM, exit 0."""
+    data = tmp_path / "data"
+    cli = [sys.executable, "-m", "healthlog.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    made = await trio.run_process(
+        [*cli, "token", "add", "phone", "--data", data], env=env, capture_stdout=True
+    )
+    token = made.stdout.decode().strip()
+    auth = {"Authorization": f"Bearer {token}"}
+    (data / "healthlog.toml").write_text(
+        "[serve]\nmax_body_mib = 0.5\nlog_format = 'json'\n"
+        f"graceful_timeout_s = {PROCESS_GRACEFUL_S}\n"
+    )
+    env |= {"HEALTHLOG_MAX_BODY_MIB": "1", "HEALTHLOG_LOG_FORMAT": "kv"}
+    serve = [*cli, "serve", "--data", data, "--port", "0", "--max-body-mib", "2"]
+    out, err = bytearray(), bytearray()
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                serve,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                check=False,
+            )
+        )
+        assert process.stdout is not None
+        assert process.stderr is not None
+        nursery.start_soon(drain, process.stderr, err)
+        with trio.fail_after(PROCESS_START_LIMIT_S):
+            url, first = await read_url(process.stdout)
+        out += first
+        nursery.start_soon(drain, process.stdout, out)
+        quick, slow = upload(1, 0.05), upload(2, 1.0)
+        answers: dict[str, int | None] = {}
+
+        async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+
+            async def send(name: str, drip: Drip) -> None:
+                try:
+                    answers[name] = (await post_stream(client, drip, auth)).status_code
+                except httpx.TransportError:
+                    answers[name] = None
+
+            under_flag = b"x" * (3 * MiB // 2)
+            accepted = await client.post("/v1/deliveries", content=under_flag, headers=auth)
+            assert accepted.status_code == 200
+            over = {**auth, "Connection": "close", "Content-Length": str(5 * MiB // 2)}
+            over_flag = await post_stream(client, Drip([b"x" * (5 * MiB // 2)]), over)
+            assert over_flag.status_code == 413
+            async with trio.open_nursery() as uploads:
+                uploads.start_soon(send, "quick", quick)
+                uploads.start_soon(send, "slow", slow)
+                await trio.sleep(STOP_AFTER_S)
+                process.send_signal(signal.SIGTERM)
+                signalled_at = trio.current_time()
+                with trio.fail_after(PROCESS_GRACEFUL_S + EXIT_MARGIN_S):
+                    await process.wait()
+                exited_after = trio.current_time() - signalled_at
+    print(f"serve exited {exited_after:.2f} s after SIGTERM; uploads {answers}")
+    assert process.returncode == 0, err.decode()
+    assert answers == {"quick": 200, "slow": None}
+    journaled, holder = journal_and_lease(DataDir(data))
+    assert journaled == {sha256(under_flag), sha256(quick.body)}
+    assert holder is None
+    log = err.decode()
+    lines = log.splitlines()
+    assert lines
+    assert all(LOG_LINE.fullmatch(line) for line in lines), log
+    for secret in (token, SOURCE):
+        assert secret not in log
+        assert secret.encode() not in out
