@@ -28,6 +28,7 @@ from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import TokenError
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
+from transport.chaos import run_chaos
 from transport.follow import FollowError, follow
 from transport.serve import serve
 
@@ -186,6 +187,13 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
     return 0
 
 
+def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
+    logging.getLogger("healthlog").setLevel(logging.ERROR)
+    summary = trio.run(run_chaos, args.seed, args.runs, args.minutes, None)
+    print(summary.table())
+    return 0 if summary.ok else 1
+
+
 def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
     source: Store | Replica = (
         Replica(args.replica) if args.replica is not None else data.open_store()
@@ -315,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("name", metavar="NAME")
         p.add_argument("--data", type=Path, default=None, help="data directory")
         p.set_defaults(func=cmd_token)
+
+    p = command("chaos", cmd_chaos, "the fault-injection harness against real serve processes")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--minutes", type=float, default=None, help="stop starting runs after this")
 
     command("reindex", cmd_reindex, "rebuild the projection from the journal")
     command("verify", cmd_verify, "prove the projection equals a rebuild from the journal")

@@ -8,10 +8,13 @@ given exception on the n-th hit, or call a function (a delay, a kill) there.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 import attrs
+
+log = logging.getLogger("healthlog.faults")
 
 POINTS = (
     "journal.append",
@@ -58,6 +61,9 @@ def point(name: str) -> None:
     action = _plan.actions.get(name)
     if action is not None and _plan.hits[name] in action.on_hits:
         _plan.fired[name] += 1
+        log.warning("fault injected at %s (hit %d)", name, _plan.hits[name])
+        for handler in logging.getLogger().handlers:
+            handler.flush()
         action.run(name)
 
 
@@ -70,12 +76,23 @@ def raise_fault(exc: Callable[[str], BaseException] = InjectedFault) -> Callable
     return run
 
 
+def _check(plan: Plan) -> None:
+    if unknown := set(plan.actions) - set(POINTS):
+        raise ValueError(f"unknown fault points: {sorted(unknown)}")
+
+
+def install(plan: Plan) -> None:
+    """Load a plan for the rest of the process (the harness's service and workers)."""
+    global _plan
+    _check(plan)
+    _plan = plan
+
+
 @contextlib.contextmanager
 def loaded(plan: Plan) -> Iterator[Plan]:
     """Load a plan for the duration of the block."""
     global _plan
-    if name_error := set(plan.actions) - set(POINTS):
-        raise ValueError(f"unknown fault points: {sorted(name_error)}")
+    _check(plan)
     previous, _plan = _plan, plan
     try:
         yield plan

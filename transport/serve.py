@@ -8,6 +8,7 @@ after the journal commit or fails before it), then stops the runtime.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import trio
@@ -16,6 +17,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from actors.runtime import RuntimeConfig, open_runtime
 from healthlog.config import ServeConfig
+from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.passes import Budget
 from transport.app import MAX_HEADER_BYTES, create_app
@@ -44,6 +46,8 @@ async def serve(
 ) -> None:
     """Serve until a signal or ``shutdown``; report the base URL once listening."""
     stop = shutdown if shutdown is not None else trio.Event()
+    if faultplan.load_environment() is not None:
+        os.environ[faultplan.SERVE_PID_ENV] = str(os.getpid())
     runtime_config = RuntimeConfig(
         data.path,
         wake_period_s=config.wake_period_s,

@@ -7,6 +7,7 @@ the middle of a fold rolls its transaction back, as any interrupted SQLite write
 from __future__ import annotations
 
 from healthlog.folding import FoldReport, OutcomeClass
+from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import Budget
@@ -18,6 +19,8 @@ _handles: dict[str, tuple[Journal, Store]] = {}
 def _open(data_dir: str) -> tuple[Journal, Store]:
     handles = _handles.get(data_dir)
     if handles is None:
+        if not _handles:
+            faultplan.load_environment()
         data = DataDir(data_dir)
         journal = data.open_journal()
         try:

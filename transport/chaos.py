@@ -1,0 +1,403 @@
+"""``healthlog chaos``: the fault-injection harness (X1 to X4) against real ``serve`` processes.
+
+Each run starts ``healthlog serve`` on a fresh data directory with a seeded fault plan,
+posts a seeded workload (overlapping re-sends that are identical, poorer, richer and
+conflicting; idempotent retries; concurrent posts), injects faults (SQLITE_BUSY and I/O
+errors at fault points, delays, a real second process holding the store's write lock,
+SIGKILL of the service at a fault point, a concurrent ``reindex`` stealing the lease,
+follower websocket drops), restarts the service after a crash, waits for quiescence and
+checks every invariant:
+
+- every delivery answered 200 is in the journal with its sha256 (else: lost);
+- an idempotency key never journals twice;
+- every journaled delivery is folded;
+- the live objects equal a fresh rebuild (else: mismatched); a run whose service logged an
+  out-of-order fold (possible after an I/O error, F4) is reindexed first, as the log says;
+- folds followed journal order, or the service said otherwise (the F9 warning);
+- the follower's replica equals the server's objects;
+- no ERROR record, and no point value, device name or token in any record above DEBUG.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import orjson
+import trio
+
+from healthlog import workload
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.faultplan import PLAN_ENV
+from healthlog.storage.rebuild import verify
+from healthlog.storage.replica import Replica
+from transport.follow import Endpoints, Follower
+
+KINDS = ("busy", "ioerror", "delay", "kill", "lock", "steal", "drop")
+FOLD_POINTS = ("fold.begin", "fold.object_write", "fold.outcome_write", "fold.before_commit")
+KILL_POINTS = (*FOLD_POINTS, "fold.after_commit", "journal.append")
+START_TIMEOUT_S = 30.0
+QUIET_TIMEOUT_S = 60.0
+POST_ATTEMPTS = 8
+
+
+@attrs.define
+class RunResult:
+    """The figures of one run, and every invariant it broke."""
+
+    seed: int
+    faults: Counter[str] = attrs.Factory(Counter)
+    crashes: int = 0
+    deliveries: int = 0
+    bytes: int = 0
+    lost: int = 0
+    mismatched: int = 0
+    reordered: int = 0
+    broken: list[str] = attrs.Factory(list)
+
+
+class _Service:
+    """One ``healthlog serve`` process on a data directory."""
+
+    def __init__(self, data: Path, log: Path, plan: str | None) -> None:
+        env = {
+            **os.environ,
+            "HEALTHLOG_WAKE_PERIOD_S": "0.3",
+            "HEALTHLOG_LEASE_TTL_S": "1.5",
+            "HEALTHLOG_LEASE_RENEW_S": "0.3",
+            "HEALTHLOG_GRACEFUL_TIMEOUT_S": "2",
+        }
+        env.pop(PLAN_ENV, None)
+        if plan is not None:
+            env[PLAN_ENV] = plan
+        self._log = open(log, "ab")  # noqa: SIM115 - lives as long as the process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "healthlog.cli", "serve", "--data", str(data), "--port", "0"],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+        )
+        self.url = ""
+
+    async def started(self) -> str:
+        assert self.process.stdout is not None
+        stdout = self.process.stdout
+        with trio.fail_after(START_TIMEOUT_S):
+            line = await trio.to_thread.run_sync(stdout.readline)
+        if not line.startswith(b"healthlog serving on "):
+            raise RuntimeError("the service did not start")
+        self.url = line.split()[3].decode()
+        return self.url
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    async def stop(self) -> None:
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+        await trio.to_thread.run_sync(self.process.wait)
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+        self._log.close()
+
+
+def _plan(rng: random.Random, kinds: set[str]) -> dict[str, Any]:
+    plan: dict[str, Any] = {}
+    if "busy" in kinds:
+        plan[rng.choice(FOLD_POINTS)] = {"hits": sorted(rng.sample(range(1, 12), 3)), "do": "busy"}
+    if "ioerror" in kinds:
+        point = rng.choice((*FOLD_POINTS, "journal.append"))
+        plan[point] = {"hits": [rng.randint(1, 6)], "do": "ioerror"}
+    if "delay" in kinds:
+        plan["journal.append"] = {"hits": sorted(rng.sample(range(1, 6), 2)), "do": "delay"}
+    if "kill" in kinds:
+        plan[rng.choice(KILL_POINTS)] = {"hits": [rng.randint(1, 4)], "do": "kill"}
+    return plan
+
+
+class Run:
+    """One seeded run on its own data directory."""
+
+    def __init__(self, seed: int, root: Path) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.data = DataDir(root / f"run-{seed}")
+        self.log = root / f"run-{seed}.log"
+        self.result = RunResult(seed)
+        self.kinds = set(self.rng.sample(KINDS, self.rng.randint(1, 3)))
+        self.accepted: dict[str, int] = {}
+        self.keys: dict[str, str] = {}
+        with self.data.open_tokens() as tokens:
+            self.token = tokens.add("chaos")
+        self.service: _Service | None = None
+        self.planned: dict[str, str] = {}
+
+    def _cli(self, command: str) -> list[str]:
+        return [sys.executable, "-m", "healthlog.cli", command, "--data", str(self.data.path)]
+
+    async def start_service(self, with_faults: bool) -> None:
+        plan = _plan(self.rng, self.kinds) if with_faults else {}
+        self.planned.update({point: entry["do"] for point, entry in plan.items()})
+        text = orjson.dumps(plan).decode() if plan else None
+        self.service = _Service(self.data.path, self.log, text)
+        await self.service.started()
+
+    async def execute(self) -> RunResult:
+        await self.start_service(with_faults=True)
+        try:
+            async with trio.open_nursery() as nursery:
+                if "drop" in self.kinds:
+                    nursery.start_soon(self._dropping_follower)
+                if "lock" in self.kinds:
+                    nursery.start_soon(self._hold_lock)
+                if "steal" in self.kinds:
+                    nursery.start_soon(self._steal)
+                await self._post_workload()
+                await self._quiesce()
+                nursery.cancel_scope.cancel()
+            await self._check()
+        finally:
+            if self.service is not None:
+                await self.service.stop()
+        self._check_logs()
+        return self.result
+
+    async def _post_workload(self) -> None:
+        base = workload.window(self.seed, first_minute=0, minutes=self.rng.randint(30, 240))
+        documents = [base]
+        for n in range(self.rng.randint(4, 8)):
+            documents.append(workload.variant(base, self.rng.choice(workload.VARIANTS), n))
+        bodies = [workload.encode(doc, self.seed + n) for n, doc in enumerate(documents)]
+        async with httpx.AsyncClient(timeout=30) as client, trio.open_nursery() as nursery:
+            for n, body in enumerate(bodies):
+                key = f"k{self.seed}-{n}" if self.rng.random() < 0.5 else None
+                nursery.start_soon(self._post, client, body, key)
+                if self.rng.random() < 0.5:
+                    await trio.sleep(self.rng.uniform(0, 0.2))
+
+    async def _post(self, client: httpx.AsyncClient, body: bytes, key: str | None) -> None:
+        headers = {"Authorization": f"Bearer {self.token}", "automation-aggregation": "minutes"}
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        for attempt in range(POST_ATTEMPTS):
+            service = await self._running()
+            try:
+                response = await client.post(
+                    service.url + "/v1/deliveries", content=body, headers=headers
+                )
+            except httpx.TransportError:
+                await trio.sleep(0.2 * (attempt + 1))
+                continue
+            if response.status_code in (409, 503):
+                await trio.sleep(0.2 * (attempt + 1))
+                continue
+            if response.status_code != 200:
+                self.result.broken.append(f"a delivery was answered {response.status_code}")
+                return
+            receipt = response.json()
+            self.accepted[receipt["sha256"]] = receipt["delivery_id"]
+            if key is not None:
+                self.keys[key] = receipt["sha256"]
+            self.result.deliveries += 1
+            self.result.bytes += len(body)
+            return
+        self.result.broken.append("a delivery was never accepted")
+
+    async def _running(self) -> _Service:
+        """The service, restarted (without faults) if a fault killed it."""
+        assert self.service is not None
+        if not self.service.alive():
+            self.result.crashes += 1
+            await self.service.stop()
+            await self.start_service(with_faults=False)
+        assert self.service is not None
+        return self.service
+
+    async def _hold_lock(self) -> None:
+        await trio.sleep(self.rng.uniform(0, 0.5))
+        seconds = self.rng.uniform(0.3, 1.5)
+        self.result.faults["lock"] += 1
+        script = (
+            "import sqlite3, sys, time\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "c.execute('BEGIN EXCLUSIVE')\n"
+            f"time.sleep({seconds})\n"
+            "c.execute('COMMIT')\n"
+        )
+        await trio.run_process([sys.executable, "-c", script, str(self.data.store_path)])
+
+    async def _steal(self) -> None:
+        await trio.sleep(self.rng.uniform(0.2, 1.0))
+        self.result.faults["steal"] += 1
+        done = await trio.run_process(self._cli("reindex"), check=False, capture_stderr=True)
+        if done.returncode != 0:
+            self.result.broken.append("a concurrent reindex failed")
+
+    async def _dropping_follower(self) -> None:
+        replica = self.data.path.parent / f"replica-{self.seed}"
+        with Replica(replica) as store:
+            while True:
+                service = await self._running()
+                follower = Follower(Endpoints.parse(service.url), self.token, store, "chaos")
+                with trio.move_on_after(self.rng.uniform(0.1, 0.8)):
+                    await follower.run()
+                self.result.faults["drop"] += 1
+                await trio.sleep(self.rng.uniform(0, 0.3))
+
+    async def _quiesce(self) -> None:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        async with httpx.AsyncClient(timeout=30) as client:
+            with trio.move_on_after(QUIET_TIMEOUT_S):
+                while True:
+                    service = await self._running()
+                    try:
+                        status = (
+                            await client.get(service.url + "/v1/status", headers=headers)
+                        ).json()
+                        if status["deliveries"]["pending"] == 0:
+                            return
+                    except (httpx.TransportError, ValueError):
+                        pass
+                    await trio.sleep(0.2)
+        self.result.broken.append("deliveries still pending after the quiet timeout")
+
+    async def _check(self) -> None:
+        with self.data.open_journal() as journal:
+            metas = journal.iter_order()
+            by_sha = {m.sha256: m.id for m in metas}
+            self.result.lost = sum(1 for sha in self.accepted if sha not in by_sha)
+            if self.result.lost:
+                self.result.broken.append(f"{self.result.lost} accepted deliveries not journaled")
+            with self.data.open_store() as store:
+                folded = store.folded_ids()
+                if any(m.id not in folded for m in metas):
+                    self.result.broken.append("journaled deliveries left unfolded")
+                order = [
+                    e.payload["delivery_id"]
+                    for e in _all_events(store)
+                    if e.kind == "delivery.folded"
+                ]
+        position = {m.id: i for i, m in enumerate(metas)}
+        if any(position[a] > position[b] for a, b in itertools.pairwise(order)):
+            self.result.reordered += 1
+        await self._compare_projection()
+        await self._compare_replica()
+
+    async def _compare_projection(self) -> None:
+        logged = self.log.read_text(errors="replace")
+        if "healthlog reindex" in logged:
+            command = [
+                sys.executable,
+                "-m",
+                "healthlog.cli",
+                "reindex",
+                "--data",
+                str(self.data.path),
+            ]
+            await trio.run_process(command, capture_stderr=True)
+        elif self.result.reordered:
+            self.result.broken.append("folds left journal order without a warning")
+        with self.data.open_journal() as journal, self.data.open_store() as store:
+            differences = await trio.to_thread.run_sync(verify, journal, store)
+        self.result.mismatched = len(differences)
+        if differences:
+            self.result.broken.append(f"{len(differences)} objects differ from a rebuild")
+
+    async def _compare_replica(self) -> None:
+        replica = self.data.path.parent / f"replica-{self.seed}"
+        service = await self._running()
+        with Replica(replica) as store:
+            follower = Follower(
+                Endpoints.parse(service.url), self.token, store, "chaos", until_caught_up=True
+            )
+            with trio.move_on_after(QUIET_TIMEOUT_S):
+                await follower.run()
+            mine = {o.key: o.hash for o in store.iter_objects()}
+        with self.data.open_store() as live:
+            theirs = {o.key: o.hash for o in live.iter_objects()}
+        if mine != theirs:
+            self.result.broken.append("the follower's replica differs from the server")
+
+    def _check_logs(self) -> None:
+        for line in self.log.read_text(errors="replace").splitlines():
+            if match := _FIRED.search(line):
+                self.result.faults[self.planned[match.group(1)]] += 1
+            if "level=ERROR" in line:
+                self.result.broken.append(f"ERROR logged: {line[:160]}")
+            if workload.LEAK_MARKER in line or self.token in line:
+                self.result.broken.append("a value or token reached a log record")
+
+
+_FIRED = re.compile(r"fault injected at ([a-z_.]+) ")
+
+
+def _all_events(store: Any) -> list[Any]:
+    events, after = [], 0
+    while batch := store.events_after(after, 1000):
+        events.extend(batch)
+        after = batch[-1].seq
+    return events
+
+
+@attrs.define
+class Summary:
+    runs: list[RunResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(not r.broken for r in self.runs)
+
+    def table(self) -> str:
+        lines = [
+            f"{'seed':>10} {'faults':<40} {'crashes':>7} {'deliv':>5} {'bytes':>10} {'lost':>4}"
+            f" {'mism':>4} {'reord':>5}  result"
+        ]
+        for r in self.runs:
+            faults = ",".join(f"{k}={v}" for k, v in sorted(r.faults.items())) or "-"
+            lines.append(
+                f"{r.seed:>10} {faults:<40} {r.crashes:>7} {r.deliveries:>5} {r.bytes:>10}"
+                f" {r.lost:>4} {r.mismatched:>4} {r.reordered:>5}  "
+                + ("ok" if not r.broken else "; ".join(r.broken)[:200])
+            )
+        by_kind: Counter[str] = Counter()
+        for r in self.runs:
+            by_kind.update(r.faults)
+        lines.append("faults by kind: " + ", ".join(f"{k} {by_kind[k]}" for k in KINDS))
+        lines.append(
+            f"chaos: runs {len(self.runs)}, faults injected {sum(by_kind.values())},"
+            f" crashes {sum(r.crashes for r in self.runs)},"
+            f" deliveries {sum(r.deliveries for r in self.runs)},"
+            f" lost {sum(r.lost for r in self.runs)},"
+            f" mismatched {sum(r.mismatched for r in self.runs)}"
+        )
+        return "\n".join(lines)
+
+
+async def run_chaos(seed: int, runs: int, minutes: float | None, keep: Path | None) -> Summary:
+    """Run the harness; stop starting new runs once ``minutes`` have passed."""
+    results = []
+    deadline = None if minutes is None else trio.current_time() + minutes * 60
+    with tempfile.TemporaryDirectory(prefix="healthlog-chaos-", dir=keep) as tmp:
+        for n in range(runs):
+            if deadline is not None and trio.current_time() > deadline:
+                break
+            run = Run(seed * 100_000 + n, Path(tmp))
+            results.append(await run.execute())
+            print(_progress(results[-1]), file=sys.stderr, flush=True)
+    return Summary(results)
+
+
+def _progress(result: RunResult) -> str:
+    faults = ",".join(f"{k}={v}" for k, v in sorted(result.faults.items())) or "none"
+    return f"chaos: run {result.seed} {'ok' if not result.broken else 'BROKEN'} ({faults})"
