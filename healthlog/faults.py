@@ -81,10 +81,12 @@ def _check(plan: Plan) -> None:
         raise ValueError(f"unknown fault points: {sorted(unknown)}")
 
 
-def install(plan: Plan) -> None:
-    """Load a plan for the rest of the process (the harness's service and workers)."""
+def install(plan: Plan | None) -> None:
+    """Load a plan for the rest of the process (the harness's service and workers); None
+    makes every fault point inert again."""
     global _plan
-    _check(plan)
+    if plan is not None:
+        _check(plan)
     _plan = plan
 
 

@@ -142,6 +142,7 @@ class Run:
             self.token = tokens.add("chaos")
         self.service: _Service | None = None
         self.planned: dict[str, str] = {}
+        self._restarting = trio.Lock()
 
     def _cli(self, command: str) -> list[str]:
         return [sys.executable, "-m", "healthlog.cli", command, "--data", str(self.data.path)]
@@ -216,13 +217,14 @@ class Run:
 
     async def _running(self) -> _Service:
         """The service, restarted (without faults) if a fault killed it."""
-        assert self.service is not None
-        if not self.service.alive():
-            self.result.crashes += 1
-            await self.service.stop()
-            await self.start_service(with_faults=False)
-        assert self.service is not None
-        return self.service
+        async with self._restarting:
+            assert self.service is not None
+            if not self.service.alive():
+                self.result.crashes += 1
+                await self.service.stop()
+                await self.start_service(with_faults=False)
+            assert self.service is not None
+            return self.service
 
     async def _hold_lock(self) -> None:
         await trio.sleep(self.rng.uniform(0, 0.5))

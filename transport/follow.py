@@ -83,14 +83,19 @@ class Follower:
             base_url=self.endpoints.http, headers={"Authorization": f"Bearer {self.token}"}
         ) as http:
             while True:
+                done, lost = False, False
                 try:
-                    if await self._session(http):
-                        return
+                    done = await self._session(http)
+                except* (OSError, httpx.TransportError, HandshakeError, ConnectionClosed):
+                    lost = True
+                if done:
+                    return
+                if lost:
+                    log.info("follow: connection lost, retrying in %.1f s", backoff)
+                    await trio.sleep(backoff)
+                    backoff = min(backoff * 2, BACKOFF_MAX_S)
+                else:
                     backoff = BACKOFF_START_S
-                except (OSError, httpx.TransportError, HandshakeError, ConnectionClosed) as exc:
-                    log.info("follow: connection lost (%s), retrying", type(exc).__name__)
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX_S)
 
     async def _session(self, http: httpx.AsyncClient) -> bool:
         """One connection; True when done (caught up)."""
