@@ -269,7 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, func: Command, help_text: str) -> argparse.ArgumentParser:
+    def command(
+        name: str, func: Command, help_text: str, *, needs_data: bool = False
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument(
             "--data",
@@ -277,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="data directory (default: $HEALTHLOG_DATA, else ./var)",
         )
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, needs_data=needs_data)
         return p
 
     p = command("import", cmd_import, "journal files as deliveries, then fold them")
@@ -287,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")
     p.add_argument("files", nargs="+", metavar="FILE")
 
-    p = command("export", cmd_export, "write stored points to stdout")
+    p = command("export", cmd_export, "write stored points to stdout", needs_data=True)
     p.add_argument("--metric", default=None)
     p.add_argument("--layer", default=None)
     p.add_argument("--from", dest="start_from", type=_instant, default=None)
@@ -322,17 +324,24 @@ def build_parser() -> argparse.ArgumentParser:
         if action != "list":
             p.add_argument("name", metavar="NAME")
         p.add_argument("--data", type=Path, default=None, help="data directory")
-        p.set_defaults(func=cmd_token)
+        p.set_defaults(func=cmd_token, needs_data=False)
 
     p = command("chaos", cmd_chaos, "the fault-injection harness against real serve processes")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--minutes", type=float, default=None, help="stop starting runs after this")
 
-    command("reindex", cmd_reindex, "rebuild the projection from the journal")
-    command("verify", cmd_verify, "prove the projection equals a rebuild from the journal")
+    command("reindex", cmd_reindex, "rebuild the projection from the journal", needs_data=True)
+    command(
+        "verify",
+        cmd_verify,
+        "prove the projection equals a rebuild from the journal",
+        needs_data=True,
+    )
 
-    p = command("status", cmd_status, "journal size, deliveries by status, lag, lease")
+    p = command(
+        "status", cmd_status, "journal size, deliveries by status, lag, lease", needs_data=True
+    )
     p.add_argument("--json", action="store_true")
     return parser
 
@@ -345,17 +354,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = DataDir(args.data if args.data is not None else default_data_dir())
     func: Command = args.func
     try:
+        needs_data = args.needs_data and getattr(args, "replica", None) is None
+        if needs_data and not data.path.exists():
+            raise CliError(f"no healthlog data in {data.path} (give --data DIR)")
+        if data.path.exists() and not data.path.is_dir():
+            raise CliError(f"{data.path} is not a directory")
         return func(args, data)
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
-    except CliError as exc:
-        print(f"healthlog: {exc}", file=sys.stderr)
-        return 2
-    except (StorageError, RebuildError) as exc:
-        print(f"healthlog: {exc}", file=sys.stderr)
-        return 3
+    except BaseException as exc:
+        error = _user_error(exc)
+        if error is None:
+            raise
+        print(f"healthlog: {error}", file=sys.stderr)
+        return 2 if isinstance(error, CliError) else 3
+
+
+def _user_error(exc: BaseException) -> Exception | None:
+    """The error to tell the user in one line, also from inside a trio nursery's group."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, CliError | StorageError | RebuildError | OSError):
+        return exc
+    return None
 
 
 if __name__ == "__main__":

@@ -63,7 +63,11 @@ class Projection(Protocol):
 
 
 class DeliveryFold:
-    """Fold one delivery: iterate :meth:`writes`, then read :attr:`outcome`."""
+    """Fold one delivery: iterate :meth:`writes`, then read :attr:`outcome`.
+
+    Collisions, unit mismatches and sealed writes are logged at WARNING, or at DEBUG when
+    ``warn`` is off (a rebuild, which would only repeat what the live fold said).
+    """
 
     def __init__(
         self,
@@ -71,8 +75,11 @@ class DeliveryFold:
         info: DeliveryInfo,
         projection: Projection,
         check_budget: Callable[[], None] = lambda: None,
+        *,
+        warn: bool = True,
     ) -> None:
         self._body = body
+        self._warn_level = logging.WARNING if warn else logging.DEBUG
         self._info = info
         self._projection = projection
         self._check_budget = check_budget
@@ -182,7 +189,8 @@ class DeliveryFold:
         return objects.encode(key, object_units, points, created_by, sealed)
 
     def _warn(self, what: str, metric: str, layer: str, hour: int) -> None:
-        log.warning(
+        log.log(
+            self._warn_level,
             "%s metric=%s layer=%s hour=%s delivery=%d",
             what,
             metric,

@@ -4,11 +4,14 @@ no point value, body, device name or token is ever logged above DEBUG."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import orjson
 
 LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMAT_ENV = "HEALTHLOG_LOG_FORMAT"
+LOG_LEVEL_ENV = "HEALTHLOG_LOG_LEVEL"
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -36,7 +39,10 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(fmt: str = "kv", level: str = "info") -> None:
-    """Send records of ``level`` and above to stderr, one line each."""
+    """Send records of ``level`` and above to stderr, one line each; worker processes started
+    later inherit the same choice through the environment."""
+    os.environ[LOG_FORMAT_ENV] = fmt
+    os.environ[LOG_LEVEL_ENV] = level
     if level not in LEVELS:
         raise ValueError(f"log level must be one of {', '.join(LEVELS)}")
     handler = logging.StreamHandler(sys.stderr)

@@ -63,7 +63,7 @@ def test_plan_from_the_environment_fires_and_logs_chaos_3(
     """CHAOS-3: a JSON plan fires on the named hits, logs the point, and refuses unknowns."""
     plan = {"fold.begin": {"hits": [2], "do": "busy"}}
     monkeypatch.setenv(faultplan.PLAN_ENV, orjson.dumps(plan).decode())
-    caplog.set_level(logging.WARNING)
+    caplog.set_level(logging.INFO, logger="healthlog.faults")
     loaded = faultplan.load_environment()
     assert loaded is not None
     try:

@@ -28,11 +28,16 @@ SIGNING_KEY_FILE = "signing.key"
 SNAPSHOT_DIR = "snapshots"
 
 
+def _absolute(path: str | os.PathLike[str]) -> Path:
+    """Absolute, so that worker processes find the same files whatever their directory."""
+    return Path(path).absolute()
+
+
 @attrs.frozen
 class DataDir:
     """Where one healthlog instance keeps its files."""
 
-    path: Path = attrs.field(converter=Path)
+    path: Path = attrs.field(converter=_absolute)
 
     @property
     def journal_path(self) -> Path:

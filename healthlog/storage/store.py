@@ -265,7 +265,11 @@ class Store:
         guard: bool = True,
         check_budget: Callable[[], None] = lambda: None,
     ) -> FoldReport:
-        """Fold one journaled delivery in one transaction under the lease epoch ``epoch``."""
+        """Fold one journaled delivery in one transaction under the lease epoch ``epoch``.
+
+        ``guard`` off is a rebuild: no out-of-order check (F9), and collisions are noted at
+        DEBUG since the live fold already warned about them.
+        """
         try:
             body = journal.read_body(meta.id)
         except Deferred:
@@ -313,6 +317,7 @@ class Store:
                 DeliveryInfo(meta.id, meta.received_at, meta.automation_aggregation),
                 _Projection(conn, meta),
                 check_budget,
+                warn=guard,
             )
             del body
             for n, written in enumerate(fold.writes(), start=1):

@@ -6,7 +6,10 @@ the middle of a fold rolls its transaction back, as any interrupted SQLite write
 
 from __future__ import annotations
 
+import os
+
 from healthlog.folding import FoldReport, OutcomeClass
+from healthlog.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, setup_logging
 from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal
@@ -20,6 +23,9 @@ def _open(data_dir: str) -> tuple[Journal, Store]:
     handles = _handles.get(data_dir)
     if handles is None:
         if not _handles:
+            setup_logging(
+                os.environ.get(LOG_FORMAT_ENV, "kv"), os.environ.get(LOG_LEVEL_ENV, "info")
+            )
             faultplan.load_environment()
         data = DataDir(data_dir)
         journal = data.open_journal()

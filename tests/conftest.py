@@ -1,0 +1,113 @@
+"""Shared fixtures: the ``healthlog`` command line, as a real process or in-process.
+
+Both ``run_cli`` (a subprocess) and ``cli`` (``healthlog.cli.main`` with captured output) take
+the arguments after ``healthlog`` and return a :class:`CliRun`, so a test can use either.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import attrs
+import pytest
+
+from healthlog.cli import main
+from healthlog.storage.datadir import DataDir
+
+PROCESS_TIMEOUT_S = 60
+
+
+@attrs.frozen
+class CliRun:
+    """Exit code, stdout (bytes, as written) and stderr (text) of one command."""
+
+    code: int
+    out: bytes
+    err: str
+
+    def lines(self) -> list[bytes]:
+        return self.out.splitlines(keepends=True)
+
+    def json_lines(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.out.splitlines()]
+
+
+class Cli(Protocol):
+    def __call__(self, *args: str | os.PathLike[str]) -> CliRun: ...
+
+
+Outcomes = Callable[[Path], dict[int, str]]
+
+
+class RunCli(Protocol):
+    def __call__(
+        self,
+        *args: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> CliRun: ...
+
+
+@pytest.fixture
+def run_cli() -> RunCli:
+    """Run ``python -m healthlog.cli ARGS`` as a real process, in ``cwd`` if given.
+
+    The child gets this environment without ``HEALTHLOG_DATA``, plus ``env``.
+    """
+
+    def run(
+        *args: str | os.PathLike[str],
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> CliRun:
+        child_env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        child_env.update(env or {})
+        proc = subprocess.run(
+            [sys.executable, "-m", "healthlog.cli", *(os.fspath(a) for a in args)],
+            capture_output=True,
+            env=child_env,
+            cwd=cwd,
+            timeout=PROCESS_TIMEOUT_S,
+            check=False,
+        )
+        return CliRun(proc.returncode, proc.stdout, proc.stderr.decode())
+
+    return run
+
+
+@pytest.fixture
+def cli(capsysbinary: pytest.CaptureFixture[bytes]) -> Cli:
+    """Run ``healthlog.cli.main(ARGS)`` in this process; argparse exits become exit codes."""
+
+    def run(*args: str | os.PathLike[str]) -> CliRun:
+        capsysbinary.readouterr()
+        try:
+            code = main([os.fspath(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out, err = capsysbinary.readouterr()
+        return CliRun(code, out, err.decode())
+
+    return run
+
+
+@pytest.fixture
+def outcomes() -> Outcomes:
+    """Delivery id -> fold status (``pending`` when not folded yet), in journal order."""
+
+    def read(data: Path) -> dict[int, str]:
+        directory = DataDir(data)
+        with directory.open_journal() as journal, directory.open_store() as store:
+            result = {}
+            for meta in journal.iter_order():
+                row = store.outcome(meta.id)
+                result[meta.id] = "pending" if row is None else row.status
+            return result
+
+    return read

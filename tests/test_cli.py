@@ -1,0 +1,689 @@
+"""The command line against real files and real processes (specs/cli.md).
+
+A few tests run ``python -m healthlog.cli`` as a real process (``run_cli``); the fine-grained
+ones call ``healthlog.cli.main`` in-process (``cli``). Both give exit code, stdout and stderr.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from _cli_bodies import body, compact, metric, point, raw_point, write
+
+from healthlog import faults
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.datadir import DataDir
+from healthlog.timestamps import parse_instant
+
+if TYPE_CHECKING:
+    from conftest import Cli, Outcomes, RunCli
+
+HR = "heart_rate"
+BPM = "count/min"
+LINE_KEYS = ["metric", "layer", "start", "end", "units", "point"]
+ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{0,5}[1-9])?Z")
+STATUS_KEYS = {
+    "journal": {"deliveries", "bytes"},
+    "deliveries": {"pending", "parsed", "partial", "failed"},
+    "lag": {"oldest_pending_id", "waited_s", "stopped_because"},
+    "lease": {"holder", "epoch"},
+}
+
+
+def minute(n: int, day: int = 6) -> str:
+    """``n`` minutes after 2024-02-{day} 15:00 UTC, in the app's date shape."""
+    hour, mins = divmod(15 * 60 + n, 60)
+    return f"2024-02-{day + hour // 24:02d} {hour % 24:02d}:{mins:02d}:00 +0000"
+
+
+def journal_order(data: Path) -> list[tuple[bytes, int]]:
+    """(body, received_at) of every delivery, in journal order."""
+    with DataDir(data).open_journal() as journal:
+        return [(journal.read_body(m.id), m.received_at) for m in journal.iter_order()]
+
+
+def status_of(cli: Cli, data: Path) -> dict[str, Any]:
+    run = cli("status", "--json", "--data", data)
+    assert run.code == 0, run.err
+    document: dict[str, Any] = json.loads(run.out)
+    return document
+
+
+def exported(cli: Cli, data: Path, *args: str) -> list[bytes]:
+    run = cli("export", "--data", data, *args)
+    assert run.code == 0, run.err
+    return run.lines()
+
+
+def import_ok(cli: Cli, data: Path, *args: str | Path) -> None:
+    run = cli("import", "--data", data, *args)
+    assert run.code == 0, run.err
+
+
+# -- data directory and import ------------------------------------------------------------
+
+
+def test_import_as_a_real_process_journals_each_file_in_argument_order_cli_2(
+    run_cli: RunCli, outcomes: Outcomes, tmp_path: Path
+) -> None:
+    """CLI-2, CLI-1: `import --data DIR A B` as a process; A then B, both folded and exported."""
+    data = tmp_path / "data"
+    a = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    b = write(tmp_path / "b.json", body(metric("step_count", "count", point(minute(1), qty=9))))
+    run = run_cli("import", "--aggregation", "minutes", "--data", data, a, b)
+    assert run.code == 0, run.err
+    assert [content for content, _ in journal_order(data)] == [a.read_bytes(), b.read_bytes()]
+    assert list(outcomes(data).values()) == ["parsed", "parsed"]
+    export = run_cli("export", "--data", data)
+    assert export.code == 0, export.err
+    assert [(d["metric"], d["point"]["qty"]) for d in export.json_lines()] == [
+        (HR, 61),
+        ("step_count", 9),
+    ]
+
+
+def test_environment_names_the_data_dir_and_var_is_the_default_cli_1(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-1: without `--data`, a real process uses $HEALTHLOG_DATA, else ./var."""
+    data = tmp_path / "from-env"
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    env = {"HEALTHLOG_DATA": str(data)}
+    assert run_cli("import", "--aggregation", "minutes", sent, env=env).code == 0
+    export = run_cli("export", env=env)
+    assert export.code == 0, export.err
+    assert [d["point"]["qty"] for d in export.json_lines()] == [61]
+    assert run_cli("import", "--aggregation", "minutes", sent, cwd=tmp_path).code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "from-env", "var"]
+    with DataDir(data).open_journal() as journal, DataDir(tmp_path / "var").open_journal() as var:
+        assert (journal.count()[0], var.count()[0]) == (1, 1)
+
+
+def test_data_flag_wins_over_the_environment_cli_1(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CLI-1: `--data` after the command name beats $HEALTHLOG_DATA."""
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    monkeypatch.setenv("HEALTHLOG_DATA", str(tmp_path / "env"))
+    import_ok(cli, tmp_path / "flag", "--aggregation", "minutes", sent)
+    assert (tmp_path / "flag" / "journal.sqlite").is_file()
+    assert not (tmp_path / "env").exists()
+
+
+def test_received_at_stamps_every_file_and_keeps_argument_order_cli_3(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """CLI-3: one `--received-at` for all files; journal order = argument order; last one wins."""
+    first = write(tmp_path / "first.json", body(metric(HR, BPM, point(minute(0), qty=70))))
+    second = write(tmp_path / "second.json", body(metric(HR, BPM, point(minute(0), qty=80))))
+    stamp = "2024-02-07T08:00:00Z"
+    for order, kept in (((first, second), 80), ((second, first), 70)):
+        data = tmp_path / f"data-{kept}"
+        import_ok(cli, data, "--received-at", stamp, "--aggregation", "minutes", *order)
+        assert journal_order(data) == [(f.read_bytes(), parse_instant(stamp)) for f in order]
+        assert [json.loads(line)["point"]["qty"] for line in exported(cli, data)] == [kept]
+        assert cli("verify", "--data", data).code == 0
+
+
+@pytest.mark.parametrize(
+    ("given", "layer"), [("Minutes", "minutes"), ("HOURS", "hours"), ("Default", "default")]
+)
+def test_aggregation_is_case_insensitive_and_stored_lowercase_cli_4(
+    cli: Cli, tmp_path: Path, given: str, layer: str
+) -> None:
+    """CLI-4: the layer stored (delivery outcome) and exported is the lowercase word."""
+    data = tmp_path / "data"
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    import_ok(cli, data, "--aggregation", given, sent)
+    with DataDir(data).open_journal() as journal, DataDir(data).open_store() as store:
+        (meta,) = journal.iter_order()
+        row = store.outcome(meta.id)
+    assert row is not None
+    assert (row.status, row.layer) == ("parsed", layer)
+    assert [json.loads(line)["layer"] for line in exported(cli, data)] == [layer]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["import", "--aggregation", "fortnight", "GOOD"], "--aggregation"),
+        (["import", "--received-at", "last tuesday", "GOOD"], "--received-at"),
+        (["import", "GOOD", "MISSING"], "missing.json"),
+        (["export", "--from", "2024-13-01T00:00:00Z"], "--from"),
+        (["export", "--format", "xml"], "--format"),
+    ],
+    ids=["aggregation", "received-at", "missing-file", "from", "format"],
+)
+def test_usage_errors_exit_2_and_journal_nothing_cli_5(
+    cli: Cli, tmp_path: Path, args: list[str], message: str
+) -> None:
+    """CLI-5: invalid flags or an unreadable file: exit 2, a message, nothing journaled."""
+    data = tmp_path / "data"
+    good = write(tmp_path / "good.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    import_ok(cli, data, "--aggregation", "minutes", good)
+    before = status_of(cli, data)
+    files = {"GOOD": str(good), "MISSING": str(tmp_path / "missing.json")}
+    run = cli(args[0], "--data", data, *(files.get(a, a) for a in args[1:]))
+    assert run.code == 2
+    assert message in run.err
+    assert run.out == b""
+    assert status_of(cli, data)["journal"] == before["journal"]
+
+
+def test_aggregation_error_names_the_choices_cli_5(cli: Cli, tmp_path: Path) -> None:
+    """CLI-5: the message for a bad `--aggregation` lists the accepted layers."""
+    run = cli("import", "--data", tmp_path / "data", "--aggregation", "fortnight", "x.json")
+    assert run.code == 2
+    for layer in ("seconds", "minutes", "hours", "days", "weeks", "months", "years", "default"):
+        assert layer in run.err
+    assert not (tmp_path / "data").exists()
+
+
+def test_no_wait_leaves_deliveries_pending_until_a_later_import_cli_6(
+    cli: Cli, outcomes: Outcomes, tmp_path: Path
+) -> None:
+    """CLI-6: while another process holds the fold lease, `--no-wait` journals and returns;
+    status shows both pending, oldest first; once the lease is free, the next import folds all."""
+    data = tmp_path / "data"
+    files = [
+        write(tmp_path / f"{n}.json", body(metric(HR, BPM, point(minute(n), qty=60 + n))))
+        for n in range(3)
+    ]
+    with DataDir(data).open_store() as store:
+        epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        assert epoch is not None
+        import_ok(cli, data, "--no-wait", "--aggregation", "minutes", files[0], files[1])
+        status = status_of(cli, data)
+        assert status["deliveries"] == {"pending": 2, "parsed": 0, "partial": 0, "failed": 0}
+        assert status["lease"]["holder"] == "elsewhere"
+        assert status["lag"]["oldest_pending_id"] == next(iter(outcomes(data)))
+        assert status["lag"]["waited_s"] >= 0
+        assert exported(cli, data) == []
+        store.release_lease("elsewhere", epoch)
+    import_ok(cli, data, "--aggregation", "minutes", files[2])
+    assert list(outcomes(data).values()) == ["parsed"] * 3
+    status = status_of(cli, data)
+    assert status["deliveries"] == {"pending": 0, "parsed": 3, "partial": 0, "failed": 0}
+    assert status["lag"]["oldest_pending_id"] is None
+    assert [json.loads(line)["point"]["qty"] for line in exported(cli, data)] == [60, 61, 62]
+
+
+def test_automation_id_lets_a_sparse_delivery_inherit_its_layer_cli_24(
+    cli: Cli, outcomes: Outcomes, tmp_path: Path
+) -> None:
+    """CLI-24: a lone point inherits the layer of its automation's earlier delivery, or fails."""
+    data = tmp_path / "data"
+    dense = write(
+        tmp_path / "dense.json",
+        body(metric(HR, BPM, point(minute(0), qty=61), point(minute(1), qty=62))),
+    )
+    lone = write(tmp_path / "lone.json", body(metric(HR, BPM, point(minute(30), qty=63))))
+    import_ok(cli, data, "--automation-id", "A", dense)
+    import_ok(cli, data, "--automation-id", "A", lone)
+    import_ok(cli, data, "--automation-id", "B", lone)
+    import_ok(cli, data, lone)
+    assert list(outcomes(data).values()) == ["parsed", "parsed", "failed", "failed"]
+    lines = [json.loads(line) for line in exported(cli, data)]
+    assert [(d["layer"], d["point"]["qty"]) for d in lines] == [
+        ("minutes", 61),
+        ("minutes", 62),
+        ("minutes", 63),
+    ]
+
+
+# -- export -------------------------------------------------------------------------------
+
+
+def test_export_lines_have_the_documented_keys_and_utc_instants_cli_7(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """CLI-7: keys in order; UTC with Z; whole seconds or a trimmed fraction; instants end=start."""
+    data = tmp_path / "data"
+    sent = body(
+        metric(
+            HR,
+            BPM,
+            point("2024-02-06 07:00:00 -0800", qty=61),
+            point("2024-02-06T15:10:00.1200Z", qty=62),
+            point("2024-02-06T15:20:00.000001+00:00", qty=63),
+            compact({"start": "2024-02-06 16:00:00 +0100", "end": "2024-02-06 16:30:05 +0100"}),
+        ),
+        metric(
+            "sleep_analysis",
+            "hr",
+            compact(
+                {"startDate": "2024-02-06 23:00:00 -0500", "endDate": "2024-02-07 00:15:30 -0500"}
+            ),
+        ),
+    )
+    import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "a.json", sent))
+    lines = [json.loads(line) for line in exported(cli, data)]
+    for line in lines:
+        assert list(line) == LINE_KEYS
+        assert ISO_UTC.fullmatch(line["start"]), line["start"]
+        assert ISO_UTC.fullmatch(line["end"]), line["end"]
+    assert [(d["metric"], d["layer"], d["start"], d["end"], d["units"]) for d in lines] == [
+        (HR, "minutes", "2024-02-06T15:00:00Z", "2024-02-06T15:00:00Z", BPM),
+        (HR, "minutes", "2024-02-06T15:00:00Z", "2024-02-06T15:30:05Z", BPM),
+        (HR, "minutes", "2024-02-06T15:10:00.12Z", "2024-02-06T15:10:00.12Z", BPM),
+        (HR, "minutes", "2024-02-06T15:20:00.000001Z", "2024-02-06T15:20:00.000001Z", BPM),
+        ("sleep_analysis", "minutes", "2024-02-07T04:00:00Z", "2024-02-07T05:15:30Z", "hr"),
+    ]
+
+
+def test_export_is_sorted_by_metric_layer_start_end_cli_8(cli: Cli, tmp_path: Path) -> None:
+    """CLI-8: several metrics and layers, sent out of order, over more than 64 hourly objects."""
+    data = tmp_path / "data"
+    hourly = [point(minute(60 * h + 7), qty=h) for h in reversed(range(70))]
+    segments = [
+        compact({"startDate": minute(30), "endDate": minute(end), "value": f"s{end}"})
+        for end in (90, 45, 60)
+    ]
+    first = body(
+        metric("walking_speed", "mi/hr", point(minute(5), qty=3), point(minute(1), qty=2)),
+        metric(HR, BPM, *hourly),
+        metric("Zone_upper", "x", point(minute(2), qty=1), point(minute(0), qty=1)),
+        metric("ätna", "x", point(minute(2), qty=1)),
+        metric("sleep_analysis", "hr", *segments),
+    )
+    second = body(metric(HR, BPM, point(minute(120), qty=7), point(minute(0), qty=8)))
+    import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "1.json", first))
+    import_ok(cli, data, "--aggregation", "hours", write(tmp_path / "2.json", second))
+    lines = [json.loads(line) for line in exported(cli, data)]
+    assert len(lines) == 2 + 70 + 2 + 1 + 3 + 2
+
+    def order(d: dict[str, Any]) -> tuple[str, str, int, int]:
+        return d["metric"], d["layer"], parse_instant(d["start"]), parse_instant(d["end"])
+
+    assert lines == sorted(lines, key=order)
+    assert [d["point"]["value"] for d in lines if d["metric"] == "sleep_analysis"] == [
+        "s45",
+        "s60",
+        "s90",
+    ]
+
+
+VERBATIM_POINTS = [
+    # (as sent, as exported): key order, escapes and digits as sent; whitespace may go.
+    (
+        b'{"source":"Jonathan\\u2019s Apple\\u00a0Watch","qty":1.50,'
+        b'"date":"2024-02-06 15:00:00 +0000"}',
+        b'{"source":"Jonathan\\u2019s Apple\\u00a0Watch","qty":1.50,'
+        b'"date":"2024-02-06 15:00:00 +0000"}',
+    ),
+    (
+        '{"date":"2024-02-06 15:01:00 +0000","qty":125.00000000000001,'
+        '"source":"Anton\u2019s <b>&amp;</b> & \U0001f431"}'.encode(),
+        '{"date":"2024-02-06 15:01:00 +0000","qty":125.00000000000001,'
+        '"source":"Anton\u2019s <b>&amp;</b> & \U0001f431"}'.encode(),
+    ),
+    (
+        b'{"date":"2024-02-06 15:02:00 +0000","qty":1,"qty":2}',
+        b'{"date":"2024-02-06 15:02:00 +0000","qty":1,"qty":2}',
+    ),
+    (
+        b'{"date":"2024-02-06 15:03:00 +0000","qty":1180591620717411303424,"e":1E+2,"z":-0.0}',
+        b'{"date":"2024-02-06 15:03:00 +0000","qty":1180591620717411303424,"e":1E+2,"z":-0.0}',
+    ),
+    (
+        b'{ "date" : "2024-02-06 15:04:00 +0000" ,\n'
+        b'  "note" : "a  \\"b\\" \\\\ \\/ \\n \\u0026 <>" }',
+        b'{"date":"2024-02-06 15:04:00 +0000","note":"a  \\"b\\" \\\\ \\/ \\n \\u0026 <>"}',
+    ),
+]
+
+
+def test_export_points_are_byte_identical_to_what_was_sent_cli_9(cli: Cli, tmp_path: Path) -> None:
+    """CLI-9: key order, duplicate keys, escapes, raw UTF-8, `&<>`, number digits as sent."""
+    data = tmp_path / "data"
+    sent = body(metric(HR, BPM, *(raw for raw, _ in VERBATIM_POINTS)))
+    import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "a.json", sent))
+    lines = exported(cli, data)
+    assert [raw_point(line) for line in lines] == [want for _, want in VERBATIM_POINTS]
+
+
+@pytest.fixture
+def filter_data(cli: Cli, tmp_path: Path) -> Path:
+    """HR minutes at 15:00, 15:30, 16:00, 16:30, 17:00; HR hours at 16:00; steps at 16:15."""
+    data = tmp_path / "data"
+    minutes = body(
+        metric(HR, BPM, *(point(minute(m), qty=m) for m in (0, 30, 60, 90, 120))),
+        metric("step_count", "count", point(minute(75), qty=75)),
+    )
+    hours = body(metric(HR, BPM, point(minute(60), qty=1060)))
+    import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "m.json", minutes))
+    import_ok(cli, data, "--aggregation", "hours", write(tmp_path / "h.json", hours))
+    return data
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        ([], [1060, 0, 30, 60, 90, 120, 75]),
+        (["--metric", HR], [1060, 0, 30, 60, 90, 120]),
+        (["--metric", "step_count"], [75]),
+        (["--metric", "no_such_metric"], []),
+        (["--layer", "hours"], [1060]),
+        (["--from", "2024-02-06T15:30:00Z", "--to", "2024-02-06T16:30:00Z"], [1060, 30, 60, 75]),
+        (["--from", "2024-02-06T17:30:00+02:00"], [1060, 30, 60, 90, 120, 75]),
+        (["--to", "2024-02-06T16:30:00Z"], [1060, 0, 30, 60, 75]),
+        (["--to", "2024-02-06T16:00:00.000001Z"], [1060, 0, 30, 60]),
+        (["--metric", HR, "--layer", "minutes", "--from", "2024-02-06T16:00:00Z"], [60, 90, 120]),
+    ],
+)
+def test_export_filters_by_metric_layer_and_half_open_start_range_cli_10(
+    cli: Cli, filter_data: Path, args: list[str], expected: list[int]
+) -> None:
+    """CLI-10: `--metric`, `--layer` exact; start in [from, to), also inside one hour."""
+    lines = [json.loads(line) for line in exported(cli, filter_data, *args)]
+    assert [d["point"]["qty"] for d in lines] == expected
+
+
+def test_csv_has_the_header_and_the_jsonl_values_cli_11(cli: Cli, tmp_path: Path) -> None:
+    """CLI-11: header `metric,layer,start,end,units,point`; point as compact JSON; null units."""
+    data = tmp_path / "data"
+    sent = body(
+        metric(
+            HR,
+            BPM,
+            *(raw for raw, _ in VERBATIM_POINTS),
+            point(minute(9), qty=1, note='comma, "quote"\nnewline'),
+        ),
+        workouts=[compact({"name": "Walk, short", "start": minute(0), "end": minute(20)})],
+    )
+    import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "a.json", sent))
+    jsonl = exported(cli, data)
+    rows = list(csv.reader(io.StringIO(b"".join(exported(cli, data, "--format", "csv")).decode())))
+    assert rows[0] == LINE_KEYS
+    assert len(rows) == 1 + len(jsonl) == 1 + 7
+    for row, line in zip(rows[1:], jsonl, strict=True):
+        d = json.loads(line)
+        assert row[:5] == [d["metric"], d["layer"], d["start"], d["end"], d["units"] or ""]
+        assert row[5].encode() == raw_point(line)
+    assert rows[-1][:5] == [
+        "workouts",
+        "records",
+        "2024-02-06T15:00:00Z",
+        "2024-02-06T15:20:00Z",
+        "",
+    ]
+
+
+def test_section_records_export_as_records_layer_without_units_cli_12(
+    cli: Cli, outcomes: Outcomes, tmp_path: Path
+) -> None:
+    """CLI-12: workouts and symptoms: metric = section, layer `records`, units null."""
+    data = tmp_path / "data"
+    workout = compact(
+        {
+            "id": "W-1",
+            "name": "Walk",
+            "start": "2024-02-06 08:00:00 -0700",
+            "end": "2024-02-06 08:45:10 -0700",
+        }
+    )
+    symptom = compact(
+        {"name": "Headache", "start": minute(0), "end": minute(90), "severity": "Mild"}
+    )
+    sent = write(tmp_path / "a.json", body(workouts=[workout], symptoms=[symptom]))
+    import_ok(cli, data, sent)
+    assert list(outcomes(data).values()) == ["parsed"]
+    lines = exported(cli, data)
+    assert [json.loads(line) | {"point": None} for line in lines] == [
+        {
+            "metric": "symptoms",
+            "layer": "records",
+            "start": "2024-02-06T15:00:00Z",
+            "end": "2024-02-06T16:30:00Z",
+            "units": None,
+            "point": None,
+        },
+        {
+            "metric": "workouts",
+            "layer": "records",
+            "start": "2024-02-06T15:00:00Z",
+            "end": "2024-02-06T15:45:10Z",
+            "units": None,
+            "point": None,
+        },
+    ]
+    assert [raw_point(line) for line in lines] == [symptom, workout]
+
+
+# -- status -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mixed_data(cli: Cli, tmp_path: Path) -> tuple[Path, int]:
+    """One parsed, one partial and one failed delivery; returns the dir and the raw bytes."""
+    data = tmp_path / "data"
+    files = [
+        write(tmp_path / "parsed.json", body(metric(HR, BPM, point(minute(0), qty=61)))),
+        write(
+            tmp_path / "partial.json",
+            body(metric(HR, BPM, point(minute(1), qty=62), point("yesterday", qty=63))),
+        ),
+        write(tmp_path / "failed.json", b'{"data": {"metrics": ['),
+    ]
+    import_ok(cli, data, "--aggregation", "minutes", *files)
+    return data, sum(f.stat().st_size for f in files)
+
+
+def test_status_json_has_exactly_the_documented_keys_and_counts_cli_13(
+    cli: Cli, mixed_data: tuple[Path, int]
+) -> None:
+    """CLI-13: documented keys (more may follow) and types; counts match journal and outcomes."""
+    data, size = mixed_data
+    status = status_of(cli, data)
+    assert set(status) >= {*STATUS_KEYS, "first_pass_completed", "subscribers"}
+    for key, members in STATUS_KEYS.items():
+        assert set(status[key]) == members, key
+    assert status["journal"] == {"deliveries": 3, "bytes": size}
+    assert status["deliveries"] == {"pending": 0, "parsed": 1, "partial": 1, "failed": 1}
+    lag = status["lag"]
+    assert lag["oldest_pending_id"] is None
+    assert isinstance(lag["waited_s"], int | float)
+    assert lag["stopped_because"] == "empty"
+    lease = status["lease"]
+    assert lease["holder"] is None or isinstance(lease["holder"], str)
+    assert isinstance(lease["epoch"], int)
+    assert not isinstance(lease["epoch"], bool)
+    assert lease["epoch"] >= 1
+    assert status["first_pass_completed"] is True
+    assert status["subscribers"] == {}
+
+
+def test_plain_status_prints_the_same_figures_as_lines_cli_14(
+    cli: Cli, mixed_data: tuple[Path, int]
+) -> None:
+    """CLI-14: labelled, readable lines with the figures of the JSON document."""
+    data, size = mixed_data
+    run = cli("status", "--data", data)
+    assert run.code == 0, run.err
+    text = run.out.decode()
+    lines = text.splitlines()
+    labels = [line.split()[0] for line in lines]
+    assert labels[:5] == ["journal", "deliveries", "lag", "lease", "first"]
+    assert "3 deliveries" in lines[0]
+    assert f"{size} bytes" in lines[0]
+    for figure in ("pending 0", "parsed 1", "partial 1", "failed 1"):
+        assert figure in lines[1]
+    assert lines[4].split()[-1] == "completed"
+    assert "not" not in lines[4]
+    assert not text.lstrip().startswith("{")
+
+
+def test_storage_error_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) -> None:
+    """CLI-23: a store file that is not a database: exit 3, a message, no traceback."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "store.sqlite").write_bytes(b"this is not an SQLite file" * 200)
+    run = cli("status", "--data", data)
+    assert run.code == 3
+    assert run.err.startswith("healthlog: ")
+    assert len(run.err.splitlines()) == 1
+    assert run.out == b""
+
+
+def test_journal_refusing_an_import_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) -> None:
+    """CLI-23: the journal refuses the delivery (disk full): exit 3, a message, no traceback."""
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    refuse = faults.raise_fault(lambda _: StorageError("disk full"))
+    plan = faults.Plan(actions={"journal.append": faults.Action(frozenset({1}), refuse)})
+    with faults.loaded(plan):
+        run = cli("import", "--aggregation", "minutes", "--data", tmp_path / "data", sent)
+    assert run.code == 3
+    assert run.err.startswith("healthlog: ")
+    assert "disk full" in run.err
+
+
+# -- verify and reindex -------------------------------------------------------------------
+
+
+def test_verify_is_clean_after_imports_in_journal_order_cli_15(cli: Cli, tmp_path: Path) -> None:
+    """CLI-15: verify exits 0, progress on stderr only; reindex changes nothing."""
+    data = tmp_path / "data"
+    sends = [
+        body(metric(HR, BPM, point(minute(0), qty=61, source="Watch"), point(minute(1), qty=62))),
+        body(metric(HR, BPM, point(minute(0), qty=61), point(minute(1), qty=99))),
+        body(metric(HR, BPM, point(minute(1), qty=62, source="Phone", context="rest"))),
+    ]
+    for n, sent in enumerate(sends):
+        import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / f"{n}.json", sent))
+    before = exported(cli, data)
+    run = cli("verify", "--data", data)
+    assert run.code == 0, run.err
+    assert run.out == b""
+    assert "verify: 3/3" in run.err
+    run = cli("reindex", "--data", data)
+    assert run.code == 0, run.err
+    assert "reindex: 3/3" in run.err
+    assert exported(cli, data) == before
+    assert cli("verify", "--data", data).code == 0
+
+
+def test_colliding_backfill_is_found_by_verify_and_fixed_by_reindex_cli_16(
+    run_cli: RunCli, cli: Cli, tmp_path: Path
+) -> None:
+    """CLI-16: verify exits 1 naming (metric, layer, hour) and no value; reindex; verify 0."""
+    data = tmp_path / "data"
+    live = write(
+        tmp_path / "live.json",
+        body(metric(HR, BPM, point(minute(0), qty=123.456789, source="SRC-ALPHA-7731"))),
+    )
+    backfill = write(
+        tmp_path / "backfill.json",
+        body(metric(HR, BPM, point(minute(0), qty=987.654321, source="SRC-BETA-4409"))),
+    )
+    runs = [run_cli("import", "--aggregation", "minutes", "--data", data, live)]
+    runs.append(
+        run_cli(
+            "import",
+            "--aggregation",
+            "minutes",
+            "--received-at",
+            "2024-01-01T00:00:00Z",
+            "--data",
+            data,
+            backfill,
+        )
+    )
+    assert [r.code for r in runs] == [0, 0]
+    assert [json.loads(line)["point"]["qty"] for line in exported(cli, data)] == [987.654321]
+    found = run_cli("verify", "--data", data)
+    runs.append(found)
+    assert found.code == 1, found.err
+    (line,) = found.out.decode().splitlines()
+    assert line.split("\t")[1:] == [HR, "minutes", "2024-02-06T15:00:00Z"]
+    runs.append(run_cli("reindex", "--data", data))
+    assert runs[-1].code == 0, runs[-1].err
+    assert re.search(r"reindex: \d+/\d+", runs[-1].err)
+    runs.append(run_cli("verify", "--data", data))
+    assert runs[-1].code == 0, runs[-1].err
+    assert re.search(r"verify: \d+/\d+", runs[-1].err)
+    assert [json.loads(line)["point"]["qty"] for line in exported(cli, data)] == [123.456789]
+    for run in runs:
+        for secret in ("123.456789", "987.654321", "SRC-ALPHA-7731", "SRC-BETA-4409"):
+            assert secret not in run.err
+            assert secret.encode() not in run.out
+
+
+SECRETS = (
+    "Secret Watch ZQX-1",
+    "Other Device QJV-2",
+    "hl_tok_9f8e7d6c5b4a",
+    "4242.4242",
+    "7373.7373",
+    "5151.5151",
+    "ZQX-BAD-DATE-31",
+    "SECRET-GARBAGE-77",
+    "Backfill Phone KLM-3",
+    "6161.6161",
+)
+
+
+def test_no_source_token_or_value_reaches_the_output_cli_17(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-17: collisions, rejections, failures and a backfill log without any content."""
+    data = tmp_path / "data"
+    files = [
+        write(
+            tmp_path / "a.json",
+            body(
+                metric(
+                    HR,
+                    BPM,
+                    point(minute(0), qty=4242.4242, source="Secret Watch ZQX-1"),
+                    point(minute(1), qty=1, token="hl_tok_9f8e7d6c5b4a"),
+                )
+            ),
+        ),
+        write(
+            tmp_path / "b.json",
+            body(
+                metric(
+                    HR,
+                    BPM,
+                    point(minute(0), qty=7373.7373, source="Other Device QJV-2"),
+                    point("ZQX-BAD-DATE-31", qty=5151.5151),
+                )
+            ),
+        ),
+        write(tmp_path / "c.json", b'{"data": SECRET-GARBAGE-77'),
+    ]
+    backfill = write(
+        tmp_path / "d.json",
+        body(metric(HR, BPM, point(minute(0), qty=6161.6161, source="Backfill Phone KLM-3"))),
+    )
+    runs = [
+        run_cli("import", "--aggregation", "minutes", "--data", data, *files),
+        run_cli(
+            "import",
+            "--aggregation",
+            "minutes",
+            "--received-at",
+            "2024-01-01T00:00:00Z",
+            "--data",
+            data,
+            backfill,
+        ),
+        run_cli("verify", "--data", data),
+        run_cli("reindex", "--data", data),
+        run_cli("status", "--data", data),
+    ]
+    assert [r.code for r in runs] == [0, 0, 1, 0, 0]
+    own = re.compile(r"journaled .* as delivery \d+ |delivery \d+: \w+$|fold: \d+/\d+$")
+    logged = [line for r in runs[:2] for line in r.err.splitlines() if not own.match(line)]
+    assert logged, "the collisions, the rejection and the backfill logged nothing"
+    for run in runs:
+        for secret in SECRETS:
+            assert secret not in run.err
+            assert secret.encode() not in run.out
