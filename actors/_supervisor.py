@@ -32,12 +32,12 @@ async def supervise(
             await run()
             return
         except Exception as exc:
+            if trio.current_time() - started > backoff:
+                backoff = backoff_start_s
             log.error(
                 "actor %s crashed (%s); restarting in %.1f s", name, type(exc).__name__, backoff
             )
             log.debug("actor %s crash", name, exc_info=True)
             crashes.append(name)
-        if trio.current_time() - started > backoff:
-            backoff = backoff_start_s
         await trio.sleep(backoff)
         backoff = min(backoff * 2, backoff_max_s)

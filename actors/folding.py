@@ -69,7 +69,9 @@ class FoldingActor:
         period_s: float,
         budget: Budget,
         executor: Executor,
+        busy_timeout_ms: int,
     ) -> None:
+        self._busy_timeout_ms = busy_timeout_ms
         self._data_dir = data_dir
         self._journal = journal
         self._store = store
@@ -172,7 +174,13 @@ class FoldingActor:
     async def _fold(self, meta: DeliveryMeta, epoch: int) -> FoldReport:
         if self._executor is Executor.PROCESS:
             report: FoldReport = await trio_parallel.run_sync(
-                fold_one, str(self._data_dir), meta.id, epoch, self._budget, kill_on_cancel=True
+                fold_one,
+                str(self._data_dir),
+                meta.id,
+                epoch,
+                self._budget,
+                self._busy_timeout_ms,
+                kill_on_cancel=True,
             )
             return report
         check = self._budget.checker(meta.bytes)

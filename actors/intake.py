@@ -11,7 +11,7 @@ import contextlib
 import attrs
 import trio
 
-from actors.journal import GONE, Reply, Request, Result
+from actors.journal import GONE, Reply, Request, Result, RuntimeStopped, refuse_pending
 from healthlog.storage.journal import NewDelivery, Receipt
 
 Submission = tuple[NewDelivery, Reply]
@@ -50,13 +50,21 @@ class IntakeActor:
         )
 
     async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            async for delivery, caller in self._submissions:
-                nursery.start_soon(self._handle, delivery, caller)
+        try:
+            async with trio.open_nursery() as nursery:
+                async for delivery, caller in self._submissions:
+                    nursery.start_soon(self._handle, delivery, caller)
+        finally:
+            refuse_pending(self._submissions)
 
     async def _handle(self, delivery: NewDelivery, caller: Reply) -> None:
         reply_send, reply_receive = trio.open_memory_channel[Result](1)
-        await self._journal.send((delivery, reply_send))
+        try:
+            await self._journal.send((delivery, reply_send))
+        except BaseException:
+            with contextlib.suppress(*GONE):
+                caller.send_nowait(RuntimeStopped("healthlog is shutting down"))
+            raise
         with trio.CancelScope(shield=True):
             result = await reply_receive.receive()
         if not isinstance(result, Receipt):
@@ -76,7 +84,17 @@ class IntakeActor:
 
 
 async def submit(submissions: trio.MemorySendChannel[Submission], delivery: NewDelivery) -> Result:
-    """Hand a delivery to the intake actor and wait for its result."""
+    """Hand a delivery to the intake actor and wait for its result.
+
+    Once handed over, the wait is shielded: a caller cancelled while its commit is in flight
+    still learns whether its delivery was journaled (every queued request is answered, also
+    on shutdown).
+    """
     reply_send, reply_receive = trio.open_memory_channel[Result](1)
-    await submissions.send((delivery, reply_send))
-    return await reply_receive.receive()
+    try:
+        await submissions.send((delivery, reply_send))
+    except (trio.ClosedResourceError, trio.BrokenResourceError):
+        return RuntimeStopped("healthlog is not running")
+    with trio.CancelScope(shield=True):
+        result = await reply_receive.receive()
+    return result

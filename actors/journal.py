@@ -8,6 +8,8 @@ so a caller is never told "failed" about a row that is in fact journaled.
 from __future__ import annotations
 
 import contextlib
+import logging
+from typing import Any
 
 import attrs
 import trio
@@ -24,6 +26,23 @@ Request = tuple[NewDelivery, Reply]
 
 # A reply or wake channel whose other end is gone or full: never an error for the sender.
 GONE = (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock)
+
+log = logging.getLogger("healthlog.journal")
+
+
+class RuntimeStopped(StorageError):
+    """The runtime shut down before this delivery could be journaled: nothing was written."""
+
+
+def refuse_pending(requests: trio.MemoryReceiveChannel[tuple[Any, Reply]]) -> None:
+    """Answer every request still queued with :class:`RuntimeStopped` (on shutdown)."""
+    while True:
+        try:
+            _, reply = requests.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return
+        with contextlib.suppress(*GONE):
+            reply.send_nowait(RuntimeStopped("healthlog is shutting down"))
 
 
 @attrs.frozen
@@ -62,6 +81,12 @@ class JournalActor:
         )
 
     async def run(self) -> None:
+        try:
+            await self._serve()
+        finally:
+            refuse_pending(self._requests)
+
+    async def _serve(self) -> None:
         async for first in self._requests:
             group = [first]
             while len(group) < MAX_GROUP:
@@ -87,6 +112,10 @@ class JournalActor:
         except StorageError as exc:
             self._errors += 1
             return [exc] * len(deliveries)
+        except Exception as exc:
+            self._errors += 1
+            log.error("journal append failed unexpectedly: %s", type(exc).__name__)
+            return [StorageError(f"journal append failed: {type(exc).__name__}")] * len(deliveries)
         self._groups += 1
         self._largest = max(self._largest, len(deliveries))
         self._appended += sum(isinstance(r, Receipt) and not r.replayed for r in results)

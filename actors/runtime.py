@@ -163,6 +163,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             period_s=config.wake_period_s,
             budget=config.budget,
             executor=config.executor,
+            busy_timeout_ms=config.busy_timeout_ms,
         )
         retention = RetentionActor(
             store,
@@ -193,6 +194,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             try:
                 yield runtime
             finally:
+                submit_send.close()
                 nursery.cancel_scope.cancel()
     finally:
         store.close()

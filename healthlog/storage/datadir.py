@@ -83,13 +83,13 @@ class DataDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return Tokens(self.tokens_path)
 
-    def open_journal(self) -> Journal:
+    def open_journal(self, busy_timeout_ms: int = 5000) -> Journal:
         self.path.mkdir(parents=True, exist_ok=True)
-        return Journal(self.journal_path)
+        return Journal(self.journal_path, busy_timeout_ms=busy_timeout_ms)
 
-    def open_store(self) -> Store:
+    def open_store(self, busy_timeout_ms: int = 5000) -> Store:
         self.path.mkdir(parents=True, exist_ok=True)
-        return Store(self.store_path)
+        return Store(self.store_path, busy_timeout_ms=busy_timeout_ms)
 
 
 def default_data_dir() -> Path:

@@ -19,7 +19,7 @@ from healthlog.storage.store import Store
 _handles: dict[str, tuple[Journal, Store]] = {}
 
 
-def _open(data_dir: str) -> tuple[Journal, Store]:
+def _open(data_dir: str, busy_timeout_ms: int) -> tuple[Journal, Store]:
     handles = _handles.get(data_dir)
     if handles is None:
         if not _handles:
@@ -28,9 +28,9 @@ def _open(data_dir: str) -> tuple[Journal, Store]:
             )
             faultplan.load_environment()
         data = DataDir(data_dir)
-        journal = data.open_journal()
+        journal = data.open_journal(busy_timeout_ms)
         try:
-            handles = journal, data.open_store()
+            handles = journal, data.open_store(busy_timeout_ms)
         except BaseException:
             journal.close()
             raise
@@ -39,11 +39,11 @@ def _open(data_dir: str) -> tuple[Journal, Store]:
 
 
 def fold_one(
-    data_dir: str, delivery_id: int, epoch: int, budget: Budget, guard: bool = True
+    data_dir: str, delivery_id: int, epoch: int, budget: Budget, busy_timeout_ms: int
 ) -> FoldReport:
     """Fold one journaled delivery of ``data_dir`` under lease epoch ``epoch``."""
-    journal, store = _open(data_dir)
+    journal, store = _open(data_dir, busy_timeout_ms)
     meta = journal.get_meta(delivery_id)
     if meta is None:
         return FoldReport(delivery_id, OutcomeClass.UNWRITTEN, reason="not in the journal")
-    return store.fold(journal, meta, epoch, guard=guard, check_budget=budget.checker(meta.bytes))
+    return store.fold(journal, meta, epoch, check_budget=budget.checker(meta.bytes))

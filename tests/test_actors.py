@@ -1,0 +1,380 @@
+"""The runtime's actors: journal, intake, lease, supervision, statistics, shutdown
+(specs/runtime.md, RUN-1 to RUN-13). Real SQLite files in tmp_path, folds in worker threads."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sqlite3
+import threading
+import time
+from contextlib import closing
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+from _runtime_helpers import (
+    HOLDER,
+    HOUR_US,
+    config,
+    folded_ids,
+    hold_at,
+    journaled,
+    lease_row,
+    logged,
+    new_delivery,
+    passes_ended,
+    run_in_child,
+    sha256,
+    table,
+    until,
+    wait_folded,
+)
+
+from actors._supervisor import supervise
+from actors.runtime import Runtime, open_runtime
+from healthlog import faults
+from healthlog.storage._sqlite import Deferred
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import Receipt
+from healthlog.storage.store import Store
+
+
+def assert_receipt_iff_journaled(got: dict[str, int | None], rows: dict[int, str]) -> None:
+    """``got`` maps each submitted body's sha256 to the id its receipt named (None: no receipt).
+    A receipt names a journaled row of that body; a body without a receipt is not journaled."""
+    for digest, delivery_id in got.items():
+        if delivery_id is None:
+            assert digest not in rows.values(), "journaled, but the caller got no receipt"
+        else:
+            assert rows.get(delivery_id) == digest
+    assert set(rows.values()) <= set(got)
+
+
+# -- journal and intake -------------------------------------------------------------------------
+
+
+async def test_concurrent_submits_share_commits_and_each_gets_its_receipt_run_1_run_2(
+    tmp_path: Path,
+) -> None:
+    """RUN-1, RUN-2: 40 concurrent submits commit in fewer than 40 transactions; every caller
+    gets the receipt of its own body, and its row is readable from the journal file through
+    another connection the moment submit returns."""
+    deliveries = [new_delivery(n) for n in range(40)]
+    receipts: dict[int, Receipt] = {}
+    on_return: dict[int, list[tuple[int, bytes]]] = {}
+    journal_path = DataDir(tmp_path).journal_path
+
+    async def submit(runtime: Runtime, n: int) -> None:
+        receipt = await runtime.submit(deliveries[n])
+        on_return[n] = table(
+            journal_path, "SELECT id, sha256 FROM deliveries WHERE id = ?", receipt.delivery_id
+        )
+        receipts[n] = receipt
+
+    async with open_runtime(config(tmp_path)) as runtime:
+        async with trio.open_nursery() as nursery:
+            for n in range(len(deliveries)):
+                nursery.start_soon(submit, runtime, n)
+        stats = runtime.statistics().journal
+
+    assert stats.appended == 40
+    assert 1 <= stats.groups < 40
+    assert stats.largest_group > 1
+    for n, receipt in receipts.items():
+        assert receipt.sha256 == sha256(deliveries[n])
+        assert on_return[n] == [(receipt.delivery_id, bytes.fromhex(receipt.sha256))]
+    assert len({r.delivery_id for r in receipts.values()}) == 40
+    assert journaled(tmp_path) == {r.delivery_id: r.sha256 for r in receipts.values()}
+
+
+async def test_a_journal_that_cannot_commit_refuses_the_submit_run_3(tmp_path: Path) -> None:
+    """RUN-3: while another connection holds the journal's write lock, submit raises Deferred
+    after the busy timeout and nothing is journaled; once the lock is gone, submit works."""
+    refused, accepted = new_delivery(0), new_delivery(1)
+    async with open_runtime(config(tmp_path, busy_timeout_ms=50)) as runtime:
+        journal_path = DataDir(tmp_path).journal_path
+        with closing(sqlite3.connect(journal_path, isolation_level=None)) as holder:
+            holder.execute("BEGIN EXCLUSIVE")
+            with pytest.raises(Deferred):
+                await runtime.submit(refused)
+            assert journaled(tmp_path) == {}
+            holder.execute("ROLLBACK")
+        receipt = await runtime.submit(accepted)
+        await wait_folded(tmp_path, [receipt.delivery_id])
+        stats = runtime.statistics()
+
+    assert journaled(tmp_path) == {receipt.delivery_id: sha256(accepted)}
+    assert (stats.journal.errors, stats.journal.appended) == (1, 1)
+    assert (stats.intake.refused, stats.intake.accepted) == (1, 1)
+
+
+async def test_a_full_wake_channel_drops_wakes_and_every_delivery_still_folds_run_4(
+    tmp_path: Path,
+) -> None:
+    """RUN-4: with the folder busy in a pass, a burst of submits finds the wake channel full;
+    the dropped wakes are counted, never an error, and every delivery folds."""
+    entered, release = trio.Event(), threading.Event()
+    with faults.loaded(faults.Plan(actions={"fold.begin": hold_at(entered, release)})):
+        async with open_runtime(config(tmp_path)) as runtime:
+            first = await runtime.submit(new_delivery(0))
+            await entered.wait()
+            receipts: list[Receipt] = []
+
+            async def submit(n: int) -> None:
+                receipts.append(await runtime.submit(new_delivery(n)))
+
+            async with trio.open_nursery() as nursery:
+                for n in range(1, 11):
+                    nursery.start_soon(submit, n)
+            intake = runtime.statistics().intake
+            release.set()
+            await wait_folded(tmp_path, [first.delivery_id, *(r.delivery_id for r in receipts)])
+
+    assert len(receipts) == 10
+    assert intake.accepted == 11
+    assert intake.wakes_dropped > 0
+    assert intake.wakes_sent + intake.wakes_dropped == 11
+
+
+# -- supervision ----------------------------------------------------------------------------------
+
+
+async def test_a_crashing_actor_restarts_with_doubling_backoff_up_to_the_cap_run_5(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-5: each crash logs one ERROR and is recorded; restarts wait 1, 2, 4, then the cap 4."""
+    starts: list[float] = []
+
+    async def run() -> None:
+        starts.append(trio.current_time())
+        if len(starts) <= 5:
+            raise RuntimeError("boom")
+
+    crashes: list[str] = []
+    await supervise("worker", run, crashes, backoff_start_s=1, backoff_max_s=4)
+
+    assert [b - a for a, b in itertools.pairwise(starts)] == [1, 2, 4, 4, 4]
+    assert crashes == ["worker"] * 5
+    assert logged(caplog, logging.ERROR) == [
+        f"actor worker crashed (RuntimeError); restarting in {s:.1f} s" for s in (1, 2, 4, 4, 4)
+    ]
+
+
+async def long_third_run(starts: list[float]) -> None:
+    """Three supervised runs that crash, the third after 10 s, and a fourth that returns."""
+    starts.append(trio.current_time())
+    if len(starts) == 3:
+        await trio.sleep(10)
+    if len(starts) <= 3:
+        raise RuntimeError("boom")
+
+
+async def test_a_long_run_resets_the_backoff_run_5(autojump_clock: trio.testing.MockClock) -> None:
+    """RUN-5: after a run that lasted longer than the current backoff, the restart waits the
+    first backoff again."""
+    starts: list[float] = []
+    await supervise("worker", partial(long_third_run, starts), [], backoff_start_s=1)
+
+    assert [b - a for a, b in itertools.pairwise(starts)] == [1, 2, 10 + 1]
+
+
+async def test_the_crash_error_names_the_delay_actually_waited_run_5(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-5: the ERROR of a crash after a long run names the delay it then waits."""
+    starts: list[float] = []
+    await supervise("worker", partial(long_third_run, starts), [], backoff_start_s=1)
+
+    assert starts[3] - starts[2] == 10 + 1
+    assert logged(caplog, logging.ERROR)[2].endswith("restarting in 1.0 s")
+
+
+async def test_a_cancelled_actor_is_not_a_crash_run_6(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-6: cancelling a supervised actor (a plain one, one with a nursery of its own, or one
+    waiting out its backoff) logs no ERROR beyond its real crashes and does not restart it."""
+
+    async def plain() -> None:
+        await trio.sleep_forever()
+
+    async def with_nursery() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(trio.sleep_forever)
+
+    runs = 0
+
+    async def crash_once() -> None:
+        nonlocal runs
+        runs += 1
+        raise RuntimeError("boom")
+
+    crashes: list[str] = []
+    for run in (plain, with_nursery):
+        with trio.move_on_after(5) as scope:
+            await supervise(run.__name__, run, crashes)
+        assert scope.cancelled_caught
+    assert (crashes, logged(caplog, logging.ERROR)) == ([], [])
+
+    with trio.move_on_after(0.1):
+        await supervise("crash_once", crash_once, crashes, backoff_start_s=1)
+    assert (runs, crashes, len(logged(caplog, logging.ERROR))) == (1, ["crash_once"], 1)
+
+
+def test_a_journal_actor_crash_answers_its_callers_run_7(tmp_path: Path) -> None:
+    """RUN-7: when a group commit fails with an unexpected exception, its caller gets an error
+    (not silence), the next submit is journaled, and the runtime still shuts down."""
+    first, second = run_in_child("journal_actor_crash", tmp_path)
+
+    assert first not in ("no answer", "receipt")
+    assert second == "receipt"
+    assert journaled(tmp_path) == {1: sha256(new_delivery(1))}
+
+
+# -- lease ----------------------------------------------------------------------------------------
+
+
+async def test_the_lease_is_held_renewed_yielded_retaken_and_released_run_8_run_9_run_10(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """RUN-8, RUN-9, RUN-10: the lease actor holds epoch 1 from the start and renewals keep it;
+    a forced takeover by another holder is reported as None and nothing folds meanwhile; after
+    that holder releases, the lease is retaken at epoch 3 and the waiting delivery folds under
+    it; leaving the runtime releases the lease."""
+    async with open_runtime(config(tmp_path)) as runtime:
+
+        def held() -> tuple[int | None, int | None]:
+            stats = runtime.statistics()
+            return stats.lease.epoch, stats.folding.epoch
+
+        await until(lambda: held() == (1, 1))
+        assert lease_row(tmp_path) == (HOLDER, 1)
+        await until(lambda: runtime.statistics().lease.renewals >= 2)
+        assert held() == (1, 1)
+        assert runtime.statistics().lease.acquisitions == 1
+        assert lease_row(tmp_path) == (HOLDER, 1)
+
+        with Store(DataDir(tmp_path).store_path) as other:
+            now = time.time_ns() // 1000
+            assert other.acquire_lease("intruder", now=now, ttl=HOUR_US, force=True) == 2
+            await until(lambda: held() == (None, None))
+            assert runtime.statistics().lease.losses == 1
+            receipt = await runtime.submit(new_delivery())
+            await trio.sleep(3 * 5.0)
+            assert folded_ids(tmp_path) == set()
+            other.release_lease("intruder", 2)
+
+        await wait_folded(tmp_path, [receipt.delivery_id])
+        lease = runtime.statistics().lease
+        assert (lease.epoch, lease.acquisitions, lease.losses) == (3, 2, 1)
+        assert (await runtime.read_store(Store.checkpoint))[1:] == (receipt.delivery_id, 3)
+
+    assert lease_row(tmp_path) == (None, 3)
+
+
+# -- statistics -----------------------------------------------------------------------------------
+
+
+async def test_statistics_reflect_queues_passes_outcomes_and_the_lease_run_11(
+    tmp_path: Path,
+) -> None:
+    """RUN-11: with a group commit held, the journal actor's queue depth shows the requests
+    behind it; afterwards the counters show two groups, four folds and the held lease."""
+    entered, release = trio.Event(), threading.Event()
+    with faults.loaded(faults.Plan(actions={"journal.append": hold_at(entered, release)})):
+        async with open_runtime(config(tmp_path)) as runtime:
+            await until(lambda: runtime.statistics().folding.epoch == 1)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runtime.submit, new_delivery(0))
+                await entered.wait()
+                for n in range(1, 4):
+                    nursery.start_soon(runtime.submit, new_delivery(n))
+                await until(lambda: runtime.statistics().journal.queued == 3)
+                during = runtime.statistics()
+                release.set()
+            await wait_folded(tmp_path, journaled(tmp_path))
+            await until(lambda: not runtime.statistics().folding.running)
+            after = runtime.statistics()
+
+    assert (during.journal.queued, during.journal.appended, during.journal.groups) == (3, 0, 0)
+    assert during.intake.accepted == 0
+    assert during.folding.outcomes_by_class == {}
+    assert (during.lease.holder, during.lease.epoch, during.lease.acquisitions) == (HOLDER, 1, 1)
+
+    journal = after.journal
+    assert (journal.queued, journal.appended, journal.groups, journal.largest_group) == (0, 4, 2, 3)
+    assert journal.errors == 0
+    assert (after.intake.accepted, after.intake.refused) == (4, 0)
+    assert after.intake.wakes_sent + after.intake.wakes_dropped == 4
+    folding = after.folding
+    assert (folding.epoch, folding.folded, folding.running) == (1, 4, False)
+    assert folding.outcomes_by_class == {"done": 4}
+    assert (folding.folds_timed, folding.first_pass_completed) == (4, True)
+    assert set(folding.passes_by_stop) == {"empty"}
+    assert folding.passes == folding.passes_by_stop["empty"] >= 1
+    assert (after.lease.epoch, after.lease.acquisitions, after.lease.losses) == (1, 1, 0)
+    assert after.crashes == ()
+
+
+# -- shutdown -------------------------------------------------------------------------------------
+
+
+async def test_a_submit_in_flight_at_shutdown_gets_its_receipt_if_journaled_run_12(
+    tmp_path: Path,
+) -> None:
+    """RUN-12: leaving the runtime while a submit's commit is in flight: the commit finishes,
+    and the submit returns the receipt of the committed row (or neither happens)."""
+    delivery = new_delivery()
+    entered, release = trio.Event(), threading.Event()
+    got: dict[str, int | None] = {}
+
+    async def submit(runtime: Runtime) -> None:
+        got[sha256(delivery)] = None
+        got[sha256(delivery)] = (await runtime.submit(delivery)).delivery_id
+
+    with (
+        faults.loaded(faults.Plan(actions={"journal.append": hold_at(entered, release)})),
+        trio.CancelScope() as scope,
+    ):
+        async with open_runtime(config(tmp_path)) as runtime, trio.open_nursery() as nursery:
+            nursery.start_soon(submit, runtime)
+            await entered.wait()
+            scope.cancel()
+            release.set()
+
+    assert_receipt_iff_journaled(got, journaled(tmp_path))
+
+
+def test_leaving_the_runtime_with_submits_queued_exits_and_keeps_receipts_exact_run_13(
+    tmp_path: Path,
+) -> None:
+    """RUN-13: leaving the runtime while submits wait behind a group commit ends promptly; every
+    submit that returned a receipt is journaled, and no other submit is."""
+    got = run_in_child("shutdown_with_submits_queued", tmp_path)
+
+    by_digest = {
+        sha256(new_delivery(int(n))): value if isinstance(value, int) else None
+        for n, value in got.items()
+    }
+    assert_receipt_iff_journaled(by_digest, journaled(tmp_path))
+    assert lease_row(tmp_path)[0] is None
+
+
+async def test_leaving_an_idle_runtime_releases_the_lease_run_10(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-10: an idle runtime shuts down without an ERROR, releasing the lease; its files can
+    be reopened and a new runtime takes the lease at the next epoch."""
+    async with open_runtime(config(tmp_path)) as runtime:
+        receipt = await runtime.submit(new_delivery())
+        await wait_folded(tmp_path, [receipt.delivery_id])
+        await passes_ended(runtime, 1)
+    assert lease_row(tmp_path) == (None, 1)
+
+    async with open_runtime(config(tmp_path, holder="next")) as runtime:
+        await until(lambda: runtime.statistics().lease.epoch == 2)
+    assert lease_row(tmp_path) == (None, 2)
+    assert logged(caplog, logging.ERROR) == []

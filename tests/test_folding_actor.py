@@ -1,0 +1,415 @@
+"""The folding actor inside a running runtime: the scenarios of seed 000 and the lease
+(specs/runtime.md, RUN-14 to RUN-26). Real SQLite files in tmp_path, folds in worker threads
+unless a test says otherwise."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sqlite3
+import time
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+import trio
+from _runtime_helpers import (
+    EVERY_HIT,
+    HISTORY_US,
+    HOUR_US,
+    action,
+    config,
+    folded_ids,
+    folded_in_order,
+    journal_directly,
+    lease_row,
+    logged,
+    mark,
+    new_delivery,
+    outcome_epochs,
+    passes_ended,
+    table,
+    until,
+    wait_folded,
+)
+
+from actors.folding import Executor
+from actors.runtime import open_runtime
+from healthlog import faults
+from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import NewDelivery
+from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
+from healthlog.storage.rebuild import verify
+from healthlog.storage.store import Store
+
+
+def deferred_at(hit: int) -> faults.Plan:
+    """A plan deferring the fold whose ``fold.begin`` is hit number ``hit``."""
+    return faults.Plan(actions={"fold.begin": action({hit}, faults.raise_fault(Deferred))})
+
+
+async def test_visible_deliveries_fold_in_journal_order_one_at_a_time_run_14(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-14: deliveries pending before a pass fold in (received_at, id) order, not in the
+    order they were inserted, each fold ending before the next begins; a delivery without a
+    layer of its own inherits the layer of its predecessor in journal order."""
+    ids = journal_directly(
+        tmp_path,
+        [
+            new_delivery(0, received_at=HISTORY_US + 30),
+            new_delivery(1, received_at=HISTORY_US + 10, aggregation="minutes"),
+            new_delivery(2, received_at=HISTORY_US + 20, aggregation=None),
+            new_delivery(3, received_at=HISTORY_US + 10, aggregation="hours"),
+            new_delivery(4),
+        ],
+    )
+    trail: list[str] = []
+    plan = faults.Plan(
+        actions={
+            "fold.begin": action(EVERY_HIT, trail.append),
+            "fold.after_commit": action(EVERY_HIT, trail.append),
+        }
+    )
+    with faults.loaded(plan):
+        async with open_runtime(config(tmp_path)) as runtime:
+            await wait_folded(tmp_path, ids)
+            await passes_ended(runtime, 1)
+            stats = runtime.statistics().folding
+
+    assert folded_in_order(tmp_path) == [ids[i] for i in (1, 3, 2, 0, 4)]
+    assert trail == ["fold.begin", "fold.after_commit"] * 5
+    assert stats.passes_by_stop == {"empty": 1}
+    layer = table(
+        DataDir(tmp_path).store_path, "SELECT layer FROM outcomes WHERE delivery_id = ?", ids[2]
+    )
+    assert layer == [("hours",)]
+    assert logged(caplog, logging.WARNING) == logged(caplog, logging.ERROR) == []
+
+
+async def test_a_busy_store_holds_the_queue_at_its_head_run_15(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-15: while another connection holds store.sqlite's write lock, every pass defers at
+    the head of the queue and folds none of its successors; after the lock is released, the
+    next wake folds them all in journal order."""
+    async with open_runtime(config(tmp_path, busy_timeout_ms=50)) as runtime:
+        first = await runtime.submit(new_delivery(0))
+        await wait_folded(tmp_path, [first.delivery_id])
+        store_path = DataDir(tmp_path).store_path
+        with closing(sqlite3.connect(store_path, isolation_level=None)) as holder:
+            holder.execute("BEGIN EXCLUSIVE")
+            held = [(await runtime.submit(new_delivery(n))).delivery_id for n in (1, 2, 3)]
+            # The last submit's wake starts a pass that selects all three.
+            await passes_ended(runtime, runtime.statistics().folding.passes + 1)
+            during = runtime.statistics().folding
+            assert folded_ids(tmp_path) == {first.delivery_id}
+            holder.execute("ROLLBACK")
+        last = await runtime.submit(new_delivery(4))
+        await wait_folded(tmp_path, [*held, last.delivery_id])
+
+    assert during.passes_by_stop["deferred"] >= 1
+    assert during.outcomes_by_class["deferred"] == during.passes_by_stop["deferred"]
+    assert folded_in_order(tmp_path) == [first.delivery_id, *held, last.delivery_id]
+    assert "folding pass: lag mark not written: Deferred" in logged(caplog, logging.WARNING)
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        {"fold.object_write": action({2}, faults.raise_fault(StorageError))},
+        {
+            "fold.begin": action({2}, faults.raise_fault()),
+            "fold.outcome_write": action({2}, faults.raise_fault(StorageError)),
+        },
+    ],
+    ids=["fold_not_written", "failed_outcome_not_written"],
+)
+async def test_an_unwritten_delivery_stays_pending_and_the_pass_goes_on_run_16(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, plan: dict[str, faults.Action]
+) -> None:
+    """RUN-16: a delivery whose fold, and even whose failed outcome, cannot be written stays
+    pending without stopping the pass; the lag mark names it, the first-pass flag is set, and
+    the next pass folds it (warning that a later delivery was folded first)."""
+    ids = journal_directly(tmp_path, [new_delivery(n) for n in range(3)])
+    with faults.loaded(faults.Plan(actions=plan)):
+        async with open_runtime(config(tmp_path)) as runtime:
+            await passes_ended(runtime, 1)
+            first_pass = runtime.statistics().folding
+            assert folded_ids(tmp_path) == {ids[0], ids[2]}
+            assert mark(tmp_path, LAG_MARK)["oldest_pending_id"] == ids[1]
+            assert mark(tmp_path, LAG_MARK)["stopped_because"] == "unwritten"
+            assert mark(tmp_path, FIRST_PASS_MARK) is True
+            caplog.clear()
+            later = await runtime.submit(new_delivery(3))
+            await wait_folded(tmp_path, [ids[1], later.delivery_id])
+
+    assert first_pass.passes_by_stop == {"unwritten": 1}
+    assert first_pass.outcomes_by_class == {"done": 2, "unwritten": 1}
+    assert folded_in_order(tmp_path) == [ids[0], ids[2], ids[1], later.delivery_id]
+    (warning,) = logged(caplog, logging.WARNING)
+    assert f"delivery {ids[1]} " in warning
+    assert "reindex" in warning
+
+
+async def test_a_fold_over_its_budget_is_failed_and_the_queue_moves_run_17(tmp_path: Path) -> None:
+    """RUN-17: with a zero fold budget every delivery with points is failed (not deferred), an
+    empty one still parses, and the pass reaches the end of the queue."""
+    ids = journal_directly(
+        tmp_path, [new_delivery(0), NewDelivery(b'{"data": {}}', "phone"), new_delivery(1)]
+    )
+    zero = Budget(base_s=0, per_mib_s=0)
+    async with open_runtime(config(tmp_path, budget=zero)) as runtime:
+        await wait_folded(tmp_path, ids)
+        await passes_ended(runtime, 1)
+        stats = runtime.statistics().folding
+
+    store_path = DataDir(tmp_path).store_path
+    over = ("failed", "fold over its time budget")
+    outcomes = table(store_path, "SELECT delivery_id, status, reason FROM outcomes")
+    assert {i: (status, reason) for i, status, reason in outcomes} == {
+        ids[0]: over,
+        ids[1]: ("parsed", None),
+        ids[2]: over,
+    }
+    assert stats.passes_by_stop == {"empty": 1}
+    assert stats.outcomes_by_class == {"done": 3}
+    assert table(store_path, "SELECT count(*) FROM objects") == [(0,)]
+
+
+async def test_the_periodic_wake_retries_a_delivery_left_pending_run_18(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """RUN-18: a delivery deferred by the first pass, with no traffic after it, folds on the
+    periodic wake, one wake period later."""
+    ids = journal_directly(tmp_path, [new_delivery()])
+    with faults.loaded(deferred_at(1)):
+        async with open_runtime(config(tmp_path, wake_period_s=10)) as runtime:
+            started = trio.current_time()
+            await until(lambda: runtime.statistics().folding.passes_by_stop == {"deferred": 1})
+            assert folded_ids(tmp_path) == set()
+            await wait_folded(tmp_path, ids)
+            waited = trio.current_time() - started
+            await passes_ended(runtime, 2)
+            stats = runtime.statistics()
+
+    assert waited >= 10
+    assert stats.folding.outcomes_by_class == {"deferred": 1, "done": 1}
+    assert (stats.intake.accepted, stats.lease.acquisitions) == (0, 1)
+
+
+async def test_an_empty_pass_writes_the_lag_mark_and_the_first_pass_flag_run_19(
+    tmp_path: Path,
+) -> None:
+    """RUN-19: the first pass over an empty journal reaches the end: it writes a lag mark with
+    no pending delivery and sets the first-pass flag."""
+    async with open_runtime(config(tmp_path)) as runtime:
+        await passes_ended(runtime, 1)
+
+    assert mark(tmp_path, LAG_MARK) == {
+        "oldest_pending_id": None,
+        "waited_s": 0.0,
+        "stopped_because": "empty",
+    }
+    assert mark(tmp_path, FIRST_PASS_MARK) is True
+
+
+async def test_a_deferred_barrier_writes_the_lag_mark_but_not_the_first_pass_flag_run_20(
+    tmp_path: Path,
+) -> None:
+    """RUN-20: a pass stopped by a deferral writes the lag mark naming the stuck delivery and
+    how long it has waited, and leaves the first-pass flag unset; the pass that later reaches
+    the end of the queue clears the mark and sets the flag."""
+    ids = journal_directly(
+        tmp_path, [new_delivery(n, received_at=HISTORY_US + n) for n in range(3)]
+    )
+    with faults.loaded(deferred_at(2)):
+        async with open_runtime(config(tmp_path)) as runtime:
+            await passes_ended(runtime, 1)
+            stuck = mark(tmp_path, LAG_MARK)
+            assert mark(tmp_path, FIRST_PASS_MARK) is None
+            assert runtime.statistics().folding.first_pass_completed is False
+            later = await runtime.submit(new_delivery(3))
+            await wait_folded(tmp_path, [*ids, later.delivery_id])
+            await passes_ended(runtime, 2)
+            assert runtime.statistics().folding.first_pass_completed is True
+
+    assert stuck["oldest_pending_id"] == ids[1]
+    assert stuck["stopped_because"] == "deferred"
+    assert stuck["waited_s"] >= (time.time_ns() // 1000 - HISTORY_US) / 1e6 - 3600
+    assert mark(tmp_path, LAG_MARK)["oldest_pending_id"] is None
+    assert mark(tmp_path, FIRST_PASS_MARK) is True
+
+
+async def test_a_failed_selection_ends_the_pass_not_the_loop_run_21(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RUN-21: when the pass cannot read its selection it logs one ERROR and ends, writing no
+    mark; the folding loop goes on and the next wake folds everything."""
+    ids = journal_directly(tmp_path, [new_delivery(0)])
+    async with open_runtime(config(tmp_path)) as runtime:
+        iter_order = runtime.journal.iter_order
+        calls = 0
+
+        def fails_once() -> object:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise StorageError("database error: disk I/O error")
+            return iter_order()
+
+        monkeypatch.setattr(runtime.journal, "iter_order", fails_once)
+        await passes_ended(runtime, 1)
+        assert runtime.statistics().folding.passes_by_stop == {"selection_failed": 1}
+        assert (mark(tmp_path, LAG_MARK), mark(tmp_path, FIRST_PASS_MARK)) == (None, None)
+        later = await runtime.submit(new_delivery(1))
+        await wait_folded(tmp_path, [*ids, later.delivery_id])
+        await passes_ended(runtime, 2)
+        stats = runtime.statistics()
+
+    assert logged(caplog, logging.ERROR) == ["folding pass: selection failed: StorageError"]
+    assert stats.folding.passes_by_stop["selection_failed"] == 1
+    assert stats.crashes == ()
+    assert mark(tmp_path, FIRST_PASS_MARK) is True
+
+
+async def test_leaving_the_runtime_mid_pass_is_no_error_run_22(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-22: leaving the runtime while a pass folds stops it as a normal stop: no ERROR, the
+    fold in flight finishes, no later fold starts, and the lease is released."""
+    ids = journal_directly(tmp_path, [new_delivery(n) for n in range(4)])
+    second_fold = trio.Event()
+
+    def signal(_: str) -> None:
+        trio.from_thread.run_sync(second_fold.set)
+
+    with faults.loaded(faults.Plan(actions={"fold.begin": action({2}, signal)})):
+        async with open_runtime(config(tmp_path)) as runtime:
+            await second_fold.wait()
+        stats = runtime.statistics().folding
+
+    assert logged(caplog, logging.ERROR) == []
+    assert stats.passes_by_stop == {"cancelled": 1}
+    assert folded_ids(tmp_path) == set(ids[:2])
+    assert lease_row(tmp_path) == (None, 1)
+
+
+async def test_a_backfill_folded_after_a_later_delivery_warns_once_run_23(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-23: a backfilled delivery whose received_at lies before an already parsed one is
+    folded with exactly one WARNING, naming its id and `healthlog reindex`."""
+    async with open_runtime(config(tmp_path)) as runtime:
+        live = await runtime.submit(new_delivery(0))
+        await wait_folded(tmp_path, [live.delivery_id])
+        backfill = await runtime.submit(new_delivery(1, received_at=live.received_at - 60_000_000))
+        await wait_folded(tmp_path, [backfill.delivery_id])
+
+    (warning,) = logged(caplog, logging.WARNING)
+    assert f"delivery {backfill.delivery_id} " in warning
+    assert "reindex" in warning
+    assert folded_in_order(tmp_path) == [live.delivery_id, backfill.delivery_id]
+
+
+CHECKPOINTS = (
+    "lease.renew",
+    "fold.begin",
+    "fold.object_write",
+    "fold.outcome_write",
+    "fold.before_commit",
+    "fold.after_commit",
+)
+FOLDS = 5
+POINTS_PER_FOLD = len(CHECKPOINTS) - 1
+HITS = 1 + FOLDS * POINTS_PER_FOLD
+
+
+@pytest.mark.parametrize("k", range(1, HITS + 1))
+async def test_cancelling_at_any_checkpoint_leaves_each_delivery_folded_or_pending_run_24(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, k: int
+) -> None:
+    """RUN-24: the runtime is cancelled at the k-th checkpoint (the lease's first renewal, then
+    every fault point of five folds). No ERROR; the fold in flight finishes and no later one
+    starts, so every delivery is either folded with its object or pending without one; the
+    lease is released; a new runtime folds the rest and the store equals a rebuild."""
+    ids = journal_directly(tmp_path, [new_delivery(n) for n in range(FOLDS)])
+    seen = 0
+    scope = trio.CancelScope()
+
+    def count(_: str) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == k:
+            trio.from_thread.run_sync(scope.cancel)
+
+    plan = faults.Plan(actions={name: action(EVERY_HIT, count) for name in CHECKPOINTS})
+    with faults.loaded(plan), scope:
+        async with open_runtime(config(tmp_path)):
+            await trio.sleep_forever()
+
+    in_flight = math.ceil((k - 1) / POINTS_PER_FOLD)
+    assert seen >= k
+    assert logged(caplog, logging.ERROR) == []
+    assert folded_ids(tmp_path) == set(ids[:in_flight])
+    created = table(DataDir(tmp_path).store_path, "SELECT created_by FROM objects")
+    assert sorted(created) == [(i,) for i in ids[:in_flight]]
+    assert lease_row(tmp_path)[0] is None
+
+    async with open_runtime(config(tmp_path)):
+        await wait_folded(tmp_path, ids)
+    assert folded_in_order(tmp_path) == ids
+    data = DataDir(tmp_path)
+    with data.open_journal() as journal, data.open_store() as store:
+        assert verify(journal, store) == []
+
+
+async def test_a_takeover_mid_pass_fences_the_folder_until_it_holds_the_lease_again_run_25(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-25: another holder takes the lease at a higher epoch and releases it (as reindex
+    does) between two folds: the next fold is fenced and writes nothing, the pass stops, and
+    once the lease actor retakes the lease the rest folds under the new epoch."""
+    ids = journal_directly(tmp_path, [new_delivery(n) for n in range(3)])
+    with Store(DataDir(tmp_path).store_path) as other:
+
+        def reindex(_: str) -> None:
+            now = time.time_ns() // 1000
+            epoch = other.acquire_lease("reindex", now=now, ttl=HOUR_US, force=True)
+            assert epoch is not None
+            other.release_lease("reindex", epoch)
+
+        plan = faults.Plan(actions={"fold.after_commit": action({1}, reindex)})
+        with faults.loaded(plan):
+            settings = config(tmp_path, lease_renew_s=0.5, lease_ttl_s=5)
+            async with open_runtime(settings) as runtime:
+                await wait_folded(tmp_path, ids)
+                await passes_ended(runtime, 2)
+                stats = runtime.statistics()
+
+    assert outcome_epochs(tmp_path) == {ids[0]: 1, ids[1]: 3, ids[2]: 3}
+    assert folded_in_order(tmp_path) == ids
+    assert stats.folding.passes_by_stop["fenced"] == 1
+    assert stats.folding.outcomes_by_class == {"done": 3, "fenced": 1}
+    assert (stats.lease.epoch, stats.lease.acquisitions) == (3, 2)
+    assert f"delivery {ids[1]}: fold fenced, lease epoch 1 lost" in logged(caplog, logging.WARNING)
+
+
+async def test_folds_run_in_worker_processes_end_to_end_run_26(tmp_path: Path) -> None:
+    """RUN-26: with the process executor, journaled and submitted deliveries fold in journal
+    order in worker processes, each commit checkpointed under the runtime's lease epoch."""
+    ids = journal_directly(
+        tmp_path, [new_delivery(n, received_at=HISTORY_US + n) for n in range(2)]
+    )
+    async with open_runtime(config(tmp_path, executor=Executor.PROCESS)) as runtime:
+        live = await runtime.submit(new_delivery(2))
+        await wait_folded(tmp_path, [*ids, live.delivery_id], timeout=30)
+        checkpoint = await runtime.read_store(Store.checkpoint)
+
+    assert folded_in_order(tmp_path) == [*ids, live.delivery_id]
+    assert outcome_epochs(tmp_path) == dict.fromkeys([*ids, live.delivery_id], 1)
+    assert checkpoint == (live.received_at, live.delivery_id, 1)
+    data = DataDir(tmp_path)
+    with data.open_journal() as journal, data.open_store() as store:
+        assert verify(journal, store) == []
