@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from healthlog import snapshots
+from healthlog import faults, snapshots
 from healthlog.snapshots import Manifest
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
@@ -21,6 +21,7 @@ def build(
     directory: Path, journal: Journal, store: Store, key: Ed25519PrivateKey, url_base: str
 ) -> Manifest:
     """Write a snapshot of every object at the current head and remove older ones."""
+    faults.point("snapshot.build")
     stream = store.stream_id()
     seq, objects = store.snapshot_at_head()
     data = snapshots.encode(objects, instance=journal.instance_id(), stream=stream, seq=seq)
