@@ -17,9 +17,11 @@ from typing import Any
 
 import orjson
 
-from healthlog.storage.journal import NewDelivery
+from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 
 BASE_US = 1_709_251_200_000_000
+NOW = BASE_US
+TTL = 15_000_000
 
 
 def stamp(minute: int) -> str:
@@ -71,3 +73,10 @@ def rows(path: str | os.PathLike[str]) -> dict[str, list[tuple[Any, ...]]]:
             name: sorted(conn.execute(f"SELECT * FROM {name}").fetchall(), key=repr)
             for name in names
         }
+
+
+def append(journal: Journal, new: NewDelivery) -> DeliveryMeta:
+    """Journal one delivery and return its metadata."""
+    meta = journal.get_meta(journal.append(new).delivery_id)
+    assert meta is not None
+    return meta

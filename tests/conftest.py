@@ -10,15 +10,18 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import pytest
+from _bodies import NOW, TTL
 
 from healthlog.cli import main
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import Journal
+from healthlog.storage.store import Store
 
 PROCESS_TIMEOUT_S = 60
 
@@ -111,3 +114,25 @@ def outcomes() -> Outcomes:
             return result
 
     return read
+
+
+@pytest.fixture
+def journal(tmp_path: Path) -> Iterator[Journal]:
+    """A journal file in the test's directory."""
+    with Journal(tmp_path / "journal.sqlite") as journal:
+        yield journal
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """A projection file in the test's directory."""
+    with Store(tmp_path / "store.sqlite") as store:
+        yield store
+
+
+@pytest.fixture
+def epoch(store: Store) -> int:
+    """The fold lease, held by "folder"."""
+    held = store.acquire_lease("folder", now=NOW, ttl=TTL)
+    assert held is not None
+    return held

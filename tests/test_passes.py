@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 
 import pytest
-from _bodies import BASE_US, body, delivery, point, rows
+from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 
 from healthlog import faults
 from healthlog.folding import FoldPass
 from healthlog.storage._sqlite import Deferred, StorageError
-from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
+from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import (
     FIRST_PASS_MARK,
     LAG_MARK,
@@ -23,34 +22,6 @@ from healthlog.storage.passes import (
     run_pass,
 )
 from healthlog.storage.store import Store
-
-NOW = BASE_US
-TTL = 15_000_000
-
-
-@pytest.fixture
-def journal(tmp_path: Path) -> Iterator[Journal]:
-    with Journal(tmp_path / "journal.sqlite") as journal:
-        yield journal
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(tmp_path / "store.sqlite") as store:
-        yield store
-
-
-@pytest.fixture
-def epoch(store: Store) -> int:
-    held = store.acquire_lease("folder", now=NOW, ttl=TTL)
-    assert held is not None
-    return held
-
-
-def append(journal: Journal, new: NewDelivery) -> DeliveryMeta:
-    meta = journal.get_meta(journal.append(new).delivery_id)
-    assert meta is not None
-    return meta
 
 
 def ended(folding: FoldPass[DeliveryMeta]) -> tuple[int, list[int], str | None, int | None]:

@@ -3,52 +3,21 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
-import pytest
-from _bodies import BASE_US, body, delivery, point, rows
+from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from healthlog import objects
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
-from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
+from healthlog.storage.journal import Journal
 from healthlog.storage.passes import run_pass
 from healthlog.storage.rebuild import rebuild_into, reindex, verify
 from healthlog.storage.store import Store
-
-NOW = BASE_US
-TTL = 15_000_000
-
-
-@pytest.fixture
-def journal(tmp_path: Path) -> Iterator[Journal]:
-    with Journal(tmp_path / "journal.sqlite") as journal:
-        yield journal
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(tmp_path / "store.sqlite") as store:
-        yield store
-
-
-@pytest.fixture
-def epoch(store: Store) -> int:
-    held = store.acquire_lease("folder", now=NOW, ttl=TTL)
-    assert held is not None
-    return held
-
-
-def append(journal: Journal, new: NewDelivery) -> DeliveryMeta:
-    meta = journal.get_meta(journal.append(new).delivery_id)
-    assert meta is not None
-    return meta
-
 
 HR = ObjectKey("hr", "minutes", BASE_US)
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from healthlog.objects import HourlyObject, ObjectKey
-from healthlog.storage._sqlite import ConnectionGuard
+from healthlog.storage._sqlite import ConnectionGuard, Database
 
 COLUMNS = "metric, layer, hour, units, body, hash, first, last, points, created_by, sealed"
 PAGE = 64
@@ -74,3 +74,25 @@ def iterate(
         for row in rows:
             yield row_to_object(row)
         last = rows[-1][0], rows[-1][1], rows[-1][2]
+
+
+class ObjectDatabase(Database):
+    """A database with an ``objects`` table (the projection, a follower's replica)."""
+
+    def iter_objects(
+        self,
+        *,
+        metric: str | None = None,
+        layer: str | None = None,
+        hour_from: int | None = None,
+        hour_to: int | None = None,
+    ) -> Iterator[HourlyObject]:
+        """Objects sorted by metric, layer and hour, one at a time."""
+        return iterate(
+            self._conn,
+            self._lock,
+            metric=metric,
+            layer=layer,
+            hour_from=hour_from,
+            hour_to=hour_to,
+        )

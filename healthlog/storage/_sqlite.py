@@ -14,9 +14,11 @@ import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Self
 
 __all__ = [
     "ConnectionGuard",
+    "Database",
     "Deferred",
     "StorageError",
     "classify",
@@ -201,3 +203,36 @@ def _statements(script: str) -> Iterator[str]:
     pending += tail
     if pending.strip():
         yield pending
+
+
+class Database:
+    """One SQLite file of healthlog with its schema, shared by worker threads.
+
+    Subclasses name their ``MIGRATIONS``; every use of ``_conn`` happens under ``_lock``.
+    """
+
+    MIGRATIONS: Sequence[str] = ()
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 5000, durable: bool = True
+    ) -> None:
+        self.path = os.fspath(path)
+        self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
+        self._lock = ConnectionGuard()
+        try:
+            if not durable:
+                self._conn.execute("PRAGMA synchronous = OFF")
+            migrate(self._conn, self.MIGRATIONS)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

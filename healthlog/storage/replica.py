@@ -4,7 +4,7 @@ it follows and its cursor. Applying events and advancing the cursor is one trans
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -12,10 +12,7 @@ import attrs
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
-    ConnectionGuard,
     StorageError,
-    connect,
-    migrate,
     write_transaction,
 )
 
@@ -70,28 +67,14 @@ class Binding:
     cursor: int
 
 
-class Replica:
-    """The replica database. Methods may be called from worker threads."""
+class Replica(_objects.ObjectDatabase):
+    """The replica database in a directory. Methods may be called from worker threads."""
+
+    MIGRATIONS = MIGRATIONS
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
-        self._conn = connect(Path(directory) / REPLICA_FILE)
-        self._lock = ConnectionGuard()
-        try:
-            migrate(self._conn, MIGRATIONS)
-        except BaseException:
-            self._conn.close()
-            raise
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
-
-    def __enter__(self) -> Replica:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        super().__init__(Path(directory) / REPLICA_FILE)
 
     def binding(self) -> Binding:
         with self._lock:
@@ -149,21 +132,3 @@ class Replica:
             )
         else:
             _objects.write(self._conn, state)
-
-    def iter_objects(
-        self,
-        *,
-        metric: str | None = None,
-        layer: str | None = None,
-        hour_from: int | None = None,
-        hour_to: int | None = None,
-    ) -> Iterator[HourlyObject]:
-        """Objects sorted by metric, layer and hour, one at a time."""
-        return _objects.iterate(
-            self._conn,
-            self._lock,
-            metric=metric,
-            layer=layer,
-            hour_from=hour_from,
-            hour_to=hour_to,
-        )

@@ -11,7 +11,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -24,11 +24,8 @@ from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
-    ConnectionGuard,
     Deferred,
     StorageError,
-    connect,
-    migrate,
     write_transaction,
 )
 from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
@@ -187,32 +184,10 @@ class _Projection:
         return None if row is None else str(row[0])
 
 
-class Store:
+class Store(_objects.ObjectDatabase):
     """The projection database. Methods may be called from worker threads."""
 
-    def __init__(
-        self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 5000, durable: bool = True
-    ) -> None:
-        self.path = os.fspath(path)
-        self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
-        self._lock = ConnectionGuard()
-        try:
-            if not durable:
-                self._conn.execute("PRAGMA synchronous = OFF")
-            migrate(self._conn, MIGRATIONS)
-        except BaseException:
-            self._conn.close()
-            raise
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    MIGRATIONS = MIGRATIONS
 
     # -- lease (L1) -------------------------------------------------------------------
 
@@ -545,24 +520,6 @@ class Store:
             ObjectKey(m, la, h): ObjectSummary(ObjectKey(m, la, h), u, p, hs, c, bool(s))
             for m, la, h, u, p, hs, c, s in rows
         }
-
-    def iter_objects(
-        self,
-        *,
-        metric: str | None = None,
-        layer: str | None = None,
-        hour_from: int | None = None,
-        hour_to: int | None = None,
-    ) -> Iterator[HourlyObject]:
-        """Objects sorted by metric, layer and hour, one at a time."""
-        return _objects.iterate(
-            self._conn,
-            self._lock,
-            metric=metric,
-            layer=layer,
-            hour_from=hour_from,
-            hour_to=hour_to,
-        )
 
     def checkpoint(self) -> tuple[int | None, int | None, int]:
         with self._lock:

@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import time
 
 import attrs
 
 from healthlog.storage._sqlite import (
-    ConnectionGuard,
+    Database,
     StorageError,
-    connect,
-    migrate,
     write_transaction,
 )
 
@@ -49,27 +46,10 @@ def token_hash(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
-class Tokens:
+class Tokens(Database):
     """The token table. Methods may be called from worker threads."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._conn = connect(path)
-        self._lock = ConnectionGuard()
-        try:
-            migrate(self._conn, MIGRATIONS)
-        except BaseException:
-            self._conn.close()
-            raise
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
-
-    def __enter__(self) -> Tokens:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    MIGRATIONS = MIGRATIONS
 
     def add(self, name: str) -> str:
         """Create a token for ``name`` and return the secret (the only time it is seen)."""
