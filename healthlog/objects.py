@@ -8,9 +8,11 @@ so two objects with the same hash hold the same points byte for byte.
 
 from __future__ import annotations
 
+import base64
 import gzip
 import hashlib
 import zlib
+from typing import Any
 
 import attrs
 
@@ -92,3 +94,32 @@ def decode(body: bytes) -> dict[Coordinates, bytes]:
     if not points:
         raise ObjectCorrupt("object body holds no point")
     return points
+
+
+def to_wire(obj: HourlyObject) -> dict[str, Any]:
+    """An object's state as JSON-ready data (stream frames, snapshot lines)."""
+    return {
+        "units": obj.units,
+        "hash": obj.hash.hex(),
+        "first": obj.first,
+        "last": obj.last,
+        "points": obj.count,
+        "created_by": obj.created_by,
+        "sealed": obj.sealed,
+        "body": base64.b64encode(obj.body).decode(),
+    }
+
+
+def from_wire(key: ObjectKey, state: dict[str, Any]) -> HourlyObject:
+    """The inverse of :func:`to_wire`; raises KeyError, ValueError or TypeError when malformed."""
+    return HourlyObject(
+        key=key,
+        units=state["units"],
+        body=base64.b64decode(state["body"]),
+        hash=bytes.fromhex(state["hash"]),
+        first=state["first"],
+        last=state["last"],
+        count=state["points"],
+        created_by=state["created_by"],
+        sealed=state["sealed"],
+    )

@@ -20,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.objects import HourlyObject, ObjectKey, from_wire, to_wire
 
 SCHEMA = "healthlog.snapshot.v1"
 
@@ -71,19 +71,7 @@ def encode(objects: Iterable[HourlyObject], *, instance: str, stream: str, seq: 
     ]
     lines.extend(
         orjson.dumps(
-            {
-                "metric": o.key.metric,
-                "layer": o.key.layer,
-                "hour": o.key.hour,
-                "units": o.units,
-                "hash": o.hash.hex(),
-                "first": o.first,
-                "last": o.last,
-                "points": o.count,
-                "created_by": o.created_by,
-                "sealed": o.sealed,
-                "body": base64.b64encode(o.body).decode(),
-            }
+            {"metric": o.key.metric, "layer": o.key.layer, "hour": o.key.hour, **to_wire(o)}
         )
         for o in items
     )
@@ -157,17 +145,7 @@ def _decode(data: bytes, manifest: Manifest) -> list[HourlyObject]:
         if {k: header.get(k) for k in expected} != expected or header["objects"] != len(lines) - 1:
             raise SnapshotError("snapshot header does not match its manifest")
         return [
-            HourlyObject(
-                key=ObjectKey(o["metric"], o["layer"], o["hour"]),
-                units=o["units"],
-                body=base64.b64decode(o["body"]),
-                hash=bytes.fromhex(o["hash"]),
-                first=o["first"],
-                last=o["last"],
-                count=o["points"],
-                created_by=o["created_by"],
-                sealed=o["sealed"],
-            )
+            from_wire(ObjectKey(o["metric"], o["layer"], o["hour"]), o)
             for o in map(orjson.loads, lines[1:])
         ]
     except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError) as exc:

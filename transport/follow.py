@@ -9,7 +9,6 @@ sequence, restores, and resumes strictly after the snapshot. It reconnects with 
 
 from __future__ import annotations
 
-import base64
 import logging
 import urllib.parse
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 from healthlog import snapshots
 from healthlog.acks import AckTracker
 from healthlog.documents import converter
-from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.objects import ObjectKey, from_wire
 from healthlog.snapshots import Manifest, SnapshotError
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.replica import Change, Replica, ReplicaMismatch
@@ -217,17 +216,7 @@ def _change(frame: dict[str, object]) -> Change | None:
     if state is None:
         return Change(int(str(frame["seq"])), key, None)
     assert isinstance(state, dict)
-    obj = HourlyObject(
-        key=key,
-        units=state["units"],
-        body=base64.b64decode(state["body"]),
-        hash=bytes.fromhex(state["hash"]),
-        first=state["first"],
-        last=state["last"],
-        count=state["points"],
-        created_by=state["created_by"],
-        sealed=state["sealed"],
-    )
+    obj = from_wire(key, state)
     return Change(int(str(frame["seq"])), key, obj)
 
 

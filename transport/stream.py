@@ -18,7 +18,6 @@ error frame with a signed snapshot reference), 1001 server going away.
 
 from __future__ import annotations
 
-import base64
 import functools
 import logging
 import urllib.parse
@@ -31,7 +30,7 @@ import trio
 
 from actors.runtime import Runtime
 from healthlog import faults
-from healthlog.objects import ObjectKey
+from healthlog.objects import ObjectKey, to_wire
 from healthlog.snapshots import Manifest
 from healthlog.storage.store import Event, Store
 from healthlog.timestamps import TimestampError, parse_instant
@@ -224,18 +223,5 @@ async def _frame(runtime: Runtime, stream: str, event: Event) -> str:
         if hour is not None:
             key = ObjectKey(event.payload["metric"], event.payload["layer"], hour)
             current = await runtime.read_store(functools.partial(Store.object, key=key))
-        frame["object"] = (
-            None
-            if current is None
-            else {
-                "units": current.units,
-                "hash": current.hash.hex(),
-                "points": current.count,
-                "first": current.first,
-                "last": current.last,
-                "created_by": current.created_by,
-                "sealed": current.sealed,
-                "body": base64.b64encode(current.body).decode(),
-            }
-        )
+        frame["object"] = None if current is None else to_wire(current)
     return orjson.dumps(frame).decode()
