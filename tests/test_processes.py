@@ -1,0 +1,672 @@
+"""Leases and fencing across real processes (specs/fencing.md, scenarios FENCE-n).
+
+Every actor here is a real process on real SQLite files: runtimes (``python -m
+tests._proc_runtime``), the command line (``python -m healthlog.cli``), a lock holder (``python -c``
+with ``sqlite3``), stopped with real signals, SIGKILL included. The tests read the data directory
+through read-only connections of their own: the journal order, each outcome's lease epoch, the
+``delivery.folded`` events and the lease row.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import random
+import select
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+import pytest
+import trio
+from _proc_runtime import READY, new_delivery, payload
+
+from actors.folding import Executor
+from actors.runtime import Runtime, RuntimeConfig, open_runtime
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import Journal
+
+if TYPE_CHECKING:
+    from conftest import RunCli
+
+ROOT = Path(__file__).resolve().parent.parent
+WAIT_S = 30.0
+POLL_S = 0.02
+HEAVY = 1500
+"""Points per metric of a delivery whose fold takes tens of milliseconds."""
+
+LOCKED = "locked"
+LOCKER = f"""\
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], timeout=30, isolation_level=None)
+conn.execute("BEGIN EXCLUSIVE")
+print({LOCKED!r}, flush=True)
+sys.stdin.read()
+conn.execute("ROLLBACK")
+conn.close()
+"""
+"""``python -c LOCKER DB``: hold the write lock of DB until stdin is closed, then let go."""
+HOLD_S = 1.5
+"""How long a lock holder holds the store at least: longer than a lease renewal interval."""
+
+
+# -- reading a data directory ---------------------------------------------------------------
+
+
+@attrs.frozen
+class State:
+    """What a data directory holds, read by this test process."""
+
+    order: tuple[int, ...]
+    """Journaled delivery ids in journal order."""
+    epochs: dict[int, int]
+    """Delivery id -> the lease epoch its outcome was written under."""
+    folded_events: tuple[int, ...]
+    """The delivery ids of the ``delivery.folded`` events, in sequence order."""
+    holder: str | None
+    epoch: int
+    expires_at: int
+
+    @property
+    def pending(self) -> list[int]:
+        return [i for i in self.order if i not in self.epochs]
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.order)} journaled, {len(self.pending)} pending,"
+            f" lease {self.holder!r} at epoch {self.epoch}"
+        )
+
+
+def read_only(path: Path) -> closing[sqlite3.Connection]:
+    uri = path.resolve().as_uri() + "?mode=ro"
+    return closing(sqlite3.connect(uri, uri=True, timeout=WAIT_S, isolation_level=None))
+
+
+def state(data: Path) -> State:
+    """The projection in one read transaction, then the journal (a superset of what folded)."""
+    directory = DataDir(data)
+    with read_only(directory.store_path) as store:
+        store.execute("BEGIN")
+        epochs = dict(store.execute("SELECT delivery_id, epoch FROM outcomes"))
+        events = tuple(
+            delivery_id
+            for (delivery_id,) in store.execute(
+                "SELECT json_extract(payload, '$.delivery_id') FROM events"
+                " WHERE kind = 'delivery.folded' ORDER BY seq"
+            )
+        )
+        holder, epoch, expires_at = store.execute(
+            "SELECT holder, epoch, expires_at FROM lease WHERE name = 'fold'"
+        ).fetchone()
+        store.execute("COMMIT")
+    with read_only(directory.journal_path) as journal:
+        order = tuple(
+            i for (i,) in journal.execute("SELECT id FROM deliveries ORDER BY received_at, id")
+        )
+    return State(order, epochs, events, holder, epoch, expires_at)
+
+
+def wait_state(
+    data: Path,
+    what: str,
+    done: Callable[[State], bool],
+    *,
+    timeout: float = WAIT_S,
+    watch: Sequence[Child] = (),
+) -> State:
+    """Poll until ``done``; fail at the timeout, or as soon as a watched process has failed."""
+    deadline = time.monotonic() + timeout
+    while not done(current := state(data)):
+        for child in watch:
+            code = child.proc.poll()
+            assert code in (None, 0), f"{child.name} exited {code}:\n{child.stderr()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting until {what}: {current.describe()}"
+        time.sleep(POLL_S)
+    return current
+
+
+def quiescent(s: State) -> bool:
+    return bool(s.order) and not s.pending
+
+
+def folded_more_than(count: int) -> Callable[[State], bool]:
+    return lambda s: len(s.epochs) > count
+
+
+def reindexing(s: State) -> bool:
+    return s.holder is not None and s.holder.startswith("reindex:")
+
+
+def wall_us() -> int:
+    return time.time_ns() // 1000
+
+
+def assert_folded_once_in_journal_order(s: State) -> None:
+    """Each ``delivery.folded`` event names a journaled delivery once, in journal order."""
+    assert len(set(s.folded_events)) == len(s.folded_events), "a delivery folded twice"
+    position = {delivery_id: n for n, delivery_id in enumerate(s.order)}
+    positions = [position[delivery_id] for delivery_id in s.folded_events]
+    assert positions == sorted(positions), "deliveries folded out of journal order"
+
+
+def journal(data: Path, count: int, points: int = HEAVY) -> list[int]:
+    """Journal ``count`` deliveries straight into the journal file (as intake would)."""
+    with DataDir(data).open_journal() as opened:
+        return append(opened, count, points)
+
+
+def append(opened: Journal, count: int, points: int) -> list[int]:
+    first, _ = opened.count()
+    return [opened.append(new_delivery(n, points)).delivery_id for n in range(first, first + count)]
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Child:
+    """A started process: stdin and stdout are pipes, stderr goes to a file."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    log: Path
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def expect(self, line: str) -> None:
+        """Wait for the next stdout line; it must be ``line``."""
+        assert self.proc.stdout is not None
+        readable, _, _ = select.select([self.proc.stdout], [], [], WAIT_S)
+        got = self.proc.stdout.readline() if readable else "<nothing>"
+        assert got == line + "\n", f"{self.name} said {got!r}:\n{self.stderr()[-3000:]}"
+
+    def finish(self, timeout: float = WAIT_S) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        """SIGTERM: a runtime shuts down cleanly, exits 0 and logs no ERROR."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.finish() == 0, self.stderr()[-3000:]
+        assert "level=ERROR" not in self.stderr()
+
+    def crash(self) -> None:
+        """SIGKILL: no cleanup of any kind."""
+        self.proc.kill()
+        self.finish()
+
+    def release(self) -> None:
+        """Close stdin: a lock holder lets go of its lock and exits 0."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.finish() == 0, self.stderr()
+
+
+class Children:
+    """The processes a test starts; at teardown whatever still runs is killed and reaped."""
+
+    def __init__(self, logs: Path) -> None:
+        self._logs = logs
+        self._started: list[Child] = []
+
+    def start(self, name: str, *args: str | os.PathLike[str]) -> Child:
+        log = self._logs / f"{len(self._started)}-{name}.log"
+        with log.open("w") as err:
+            proc = subprocess.Popen(
+                [sys.executable, *args],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )
+        child = Child(name, proc, log)
+        self._started.append(child)
+        return child
+
+    def runtime(self, data: Path, holder: str, *options: str) -> Child:
+        """A runtime process holding (or waiting for) the lease as ``holder``, once ready."""
+        child = self.start(holder, "-m", "tests._proc_runtime", data, "--holder", holder, *options)
+        child.expect(READY)
+        return child
+
+    def cli(self, *args: str | os.PathLike[str]) -> Child:
+        return self.start(str(args[0]), "-m", "healthlog.cli", *args)
+
+    def locker(self, db: Path) -> Child:
+        """A process holding ``BEGIN EXCLUSIVE`` on ``db`` (see LOCKER), once it holds it."""
+        child = self.start("locker", "-c", LOCKER, db)
+        child.expect(LOCKED)
+        return child
+
+    def close(self) -> None:
+        for child in self._started:
+            if child.proc.poll() is None:
+                child.proc.kill()
+            child.proc.wait(WAIT_S)
+            for pipe in (child.proc.stdin, child.proc.stdout):
+                assert pipe is not None
+                pipe.close()
+
+
+@pytest.fixture
+def children(tmp_path: Path) -> Iterator[Children]:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    started = Children(logs)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    """A data directory with an empty journal and an empty store."""
+    directory = DataDir(tmp_path / "data")
+    with directory.open_journal(), directory.open_store():
+        return directory.path
+
+
+def bodies(tmp_path: Path, numbers: range) -> list[Path]:
+    """One body file per delivery number, for ``healthlog import``."""
+    files = []
+    for n in numbers:
+        path = tmp_path / f"delivery-{n}.json"
+        path.write_bytes(payload(n))
+        files.append(path)
+    return files
+
+
+# -- two runtimes ---------------------------------------------------------------------------
+
+
+def test_two_runtimes_one_folds_and_the_other_takes_over_after_a_crash_fence_1_fence_2(
+    children: Children, run_cli: RunCli, data: Path, tmp_path: Path
+) -> None:
+    """FENCE-1: of two runtime processes on one data directory exactly one folds, under its
+    epoch, in journal order. FENCE-2: SIGKILL it; the other takes over only once the dead
+    holder's lease has expired, at the next epoch, and folds what was journaled meanwhile."""
+    alpha = children.runtime(data, "alpha")
+    held = wait_state(data, "alpha holds the lease", lambda s: s.holder == "alpha", watch=[alpha])
+    beta = children.runtime(data, "beta")
+    run = run_cli("import", "--no-wait", "--data", data, *bodies(tmp_path, range(8)))
+    assert run.code == 0, run.err
+
+    folded = wait_state(data, "the imports are folded", quiescent, watch=[alpha, beta])
+    assert len(folded.order) == 8
+    assert (folded.holder, folded.epoch) == ("alpha", held.epoch)
+    assert set(folded.epochs.values()) == {held.epoch}
+    assert sorted(folded.folded_events) == sorted(folded.order)
+    assert_folded_once_in_journal_order(folded)
+
+    alpha.crash()
+    dead = state(data)
+    assert (dead.holder, dead.epoch) == ("alpha", held.epoch), "a SIGKILL releases nothing"
+    later = journal(data, 4, points=24)
+    deadline = time.monotonic() + WAIT_S
+    while (sample := state(data)).holder != "beta":
+        if wall_us() < dead.expires_at:
+            assert sample.holder == "alpha", "taken over before the lease expired"
+            assert not set(later) & sample.epochs.keys(), "folded with nobody holding the lease"
+        assert time.monotonic() < deadline, sample.describe()
+        time.sleep(POLL_S)
+    assert sample.epoch == held.epoch + 1
+
+    final = wait_state(data, "beta folds what was journaled meanwhile", quiescent, watch=[beta])
+    assert {final.epochs[i] for i in later} == {held.epoch + 1}
+    assert sorted(final.folded_events) == sorted(final.order)
+    assert_folded_once_in_journal_order(final)
+    beta.stop()
+
+
+def test_a_stopped_runtime_releases_the_lease_at_once_fence_3(
+    children: Children, data: Path
+) -> None:
+    """FENCE-3: SIGTERM stops the holder cleanly and releases the lease: the waiting runtime
+    takes over long before the 30 s TTL, at the next epoch; stopped in turn, it releases too."""
+    lease = ("--executor", "thread", "--ttl", "30", "--renew", "0.2")
+    alpha = children.runtime(data, "alpha", "--submit", "3", *lease)
+    held = wait_state(
+        data, "alpha folds", lambda s: quiescent(s) and s.holder == "alpha", watch=[alpha]
+    )
+    beta = children.runtime(data, "beta", *lease)
+
+    alpha.stop()
+    took = wait_state(
+        data, "beta takes over", lambda s: s.holder == "beta", timeout=5, watch=[beta]
+    )
+    assert took.epoch == held.epoch + 1
+    later = journal(data, 3, points=24)
+    final = wait_state(data, "beta folds", quiescent, watch=[beta])
+    assert {final.epochs[i] for i in later} == {held.epoch + 1}
+
+    beta.stop()
+    released = state(data)
+    assert (released.holder, released.epoch) == (None, held.epoch + 1)
+
+
+# -- reindex while serving ------------------------------------------------------------------
+
+
+def test_reindex_fences_a_live_runtime_which_resumes_after_it_fence_4(
+    children: Children, run_cli: RunCli, data: Path
+) -> None:
+    """FENCE-4: `healthlog reindex` in another process while a runtime folds: it takes the
+    lease at a higher epoch, the runtime loses it and folds nothing until the reindex has
+    released it, then takes it back and folds what was journaled during and after; `verify`
+    run while the runtime serves exits 0."""
+    journal(data, 30)
+    live = children.runtime(data, "live", "--executor", "thread", "--renew", "0.2")
+    before = wait_state(data, "the runtime folds", folded_more_than(2), watch=[live])
+    assert before.holder == "live"
+
+    samples = []
+    reindex = children.cli("reindex", "--data", data)
+    deadline = time.monotonic() + WAIT_S
+    with DataDir(data).open_journal() as opened:
+        while reindex.proc.poll() is None:
+            append(opened, 1, points=24)
+            samples.append(state(data))
+            assert time.monotonic() < deadline, "reindex does not end"
+            time.sleep(POLL_S)
+    assert reindex.finish() == 0, reindex.stderr()[-3000:]
+
+    fenced = [s for s in samples if reindexing(s)]
+    assert len(fenced) >= 2, "the reindex was never seen holding the lease"
+    assert {s.epoch for s in fenced} == {before.epoch + 1}
+    for earlier, later in itertools.pairwise(samples):
+        if reindexing(earlier) and reindexing(later):
+            assert later.folded_events == earlier.folded_events, "a fenced runtime folded"
+
+    after = journal(data, 3, points=24)
+    final = wait_state(data, "the runtime folds again", quiescent, watch=[live])
+    assert (final.holder, final.epoch) == ("live", before.epoch + 2)
+    assert {final.epochs[i] for i in after} == {before.epoch + 2}
+    assert_folded_once_in_journal_order(final)
+    assert f"fold lease lost (epoch {before.epoch})" in live.stderr()
+
+    run = run_cli("verify", "--data", data)
+    assert run.code == 0, run.err[-3000:]
+    live.stop()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="BUG: healthlog/storage/rebuild.py reindex() releases the lease only in a `finally`,"
+    " and the CLI leaves SIGTERM at its default (terminate at once): a reindex stopped with"
+    " SIGTERM keeps the fold lease (TTL 3600 s), so the live folder stays fenced for an hour",
+)
+def test_a_reindex_stopped_with_sigterm_releases_the_lease_fence_5(
+    children: Children, data: Path
+) -> None:
+    """FENCE-5: a reindex stopped with SIGTERM in the middle releases the lease, and the live
+    runtime takes it back and folds again well within its TTL."""
+    journal(data, 30)
+    live = children.runtime(data, "live", "--executor", "thread", "--renew", "0.2")
+    before = wait_state(data, "the runtime folds", folded_more_than(2), watch=[live])
+    reindex = children.cli("reindex", "--data", data)
+    wait_state(data, "the reindex holds the lease", reindexing, watch=[reindex])
+    reindex.proc.send_signal(signal.SIGTERM)
+    reindex.finish()
+    later = journal(data, 1, points=24)
+    final = wait_state(data, "the runtime folds again", quiescent, timeout=3, watch=[live])
+    assert final.holder == "live"
+    assert final.epochs[later[0]] > before.epoch + 1
+
+
+# -- a busy store ---------------------------------------------------------------------------
+
+
+def test_deliveries_journaled_while_another_process_locks_the_store_fold_after_fence_6(
+    children: Children, run_cli: RunCli, data: Path, tmp_path: Path
+) -> None:
+    """FENCE-6: another process holds the store's write lock; `import --no-wait` run meanwhile
+    journals its deliveries, nothing folds while the lock is held (the runtime's lease renewals
+    fail as busy, no ERROR); after the release the import exits 0 and every delivery folds,
+    once, in journal order; `verify` exits 0."""
+    busy = ("--ttl", "3", "--busy-timeout-ms", "250")
+    live = children.runtime(data, "live", "--executor", "thread", "--submit", "3", *busy)
+    wait_state(
+        data, "the runtime folds", lambda s: quiescent(s) and len(s.order) == 3, watch=[live]
+    )
+
+    locker = children.locker(DataDir(data).store_path)
+    locked_at = time.monotonic()
+    importer = children.cli("import", "--no-wait", "--data", data, *bodies(tmp_path, range(6)))
+    wait_state(data, "the imports are journaled", lambda s: len(s.order) == 9, watch=[importer])
+    time.sleep(max(0.0, locked_at + HOLD_S - time.monotonic()))
+    assert len(state(data).pending) == 6
+
+    locker.release()
+    assert importer.finish() == 0, importer.stderr()[-3000:]
+    final = wait_state(data, "everything folds", quiescent, watch=[live])
+    assert sorted(final.folded_events) == sorted(final.order)
+    assert_folded_once_in_journal_order(final)
+    assert "lease renewal failed: Deferred" in live.stderr()
+    live.stop()
+    run = run_cli("verify", "--data", data)
+    assert run.code == 0, run.err[-3000:]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=subprocess.TimeoutExpired,
+    reason="BUG: healthlog/cli.py _import with --no-wait returns only when its runtime shuts"
+    " down, and that waits for the lease actor's acquire_lease, blocked in SQLite's busy"
+    " handler (busy_timeout 5 s) while another process holds the store's write lock",
+)
+def test_import_no_wait_returns_while_the_store_is_locked_fence_7(
+    children: Children, data: Path, tmp_path: Path
+) -> None:
+    """FENCE-7: `import --no-wait` exits 0 as soon as its deliveries are journaled, even while
+    another process holds the store's write lock (specs/cli.md: "returns as soon as they are
+    journaled")."""
+    locker = children.locker(DataDir(data).store_path)
+    importer = children.cli("import", "--no-wait", "--data", data, *bodies(tmp_path, range(2)))
+    wait_state(data, "the imports are journaled", lambda s: len(s.order) == 2, watch=[importer])
+    assert importer.finish(timeout=2.0) == 0
+    locker.release()
+
+
+# -- kill -9 --------------------------------------------------------------------------------
+
+KILLS = ((0.1, "thread"), (0.3, "process"), (0.5, "thread"))
+"""(seconds after the round's first fold, executor) of each SIGKILL of FENCE-8."""
+
+
+def test_kill_9_while_folding_loses_nothing_and_folds_nothing_twice_fence_8(
+    children: Children, run_cli: RunCli, data: Path
+) -> None:
+    """FENCE-8: three times, journal 30 deliveries, start a runtime, SIGKILL it while it folds;
+    each new runtime takes the lease over at the next epoch. At
+    quiescence every journaled delivery has exactly one outcome and one `delivery.folded`
+    event, in journal order, epochs never decrease along journal order, and `verify` exits 0."""
+    lease = ("--ttl", "1", "--renew", "0.25")
+    jitter = random.Random(8)
+    epochs = []
+    for round_, (delay_s, executor) in enumerate(KILLS):
+        journal(data, 30)
+        before = state(data)
+        victim = children.runtime(data, f"victim-{round_}", "--executor", executor, *lease)
+        resumed = wait_state(
+            data, "folding resumes", folded_more_than(len(before.epochs)), watch=[victim]
+        )
+        time.sleep(delay_s + jitter.uniform(0, 0.05))
+        victim.crash()
+        killed = state(data)
+        assert killed.pending, "the queue was done before the kill"
+        assert killed.holder == f"victim-{round_}"
+        epochs.append(resumed.epoch)
+
+    survivor = children.runtime(data, "survivor", "--executor", "thread", *lease)
+    final = wait_state(data, "the survivor folds the rest", quiescent, watch=[survivor])
+    survivor.stop()
+    first = epochs[0]
+    assert [*epochs, final.epoch] == list(range(first, first + len(KILLS) + 1))
+    assert final.holder == "survivor"
+    assert len(final.order) == 30 * len(KILLS)
+    assert sorted(final.epochs) == sorted(final.order)
+    assert sorted(final.folded_events) == sorted(final.order)
+    assert_folded_once_in_journal_order(final)
+    along = [final.epochs[i] for i in final.order]
+    assert along == sorted(along)
+    run = run_cli("verify", "--data", data)
+    assert run.code == 0, run.err[-3000:]
+
+
+# -- all of it at once ----------------------------------------------------------------------
+
+
+def cli_argv(*args: str | Path) -> list[str | Path]:
+    return [sys.executable, "-m", "healthlog.cli", *args]
+
+
+async def test_fifty_deliveries_through_a_locked_store_and_a_reindex_fence_9(
+    tmp_path: Path,
+) -> None:
+    """FENCE-9: five tasks submit 50 deliveries to an in-process runtime: 20, then 15 while
+    another process holds the store's write lock, then 15 once `healthlog reindex` runs in a
+    second process. Every delivery folds, journal order holds, no actor crashes, and `verify`,
+    run while the runtime serves, exits 0."""
+    data = tmp_path / "data"
+    config = RuntimeConfig(
+        data,
+        holder="service",
+        wake_period_s=0.2,
+        lease_ttl_s=3.0,
+        lease_renew_s=0.5,
+        executor=Executor.THREAD,
+        busy_timeout_ms=250,
+    )
+    ids: list[int] = []
+    locked, reindex_began = trio.Event(), trio.Event()
+
+    async def deliver(runtime: Runtime, task: int) -> None:
+        for n in range(10):
+            if n == 4:
+                await locked.wait()
+            if n == 7:
+                await reindex_began.wait()
+            ids.append((await runtime.submit(new_delivery(task * 10 + n))).delivery_id)
+            await trio.sleep(0.05)
+
+    async def journaled(count: int) -> None:
+        while len(ids) < count:
+            await trio.sleep(POLL_S)
+
+    async def reindex(done: trio.Event) -> None:
+        result = await trio.run_process(
+            cli_argv("reindex", "--data", data), capture_stderr=True, check=False
+        )
+        done.set()
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+
+    async def disturb() -> None:
+        await journaled(20)
+        async with trio.open_nursery() as nursery:
+            locker = await nursery.start(
+                functools.partial(
+                    trio.run_process,
+                    [sys.executable, "-c", LOCKER, DataDir(data).store_path],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                )
+            )
+            said = b""
+            while not said.endswith(b"\n"):
+                chunk = await locker.stdout.receive_some()
+                assert chunk, "the lock holder ended before it held the lock"
+                said += chunk
+            assert said == f"{LOCKED}\n".encode()
+            locked_at = trio.current_time()
+            locked.set()
+            await journaled(35)
+            await trio.sleep_until(locked_at + HOLD_S)
+            await locker.stdin.aclose()
+        async with trio.open_nursery() as nursery:
+            reindexed = trio.Event()
+            nursery.start_soon(reindex, reindexed)
+            while not (
+                reindexed.is_set() or reindexing(await trio.to_thread.run_sync(state, data))
+            ):
+                await trio.sleep(POLL_S)
+            reindex_began.set()
+
+    with trio.fail_after(WAIT_S):
+        async with open_runtime(config) as runtime:
+            async with trio.open_nursery() as nursery:
+                for task in range(5):
+                    nursery.start_soon(deliver, runtime, task)
+                nursery.start_soon(disturb)
+            await runtime.wait_folded(ids)
+            verify = await trio.run_process(
+                cli_argv("verify", "--data", data), capture_stderr=True, check=False
+            )
+            crashes = runtime.statistics().crashes
+    assert verify.returncode == 0, verify.stderr.decode()[-3000:]
+    assert crashes == ()
+    assert len(ids) == 50
+    final = state(data)
+    assert sorted(final.order) == sorted(ids)
+    assert not final.pending
+    assert_folded_once_in_journal_order(final)
+
+
+# -- a frozen holder ------------------------------------------------------------------------
+
+
+def pause(children: Children, data: Path, child: Child) -> None:
+    """SIGSTOP ``child`` while another process holds the store's write lock: so it cannot be
+    stopped inside a write transaction of its own, which would block every other writer."""
+    locker = children.locker(DataDir(data).store_path)
+    child.proc.send_signal(signal.SIGSTOP)
+    locker.release()
+
+
+def test_a_paused_holder_resumes_fenced_and_writes_nothing_fence_10(
+    children: Children, run_cli: RunCli, data: Path
+) -> None:
+    """FENCE-10: the holder is paused (SIGSTOP) past its 1 s TTL and the other runtime takes
+    over at the next epoch; that one is paused in turn, deliveries are journaled, and the stale
+    holder resumes (SIGCONT): it writes nothing and logs the loss. Once the new holder resumes,
+    they fold under its epoch, once each, in journal order; `verify` exits 0."""
+    alpha = children.runtime(
+        data, "alpha", "--executor", "thread", "--submit", "3", "--ttl", "1", "--renew", "0.25"
+    )
+    held = wait_state(
+        data, "alpha folds", lambda s: quiescent(s) and s.holder == "alpha", watch=[alpha]
+    )
+    beta = children.runtime(data, "beta", "--executor", "thread", "--ttl", "30", "--renew", "0.2")
+    pause(children, data, alpha)
+    took = wait_state(data, "beta takes over", lambda s: s.holder == "beta", watch=[beta])
+    assert took.epoch == held.epoch + 1
+
+    pause(children, data, beta)
+    later = journal(data, 4, points=24)
+    alpha.proc.send_signal(signal.SIGCONT)
+    time.sleep(1.0)
+    stale = state(data)
+    assert set(later) <= set(stale.pending), "a stale holder folded"
+    assert (stale.holder, stale.epoch) == ("beta", held.epoch + 1)
+    assert f"fold lease lost (epoch {held.epoch})" in alpha.stderr()
+
+    beta.proc.send_signal(signal.SIGCONT)
+    final = wait_state(data, "beta folds", quiescent, watch=[beta])
+    assert {final.epochs[i] for i in later} == {held.epoch + 1}
+    assert sorted(final.folded_events) == sorted(final.order)
+    assert_folded_once_in_journal_order(final)
+    alpha.stop()
+    beta.stop()
+    run = run_cli("verify", "--data", data)
+    assert run.code == 0, run.err[-3000:]
