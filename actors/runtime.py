@@ -12,7 +12,7 @@ import socket
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import attrs
 import trio
@@ -39,9 +39,14 @@ def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+class Actor(Protocol):
+    async def run(self) -> None: ...
+
+
 @attrs.frozen
 class RuntimeConfig:
-    """What a runtime needs; every interval in seconds."""
+    """What a runtime needs; every interval in seconds. ``fold`` off starts only intake and
+    the journal (``import --no-wait``): nothing touches the projection."""
 
     data_dir: Path = attrs.field(converter=Path)
     holder: str = attrs.Factory(default_holder)
@@ -51,6 +56,7 @@ class RuntimeConfig:
     budget: Budget = attrs.Factory(Budget)
     executor: Executor = Executor.PROCESS
     busy_timeout_ms: int = 5000
+    fold: bool = True
     window_events: int = 100_000
     window_age_s: float = 30 * 86400.0
     retention_period_s: float = 60.0
@@ -183,13 +189,10 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             crashes,
         )
         async with trio.open_nursery() as nursery:
-            for name, actor in (
-                ("journal", journal_actor),
-                ("intake", intake),
-                ("lease", lease),
-                ("folding", folding),
-                ("retention", retention),
-            ):
+            actors: list[tuple[str, Actor]] = [("journal", journal_actor), ("intake", intake)]
+            if config.fold:
+                actors += [("lease", lease), ("folding", folding), ("retention", retention)]
+            for name, actor in actors:
                 nursery.start_soon(supervise, name, actor.run, crashes)
             try:
                 yield runtime

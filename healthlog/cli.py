@@ -6,6 +6,7 @@ import argparse
 import functools
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -88,7 +89,7 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
 
 async def _import(args: argparse.Namespace, data: DataDir, bodies: list[bytes]) -> int:
     """Journal through the runtime's intake, then wait for whichever folder holds the lease."""
-    async with open_runtime(RuntimeConfig(data.path)) as runtime:
+    async with open_runtime(RuntimeConfig(data.path, fold=not args.no_wait)) as runtime:
         ids = []
         for name, body in zip(args.files, bodies, strict=True):
             receipt = await runtime.submit(
@@ -346,6 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM ends a synchronous command like Ctrl-C: ``finally`` blocks (a lease release) run."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
@@ -354,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = DataDir(args.data if args.data is not None else default_data_dir())
     func: Command = args.func
     try:
+        if func in (cmd_reindex, cmd_verify):
+            signal.signal(signal.SIGTERM, _terminate)
         needs_data = args.needs_data and getattr(args, "replica", None) is None
         if needs_data and not data.path.exists():
             raise CliError(f"no healthlog data in {data.path} (give --data DIR)")

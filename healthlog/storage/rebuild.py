@@ -26,7 +26,8 @@ from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.rebuild")
 
-LEASE_TTL_US = 3600 * 1_000_000
+LEASE_TTL_US = 300 * 1_000_000
+LEASE_RENEW_S = 30.0
 
 
 class RebuildError(Exception):
@@ -93,12 +94,27 @@ def verify(journal: Journal, store: Store, *, progress: Progress | None = None) 
 def reindex(
     journal: Journal, store: Store, holder: str, *, progress: Progress | None = None
 ) -> int:
-    """Rebuild the projection from the whole journal and swap it in; returns objects changed."""
+    """Rebuild the projection from the whole journal and swap it in; returns objects changed.
+
+    The lease is taken at a higher epoch (fencing the live folder) and renewed between
+    deliveries, so a reindex killed on the way fences the folder for one TTL at most.
+    """
     epoch = store.acquire_lease(holder, now=_now(), ttl=LEASE_TTL_US, force=True)
     assert epoch is not None
+    renewed = time.monotonic()
+
+    def renewing(done: int, total: int) -> None:
+        nonlocal renewed
+        if time.monotonic() - renewed > LEASE_RENEW_S:
+            if store.acquire_lease(holder, now=_now(), ttl=LEASE_TTL_US) != epoch:
+                raise RebuildError(f"the fold lease was lost during the reindex (epoch {epoch})")
+            renewed = time.monotonic()
+        if progress is not None:
+            progress(done, total)
+
     try:
         with _scratch(Path(store.path)) as path:
-            rebuild_into(journal, path, progress=progress)
+            rebuild_into(journal, path, progress=renewing)
             changed = store.swap_in(path, epoch)
     finally:
         store.release_lease(holder, epoch)

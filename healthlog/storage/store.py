@@ -427,8 +427,10 @@ class Store(_objects.ObjectDatabase):
     def swap_in(self, rebuilt: str | os.PathLike[str], epoch: int) -> int:
         """Replace objects, outcomes and checkpoint with a rebuilt store's, in one transaction.
 
-        Only under the lease epoch ``epoch``. Appends an ``object.changed`` event for every
-        object whose hash differs (a vanished object reports zero points); returns that count.
+        Only under the lease epoch ``epoch``, which the swapped outcomes then carry. Appends an
+        ``object.changed`` event for every object whose hash differs (a vanished object reports
+        zero points) and a ``delivery.folded`` event for every delivery only the rebuild
+        folded; returns the number of objects changed.
         """
         with self._lock:
             self._conn.execute("ATTACH DATABASE ? AS rebuilt", (os.fspath(rebuilt),))
@@ -444,11 +446,19 @@ class Store(_objects.ObjectDatabase):
                         " WHERE NOT EXISTS (SELECT 1 FROM rebuilt.objects n WHERE o.metric ="
                         " n.metric AND o.layer = n.layer AND o.hour = n.hour)"
                     ).fetchall()
-                    for table in ("objects", "outcomes"):
-                        self._conn.execute(f"DELETE FROM main.{table}")
-                        self._conn.execute(
-                            f"INSERT INTO main.{table} SELECT * FROM rebuilt.{table}"
-                        )
+                    newly_folded = self._conn.execute(
+                        "SELECT delivery_id, status, counters FROM rebuilt.outcomes n"
+                        " WHERE NOT EXISTS (SELECT 1 FROM main.outcomes o"
+                        " WHERE o.delivery_id = n.delivery_id) ORDER BY received_at, delivery_id"
+                    ).fetchall()
+                    self._conn.execute("DELETE FROM main.objects")
+                    self._conn.execute("INSERT INTO main.objects SELECT * FROM rebuilt.objects")
+                    self._conn.execute("DELETE FROM main.outcomes")
+                    self._conn.execute(
+                        "INSERT INTO main.outcomes SELECT delivery_id, received_at, automation,"
+                        " status, reason, layer, counters, ? FROM rebuilt.outcomes",
+                        (epoch,),
+                    )
                     self._conn.execute(
                         "UPDATE main.checkpoint SET (received_at, delivery_id, epoch) ="
                         " (SELECT received_at, delivery_id, ? FROM rebuilt.checkpoint)",
@@ -464,6 +474,16 @@ class Store(_objects.ObjectDatabase):
                             "delivery_id": None,
                         }
                         self._event(f"reindex.{epoch}.{n}", "object.changed", payload)
+                    for delivery_id, status, counters in newly_folded:
+                        self._event(
+                            f"reindex.{epoch}.{delivery_id}.folded",
+                            "delivery.folded",
+                            {
+                                "delivery_id": delivery_id,
+                                "status": status,
+                                "counters": orjson.loads(counters),
+                            },
+                        )
             finally:
                 self._conn.execute("DETACH DATABASE rebuilt")
         return len(changed)
