@@ -1,0 +1,341 @@
+"""Kill -9 at every step of the serving path, SQLite style (specs/proof.md, PROOF-1 to PROOF-3,
+PROOF-8).
+
+For a fault point and k = 1, 2, ... a real ``python -m healthlog.cli serve`` runs with the plan
+``{POINT: {"hits": [k], "do": "kill"}}`` and takes a tiny workload. When the kill fires, the
+service is started again without a plan, whatever was not answered 200 is posted again (as the
+phone would), and once nothing is pending the data directory must prove its recovery. The first
+k whose run completes without the kill firing ends the walk; that clean run is also the
+reference every recovered run must export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import timeit
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+from _cli_bodies import body, metric, point
+
+from healthlog import faults
+from healthlog.export import export_lines
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
+
+KILL_POINTS = (
+    "journal.append",
+    "fold.begin",
+    "fold.object_write",
+    "fold.outcome_write",
+    "fold.before_commit",
+    "fold.after_commit",
+    "lease.renew",
+)
+MAX_STEP = 12
+# Short lease and wake periods, so a restart takes the lease over and folds within a second or
+# two; a renewal every 0.5 s keeps the hits of ``lease.renew`` in one run well under MAX_STEP.
+SERVE_ENV = {
+    "HEALTHLOG_WAKE_PERIOD_S": "0.2",
+    "HEALTHLOG_LEASE_TTL_S": "1.5",
+    "HEALTHLOG_LEASE_RENEW_S": "0.5",
+    "HEALTHLOG_GRACEFUL_TIMEOUT_S": "2",
+}
+START_LIMIT_S = 30.0
+STOP_LIMIT_S = 30.0
+QUIET_LIMIT_S = 60.0
+POLL_S = 0.05
+IDLE_STOP_LIMIT_S = 3.0
+MINUTES = {"automation-aggregation": "minutes"}
+
+# Three deliveries with overlapping windows: the second conflicts with the first and adds an
+# hour, the third is richer than both in their shared minutes.
+WORKLOAD = (
+    body(
+        metric(
+            "heart_rate",
+            "count/min",
+            *(point(f"2024-03-01 10:{m:02d}:00 +0000", qty=60 + m % 7) for m in range(57, 60)),
+            *(point(f"2024-03-01 11:{m:02d}:00 +0000", qty=61) for m in range(3)),
+        )
+    ),
+    body(
+        metric(
+            "heart_rate",
+            "count/min",
+            *(point(f"2024-03-01 11:{m:02d}:00 +0000", qty=70) for m in range(2)),
+            *(point(f"2024-03-01 12:{m:02d}:00 +0000", qty=72) for m in range(2)),
+        )
+    ),
+    body(
+        metric(
+            "heart_rate",
+            "count/min",
+            point("2024-03-01 10:59:00 +0000", qty=62, source="Watch"),
+            point("2024-03-01 11:00:00 +0000", qty=70, source="Watch"),
+        )
+    ),
+)
+WORKLOAD_SHA256 = {hashlib.sha256(content).hexdigest() for content in WORKLOAD}
+
+
+@attrs.define
+class Serve:
+    """One ``healthlog serve`` process and a client holding the token; ``url`` is None when
+    the process died before it listened."""
+
+    process: trio.Process
+    url: str | None
+    client: httpx.AsyncClient
+
+    @property
+    def killed(self) -> bool:
+        return self.process.returncode == -signal.SIGKILL
+
+
+def serve_env(plan: dict[str, Any] | None, settings: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in (PLAN_ENV, SERVE_PID_ENV)}
+    env.update(SERVE_ENV)
+    env.update(settings)
+    if plan is not None:
+        env[PLAN_ENV] = json.dumps(plan)
+    return env
+
+
+def cli(command: str, data: DataDir, *args: str) -> list[str]:
+    return [sys.executable, "-m", "healthlog.cli", command, "--data", str(data.path), *args]
+
+
+@asynccontextmanager
+async def serving(
+    data: DataDir,
+    log: Path,
+    token: str,
+    plan: dict[str, Any] | None,
+    settings: dict[str, str] | None = None,
+) -> AsyncIterator[Serve]:
+    """Run serve (with ``HEALTHLOG_*`` ``settings`` over SERVE_ENV) until the block ends, then
+    close the client (an idle keep-alive connection holds up the stop: PROOF-8), SIGTERM the
+    process (if still alive) and wait for it."""
+    with log.open("ab") as stderr:
+        process = await trio.lowlevel.open_process(
+            cli("serve", data, "--port", "0"),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            env=serve_env(plan, settings or {}),
+        )
+    assert process.stdout is not None
+    try:
+        line = await first_line(process.stdout)
+        url = line.split()[3].decode() if line.startswith(b"healthlog serving on ") else None
+        async with httpx.AsyncClient(
+            base_url=url or "",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=QUIET_LIMIT_S,
+        ) as client:
+            yield Serve(process, url, client)
+    finally:
+        with trio.CancelScope(shield=True):
+            if process.poll() is None:
+                process.terminate()
+            with trio.move_on_after(STOP_LIMIT_S):
+                await process.wait()
+            if process.poll() is None:
+                process.kill()
+                await process.wait()
+            await process.stdout.aclose()
+
+
+async def first_line(stream: trio.abc.ReceiveStream) -> bytes:
+    """The first line the process writes (b"" if it exits first)."""
+    line = b""
+    with trio.fail_after(START_LIMIT_S):
+        while not line.endswith(b"\n"):
+            chunk = await stream.receive_some(1)
+            if not chunk:
+                break
+            line += chunk
+    return line
+
+
+@attrs.define
+class Step:
+    """What one kill step left behind."""
+
+    fired: bool
+    data: DataDir
+    log: Path
+    receipts: dict[int, dict[str, Any]]
+
+
+async def post(service: Serve, n: int) -> dict[str, Any] | None:
+    """Post delivery ``n``: its receipt, or None when the connection broke."""
+    if service.url is None:
+        return None
+    try:
+        response = await service.client.post("/v1/deliveries", content=WORKLOAD[n], headers=MINUTES)
+    except httpx.TransportError:
+        return None
+    assert response.status_code == 200, response.text
+    receipt: dict[str, Any] = response.json()
+    return receipt
+
+
+async def quiesce(service: Serve) -> None:
+    """Return once nothing is pending, or once the process has died."""
+    with trio.fail_after(QUIET_LIMIT_S):
+        while service.url is not None and service.process.poll() is None:
+            try:
+                response = await service.client.get("/v1/status")
+            except httpx.TransportError:
+                pass  # dying: the next poll() says so
+            else:
+                assert response.status_code == 200, response.text
+                if response.json()["deliveries"]["pending"] == 0:
+                    return
+            await trio.sleep(POLL_S)
+
+
+async def kill_step(root: Path, fault_point: str, k: int) -> Step:
+    """Run the workload under a kill at hit ``k`` of ``fault_point``; recover if it fired."""
+    data = DataDir(root / f"{fault_point}-{k}")
+    log = root / f"{fault_point}-{k}.log"
+    with data.open_tokens() as tokens:
+        token = tokens.add("phone")
+    receipts: dict[int, dict[str, Any]] = {}
+    plan = {fault_point: {"hits": [k], "do": "kill"}}
+    async with serving(data, log, token, plan) as first:
+        for n in range(len(WORKLOAD)):
+            if (receipt := await post(first, n)) is not None:
+                receipts[n] = receipt
+        await quiesce(first)
+    if not first.killed:
+        assert first.process.returncode == 0
+        return Step(False, data, log, receipts)
+    async with serving(data, log, token, None) as second:
+        assert second.url is not None
+        for n in range(len(WORKLOAD)):
+            if n not in receipts:
+                receipt = await post(second, n)
+                assert receipt is not None
+                receipts[n] = receipt
+        await quiesce(second)
+        assert second.process.poll() is None, "the restarted service died"
+    assert second.process.returncode == 0
+    return Step(True, data, log, receipts)
+
+
+def exported(data: DataDir) -> list[bytes]:
+    with data.open_store() as store:
+        return list(export_lines(store.iter_objects()))
+
+
+async def run_cli(
+    done: dict[str, subprocess.CompletedProcess[bytes]], command: str, data: DataDir, *args: str
+) -> None:
+    done[command] = await trio.run_process(
+        cli(command, data, *args), capture_stdout=True, capture_stderr=True, check=False
+    )
+
+
+async def prove_recovery(step: Step, fault_point: str, k: int) -> list[bytes]:
+    """``verify`` exits 0, ``status --json`` shows nothing pending, every 200 is journaled with
+    its sha256, every journaled delivery has exactly one outcome, no ERROR was logged, the log
+    says whether the kill fired; returns the export."""
+    done: dict[str, subprocess.CompletedProcess[bytes]] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_cli, done, "verify", step.data)
+        nursery.start_soon(run_cli, done, "status", step.data, "--json")
+    assert done["verify"].returncode == 0, done["verify"].stdout
+    status = json.loads(done["status"].stdout)
+    assert status["deliveries"]["pending"] == 0
+    with step.data.open_journal() as journal, step.data.open_store() as store:
+        metas = {meta.id: meta for meta in journal.iter_order()}
+        folded = Counter(
+            event.payload["delivery_id"]
+            for event in store.events_after(0, 10_000)
+            if event.kind == "delivery.folded"
+        )
+        assert store.folded_ids() == set(metas)
+    assert status["journal"]["deliveries"] == len(metas)
+    assert sorted(step.receipts) == list(range(len(WORKLOAD)))
+    for receipt in step.receipts.values():
+        assert metas[receipt["delivery_id"]].sha256 == receipt["sha256"]
+    assert {meta.sha256 for meta in metas.values()} <= WORKLOAD_SHA256
+    assert folded == dict.fromkeys(metas, 1)
+    logged = step.log.read_text()
+    assert "level=ERROR" not in logged
+    assert (f"fault injected at {fault_point} (hit {k})" in logged) is step.fired
+    return exported(step.data)
+
+
+@pytest.mark.parametrize("fault_point", KILL_POINTS)
+async def test_kill_at_every_step_recovers(tmp_path: Path, fault_point: str) -> None:
+    """PROOF-1, PROOF-2: a SIGKILL at each hit of the point, then a restart without the plan,
+    leaves a journal and projection that verify; the walk ends when a run completes unkilled."""
+    recovered = []
+    for k in range(1, MAX_STEP + 1):
+        step = await kill_step(tmp_path, fault_point, k)
+        lines = await prove_recovery(step, fault_point, k)
+        if not step.fired:
+            break
+        recovered.append(lines)
+    else:
+        pytest.fail(f"{fault_point} still killed the service at hit {MAX_STEP}")
+    print(f"{fault_point}: killed at hits 1..{k - 1}, completed at step {k}")
+    assert recovered == [lines] * (k - 1)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="KNOWN: under quart-trio on hypercorn 0.18 a kept-alive connection is never seen idle"
+    " (the app's final body send returns only when the client disconnects), so SIGTERM waits"
+    " graceful_timeout_s for it; a bare ASGI app stops at once",
+)
+async def test_sigterm_closes_idle_connections(tmp_path: Path) -> None:
+    """PROOF-8: with a 10 s graceful timeout and a client that keeps its connection open after
+    a complete request, SIGTERM stops the service within 3 s, with exit status 0."""
+    data = DataDir(tmp_path / "data")
+    with data.open_tokens() as tokens:
+        token = tokens.add("phone")
+    settings = {"HEALTHLOG_GRACEFUL_TIMEOUT_S": "10"}
+    async with serving(data, tmp_path / "serve.log", token, None, settings) as service:
+        assert (await service.client.get("/healthz")).status_code == 200
+        service.process.terminate()
+        with trio.move_on_after(IDLE_STOP_LIMIT_S) as waiting:
+            await service.process.wait()
+        await service.client.aclose()
+        await service.process.wait()
+    assert service.process.returncode == 0
+    assert not waiting.cancelled_caught, "SIGTERM waited for an idle keep-alive connection"
+
+
+def test_fault_points_are_inert_without_a_plan() -> None:
+    """PROOF-3: with no plan loaded a fault point does nothing, not even count its hits (a plan
+    loaded afterwards starts from hit 1); print what a call costs."""
+    plan = faults.Plan(actions={"fold.begin": faults.Action(frozenset({1}), faults.raise_fault())})
+    for name in faults.POINTS:
+        faults.point(name)
+    with faults.loaded(plan), pytest.raises(faults.InjectedFault):
+        faults.point("fold.begin")
+    faults.point("fold.begin")
+    assert plan.hits == {"fold.begin": 1}
+    number = 1_000_000
+    seconds = timeit.timeit(lambda: faults.point("fold.object_write"), number=number)
+    baseline = timeit.timeit(lambda: None, number=number)
+    print(
+        f"inert fault point: {seconds / number * 1e9:.0f} ns per call"
+        f" ({(seconds - baseline) / number * 1e9:.0f} ns over an empty call)"
+    )
