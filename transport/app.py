@@ -96,9 +96,13 @@ async def _refuse_headers(scope: Any, send: Any) -> None:
 
 
 def create_app(
-    runtime: Runtime, tokens: TokenCache, config: ServeConfig, snapshots: SnapshotService
+    runtime: Runtime,
+    tokens: TokenCache,
+    config: ServeConfig,
+    snapshots: SnapshotService,
+    closing: trio.Event,
 ) -> HealthlogApp:
-    """The application bound to a running runtime."""
+    """The application bound to a running runtime; ``closing`` is set when shutdown begins."""
     app = QuartTrio("healthlog")
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.config["BODY_TIMEOUT"] = config.body_timeout_s
@@ -255,7 +259,12 @@ def create_app(
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     stream = StreamEndpoint(
-        runtime, hub, tokens.authenticate, snapshots.covering, config.stream_send_timeout_s
+        runtime,
+        hub,
+        tokens.authenticate,
+        snapshots.covering,
+        config.stream_send_timeout_s,
+        closing,
     )
     return HealthlogApp(app, stream)
 

@@ -36,6 +36,9 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 ACK_EVERY = 64
 ACK_IDLE_S = 0.2
+BATCH = 512
+# Errors after which reconnecting from the acknowledged cursor is the remedy.
+RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY"})
 
 
 class FollowError(Exception):
@@ -110,11 +113,11 @@ class Follower:
             binding = await trio.to_thread.run_sync(self.replica.binding)
         elif binding.stream != stream["id"]:
             manifest = converter.structure(await _get_json(http, "/v1/snapshots"), Manifest)
-            await self._restore(http, manifest, after=0)
+            await self._restore(http, manifest, after=0, stream=None)
             binding = await trio.to_thread.run_sync(self.replica.binding)
         if self._target is None:
             self._target = int(stream["head"])
-        if self.until_caught_up and binding.cursor >= self._target:
+        if self.until_caught_up and self.subscriber is None and binding.cursor >= self._target:
             return True
         return await self._stream(http, binding.cursor, str(stream["id"]))
 
@@ -144,49 +147,48 @@ class Follower:
     async def _receive(
         self, http: httpx.AsyncClient, ws: WebSocketConnection, after: int, stream: str
     ) -> bool:
+        """Apply frames in batches (one replica transaction each) and acknowledge them."""
         acks = AckTracker(after)
-        since_ack = 0
-
-        async def ack() -> None:
-            nonlocal since_ack
-            await ws.send_message(orjson.dumps({"type": "ack", "seq": acks.contiguous}).decode())
-            since_ack = 0
-
+        acked = after
         while True:
-            with trio.move_on_after(ACK_IDLE_S) as idle:
-                message = await ws.get_message()
-            if idle.cancelled_caught:
-                if since_ack:
-                    await ack()
-                continue
-            frame = orjson.loads(message)
-            if frame.get("type") == "error":
-                if frame.get("code") == "CURSOR_TOO_OLD":
-                    manifest = converter.structure(frame["snapshot"], Manifest)
-                    await self._restore(http, manifest, after=after)
-                    return False
-                raise FollowError(f"the server refused the stream: {frame.get('code')}")
-            seq = int(frame["seq"])
-            change = _change(frame)
-            through = await trio.to_thread.run_sync(
-                self.replica.apply, stream, [change] if change else [], seq
-            )
-            acks.durable(through)
-            since_ack += 1
-            if self.on_event is not None:
-                self.on_event(seq)
-            caught_up = (
-                self.until_caught_up
-                and self._target is not None
-                and acks.contiguous >= self._target
-            )
-            if since_ack >= ACK_EVERY or caught_up:
-                await ack()
-            if caught_up:
+            if self._caught_up(acks.contiguous):
+                await _ack(ws, acks.contiguous)
                 await ws.aclose()
                 return True
+            if acks.contiguous - acked >= ACK_EVERY:
+                acked = await _ack(ws, acks.contiguous)
+            with trio.move_on_after(ACK_IDLE_S) as idle:
+                frames = await _frames(ws)
+            if idle.cancelled_caught:
+                if acks.contiguous > acked:
+                    acked = await _ack(ws, acks.contiguous)
+                continue
+            events = [f for f in frames if f.get("type") == "event"]
+            if events:
+                changes = [c for c in map(_change, events) if c is not None]
+                last = int(events[-1]["seq"])
+                through = await trio.to_thread.run_sync(self.replica.apply, stream, changes, last)
+                acks.durable(through)
+                if self.on_event is not None:
+                    for event in events:
+                        self.on_event(int(event["seq"]))
+            for frame in frames:
+                if frame.get("type") != "error":
+                    continue
+                if frame.get("code") == "CURSOR_TOO_OLD":
+                    manifest = converter.structure(frame["snapshot"], Manifest)
+                    await self._restore(http, manifest, after=acks.contiguous, stream=stream)
+                    return False
+                if frame.get("code") in RETRYABLE:
+                    return False
+                raise FollowError(f"the server refused the stream: {frame.get('code')}")
 
-    async def _restore(self, http: httpx.AsyncClient, manifest: Manifest, *, after: int) -> None:
+    def _caught_up(self, cursor: int) -> bool:
+        return self.until_caught_up and self._target is not None and cursor >= self._target
+
+    async def _restore(
+        self, http: httpx.AsyncClient, manifest: Manifest, *, after: int, stream: str | None
+    ) -> None:
         binding = await trio.to_thread.run_sync(self.replica.binding)
         assert binding.instance is not None
         assert binding.public_key is not None
@@ -199,13 +201,30 @@ class Follower:
                 response.content,
                 public_key=binding.public_key,
                 instance=binding.instance,
-                stream=None,
+                stream=stream,
                 after=after,
             )
         except SnapshotError as exc:
             raise FollowError(f"snapshot refused: {exc}") from None
         await trio.to_thread.run_sync(self.replica.restore, manifest.stream, manifest.seq, objects)
         log.info("follow: restored snapshot at seq %d (%d objects)", manifest.seq, len(objects))
+
+
+async def _frames(ws: WebSocketConnection) -> list[dict[str, Any]]:
+    """The next frame, and every frame already waiting behind it (up to a batch)."""
+    frames = [orjson.loads(await ws.get_message())]
+    while len(frames) < BATCH:
+        with trio.move_on_after(0) as empty:
+            message = await ws.get_message()
+        if empty.cancelled_caught:
+            break
+        frames.append(orjson.loads(message))
+    return frames
+
+
+async def _ack(ws: WebSocketConnection, seq: int) -> int:
+    await ws.send_message(orjson.dumps({"type": "ack", "seq": seq}).decode())
+    return seq
 
 
 def _change(frame: dict[str, object]) -> Change | None:

@@ -60,7 +60,7 @@ async def serve(
     with data.open_tokens() as tokens:
         async with open_runtime(runtime_config) as runtime, trio.open_nursery() as nursery:
             snapshots = SnapshotService(runtime, data.snapshot_dir, data.signing_key())
-            app = create_app(runtime, TokenCache(tokens), config, snapshots)
+            app = create_app(runtime, TokenCache(tokens), config, snapshots, stop)
 
             async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 await hypercorn_serve(

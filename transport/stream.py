@@ -13,7 +13,7 @@ resumes from its acknowledged cursor.
 
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized, 4408 too slow, 4410 cursor older than the online window (after an
-error frame with a signed snapshot reference), 1001 server going away.
+error frame with a signed snapshot reference), 1001 server going away (on shutdown).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ CLOSE_BAD_REQUEST = 4400
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_TOO_SLOW = 4408
 CLOSE_CURSOR_TOO_OLD = 4410
+CLOSE_GOING_AWAY = 1001
 
 
 class EventHub:
@@ -71,11 +72,14 @@ class EventHub:
 class StreamRefused(Exception):
     """A reason to end a subscription with an error frame and a close code."""
 
-    def __init__(self, code: str, close: int, extra: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, code: str, close: int, extra: dict[str, Any] | None = None, *, frame: bool = True
+    ) -> None:
         super().__init__(code)
         self.code = code
         self.close = close
         self.extra = extra or {}
+        self.frame = frame
 
 
 class ClientGone(Exception):
@@ -105,18 +109,25 @@ class StreamEndpoint:
     authenticate: Authenticate
     snapshot_for: SnapshotFor
     send_timeout_s: float
+    closing: trio.Event
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
         await send({"type": "websocket.accept"})
-        query = {k: v[-1] for k, v in urllib.parse.parse_qs(scope["query_string"].decode()).items()}
+        query = {
+            k: v[-1]
+            for k, v in urllib.parse.parse_qs(
+                scope["query_string"].decode(), keep_blank_values=True
+            ).items()
+        }
         headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope["headers"]}
         try:
             async with trio.open_nursery() as nursery:
                 await self._authenticate(headers, query)
                 sub = await self._open(query)
                 nursery.start_soon(self._send_loop, sub, send)
+                nursery.start_soon(self._going_away)
                 await self._receive_loop(sub, receive)
                 nursery.cancel_scope.cancel()
         except* ClientGone:
@@ -124,10 +135,15 @@ class StreamEndpoint:
         except* StreamRefused as group:
             refused = group.exceptions[0]
             assert isinstance(refused, StreamRefused)
-            frame = {"type": "error", "code": refused.code, **refused.extra}
-            with trio.move_on_after(self.send_timeout_s):
-                await send({"type": "websocket.send", "text": orjson.dumps(frame).decode()})
+            if refused.frame:
+                frame = {"type": "error", "code": refused.code, **refused.extra}
+                with trio.move_on_after(self.send_timeout_s):
+                    await send({"type": "websocket.send", "text": orjson.dumps(frame).decode()})
             await send({"type": "websocket.close", "code": refused.close, "reason": refused.code})
+
+    async def _going_away(self) -> None:
+        await self.closing.wait()
+        raise StreamRefused("GOING_AWAY", CLOSE_GOING_AWAY, frame=False)
 
     async def _authenticate(self, headers: dict[str, str], query: dict[str, str]) -> None:
         presented = headers.get("api-key") or query.get("token")

@@ -1,0 +1,235 @@
+"""Helpers for the replay stream tests (specs/stream.md): bodies, websocket subscribers, and a
+census of the stream handlers running in the test's trio run.
+
+The service runs in the test's own trio run (``tests/_service_helpers.py``), so the subscribers
+here are trio-websocket clients in the same run. trio-websocket leaves its socket open when the
+server closes first, so :func:`connect` owns the TCP stream and closes it itself, as
+``transport/follow.py`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import urllib.parse
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import trio
+from _cli_bodies import body, metric, point
+from _service_helpers import POLL_S, Service
+from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_client_stream
+
+from healthlog.export import export_lines
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.replica import Replica
+from transport.stream import StreamEndpoint
+
+MINUTES = {"automation-aggregation": "minutes"}
+SECONDS = {"automation-aggregation": "seconds"}
+FRAME_LIMIT_S = 15.0
+ACK_LIMIT_S = 10.0
+MAX_MESSAGE_BYTES = 16 * 2**20
+TINY_RECEIVE_BUFFER = 4096
+
+
+def small(n: int) -> bytes:
+    """A distinct small delivery: one step count point at minute ``n`` from 2024-04-01.
+
+    Folded as minutes it writes one object, so it adds two events (changed, folded)."""
+    day, minute = divmod(n, 24 * 60)
+    date = f"2024-04-{1 + day:02d} {minute // 60:02d}:{minute % 60:02d}:00 +0000"
+    return body(metric("step_count", "count", point(date, qty=n)))
+
+
+def hourly(count: int) -> bytes:
+    """``count`` heart rate points one hour apart from 2024-01-01: ``count`` objects."""
+    points = []
+    for n in range(count):
+        day, hour = divmod(n, 24)
+        month, day = divmod(day, 28)
+        date = f"2024-{1 + month:02d}-{1 + day:02d} {hour:02d}:00:00 +0000"
+        points.append(point(date, qty=60 + n % 40))
+    return body(metric("heart_rate", "count/min", *points))
+
+
+def noisy(first: int, count: int) -> bytes:
+    """``count`` points at seconds ``first``... of 2024-05-01 10:00 UTC, each with 200 random hex
+    characters, so the one object they make compresses badly and its frames are large."""
+    points = []
+    for second in range(first, first + count):
+        date = f"2024-05-01 10:{second // 60:02d}:{second % 60:02d} +0000"
+        points.append(point(date, qty=second, note=os.urandom(100).hex()))
+    return body(metric("noise", "count", *points))
+
+
+async def post(service: Service, content: bytes, headers: dict[str, str] = MINUTES) -> None:
+    response = await service.post(content, headers)
+    assert response.status_code == 200, response.text
+
+
+async def post_small(service: Service, *minutes: int) -> int:
+    """Post one small delivery per minute, wait until folded; the head after them."""
+    for minute in minutes:
+        await post(service, small(minute))
+    return int((await service.wait_folded())["stream"]["head"])
+
+
+def resource(after: int | str | None = 0, **query: str) -> str:
+    """``/v1/stream`` with ``after`` (left out when None) and the other query parameters."""
+    params = {} if after is None else {"after": str(after)}
+    return f"/v1/stream?{urllib.parse.urlencode({**params, **query})}"
+
+
+def bearer(token: str) -> list[tuple[bytes, bytes]]:
+    return [(b"authorization", f"Bearer {token}".encode())]
+
+
+def upgrade(path: str, token: str) -> bytes:
+    """A websocket upgrade request for ``path``, written by hand."""
+    return (
+        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+        "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n"
+    ).encode()
+
+
+@contextlib.asynccontextmanager
+async def stalled(service: Service, after: int = 0) -> AsyncIterator[trio.SocketStream]:
+    """A subscriber that never reads: a raw socket with a tiny receive buffer that sends the
+    upgrade request and nothing else, so the server's sends soon wait on full buffers."""
+    sock = trio.socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TINY_RECEIVE_BUFFER)
+        await sock.connect(("127.0.0.1", service.port))
+    except BaseException:
+        sock.close()
+        raise
+    tcp = trio.SocketStream(sock)
+    try:
+        await tcp.send_all(upgrade(resource(after), service.token))
+        yield tcp
+    finally:
+        await tcp.aclose()
+
+
+@contextlib.asynccontextmanager
+async def connect(
+    port: int, path: str, headers: list[tuple[bytes, bytes]], **options: Any
+) -> AsyncIterator[WebSocketConnection]:
+    """A trio-websocket client connection to the local service, on a TCP stream of our own."""
+    tcp = await trio.open_tcp_stream("127.0.0.1", port)
+    try:
+        async with trio.open_nursery() as nursery:
+            ws = await wrap_client_stream(
+                nursery,
+                tcp,
+                "127.0.0.1",
+                path,
+                extra_headers=headers,
+                max_message_size=MAX_MESSAGE_BYTES,
+                **options,
+            )
+            try:
+                yield ws
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        await tcp.aclose()
+
+
+def subscribe(
+    service: Service, after: int | str | None = 0, **query: str
+) -> contextlib.AbstractAsyncContextManager[WebSocketConnection]:
+    """A subscriber with the service's token."""
+    return connect(service.port, resource(after, **query), bearer(service.token))
+
+
+async def receive(ws: WebSocketConnection, count: int) -> list[dict[str, Any]]:
+    """The next ``count`` frames."""
+    with trio.fail_after(FRAME_LIMIT_S):
+        return [orjson.loads(await ws.get_message()) for _ in range(count)]
+
+
+async def receive_through(ws: WebSocketConnection, seq: int) -> list[dict[str, Any]]:
+    """Frames up to and including the event ``seq``."""
+    frames: list[dict[str, Any]] = []
+    with trio.fail_after(FRAME_LIMIT_S):
+        while not frames or frames[-1]["seq"] < seq:
+            frames.append(orjson.loads(await ws.get_message()))
+    return frames
+
+
+async def refusal(
+    ws: WebSocketConnection, limit_s: float = FRAME_LIMIT_S
+) -> tuple[dict[str, Any], int]:
+    """Read until the server closes, within ``limit_s``; the last frame it sent and the close
+    code."""
+    frames: list[dict[str, Any]] = []
+    with trio.fail_after(limit_s), contextlib.suppress(ConnectionClosed):
+        while True:
+            frames.append(orjson.loads(await ws.get_message()))
+    assert ws.closed is not None
+    assert frames, f"closed {ws.closed} without an error frame"
+    return frames[-1], ws.closed.code
+
+
+async def send_ack(ws: WebSocketConnection, seq: int) -> None:
+    await ws.send_message(orjson.dumps({"type": "ack", "seq": seq}).decode())
+
+
+async def head(service: Service) -> int:
+    return int((await service.status())["stream"]["head"])
+
+
+async def acked(service: Service, name: str, seq: int, limit_s: float = ACK_LIMIT_S) -> None:
+    """Wait (up to ``limit_s``) until the stored ACK of ``name`` is ``seq``."""
+    with trio.fail_after(limit_s):
+        while (await service.status())["subscribers"].get(name) != seq:
+            await trio.sleep(POLL_S)
+
+
+def consecutive(frames: list[dict[str, Any]], after: int) -> bool:
+    """True when the frames are exactly the events after+1, after+2, ..."""
+    return [f["seq"] for f in frames] == list(range(after + 1, after + 1 + len(frames)))
+
+
+def stream_handlers() -> int:
+    """How many stream endpoint handlers are running in this trio run."""
+    code = StreamEndpoint.__call__.__code__
+
+    def count(task: trio.lowlevel.Task) -> int:
+        here = any(frame.f_code is code for frame, _ in task.iter_await_frames())
+        return int(here) + sum(
+            count(child) for nursery in task.child_nurseries for child in nursery.child_tasks
+        )
+
+    root = trio.lowlevel.current_root_task()
+    assert root is not None
+    return count(root)
+
+
+async def prune(data: DataDir, keep: int) -> int:
+    """Drop every event but the newest ``keep``, through a store connection of our own."""
+
+    def run() -> int:
+        with data.open_store() as store:
+            return store.prune_events(keep=keep, older_than_us=time.time_ns() // 1000 + 1)
+
+    return await trio.to_thread.run_sync(run)
+
+
+async def server_export(service: Service) -> bytes:
+    """What ``healthlog export`` writes for the service (``GET /v1/points``)."""
+    response = await service.get("/v1/points")
+    assert response.status_code == 200, response.text
+    return response.content
+
+
+async def replica_export(replica: Replica) -> bytes:
+    """What ``healthlog export --replica`` writes for the replica."""
+
+    return await trio.to_thread.run_sync(lambda: b"".join(export_lines(replica.iter_objects())))

@@ -1,0 +1,182 @@
+"""Signed snapshots built from a real store, and every check ``validate`` makes (specs/stream.md,
+STREAM-16 and STREAM-17)."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+import orjson
+import pytest
+from _bodies import body, delivery, point
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from healthlog import snapshots
+from healthlog.objects import HourlyObject
+from healthlog.snapshots import SCHEMA, Manifest, SnapshotError
+from healthlog.storage import snapshot_files
+from healthlog.storage.datadir import DataDir
+
+NOW_US = 1_709_251_200_000_000
+TTL_US = 15_000_000
+URL = "/v1/snapshots"
+
+
+@attrs.frozen
+class Attempt:
+    """A snapshot file, its manifest, and what a client checks them against."""
+
+    manifest: Manifest
+    data: bytes
+    key: Ed25519PrivateKey
+    instance: str
+    stream: str | None
+    after: int
+
+    def validate(self) -> list[HourlyObject]:
+        return snapshots.validate(
+            self.manifest,
+            self.data,
+            public_key=snapshots.public_key_text(self.key),
+            instance=self.instance,
+            stream=self.stream,
+            after=self.after,
+        )
+
+    def resigned(self, data: bytes) -> Attempt:
+        """Another file under a manifest correctly signed with the instance's key."""
+        manifest = snapshots.sign(
+            self.key,
+            data,
+            url=self.manifest.url,
+            instance=self.manifest.instance,
+            stream=self.manifest.stream,
+            seq=self.manifest.seq,
+        )
+        return attrs.evolve(self, manifest=manifest, data=data)
+
+
+@pytest.fixture
+def store_objects(tmp_path: Path) -> tuple[Attempt, list[HourlyObject]]:
+    """Three deliveries folded into a real store, a snapshot of it at its head (checked as a
+    client bound to that instance and stream at that sequence would), and the store's objects."""
+    data = DataDir(tmp_path)
+    deliveries = [
+        body({"heart_rate": [point(1, 60), point(61, 62)]}),
+        body({"heart_rate": [point(2, 61)], "step_count": [point(3, 120)]}),
+        body({"step_count": [point(125, 80)]}),
+    ]
+    with data.open_journal() as journal, data.open_store() as store:
+        epoch = store.acquire_lease("test", now=NOW_US, ttl=TTL_US)
+        assert epoch is not None
+        for content in deliveries:
+            meta = journal.get_meta(journal.append(delivery(content)).delivery_id)
+            assert meta is not None
+            store.fold(journal, meta, epoch)
+        manifest = snapshot_files.build(data.snapshot_dir, journal, store, data.signing_key(), URL)
+        objects = list(store.iter_objects())
+        assert (manifest.instance, manifest.stream) == (journal.instance_id(), store.stream_id())
+        assert manifest.seq == store.last_seq()
+    path = snapshot_files.find(data.snapshot_dir, manifest.stream, manifest.seq)
+    assert path is not None
+    attempt = Attempt(
+        manifest,
+        path.read_bytes(),
+        data.signing_key(),
+        manifest.instance,
+        manifest.stream,
+        manifest.seq,
+    )
+    return attempt, objects
+
+
+def test_snapshot_round_trip(store_objects: tuple[Attempt, list[HourlyObject]]) -> None:
+    """STREAM-16: a snapshot of a real store validates and holds exactly its objects."""
+    attempt, objects = store_objects
+    assert len(objects) == 4
+    assert attempt.manifest.schema == SCHEMA
+    assert attempt.manifest.url == f"{URL}/{attempt.manifest.seq}"
+    assert attempt.validate() == objects
+    assert attrs.evolve(attempt, stream=None, after=0).validate() == objects
+
+
+def flipped(data: bytes) -> bytes:
+    """``data`` with one bit of its middle byte flipped."""
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 1]) + data[middle + 1 :]
+
+
+def with_header(data: bytes, **changes: int) -> bytes:
+    """The same snapshot file with header fields changed."""
+    header, rest = gzip.decompress(data).split(b"\n", 1)
+    fields = {**orjson.loads(header), **changes}
+    return gzip.compress(orjson.dumps(fields) + b"\n" + rest, mtime=0)
+
+
+def other_key_signature(a: Attempt) -> Attempt:
+    m = a.manifest
+    other = Ed25519PrivateKey.generate()
+    forged = snapshots.sign(
+        other, a.data, url=m.url, instance=m.instance, stream=m.stream, seq=m.seq
+    )
+    return attrs.evolve(a, manifest=forged)
+
+
+def damaged_signature(a: Attempt) -> Attempt:
+    raw = flipped(base64.b64decode(a.manifest.signature))
+    return attrs.evolve(
+        a, manifest=attrs.evolve(a.manifest, signature=base64.b64encode(raw).decode())
+    )
+
+
+TAMPERED: list[tuple[str, Callable[[Attempt], Attempt], str]] = [
+    ("flipped-byte", lambda a: attrs.evolve(a, data=flipped(a.data)), "sha256"),
+    ("damaged-signature", damaged_signature, "signature"),
+    (
+        "signature-not-base64",
+        lambda a: attrs.evolve(a, manifest=attrs.evolve(a.manifest, signature="%%%")),
+        "signature",
+    ),
+    ("signed-by-another-key", other_key_signature, "signature"),
+    (
+        "seq-changed-after-signing",
+        lambda a: attrs.evolve(a, manifest=attrs.evolve(a.manifest, seq=a.manifest.seq + 1)),
+        "signature",
+    ),
+    ("other-instance", lambda a: attrs.evolve(a, instance="another-instance"), "another instance"),
+    ("other-stream", lambda a: attrs.evolve(a, stream="another-stream"), "another stream"),
+    ("older-than-cursor", lambda a: attrs.evolve(a, after=a.after + 1), "older than the cursor"),
+    (
+        "unknown-schema",
+        lambda a: attrs.evolve(a, manifest=attrs.evolve(a.manifest, schema="snapshot.v9")),
+        "schema",
+    ),
+    (
+        "header-seq-differs",
+        lambda a: a.resigned(with_header(a.data, seq=a.manifest.seq - 1)),
+        "header does not match",
+    ),
+    (
+        "header-object-count-differs",
+        lambda a: a.resigned(with_header(a.data, objects=5)),
+        "header does not match",
+    ),
+    ("not-a-snapshot", lambda a: a.resigned(b"plain text"), "cannot be decoded"),
+]
+
+
+@pytest.mark.parametrize(
+    ("tamper", "check"), [pytest.param(t, c, id=name) for name, t, c in TAMPERED]
+)
+def test_tampered_snapshot_refused(
+    store_objects: tuple[Attempt, list[HourlyObject]],
+    tamper: Callable[[Attempt], Attempt],
+    check: str,
+) -> None:
+    """STREAM-17: each tampering is refused with a SnapshotError naming the failed check."""
+    attempt, _ = store_objects
+    with pytest.raises(SnapshotError, match=check):
+        tamper(attempt).validate()

@@ -1,0 +1,490 @@
+"""``WS /v1/stream`` against a real ``healthlog serve`` (specs/stream.md, STREAM-1 to STREAM-15).
+
+Every test starts :func:`transport.serve.serve` on a free port in its own trio run and talks to
+it through real websocket clients: trio-websocket on a TCP stream the test owns, a raw socket
+that never reads, and the independent ``websockets`` library in a thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import gzip
+import itertools
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import trio
+from _bodies import rows
+from _service_helpers import POLL_S, Service, serving
+from _stream_helpers import (
+    FRAME_LIMIT_S,
+    SECONDS,
+    acked,
+    bearer,
+    connect,
+    consecutive,
+    head,
+    hourly,
+    noisy,
+    post,
+    post_small,
+    prune,
+    receive,
+    receive_through,
+    refusal,
+    resource,
+    send_ack,
+    server_export,
+    small,
+    stalled,
+    stream_handlers,
+    subscribe,
+)
+from trio_websocket import ConnectionClosed
+from websockets.sync.client import connect as websockets_connect
+
+from healthlog import snapshots
+from healthlog.documents import converter
+from healthlog.export import export_lines
+from healthlog.snapshots import Manifest
+
+SNAPSHOT_KEYS = {"url", "seq", "sha256", "schema", "instance", "stream", "signature"}
+SEND_TIMEOUT_S = 1.0
+NOISY_POINTS = 2000
+NOISY_ADDITIONS = 36
+GRACE_S = 3.0
+REFUSAL_LIMIT_S = 3.0
+
+
+async def refused_beside_witness(
+    service: Service,
+    path: str,
+    headers: list[tuple[bytes, bytes]],
+    frame: str | bytes | None = None,
+) -> tuple[dict[str, Any], int]:
+    """Open ``path`` (then send ``frame``) while a named witness subscriber is connected; return
+    the error frame and close code, after proving the witness still gets live events and has
+    its ACK stored. These refusals come at once, so the wait for them is short."""
+    start = await head(service)
+    async with subscribe(service, after=start, subscriber="witness") as witness:
+        async with connect(service.port, path, headers) as ws:
+            if frame is not None:
+                await ws.send_message(frame)
+            refused = await refusal(ws, REFUSAL_LIMIT_S)
+        await post(service, small(start))
+        frames = await receive(witness, 2)
+        assert consecutive(frames, start)
+        await send_ack(witness, start + 2)
+        await acked(service, "witness", start + 2)
+    return refused
+
+
+async def test_replay_then_live(tmp_path: Path) -> None:
+    """STREAM-1: replay from ``after``, then live events, with the documented frame fields."""
+    async with serving(tmp_path) as service:
+        status_head = await post_small(service, 0, 1)
+        assert status_head == 4
+        stream = (await service.status())["stream"]["id"]
+        async with subscribe(service, after=0) as ws:
+            replay = await receive(ws, 4)
+            await post(service, small(120))
+            live = await receive(ws, 2)
+        async with subscribe(service, after=3) as ws:
+            later = await receive(ws, 3)
+        exported = [orjson.loads(line) for line in (await server_export(service)).splitlines()]
+
+    frames = replay + live
+    assert consecutive(frames, 0)
+    assert later == frames[3:]
+    assert all(f["type"] == "event" and f["id"] == f"{stream}:{f['seq']}" for f in frames)
+    assert [f["kind"] for f in frames] == ["object.changed", "delivery.folded"] * 3
+    first, first_folded, second, _, third, _ = frames
+    assert {k: first[k] for k in ("metric", "layer", "hour", "points", "delivery_id")} == {
+        "metric": "step_count",
+        "layer": "minutes",
+        "hour": "2024-04-01T00:00:00Z",
+        "points": 1,
+        "delivery_id": 1,
+    }
+    assert (second["hour"], second["points"], second["delivery_id"]) == (first["hour"], 2, 2)
+    assert (third["hour"], third["points"]) == ("2024-04-01T02:00:00Z", 1)
+    assert first["hash"] != second["hash"]
+    # The object is the one current when the frame was sent: both frames of that hour carry it.
+    assert first["object"] == second["object"]
+    current = second["object"]
+    assert (current["hash"], current["points"], current["units"]) == (second["hash"], 2, "count")
+    plain = gzip.decompress(base64.b64decode(current["body"]))
+    stored = [line.split(b"\t") for line in plain.splitlines()]
+    points = [e["point"] for e in exported if e["start"].startswith("2024-04-01T00:")]
+    assert [orjson.loads(raw) for _, _, raw in stored] == points
+    assert {k: first_folded[k] for k in ("delivery_id", "status")} == {
+        "delivery_id": 1,
+        "status": "parsed",
+    }
+    assert first_folded["counters"]["points_new"] == 1
+    assert first_folded["counters"]["objects_written"] == 1
+
+
+async def test_switch_over_under_continuous_deliveries(tmp_path: Path) -> None:
+    """STREAM-2: replay and live meet without a gap while deliveries keep arriving."""
+    rng = random.Random(2)
+    deliveries = 60
+    posted = trio.Event()
+    async with serving(tmp_path) as service, trio.open_nursery() as nursery:
+
+        async def post_all() -> None:
+            for n in range(deliveries):
+                await post(service, small(n))
+                await trio.sleep(rng.uniform(0, 0.03))
+            posted.set()
+
+        nursery.start_soon(post_all)
+        with trio.fail_after(FRAME_LIMIT_S):
+            while await head(service) < 10:
+                await trio.sleep(POLL_S)
+        first = after = 5
+        connections = []
+        for _ in range(3):
+            async with subscribe(service, after=after) as ws:
+                frames = await receive(ws, rng.randint(5, 25))
+            connections.append((after, frames))
+            after = frames[-1]["seq"] - rng.randint(0, 3)
+        async with subscribe(service, after=after) as ws:
+            await posted.wait()
+            final = int((await service.wait_folded())["stream"]["head"])
+            connections.append((after, await receive_through(ws, final)))
+
+    assert final == 2 * deliveries
+    seen: dict[int, str] = {}
+    duplicates = 0
+    for after, frames in connections:
+        assert consecutive(frames, after), f"gap or disorder after {after}"
+        for frame in frames:
+            duplicates += frame["seq"] in seen
+            assert seen.setdefault(frame["seq"], frame["id"]) == frame["id"]
+    assert sorted(seen) == list(range(first + 1, final + 1))
+    overlaps = [
+        prev[-1]["seq"] - after for (_, prev), (after, _) in itertools.pairwise(connections)
+    ]
+    assert duplicates == sum(overlaps)
+
+
+async def test_acks_stored_per_subscriber_and_never_back(tmp_path: Path) -> None:
+    """STREAM-3: ACKs per named subscriber in /v1/status, only ever moving forward."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0, 60, 120)
+        async with (
+            subscribe(service, subscriber="nas") as nas,
+            subscribe(service, subscriber="desk") as desk,
+            subscribe(service) as anonymous,
+        ):
+            for ws in (nas, desk, anonymous):
+                assert consecutive(await receive(ws, total), 0)
+            await send_ack(nas, 4)
+            await send_ack(desk, total)
+            await send_ack(anonymous, total)
+            await acked(service, "nas", 4)
+            await acked(service, "desk", total)
+            await send_ack(nas, 2)
+            # An error right after it proves the server has handled the lower ACK.
+            await nas.send_message("not json")
+            assert (await refusal(nas))[0]["code"] == "BAD_FRAME"
+        async with subscribe(service, after=1, subscriber="desk") as desk:
+            assert consecutive(await receive(desk, 2), 1)
+            await send_ack(desk, 3)
+            await desk.send_message("not json")
+            assert (await refusal(desk))[0]["code"] == "BAD_FRAME"
+        assert (await service.status())["subscribers"] == {"nas": 4, "desk": total}
+
+
+async def test_ack_beyond_sent(tmp_path: Path) -> None:
+    """STREAM-4: an ACK beyond what was sent is refused and stores nothing."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0, 60)
+        async with subscribe(service, after=2, subscriber="nas") as ws:
+            assert consecutive(await receive(ws, total - 2), 2)
+            await send_ack(ws, total)
+            await acked(service, "nas", total)
+            await send_ack(ws, total + 1)
+            frame, code = await refusal(ws)
+        assert frame == {"type": "error", "code": "ACK_BEYOND_SENT", "sent": total}
+        assert code == 4400
+        async with subscribe(service, after=total, subscriber="late") as ws:
+            await send_ack(ws, total + 1)
+            frame, code = await refusal(ws)
+        assert (frame["code"], frame["sent"], code) == ("ACK_BEYOND_SENT", total, 4400)
+        assert (await service.status())["subscribers"] == {"nas": total}
+
+
+@pytest.mark.parametrize("ending", ["close handshake", "connection dropped"])
+async def test_final_ack_before_close_is_stored(tmp_path: Path, ending: str) -> None:
+    """STREAM-5: the last ACK, sent right before the client goes, is stored."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0, 60, 120)
+        async with subscribe(service, subscriber="nas") as ws:
+            await receive(ws, total)
+            for seq in range(1, total + 1):
+                await send_ack(ws, seq)
+            if ending == "close handshake":
+                await ws.aclose()
+        await acked(service, "nas", total)
+
+
+@pytest.mark.parametrize(
+    ("frame", "code"),
+    [
+        pytest.param("{nope", "BAD_FRAME", id="not-json"),
+        pytest.param('{"type": "hello", "seq": 1}', "BAD_FRAME", id="not-an-ack"),
+        pytest.param('["ack", 1]', "BAD_FRAME", id="not-an-object"),
+        pytest.param('{"type": "ack", "seq": -1}', "BAD_FRAME", id="negative-seq"),
+        pytest.param('{"type": "ack", "seq": true}', "BAD_FRAME", id="boolean-seq"),
+        pytest.param('{"type": "ack", "seq": "1"}', "BAD_FRAME", id="string-seq"),
+        pytest.param('{"type": "ack"}', "BAD_FRAME", id="missing-seq"),
+        pytest.param(b'{"type": "ack", "seq": 0}', "BINARY_FRAME", id="binary"),
+    ],
+)
+async def test_bad_frames(tmp_path: Path, frame: str | bytes, code: str) -> None:
+    """STREAM-6: a bad frame closes that subscriber (4400) and no other."""
+    async with serving(tmp_path) as service:
+        await post_small(service, 0)
+        refused = await refused_beside_witness(
+            service, resource(0, subscriber="bad"), bearer(service.token), frame
+        )
+        assert refused == ({"type": "error", "code": code}, 4400)
+        assert "bad" not in (await service.status())["subscribers"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("", id="empty"),
+        pytest.param("n" * 129, id="129-chars"),
+        pytest.param("n" * 10240, id="10KB"),
+        pytest.param("nas\x00", id="control-char"),
+    ],
+)
+async def test_bad_subscriber_names(tmp_path: Path, name: str) -> None:
+    """STREAM-7: a bad subscriber name is refused with BAD_SUBSCRIBER (4400)."""
+    async with serving(tmp_path) as service:
+        await post_small(service, 0)
+        refused = await refused_beside_witness(
+            service, resource(0, subscriber=name), bearer(service.token)
+        )
+        assert refused == ({"type": "error", "code": "BAD_SUBSCRIBER"}, 4400)
+
+
+async def test_longest_subscriber_name_accepted(tmp_path: Path) -> None:
+    """STREAM-7: a 128-character name is accepted and its ACK stored under it."""
+    name = "n" * 128
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0)
+        async with subscribe(service, subscriber=name) as ws:
+            await receive(ws, total)
+            await send_ack(ws, total)
+            await acked(service, name, total)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [pytest.param(lambda _: [], id="missing"), pytest.param(bearer, id="wrong")],
+)
+async def test_unauthorized(
+    tmp_path: Path, headers: Callable[[str], list[tuple[bytes, bytes]]]
+) -> None:
+    """STREAM-8: no token or a wrong one: UNAUTHORIZED and close 4401."""
+    async with serving(tmp_path) as service:
+        await post_small(service, 0)
+        refused = await refused_beside_witness(service, resource(0), headers("hl_wrong"))
+        assert refused == ({"type": "error", "code": "UNAUTHORIZED"}, 4401)
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [
+        pytest.param(lambda t: resource(0, token=t), lambda _: [], id="query-parameter"),
+        pytest.param(lambda _: resource(0), lambda t: [(b"api-key", t.encode())], id="api-key"),
+        pytest.param(lambda _: resource(0), bearer, id="bearer"),
+    ],
+)
+async def test_token_forms_accepted(
+    tmp_path: Path,
+    path: Callable[[str], str],
+    headers: Callable[[str], list[tuple[bytes, bytes]]],
+) -> None:
+    """STREAM-8: the token as a bearer header, an api-key header or a query parameter."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0)
+        async with connect(service.port, path(service.token), headers(service.token)) as ws:
+            assert consecutive(await receive(ws, total), 0)
+
+
+@pytest.mark.parametrize(
+    "cursor",
+    [
+        "-1",
+        "x",
+        "1.5",
+        "\uff11",
+        "9" * 19,
+        "",
+    ],
+    ids=["negative", "word", "fraction", "fullwidth-digit", "19-digits", "empty"],
+)
+async def test_bad_cursor(tmp_path: Path, cursor: str) -> None:
+    """STREAM-9: a cursor that is not a non-negative integer: BAD_CURSOR, close 4400."""
+    async with serving(tmp_path) as service:
+        await post_small(service, 0)
+        refused = await refused_beside_witness(service, resource(cursor), bearer(service.token))
+        assert refused == ({"type": "error", "code": "BAD_CURSOR"}, 4400)
+
+
+async def test_cursor_in_future(tmp_path: Path) -> None:
+    """STREAM-9: a cursor beyond the head: CURSOR_IN_FUTURE with the head, close 4400."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0)
+        refused = await refused_beside_witness(service, resource(total + 1), bearer(service.token))
+        assert refused == ({"type": "error", "code": "CURSOR_IN_FUTURE", "head": total}, 4400)
+
+
+async def test_cursor_older_than_window(tmp_path: Path) -> None:
+    """STREAM-10, STREAM-11: CURSOR_TOO_OLD with a signed snapshot reference; pruning leaves
+    the journal untouched."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, *range(0, 360, 60))
+        journal_before = rows(service.data.journal_path)
+        assert await prune(service.data, keep=4) == total - 4
+        assert rows(service.data.journal_path) == journal_before
+        status = await service.status()
+        oldest = total - 4
+        assert (status["stream"]["oldest_cursor"], status["stream"]["head"]) == (oldest, total)
+
+        async with subscribe(service, after=oldest) as ws:
+            assert consecutive(await receive(ws, 4), oldest)
+        async with subscribe(service, after=oldest - 1) as ws:
+            frame, code = await refusal(ws)
+        assert code == 4410
+        assert (frame["type"], frame["code"], set(frame["snapshot"])) == (
+            "error",
+            "CURSOR_TOO_OLD",
+            SNAPSHOT_KEYS,
+        )
+        manifest = converter.structure(frame["snapshot"], Manifest)
+        assert manifest.seq == total
+        assert (manifest.instance, manifest.stream) == (
+            status["stream"]["instance"],
+            status["stream"]["id"],
+        )
+        assert (await service.client.get(manifest.url)).status_code == 401
+        fetched = await service.get(manifest.url)
+        assert fetched.status_code == 200
+        key = (await service.client.get("/v1/snapshots/key")).json()
+        assert key == {"public_key": status["stream"]["public_key"], "algorithm": "Ed25519"}
+        objects = snapshots.validate(
+            manifest,
+            fetched.content,
+            public_key=key["public_key"],
+            instance=manifest.instance,
+            stream=manifest.stream,
+            after=oldest - 1,
+        )
+        assert b"".join(export_lines(objects)) == await server_export(service)
+
+        async with subscribe(service, after=manifest.seq) as ws:
+            await post(service, small(400))
+            assert consecutive(await receive(ws, 2), manifest.seq)
+        assert rows(service.data.journal_path)["deliveries"] != journal_before["deliveries"]
+
+
+async def fill(service: Service) -> int:
+    """One big, badly compressible object, then deliveries that each change it: every one of
+    their events carries the whole object, some 10 MB of frames in all. The head after them."""
+    await post(service, noisy(0, NOISY_POINTS), SECONDS)
+    for n in range(NOISY_ADDITIONS):
+        await post(service, noisy(NOISY_POINTS + n, 1), SECONDS)
+    return int((await service.wait_folded())["stream"]["head"])
+
+
+async def test_slow_subscriber_does_not_hold_others(tmp_path: Path) -> None:
+    """STREAM-12: a subscriber that never reads holds up no one, and its handler ends once it
+    goes."""
+    async with serving(tmp_path, stream_send_timeout_s=SEND_TIMEOUT_S) as service:
+        total = await fill(service)
+        async with (
+            stalled(service),
+            subscribe(service, subscriber="witness") as witness,
+        ):
+            assert consecutive(await receive_through(witness, total), 0)
+            await post(service, small(0))
+            assert consecutive(await receive(witness, 2), total)
+            await send_ack(witness, total + 2)
+            await acked(service, "witness", total + 2)
+            assert (await service.client.get("/healthz")).status_code == 200
+            assert stream_handlers() == 2
+        with trio.fail_after(FRAME_LIMIT_S):
+            while stream_handlers():
+                await trio.sleep(POLL_S)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: transport/stream.py StreamEndpoint._send_loop wraps send() in "
+    "trio.move_on_after(send_timeout_s), but hypercorn's trio TCPServer.protocol_send runs "
+    "stream.send_all inside a shielded CancelScope, so a stalled send can never time out: "
+    "a subscriber that never reads is never closed with 4408 and its handler stays parked "
+    "until the client itself goes away",
+)
+async def test_never_reading_subscriber_is_closed(tmp_path: Path) -> None:
+    """STREAM-13: a subscriber that stops reading is closed once a send stalls past the
+    timeout, while it is still connected."""
+    async with serving(tmp_path, stream_send_timeout_s=SEND_TIMEOUT_S) as service:
+        await fill(service)
+        async with stalled(service) as tcp:
+            with trio.move_on_after(SEND_TIMEOUT_S + 4):
+                while not stream_handlers():
+                    await trio.sleep(POLL_S)
+                while stream_handlers():
+                    await trio.sleep(POLL_S)
+            assert stream_handlers() == 0, "the stalled subscriber is still being served"
+            with trio.fail_after(FRAME_LIMIT_S), contextlib.suppress(trio.BrokenResourceError):
+                while await tcp.receive_some(2**20):
+                    pass
+
+
+async def test_independent_client_library(tmp_path: Path) -> None:
+    """STREAM-14: the ``websockets`` library gets the replay of a few thousand events and
+    acknowledges them."""
+    async with serving(tmp_path) as service:
+        await post(service, hourly(2000))
+        total = int((await service.wait_folded())["stream"]["head"])
+        url = f"ws://127.0.0.1:{service.port}{resource(0, subscriber='ext')}"
+
+        def replay() -> list[dict[str, Any]]:
+            with websockets_connect(url, additional_headers=service.auth, max_size=None) as ws:
+                frames = [orjson.loads(ws.recv(timeout=FRAME_LIMIT_S)) for _ in range(total)]
+                ws.send(orjson.dumps({"type": "ack", "seq": total}).decode())
+            return frames
+
+        frames = await trio.to_thread.run_sync(replay)
+        await acked(service, "ext", total)
+    assert total == 2001
+    assert consecutive(frames, 0)
+    assert [f["kind"] for f in frames] == ["object.changed"] * 2000 + ["delivery.folded"]
+    assert frames[-1]["counters"]["objects_written"] == 2000
+
+
+async def test_shutdown_closes_subscribers_with_1001(tmp_path: Path) -> None:
+    """STREAM-15: on shutdown a connected subscriber is closed with 1001, promptly."""
+    async with serving(tmp_path, graceful_timeout_s=GRACE_S) as service:
+        total = await post_small(service, 0)
+        async with subscribe(service) as ws:
+            await receive(ws, total)
+            service.stop.set()
+            with trio.move_on_after(GRACE_S / 2), contextlib.suppress(ConnectionClosed):
+                await ws.get_message()
+            assert ws.closed is not None, "still open"
+            assert ws.closed.code == 1001
