@@ -1,8 +1,11 @@
 """The lease-holder actor: acquires and renews the fold lease, and says which epoch it holds.
 
 It sends the folding actor every change of the epoch it holds (``None`` when it holds none).
-A renewal that cannot reach the database keeps the epoch only until the lease would have
-expired; a takeover by someone else is seen at the next renewal. On shutdown it releases.
+A renewal refused because the store is busy keeps the epoch: nobody can take the lease over
+without the write lock either (often held by our own long fold), and the epoch check inside
+every fold transaction fences a stale holder anyway. A renewal that fails otherwise keeps the
+epoch only until the lease would have expired; a takeover by someone else is seen at the next
+renewal. On shutdown it releases.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import attrs
 import trio
 
 from healthlog import faults
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.lease")
@@ -91,6 +94,10 @@ class LeaseActor:
 
         try:
             epoch = await trio.to_thread.run_sync(acquire, limiter=self._limiter)
+        except Deferred:
+            self._failures += 1
+            log.warning("lease renewal deferred: the store is busy; the epoch is kept")
+            return
         except StorageError as exc:
             self._failures += 1
             log.warning("lease renewal failed: %s", type(exc).__name__)

@@ -104,9 +104,12 @@ def canonical_form(value: dict[str, Any]) -> bytes:
 
 def _encode(normal: dict[str, object]) -> bytes:
     try:
-        return orjson.dumps(normal, option=orjson.OPT_SORT_KEYS)
+        encoded = orjson.dumps(normal, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError:
         return _encode_slow(normal)
+    # orjson may hand back a buffer of several KiB for a short result; a point keeps its
+    # canonical form for the whole fold, so keep a right-sized copy.
+    return bytes(memoryview(encoded))
 
 
 _TWELVE_DIGITS = 10**12
