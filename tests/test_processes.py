@@ -447,7 +447,7 @@ def test_deliveries_journaled_while_another_process_locks_the_store_fold_after_f
     final = wait_state(data, "everything folds", quiescent, watch=[live])
     assert sorted(final.folded_events) == sorted(final.order)
     assert_folded_once_in_journal_order(final)
-    assert "lease renewal failed: Deferred" in live.stderr()
+    assert "lease renewal deferred: the store is busy" in live.stderr()
     live.stop()
     run = run_cli("verify", "--data", data)
     assert run.code == 0, run.err[-3000:]
