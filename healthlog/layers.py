@@ -12,7 +12,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from healthlog.timestamps import TimestampError, parse_instant
+from healthlog.points import instant_of
+from healthlog.timestamps import TimestampError
 
 LAYERS = ("seconds", "minutes", "hours", "days", "weeks", "months", "years", "default")
 RECORDS = "records"
@@ -72,7 +73,7 @@ def smallest_spacing(arrays: Iterable[msgspec.Raw]) -> int | None:
             else:
                 value = stamp.date
             try:
-                starts.add(parse_instant(value))
+                starts.add(instant_of(value))
             except TimestampError:
                 continue
     ordered = sorted(starts)

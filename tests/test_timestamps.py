@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from healthlog.points import instant_of
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -372,3 +373,43 @@ def test_time_16_hour_of_is_a_floor(instant: int) -> None:
     assert start % HOUR_US == 0
     assert start <= instant < start + HOUR_US
     assert format_instant(start) == format_instant(instant)[:14] + "00:00Z"
+
+
+def _both(value: object) -> tuple[str, int | None]:
+    try:
+        return "ok", parse_instant(value)
+    except TimestampError:
+        return "refused", None
+
+
+def _fast(value: object) -> tuple[str, int | None]:
+    try:
+        return "ok", instant_of(value)
+    except TimestampError:
+        return "refused", None
+
+
+@given(
+    moment=st.datetimes(min_value=datetime(1900, 1, 1), max_value=datetime(2200, 1, 1)),
+    offset=st.integers(min_value=-14 * 60, max_value=14 * 60),
+    position=st.integers(min_value=0, max_value=24),
+    replacement=st.sampled_from(["", "0", "6", "9", ":", " ", "T", "a", "\u0663", "Z", "+"]),
+)
+def test_time_17_fast_path_agrees_with_parse_instant(
+    moment: datetime, offset: int, position: int, replacement: str
+) -> None:
+    """TIME-17: the hour-cached fast path accepts and refuses exactly what parse_instant does."""
+    zone = timezone(timedelta(minutes=offset))
+    text = moment.replace(tzinfo=zone).strftime("%Y-%m-%d %H:%M:%S %z")
+    mutated = text[:position] + replacement + text[position + 1 :]
+    iso = moment.replace(tzinfo=zone).isoformat(timespec="seconds")
+    for value in (text, mutated, mutated[:25], iso, text.replace(":", "", 1)):
+        assert _fast(value) == _both(value)
+
+
+@pytest.mark.parametrize(
+    "value", ["2024-02-06 07:59:60 -0800", "2024-02-06 07:60:00 -0800", 20240206, None]
+)
+def test_time_17_fast_path_refuses_what_parse_instant_refuses(value: object) -> None:
+    """TIME-17: leap seconds, minute 60 and non-strings are refused on the fast path too."""
+    assert _fast(value) == _both(value) == ("refused", None)
