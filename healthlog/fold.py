@@ -101,7 +101,7 @@ class DeliveryFold:
         self._counters.entries_rejected = envelope.rejected_entries
         for problem in envelope.problems:
             self._rejections[problem] += 1
-        if _has_points(envelope):
+        if any(group.points for group in envelope.metrics.values()):
             self._layer = self._resolve_layer(envelope)
             if self._layer is None:
                 self._finish(failure="layer not derivable: no header, no dense metric, no history")
@@ -215,14 +215,6 @@ class DeliveryFold:
             layer=self._layer,
             counters=self._counters,
         )
-
-
-def _has_points(envelope: hae.Envelope) -> bool:
-    return any(
-        len(msgspec.json.decode(array, type=list[msgspec.Raw])) > 0
-        for group in envelope.metrics.values()
-        for array in group.arrays
-    )
 
 
 def _reason(failure: str | None, rejections: Counter[str]) -> str | None:

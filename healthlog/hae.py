@@ -43,6 +43,7 @@ class MetricGroup:
     name: str
     units: list[str | None] = attrs.Factory(list)
     arrays: list[msgspec.Raw] = attrs.Factory(list)
+    points: int = 0
 
 
 @attrs.define
@@ -127,13 +128,15 @@ def _read_metrics(raw: msgspec.Raw, envelope: Envelope) -> None:
             continue
         units = _decode(entry["units"], str) if "units" in entry else None
         data = entry.get("data", msgspec.Raw(b"[]"))
-        if _decode(data, list[msgspec.Raw]) is None:
+        points = _decode(data, list[msgspec.Raw])
+        if points is None:
             envelope.problems.append("metric data is not an array")
             envelope.rejected_entries += 1
             continue
         group = envelope.metrics.setdefault(name, MetricGroup(name))
         group.units.append(units or None)
         group.arrays.append(data)
+        group.points += len(points)
 
 
 def _decode(raw: msgspec.Raw, kind: Any) -> Any:
