@@ -298,7 +298,8 @@ class Store(_objects.ObjectDatabase):
             for n, written in enumerate(fold.writes(), start=1):
                 faults.point("fold.object_write")
                 self._write_object(written)
-                self._event(f"{meta.id}.{n}", "object.changed", _object_event(written, meta))
+                payload = _object_event(written.key, written.hash, written.count, meta.id)
+                self._event(f"{meta.id}.{n}", "object.changed", payload)
             assert fold.outcome is not None
             self._write_outcome(meta, fold.outcome, epoch)
             faults.point("fold.before_commit")
@@ -407,13 +408,7 @@ class Store(_objects.ObjectDatabase):
         if changed != 1:
             raise Fenced(f"checkpoint not written under epoch {epoch}")
         self._event(
-            f"{meta.id}.folded",
-            "delivery.folded",
-            {
-                "delivery_id": meta.id,
-                "status": outcome.status,
-                "counters": counters,
-            },
+            f"{meta.id}.folded", "delivery.folded", _folded_event(meta.id, outcome.status, counters)
         )
 
     def _event(self, event_id: str, kind: str, payload: dict[str, Any]) -> None:
@@ -465,24 +460,13 @@ class Store(_objects.ObjectDatabase):
                         (epoch,),
                     )
                     for n, (metric, layer, hour, digest, count) in enumerate(changed, start=1):
-                        payload = {
-                            "metric": metric,
-                            "layer": layer,
-                            "hour": format_instant(hour),
-                            "hash": digest.hex() if digest else None,
-                            "points": count,
-                            "delivery_id": None,
-                        }
+                        payload = _object_event(ObjectKey(metric, layer, hour), digest, count, None)
                         self._event(f"reindex.{epoch}.{n}", "object.changed", payload)
                     for delivery_id, status, counters in newly_folded:
                         self._event(
                             f"reindex.{epoch}.{delivery_id}.folded",
                             "delivery.folded",
-                            {
-                                "delivery_id": delivery_id,
-                                "status": status,
-                                "counters": orjson.loads(counters),
-                            },
+                            _folded_event(delivery_id, status, orjson.loads(counters)),
                         )
             finally:
                 self._conn.execute("DETACH DATABASE rebuilt")
@@ -643,15 +627,23 @@ class Store(_objects.ObjectDatabase):
         return int(row[0] or 0)
 
 
-def _object_event(obj: HourlyObject, meta: DeliveryMeta) -> dict[str, Any]:
+def _object_event(
+    key: ObjectKey, digest: bytes | None, points: int, delivery_id: int | None
+) -> dict[str, Any]:
+    """The payload of an ``object.changed`` event (no hash and 0 points: the object is gone)."""
     return {
-        "metric": obj.key.metric,
-        "layer": obj.key.layer,
-        "hour": format_instant(obj.key.hour),
-        "hash": obj.hash.hex(),
-        "points": obj.count,
-        "delivery_id": meta.id,
+        "metric": key.metric,
+        "layer": key.layer,
+        "hour": format_instant(key.hour),
+        "hash": digest.hex() if digest is not None else None,
+        "points": points,
+        "delivery_id": delivery_id,
     }
+
+
+def _folded_event(delivery_id: int, status: str, counters: dict[str, int]) -> dict[str, Any]:
+    """The payload of a ``delivery.folded`` event."""
+    return {"delivery_id": delivery_id, "status": status, "counters": counters}
 
 
 def _now_us() -> int:
