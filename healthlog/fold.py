@@ -2,24 +2,30 @@
 
 The storage layer drives a :class:`DeliveryFold` inside its write transaction: it hands in
 the body and a :class:`Projection` to read stored objects from, writes every object the
-fold yields, and records :attr:`DeliveryFold.outcome` once the iteration ends. Metrics are
-folded one at a time, so only one metric's decoded points are in memory at once.
+fold yields, and records :attr:`DeliveryFold.outcome` once the iteration ends. A metric's
+points are read once for their coordinates and then folded hour by hour, so only one hour's
+points are held as bytes at a time; a point's content is decoded only where it meets another.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import attrs
-import msgspec
 
 from healthlog import hae, layers, objects
-from healthlog.merge import Collision, Coordinates, Counters, merge_points, reduce_delivery
+from healthlog.merge import (
+    Collision,
+    Coordinates,
+    Counters,
+    Incoming,
+    merge_points,
+    reduce_delivery,
+)
 from healthlog.objects import HourlyObject, ObjectKey
-from healthlog.points import Point, PointError
 from healthlog.timestamps import format_instant, hour_of
 
 log = logging.getLogger("healthlog.fold")
@@ -101,28 +107,36 @@ class DeliveryFold:
         self._counters.entries_rejected = envelope.rejected_entries
         for problem in envelope.problems:
             self._rejections[problem] += 1
+        read: dict[str, hae.Series] = {}
         if any(group.points for group in envelope.metrics.values()):
-            self._layer = self._resolve_layer(envelope)
+            self._layer = self._resolve_layer(envelope, read)
             if self._layer is None:
                 self._finish(failure="layer not derivable: no header, no dense metric, no history")
                 return
         self._counters.metrics = len(envelope.metrics)
         if self._layer is not None:
             for name in sorted(envelope.metrics):
-                group = envelope.metrics[name]
+                group = envelope.metrics.pop(name)
+                series = read.pop(name, None)
+                if series is None:
+                    series = hae.read_series(group.arrays, spacing=False)
                 units = self._units(group.units)
-                yield from self._fold_series(name, self._layer, units, group.arrays)
+                yield from self._fold_series(name, self._layer, units, series)
         for section in sorted(envelope.sections):
             self._counters.sections += 1
-            yield from self._fold_series(section, layers.RECORDS, None, envelope.sections[section])
+            series = hae.read_series(envelope.sections.pop(section), spacing=False)
+            yield from self._fold_series(section, layers.RECORDS, None, series)
         self._finish(failure=None)
 
-    def _resolve_layer(self, envelope: hae.Envelope) -> str | None:
+    def _resolve_layer(self, envelope: hae.Envelope, read: dict[str, hae.Series]) -> str | None:
+        """The layer; without a header, every metric is read here, and kept for its fold."""
         layer = layers.layer_from_header(self._info.aggregation)
         if layer is not None:
             return layer
-        spacings = [layers.smallest_spacing(g.arrays) for g in envelope.metrics.values()]
-        layer = layers.layer_from_spacing(min((s for s in spacings if s), default=None))
+        for name, group in envelope.metrics.items():
+            read[name] = hae.read_series(group.arrays, spacing=True)
+        spacings = [series.spacing for series in read.values() if series.spacing]
+        layer = layers.layer_from_spacing(min(spacings, default=None))
         if layer is not None:
             return layer
         return self._projection.inherited_layer()
@@ -134,36 +148,25 @@ class DeliveryFold:
         self._counters.unit_mismatches += sum(1 for u in entries if u not in (None, present[0]))
         return present[0]
 
-    def _accepted(self, points: Iterable[Point | PointError]) -> Iterator[Point]:
-        for point in points:
-            if isinstance(point, PointError):
-                self._counters.points_rejected += 1
-                self._rejections[f"point rejected: {point}"] += 1
-            else:
-                self._counters.points += 1
-                yield point
-
     def _fold_series(
-        self, metric: str, layer: str, units: str | None, arrays: list[msgspec.Raw]
+        self, metric: str, layer: str, units: str | None, series: hae.Series
     ) -> Iterator[HourlyObject]:
         def on_collision(coords: Coordinates, kind: Collision) -> None:
             self._warn(f"point collision kind={kind.value}", metric, layer, hour_of(coords[0]))
 
-        reduced = reduce_delivery(
-            self._accepted(hae.iter_points(arrays)), self._counters, on_collision
-        )
-        by_hour: dict[int, dict[Coordinates, Point]] = {}
-        for key, point in reduced.items():
-            by_hour.setdefault(hour_of(key[0]), {})[key] = point
-        del reduced
-        for hour in sorted(by_hour):
+        for reason in series.rejected.values():
+            self._counters.points_rejected += 1
+            self._rejections[f"point rejected: {reason}"] += 1
+        self._counters.points += series.accepted
+        for hour, keys, raws, decoded in series.hours():
             self._check_budget()
-            written = self._fold_object(ObjectKey(metric, layer, hour), units, by_hour.pop(hour))
+            incoming = reduce_delivery(keys, raws, decoded, self._counters, on_collision)
+            written = self._fold_object(ObjectKey(metric, layer, hour), units, incoming)
             if written is not None:
                 yield written
 
     def _fold_object(
-        self, key: ObjectKey, units: str | None, incoming: dict[Coordinates, Point]
+        self, key: ObjectKey, units: str | None, incoming: Incoming
     ) -> HourlyObject | None:
         def on_collision(coords: Coordinates, kind: Collision) -> None:
             self._warn(f"point collision kind={kind.value}", key.metric, key.layer, key.hour)

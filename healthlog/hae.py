@@ -1,19 +1,26 @@
 """Health Auto Export bodies: envelopes, sections and lazy point extraction (P1, P2, P6).
 
 The body is never decoded whole into Python objects. The envelope is decoded down to each
-metric's ``data`` array as raw JSON, and points are decoded one metric at a time when
-folded, each compacted first (whitespace removed, strings and numbers verbatim).
+metric's ``data`` array as raw JSON; a metric's points are then read once for their
+coordinates (:func:`read_series`), each compacted first (whitespace removed, strings and
+numbers verbatim), and their content is decoded again only where two of them collide.
 """
 
 from __future__ import annotations
 
+import bisect
+import operator
+from array import array
 from collections.abc import Iterator
-from typing import Any
+from itertools import islice
+from typing import Any, NamedTuple
 
 import attrs
 import msgspec
 
-from healthlog.points import Point, PointError, decode_point
+from healthlog import layers
+from healthlog.points import Point, PointError, content_point, coordinates, point_object
+from healthlog.timestamps import US_PER_HOUR, hour_of
 
 RECORD_SECTIONS = frozenset(
     {
@@ -61,11 +68,16 @@ def read_envelope(body: bytes) -> Envelope:
     """Decode the envelope of a body; raise EnvelopeError when it is not JSON or not an envelope."""
     if body.startswith(UTF8_BOM):
         body = body[len(UTF8_BOM) :]
+    envelope = Envelope()
+    # The app's own shape, ``{"data": {sections}}``, in one reading of the body.
+    wrapped = _decode(body, dict[str, _Object])
+    if wrapped is not None and wrapped.keys() == {"data"}:
+        _read_sections(wrapped["data"], envelope)
+        return envelope
     try:
         top = msgspec.json.decode(body, type=_Top)
     except (msgspec.DecodeError, RecursionError):
         raise EnvelopeError("body is not a JSON object or array") from None
-    envelope = Envelope()
     _read_top(top, envelope, depth=0)
     return envelope
 
@@ -114,13 +126,15 @@ def _read_sections(sections: _Object, envelope: Envelope) -> None:
 
 
 def _read_metrics(raw: msgspec.Raw, envelope: Envelope) -> None:
-    entries = _decode(raw, list[msgspec.Raw])
+    entries: list[_Object | None] | None = _decode(raw, list[_Object])
     if entries is None:
-        envelope.problems.append("metrics is not an array")
-        envelope.rejected_entries += 1
-        return
-    for entry_raw in entries:
-        entry = _decode(entry_raw, _Object)
+        entry_raws = _decode(raw, list[msgspec.Raw])
+        if entry_raws is None:
+            envelope.problems.append("metrics is not an array")
+            envelope.rejected_entries += 1
+            return
+        entries = [_decode(entry_raw, _Object) for entry_raw in entry_raws]
+    for entry in entries:
         name = _decode(entry["name"], str) if entry is not None and "name" in entry else None
         if entry is None or not name:
             envelope.problems.append("metric without a name")
@@ -139,20 +153,185 @@ def _read_metrics(raw: msgspec.Raw, envelope: Envelope) -> None:
         group.points += len(points)
 
 
-def _decode(raw: msgspec.Raw, kind: Any) -> Any:
+def _decode(raw: bytes | msgspec.Raw, kind: Any) -> Any:
     try:
         return msgspec.json.decode(raw, type=kind)
     except (msgspec.DecodeError, RecursionError):
         return None
 
 
-def iter_points(arrays: list[msgspec.Raw]) -> Iterator[Point | PointError]:
-    """Decode the points of raw arrays one by one; a bad point is yielded as its error."""
-    for array in arrays:
-        for raw in msgspec.json.decode(array, type=list[msgspec.Raw]):
+@attrs.frozen
+class Series:
+    """The points of one metric (or record section) after a first reading.
+
+    Points are known by index. Starts are kept as an integer array, ends only where they
+    differ from the start, and a point's bytes stay where they are (the body, or its points
+    compacted one by one if its array came with whitespace), so a metric costs a few bytes
+    per point until its hours are folded one at a time. Only a point holding nested objects
+    or arrays is decoded now (``decoded``), since whether its canonical form can be computed
+    decides whether it is accepted; a flat point is decoded again only if it meets another.
+    """
+
+    sources: list[_Source]
+    starts: array[int]
+    ends: dict[int, int]
+    rejected: dict[int, str]
+    decoded: dict[int, Point]
+    spacing: int | None
+
+    @property
+    def accepted(self) -> int:
+        return len(self.starts) - len(self.rejected)
+
+    def hours(self) -> Iterator[Hour]:
+        """The accepted points by hour of their start: hours in order, points in array order."""
+        elements: list[msgspec.Raw | bytes] = []
+        for source in self.sources:
+            if isinstance(source, list):
+                elements.extend(source)
+            else:
+                elements.extend(msgspec.json.decode(source, type=list[msgspec.Raw]))
+        starts, ends, decoded = self.starts, self.ends, self.decoded
+        if not self.rejected and all(map(operator.le, starts, islice(starts, 1, None))):
+            # Points in order (what the app sends): an hour is a run of consecutive points.
+            first = 0
+            while first < len(starts):
+                hour = hour_of(starts[first])
+                last = bisect.bisect_left(starts, hour + US_PER_HOUR, first)
+                yield Hour(
+                    hour,
+                    _keys(starts[first:last], first, ends),
+                    list(map(bytes, elements[first:last])),
+                    {i - first: decoded[i] for i in range(first, last) if i in decoded}
+                    if decoded
+                    else {},
+                )
+                first = last
+            return
+        by_hour: dict[int, list[int]] = {}
+        for index, start in enumerate(starts):
+            if index not in self.rejected:
+                by_hour.setdefault(hour_of(start), []).append(index)
+        for hour in sorted(by_hour):
+            members = by_hour.pop(hour)
+            yield Hour(
+                hour,
+                [(starts[i], ends.get(i, starts[i])) for i in members],
+                [bytes(elements[i]) for i in members],
+                {n: decoded[i] for n, i in enumerate(members) if i in decoded},
+            )
+
+
+def _keys(run: array[int], first: int, ends: dict[int, int]) -> list[tuple[int, int]]:
+    """Coordinates of the points ``first, first + 1, ...`` whose starts are ``run``."""
+    if not ends:
+        return list(zip(run, run, strict=True))
+    return [(start, ends.get(i, start)) for i, start in enumerate(run, first)]
+
+
+class Hour(NamedTuple):
+    """The accepted points of a series in one hour.
+
+    Point ``n`` is at ``keys[n]`` with the bytes ``raws[n]``, and is ``decoded[n]`` if it was
+    decoded when read.
+    """
+
+    hour: int
+    keys: list[tuple[int, int]]
+    raws: list[bytes]
+    decoded: dict[int, Point]
+
+
+# An array of points that is compact already, or its points compacted one by one (empty for
+# a point that cannot be).
+_Source = msgspec.Raw | list[bytes]
+_NESTED = frozenset({dict, list})
+
+
+def read_series(arrays: list[msgspec.Raw], *, spacing: bool) -> Series:
+    """Read the coordinates of every point of raw arrays, and their spacing when asked.
+
+    A point is kept verbatim, compacted (whitespace between tokens removed); one that cannot
+    be read keeps its index, with the reason it was rejected.
+    """
+    sources: list[_Source] = []
+    starts: array[int] = array("q")
+    ends: dict[int, int] = {}
+    rejected: dict[int, str] = {}
+    decoded: dict[int, Point] = {}
+    stamps: array[int] = array("q")
+    for raw_array in arrays:
+        source, elements, originals = _compacted(raw_array)
+        sources.append(source)
+        first = len(starts)
+        for offset, element in enumerate(elements):
             try:
-                yield decode_point(msgspec.json.format(raw, indent=-1))
-            except (msgspec.DecodeError, RecursionError):
-                yield PointError("point is not valid JSON")
+                if not element:
+                    raise PointError("point is not valid JSON")
+                value = point_object(element)
+                start, end = coordinates(value)
+                if not _NESTED.isdisjoint(map(type, value.values())):
+                    decoded[first + offset] = content_point(value, start, end, bytes(element))
             except PointError as exc:
-                yield exc
+                rejected[first + offset] = str(exc)
+                starts.append(0)
+                if spacing:
+                    stamp = layers.spacing_start(
+                        element if originals is None else originals[offset]
+                    )
+                    if stamp is not None:
+                        stamps.append(stamp)
+                continue
+            starts.append(start)
+            if end != start:
+                ends[first + offset] = end
+            if spacing and ("start" in value or "startDate" not in value):
+                stamps.append(start)
+    gap = layers.smallest_spacing(stamps) if spacing else None
+    return Series(sources, starts, ends, rejected, decoded, gap)
+
+
+def _compacted(
+    raw_array: msgspec.Raw,
+) -> tuple[_Source, list[msgspec.Raw] | list[bytes], list[msgspec.Raw] | None]:
+    """The array as kept, its compact elements, and its original elements if compacted here.
+
+    An array that is compact already (what the app sends) is kept as it is, not copied;
+    any other has its points compacted one by one.
+    """
+    originals = msgspec.json.decode(raw_array, type=list[msgspec.Raw])
+    if _is_compact(raw_array, originals):
+        return raw_array, originals, None
+    singles = [_compact(original) for original in originals]
+    return singles, singles, originals
+
+
+def _is_compact(raw_array: msgspec.Raw, elements: list[msgspec.Raw]) -> bool:
+    """Whether the array has no whitespace between its tokens, checked a slice at a time.
+
+    Elements one byte apart are separated by their commas alone; each slice of them, as an
+    array, is then compared with its compaction, so no copy of the whole array is made.
+    """
+    lengths = list(map(len, elements))
+    if sum(lengths) + len(lengths) + 1 != len(raw_array):
+        return not lengths and len(raw_array) == 2
+    view = memoryview(raw_array)
+    at = 1
+    for first in range(0, len(lengths), _SLICE_POINTS):
+        part = lengths[first : first + _SLICE_POINTS]
+        size = sum(part) + len(part) - 1
+        text = b"".join((b"[", view[at : at + size], b"]"))
+        if msgspec.json.format(text, indent=-1) != text:
+            return False
+        at += size + 1
+    return True
+
+
+_SLICE_POINTS = 2048
+
+
+def _compact(raw: msgspec.Raw) -> bytes:
+    try:
+        return msgspec.json.format(raw, indent=-1)
+    except (msgspec.DecodeError, RecursionError):
+        return b""

@@ -16,11 +16,15 @@ complete wins, then the greater canonical form, then the greater raw bytes, so t
 never depends on array order. Every collision between different canonical forms counts
 one overwrite; within a delivery, a coordinate with n distinct forms counts n - 1 and logs
 one warning, whatever the array order.
+
+Points come as raw bytes and are decoded (canonical form, completeness) only where they meet
+another point: most of a large delivery lands on free coordinates and needs neither.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import Counter
+from collections.abc import Callable
 from enum import Enum
 
 import attrs
@@ -68,32 +72,67 @@ def _rank(point: Point) -> tuple[int, bytes, bytes]:
     return point.completeness, point.canonical, point.raw
 
 
+@attrs.define
+class Incoming:
+    """One delivery's points of one object, reduced to one per coordinates.
+
+    ``raws`` holds every point's bytes, ``decoded`` those points already decoded (they met
+    another point, or were decoded when read), so that no point is decoded twice.
+    """
+
+    raws: dict[Coordinates, bytes]
+    decoded: dict[Coordinates, Point]
+
+    def point(self, key: Coordinates) -> Point:
+        point = self.decoded.get(key)
+        return decode_point(self.raws[key]) if point is None else point
+
+
 def reduce_delivery(
-    points: Iterable[Point], counters: Counters, on_collision: OnCollision
-) -> dict[Coordinates, Point]:
-    """Reduce the points of one delivery to one per coordinates, independent of order."""
-    reduced: dict[Coordinates, Point] = {}
+    keys: list[Coordinates],
+    raws: list[bytes],
+    decoded: dict[int, Point],
+    counters: Counters,
+    on_collision: OnCollision,
+) -> Incoming:
+    """Reduce the points of one delivery to one per coordinates, independent of their order.
+
+    Point ``i`` is at ``keys[i]`` with the bytes ``raws[i]``, and is ``decoded[i]`` if already
+    decoded. Only points that share their coordinates are decoded here: their completeness
+    and canonical form decide.
+    """
+    reduced = dict(zip(keys, raws, strict=True))
+    known = {keys[i]: point for i, point in decoded.items()}
+    if len(reduced) == len(keys):
+        return Incoming(reduced, known)
+    shared = {key for key, count in Counter(keys).items() if count > 1}
+    kept: dict[Coordinates, Point] = {}
     forms: dict[Coordinates, set[bytes]] = {}
-    for point in points:
-        key = (point.start, point.end)
-        seen = reduced.get(key)
+    for i, key in enumerate(keys):
+        if key not in shared:
+            continue
+        point = decoded.get(i) or decode_point(raws[i])
+        seen = kept.get(key)
         if seen is None:
-            reduced[key] = point
+            kept[key] = point
             continue
         if seen.canonical != point.canonical or key in forms:
             forms.setdefault(key, {seen.canonical}).add(point.canonical)
         if _rank(point) > _rank(seen):
-            reduced[key] = point
+            kept[key] = point
     for key in sorted(forms):
         if len(forms[key]) > 1:
             counters.overwrites += len(forms[key]) - 1
             on_collision(key, Collision.WITHIN_DELIVERY)
-    return reduced
+    for key, point in kept.items():
+        reduced[key] = point.raw
+        known[key] = point
+    return Incoming(reduced, known)
 
 
 def merge_points(
     stored: dict[Coordinates, bytes],
-    incoming: dict[Coordinates, Point],
+    incoming: Incoming,
     counters: Counters,
     on_collision: OnCollision,
 ) -> bool:
@@ -101,15 +140,20 @@ def merge_points(
 
     Returns whether anything stored changed.
     """
+    if not stored:
+        stored.update(incoming.raws)
+        counters.points_new += len(incoming.raws)
+        return bool(incoming.raws)
     changed = False
-    for key, point in incoming.items():
+    for key, raw in incoming.raws.items():
         old_raw = stored.get(key)
         if old_raw is None:
-            stored[key] = point.raw
+            stored[key] = raw
             counters.points_new += 1
             changed = True
             continue
         old = decode_point(old_raw)
+        point = incoming.point(key)
         if old.canonical == point.canonical:
             counters.points_unchanged += 1
             continue

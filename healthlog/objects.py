@@ -12,6 +12,7 @@ import base64
 import gzip
 import hashlib
 import zlib
+from operator import itemgetter
 from typing import Any
 
 import attrs
@@ -58,14 +59,14 @@ def encode(
 ) -> HourlyObject:
     """Encode points into an object body, sorted by (start, end)."""
     ordered = sorted(points.items())
-    plain = b"".join(b"%d\t%d\t%s\n" % (s, e, raw) for (s, e), raw in ordered)
+    plain = b"".join([b"%d\t%d\t%s\n" % (s, e, raw) for (s, e), raw in ordered])
     return HourlyObject(
         key=key,
         units=units,
         body=gzip.compress(plain, compresslevel=GZIP_LEVEL, mtime=0),
         hash=content_hash(units, plain),
         first=ordered[0][0][0],
-        last=max(e for (_, e), _ in ordered),
+        last=max(map(itemgetter(1), points)),
         count=len(ordered),
         created_by=created_by,
         sealed=sealed,

@@ -7,7 +7,6 @@ form, which is what collisions are decided on, never the raw bytes.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import msgspec
@@ -16,8 +15,6 @@ import orjson
 from healthlog.timestamps import TimestampError, parse_instant
 
 TIMESTAMP_KEYS = frozenset({"date", "start", "end", "startDate", "endDate"})
-START_KEYS = ("start", "startDate", "date")
-END_KEYS = ("end", "endDate")
 
 _decoder = msgspec.json.Decoder()
 
@@ -39,78 +36,101 @@ class Point(NamedTuple):
 def instant_of(value: object) -> int:
     """``parse_instant``, fast for the app's own shape ``yyyy-MM-dd HH:mm:ss ±hhmm``.
 
-    The metrics of one delivery share their timestamps, so recent strings are remembered;
-    and since minute-level bodies bring a new timestamp on almost every point, the instant
-    of the hour (date, hour and offset) is cached too and the minutes and seconds are added.
-    Anything else goes through ``parse_instant`` unchanged.
+    Minute-level bodies bring a new timestamp on almost every point but few distinct hours,
+    so the instant of the hour (date, hour and offset) is cached and the minutes and seconds
+    are added from a table, which also validates them. Anything else, and any hour that does
+    not parse or lands out of range, goes through ``parse_instant`` (and its error message).
     """
-    if type(value) is not str:
-        return parse_instant(value)
-    known = _recent.get(value)
-    if known is not None:
-        return known
-    instant = _app_shape(value)
-    if instant is None:
-        instant = parse_instant(value)
-    if len(_recent) >= _RECENT_LIMIT:
-        _recent.clear()
-    _recent[value] = instant
-    return instant
+    if type(value) is str and len(value) == _APP_SHAPE_LENGTH:
+        within = _WITHIN_HOUR.get(value[13:19])
+        if within is not None:
+            key = value[:13] + value[19:]
+            hour = _hours.get(key)
+            if hour is None:
+                hour = _hour_instant(key)
+            if hour is not None and hour + within <= _LAST_INSTANT:
+                return hour + within
+    return parse_instant(value)
 
 
-def _app_shape(value: str) -> int | None:
-    if len(value) != _APP_SHAPE_LENGTH or value[13] != ":" or value[16] != ":":
+def _hour_instant(key: str) -> int | None:
+    try:
+        hour = parse_instant(key[:13] + ":00:00" + key[13:])
+    except TimestampError:
         return None
-    minutes, seconds = value[14:16], value[17:19]
-    if not (minutes.isascii() and minutes.isdigit() and seconds.isascii() and seconds.isdigit()):
-        return None
-    if int(minutes) >= 60 or int(seconds) >= 60:
-        return None
-    hour = _hour_instant(value[:13] + ":00:00" + value[19:])
-    return hour + (int(minutes) * 60 + int(seconds)) * 1_000_000
+    if len(_hours) >= _HOURS_LIMIT:
+        _hours.clear()
+    _hours[key] = hour
+    return hour
 
 
-_recent: dict[str, int] = {}
-_RECENT_LIMIT = 1 << 16
 _APP_SHAPE_LENGTH = len("2024-02-06 07:00:00 -0800")
-_hour_instant = functools.lru_cache(maxsize=1 << 12)(parse_instant)
+_WITHIN_HOUR = {f":{m:02d}:{s:02d}": (m * 60 + s) * 1_000_000 for m in range(60) for s in range(60)}
+_LAST_INSTANT = parse_instant("9999-12-31T23:59:59.999999Z")
+_hours: dict[str, int] = {}
+_HOURS_LIMIT = 1 << 12
 
 
 def coordinates(value: dict[str, Any]) -> tuple[int, int]:
-    """Start and end of a point (P3): the first start key present decides, no fallback."""
-    for key in START_KEYS:
-        if key in value:
-            try:
-                start = instant_of(value[key])
-            except TimestampError as exc:
-                raise PointError(f"unparseable {key}: {exc}") from None
-            break
+    """Start and end of a point (P3): the first start key present decides, no fallback.
+
+    Start keys in order: ``start``, ``startDate``, ``date``; end keys: ``end``, ``endDate``.
+    """
+    if "start" in value:
+        key = "start"
+    elif "startDate" in value:
+        key = "startDate"
+    elif "date" in value:
+        key = "date"
     else:
         raise PointError("no start, startDate or date")
-    end = start
-    for key in END_KEYS:
-        if key in value:
-            try:
-                end = instant_of(value[key])
-            except TimestampError as exc:
-                raise PointError(f"unparseable {key}: {exc}") from None
-            break
+    start = _instant_at(value, key)
+    if "end" in value:
+        end = _instant_at(value, "end")
+    elif "endDate" in value:
+        end = _instant_at(value, "endDate")
+    else:
+        return start, start
     if end < start:
         raise PointError("end before start")
     return start, end
 
 
-def decode_point(raw: bytes) -> Point:
-    """Decode one verbatim point into its coordinates, canonical form and completeness."""
+def _instant_at(value: dict[str, Any], key: str) -> int:
+    try:
+        return instant_of(value[key])
+    except TimestampError as exc:
+        raise PointError(f"unparseable {key}: {exc}") from None
+
+
+def point_object(raw: bytes | msgspec.Raw) -> dict[str, Any]:
+    """The JSON object of one verbatim point."""
     try:
         value = _decoder.decode(raw)
     except (msgspec.DecodeError, RecursionError):
         raise PointError("point is not valid JSON") from None
     if type(value) is not dict:
         raise PointError(f"point is a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def decode_point(raw: bytes) -> Point:
+    """Decode one verbatim point into its coordinates, canonical form and completeness."""
+    value = point_object(raw)
     start, end = coordinates(value)
-    normal = _normalise_object(value)
-    return Point(start, end, _encode(normal), len(normal), raw)
+    return content_point(value, start, end, raw)
+
+
+def content_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Point:
+    """A point with the canonical form and completeness of its decoded ``value``.
+
+    Nesting too deep for the canonical form to be computed rejects the point.
+    """
+    try:
+        normal = _normalise_object(value)
+        return Point(start, end, _encode(normal), len(normal), raw)
+    except RecursionError:
+        raise PointError("point is not valid JSON") from None
 
 
 def is_empty(value: object) -> bool:

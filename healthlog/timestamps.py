@@ -5,12 +5,12 @@ See specs/timestamps.md for the accepted shapes and the rules.
 
 import re
 
-__all__ = ["TimestampError", "format_instant", "hour_of", "parse_instant"]
+__all__ = ["US_PER_HOUR", "TimestampError", "format_instant", "hour_of", "parse_instant"]
 
 _US_PER_SECOND = 1_000_000
 _US_PER_MINUTE = 60 * _US_PER_SECOND
-_US_PER_HOUR = 60 * _US_PER_MINUTE
-_US_PER_DAY = 24 * _US_PER_HOUR
+US_PER_HOUR = 60 * _US_PER_MINUTE
+_US_PER_DAY = 24 * US_PER_HOUR
 _MAX_LENGTH = 64
 _MAX_OFFSET_MINUTES = 18 * 60
 _DAYS_IN_MONTH = (0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
@@ -185,4 +185,4 @@ def format_instant(us: int) -> str:
 
 def hour_of(us: int) -> int:
     """Start of the UTC hour containing us, in microseconds (floor, also for negative values)."""
-    return us - us % _US_PER_HOUR
+    return us - us % US_PER_HOUR

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
-from fixtures import MemoryProjection, fold, make_body, resend
+from fixtures import MemoryProjection, app_date, fold, make_body, resend
 
 from healthlog import objects
 from healthlog.fold import FAILED, PARSED, PARTIAL
@@ -309,6 +309,46 @@ def test_pretty_printed_points_are_compacted() -> None:
     projection, _ = folded(body, aggregation="minutes")
     [raw] = stored(projection)[("step_count", "minutes")].values()
     assert raw == b'{"qty":34,"date":"2021-03-14 00:01:00 +0000"}'
+
+
+def many_points(count: int) -> list[dict[str, Any]]:
+    """Minute points over many hours: a metric array larger than one compaction check slice."""
+    start = datetime(2024, 2, 6, 7, 0, tzinfo=timezone(timedelta(hours=-8)))
+    return [
+        {"date": app_date(start + timedelta(minutes=n)), "qty": n, "source": "Watch"}
+        for n in range(count)
+    ]
+
+
+def array_body(data: bytes) -> bytes:
+    return b'{"data":{"metrics":[{"name":"n","units":"count","data":%s}]}}' % data
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["one pretty point far in", "spaces between points", "out of order, one rejected"],
+)
+def test_whitespace_and_order_anywhere_in_a_large_array(variant: str) -> None:
+    """PARSE-34: a large array compact but for one point far in, or spaced between its points,
+    or out of order with a rejected point among its points, stores the same compact objects."""
+    points = many_points(6000)
+    reference, outcome = folded(
+        array_body(b"[%s]" % b",".join(map(compact, points))), aggregation="minutes"
+    )
+    assert outcome.status == PARSED
+    if variant == "one pretty point far in":
+        raws = [compact(p) for p in points]
+        raws[-3] = json.dumps(points[-3], indent=1).encode()
+        data = b"[%s]" % b",".join(raws)
+    elif variant == "spaces between points":
+        data = b"[ %s ]" % b" , ".join(map(compact, points))
+    else:
+        shuffled = [*points[3000:], {"qty": 1}, *points[:3000]]
+        data = b"[%s]" % b",".join(map(compact, shuffled))
+    projection, outcome = folded(array_body(data), aggregation="minutes")
+    assert hashes(projection) == hashes(reference)
+    assert outcome.counters.points_rejected == (1 if variant.endswith("rejected") else 0)
+    assert outcome.counters.points_new == len(points)
 
 
 def test_sleep_segments_sharing_a_start() -> None:

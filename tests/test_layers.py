@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from fixtures import MemoryProjection, app_date, fold, make_body
 
-from healthlog import layers
+from healthlog import hae, layers
 from healthlog.fold import FAILED, PARSED
 
 START = datetime(2024, 2, 6, 7, 0, tzinfo=timezone(timedelta(hours=-8)))
@@ -127,6 +127,22 @@ def test_smallest_gap_over_all_metrics() -> None:
     assert layer_of(body(hourly, minutely)) == "minutes"
 
 
+@pytest.mark.parametrize(
+    ("starts", "gap"),
+    [
+        ([0, 60, 120], 60),
+        ([120, 0, 60, 60, 200], 60),
+        ([5, 5, 5], None),
+        ([7], None),
+        ([], None),
+    ],
+    ids=["in order", "out of order with a repeat", "one instant", "one point", "none"],
+)
+def test_smallest_spacing_of_starts(starts: list[int], gap: int | None) -> None:
+    """PARSE-26: the smallest positive gap between starts, whatever their order."""
+    assert layers.smallest_spacing(starts) == gap
+
+
 def test_start_key_counts_for_spacing() -> None:
     """PARSE-26: hourly points that carry `start` next to `date` are spaced by their start."""
     data = [
@@ -164,7 +180,8 @@ def test_segments_do_not_count_for_spacing() -> None:
         for stamp in spaced(timedelta(minutes=1))
     ]
     sleep = {"name": "sleep_analysis", "units": "hr", "data": segments}
-    assert layers.smallest_spacing([msgspec.Raw(json.dumps(segments).encode())]) is None
+    arrays = [msgspec.Raw(json.dumps(segments).encode())]
+    assert hae.read_series(arrays, spacing=True).spacing is None
     assert layer_of(body(sleep), inherited="days") == "days"
 
 

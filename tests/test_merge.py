@@ -9,7 +9,14 @@ from typing import Any
 import attrs
 import pytest
 
-from healthlog.merge import Collision, Coordinates, Counters, merge_points, reduce_delivery
+from healthlog.merge import (
+    Collision,
+    Coordinates,
+    Counters,
+    Incoming,
+    merge_points,
+    reduce_delivery,
+)
 from healthlog.points import Point, decode_point
 
 DATE = "2024-02-06 07:00:00 -0800"
@@ -32,10 +39,16 @@ class Recorder:
 
 
 def merge(stored_point: Point | None, incoming: Point) -> tuple[bool, bytes, Counters, Recorder]:
-    stored = {} if stored_point is None else {KEY: stored_point.raw}
-    counters, recorder = Counters(), Recorder()
-    changed = merge_points(stored, {KEY: incoming}, counters, recorder)
-    return changed, stored[KEY], counters, recorder
+    """Merge ``incoming`` as a decoded point and as raw bytes; both must give the same result."""
+    results = []
+    for decoded in ({KEY: incoming}, {}):
+        stored = {} if stored_point is None else {KEY: stored_point.raw}
+        counters, recorder = Counters(), Recorder()
+        changed = merge_points(stored, Incoming({KEY: incoming.raw}, decoded), counters, recorder)
+        results.append((changed, stored[KEY], counters, recorder.seen))
+    assert results[0] == results[1]
+    changed, kept, counters, _ = results[0]
+    return changed, kept, counters, recorder
 
 
 def test_new_point() -> None:
@@ -102,16 +115,28 @@ def test_merge_touches_only_incoming_coordinates() -> None:
     """MERGE-14: merging never removes a stored point the delivery does not carry."""
     other = (AT + 1, AT + 1)
     stored = {KEY: point(qty=1).raw, other: b'{"date":"x"}'}
-    merge_points(stored, {KEY: point(qty=2)}, Counters(), Recorder())
+    merge_points(stored, Incoming({KEY: point(qty=2).raw}, {}), Counters(), Recorder())
     assert set(stored) == {KEY, other}
     assert stored[other] == b'{"date":"x"}'
 
 
-def reduced(points: list[Point]) -> tuple[Point, Counters, Recorder]:
+def reduce(points: list[Point], decoded: dict[int, Point]) -> tuple[Incoming, Counters, Recorder]:
     counters, recorder = Counters(), Recorder()
-    result = reduce_delivery(points, counters, recorder)
-    assert list(result) == [KEY]
-    return result[KEY], counters, recorder
+    keys = [(p.start, p.end) for p in points]
+    result = reduce_delivery(keys, [p.raw for p in points], decoded, counters, recorder)
+    return result, counters, recorder
+
+
+def reduced(points: list[Point]) -> tuple[bytes, Counters, Recorder]:
+    """The raw bytes of the one point the reduction keeps, whichever points came decoded."""
+    outcomes = []
+    for decoded in ({}, dict(enumerate(points)), {0: points[0]}):
+        result, counters, recorder = reduce(points, decoded)
+        assert list(result.raws) == [KEY]
+        assert result.point(KEY).raw == result.raws[KEY]
+        outcomes.append((result.raws[KEY], counters, recorder.seen))
+    assert outcomes[0] == outcomes[1] == outcomes[2]
+    return outcomes[0][0], outcomes[0][1], recorder
 
 
 def test_reduction_prefers_completeness() -> None:
@@ -119,7 +144,7 @@ def test_reduction_prefers_completeness() -> None:
     rich = point(qty=1, source="A", context="x")
     for order in itertools.permutations([point(qty=9), rich, point(qty=5, source="B")]):
         winner, counters, recorder = reduced(list(order))
-        assert winner == rich
+        assert winner == rich.raw
         assert counters.overwrites == 2
         assert recorder.seen == [(KEY, Collision.WITHIN_DELIVERY)]
 
@@ -131,7 +156,7 @@ def test_reduction_tie_takes_greater_canonical_form() -> None:
     assert json.loads(greatest.raw)["qty"] == 2
     for order in itertools.permutations(candidates):
         winner, _, _ = reduced(list(order))
-        assert winner == greatest
+        assert winner == greatest.raw
 
 
 def test_reduction_same_canonical_form_is_no_collision() -> None:
@@ -144,7 +169,7 @@ def test_reduction_same_canonical_form_is_no_collision() -> None:
     winners = set()
     for order in itertools.permutations(copies):
         winner, counters, recorder = reduced(list(order))
-        winners.add(winner.raw)
+        winners.add(winner)
         assert counters.overwrites == 0
         assert recorder.seen == []
     assert len(winners) == 1
@@ -155,9 +180,9 @@ def test_reduction_keeps_distinct_coordinates() -> None:
     first = point(qty=1)
     later = decode_point(b'{"date":"2024-02-06 07:01:00 -0800","qty":1}')
     segment = point(endDate="2024-02-06 08:00:00 -0800")
-    counters = Counters()
-    result = reduce_delivery([first, later, segment], counters, Recorder())
-    assert len(result) == 3
+    result, counters, _ = reduce([first, later, segment], {})
+    assert result.raws == {(p.start, p.end): p.raw for p in (first, later, segment)}
+    assert result.decoded == {}
     assert counters.overwrites == 0
 
 

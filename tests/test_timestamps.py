@@ -408,6 +408,28 @@ def test_time_17_fast_path_agrees_with_parse_instant(
 
 
 @pytest.mark.parametrize(
+    "value",
+    [
+        "0001-01-01 00:45:00 +0030",
+        "0001-01-01 00:15:00 +0030",
+        "9999-12-31 23:15:00 -0030",
+        "9999-12-31 23:45:00 -0030",
+        "9999-12-31T23:59:59 +0000",
+    ],
+)
+def test_time_17_fast_path_at_the_ends_of_the_range(value: str) -> None:
+    """TIME-17: an hour outside the range with its instant inside, and the reverse, agree too,
+    down to the message of the refusal."""
+    outcomes = []
+    for read in (parse_instant, instant_of):
+        try:
+            outcomes.append(("ok", read(value)))
+        except TimestampError as exc:
+            outcomes.append(("refused", str(exc)))
+    assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize(
     "value", ["2024-02-06 07:59:60 -0800", "2024-02-06 07:60:00 -0800", 20240206, None]
 )
 def test_time_17_fast_path_refuses_what_parse_instant_refuses(value: object) -> None:
