@@ -88,6 +88,9 @@ class JournalActor:
 
     async def _serve(self) -> None:
         async for first in self._requests:
+            # One turn of the scheduler first (uncancellable: ``first`` is ours to answer), so
+            # that requests arriving together join this group.
+            await trio.lowlevel.cancel_shielded_checkpoint()
             group = [first]
             while len(group) < MAX_GROUP:
                 try:

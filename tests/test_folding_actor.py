@@ -1,11 +1,13 @@
 """The folding actor inside a running runtime: the scenarios of seed 000 and the lease
-(specs/runtime.md, RUN-14 to RUN-26). Real SQLite files in tmp_path, folds in worker threads
+(specs/runtime.md, RUN-14 to RUN-28). Real SQLite files in tmp_path, folds in worker threads
 unless a test says otherwise."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import sqlite3
 import time
 from contextlib import closing
@@ -13,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio_parallel
 from _runtime_helpers import (
     EVERY_HIT,
     HISTORY_US,
+    HOLDER,
     HOUR_US,
     action,
     config,
@@ -33,15 +37,17 @@ from _runtime_helpers import (
     wait_folded,
 )
 
-from actors.folding import Executor
+from actors.folding import WORKER_NICENESS, Executor
 from actors.runtime import open_runtime
 from healthlog import faults
+from healthlog.folding import OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
 from healthlog.storage.rebuild import verify
 from healthlog.storage.store import Store
+from healthlog.storage.worker import fold_run
 
 
 def deferred_at(hit: int) -> faults.Plan:
@@ -413,3 +419,74 @@ async def test_folds_run_in_worker_processes_end_to_end_run_26(tmp_path: Path) -
     data = DataDir(tmp_path)
     with data.open_journal() as journal, data.open_store() as store:
         assert verify(journal, store) == []
+
+
+async def test_a_run_of_deliveries_folds_each_alone_and_stops_after_a_report_not_done_run_27(
+    tmp_path: Path,
+) -> None:
+    """RUN-27: ``fold_run`` (in a worker process) folds in order, one transaction each, and
+    stops after the first report that is not DONE (here a delivery missing from the journal)."""
+    ids = journal_directly(tmp_path, [new_delivery(n) for n in range(3)])
+    with DataDir(tmp_path).open_store() as store:
+        epoch = store.acquire_lease(HOLDER, now=time.time_ns() // 1000, ttl=60_000_000)
+    assert epoch is not None
+    missing = ids[-1] + 1
+
+    async def fold(run: list[int]) -> list[tuple[int, OutcomeClass]]:
+        reports = await trio_parallel.run_sync(
+            fold_run, str(tmp_path), run, epoch, Budget(), 5000, kill_on_cancel=True
+        )
+        return [(r.delivery_id, r.outcome_class) for r in reports]
+
+    done, unwritten = OutcomeClass.DONE, OutcomeClass.UNWRITTEN
+    assert await fold([ids[0], missing, ids[1]]) == [(ids[0], done), (missing, unwritten)]
+    assert folded_in_order(tmp_path) == [ids[0]]
+    assert await fold(ids[1:]) == [(ids[1], done), (ids[2], done)]
+    assert folded_in_order(tmp_path) == ids
+
+
+async def test_many_small_deliveries_fold_in_runs_in_journal_order_run_27(
+    tmp_path: Path,
+) -> None:
+    """RUN-27: forty small deliveries, pending together, fold through worker calls of several
+    each, in journal order, every outcome under the lease epoch and timed one by one."""
+    ids = journal_directly(
+        tmp_path, [new_delivery(n, received_at=HISTORY_US + n) for n in range(40)]
+    )
+    async with open_runtime(config(tmp_path, executor=Executor.PROCESS)) as runtime:
+        await wait_folded(tmp_path, ids, timeout=60)
+        await until(lambda: not runtime.statistics().folding.running)
+        folding = runtime.statistics().folding
+
+    assert folded_in_order(tmp_path) == ids
+    assert outcome_epochs(tmp_path) == dict.fromkeys(ids, 1)
+    assert (folding.folded, folding.folds_timed) == (40, 40)
+
+
+def worker_processes() -> dict[int, int]:
+    """This process's trio-parallel worker children (pid -> niceness)."""
+    pids = [
+        int(pid)
+        for task in Path("/proc/self/task").iterdir()
+        for pid in (task / "children").read_text().split()
+    ]
+    found = {}
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):
+            command = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+            if b"spawn_main" in command and b"resource_tracker" not in command:
+                found[pid] = os.getpriority(os.PRIO_PROCESS, pid)
+    return found
+
+
+async def test_fold_workers_run_nicer_than_the_service_run_28(tmp_path: Path) -> None:
+    """RUN-28: the worker processes a runtime folds in run WORKER_NICENESS nicer than it."""
+    ids = journal_directly(tmp_path, [new_delivery(0)])
+    before = worker_processes()
+    async with open_runtime(config(tmp_path, executor=Executor.PROCESS)):
+        await wait_folded(tmp_path, ids, timeout=30)
+        started = {pid: nice for pid, nice in worker_processes().items() if pid not in before}
+
+    assert started
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    assert set(started.values()) == {min(19, own + WORKER_NICENESS)}

@@ -13,6 +13,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import cast
 
+import attrs
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -675,3 +676,28 @@ def test_worker_threads_journal_27(journal: Journal) -> None:
     assert journal.count()[0] == 200
     for receipt in receipts[::20]:
         assert hashlib.sha256(journal.read_body(receipt.delivery_id)).hexdigest() == receipt.sha256
+
+
+@pytest.mark.parametrize("size", [1023, 1024, 3 * 2**20], ids=["identity", "threshold", "3 MiB"])
+def test_a_body_encoded_while_it_streams_in_is_journaled_as_a_whole_one_journal_29(
+    path: Path, journal: Journal, size: int
+) -> None:
+    """JOURNAL-29: chunks hashed and encoded by ``journal.encoder()`` (hashing and compressing
+    in separate steps) give the row, receipt and idempotency replay of the same bytes whole."""
+    body = (b'{"name":"heart_rate","qty":72},' * (size // 31 + 1))[:size]
+    chunks = [body[i : i + 65536] for i in range(0, size, 65536)]
+    encoder = journal.encoder()
+    for chunk in chunks:
+        encoder.hash(chunk)
+    for start in range(0, len(chunks), 7):
+        encoder.encode(chunks[start : start + 7])
+    encoded = encoder.finish()
+    key = "k-stream"
+
+    receipt = journal.append(NewDelivery(body=encoded, client="phone", idempotency_key=key))
+
+    assert (receipt.sha256, receipt.bytes) == (hashlib.sha256(body).hexdigest(), size)
+    assert stored_encoding(path, receipt.delivery_id)[0] == ("zlib" if size >= 1024 else "identity")
+    assert journal.read_body(receipt.delivery_id) == body
+    again = journal.append(NewDelivery(body=body, client="phone", idempotency_key=key))
+    assert again == attrs.evolve(receipt, replayed=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import sqlite3
 import sys
@@ -57,6 +58,7 @@ ISO_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?Z")
 REVOKE_LIMIT_S = 6.0
 NEXT_REQUEST_S = 2.0
 HEAD_START_S = 0.5
+SETTLE_S = 0.5
 READY_LIMIT_S = 15.0
 STALL_LIMIT_S = 10.0
 CLIENT_ERROR = re.compile(rb"HTTP/1\.1 4\d\d ")
@@ -671,6 +673,34 @@ async def test_slow_journal_commit_is_still_answered(tmp_path: Path) -> None:
                 response = await service.post(HEART_RATE)
         assert response.status_code == 200
         assert await journaled(service) == [sha256(HEART_RATE)]
+
+
+@pytest.mark.parametrize("sent", [10_000, 3 * MiB], ids=["in the event loop", "in batches"])
+async def test_client_gone_mid_upload_journals_nothing_and_logs_no_error(
+    service: Service, caplog: pytest.LogCaptureFixture, sent: int
+) -> None:
+    """SERVE-29: 10 KB or 3 MiB of 8 MiB announced, then the client disconnects."""
+    upload = await trio.open_tcp_stream("127.0.0.1", service.port)
+    async with upload:
+        await upload.send_all(
+            b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n"
+            % (service.token.encode(), 8 * MiB)
+        )
+        await upload.send_all(b"x" * sent)
+    assert (await service.post(small(1))).status_code == 200
+    await trio.sleep(SETTLE_S)
+    assert await journaled(service) == [sha256(small(1))]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_other_methods_on_the_intake_route_are_405(service: Service) -> None:
+    """SERVE-30: GET on `/v1/deliveries` is 405 with `Allow: POST` and journals nothing."""
+    response = await service.get("/v1/deliveries")
+    assert response.status_code == 405
+    assert response.headers["Allow"] == "POST"
+    assert response.json() == {"error": "METHOD_NOT_ALLOWED"}
+    assert await service.journal() == []
 
 
 # -- configuration --------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The quart-trio application: intake, status, read API, health, readiness and metrics.
+"""The ASGI application: intake (``transport.intake``), the replay stream, and the quart-trio
+app for status, the read API, health, readiness and metrics.
 
 Only HTTP lives here: every decision is made by the runtime and the storage behind it.
 """
@@ -6,7 +7,6 @@ Only HTTP lives here: every decision is made by the runtime and the storage behi
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,26 +15,21 @@ import orjson
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import RequestEntityTooLarge
 
 from actors.runtime import Runtime
 from healthlog import documents
 from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject
-from healthlog.storage._sqlite import StorageError
-from healthlog.storage.journal import IdempotencyCollision, NewDelivery, Receipt
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
-from transport.auth import TokenCache
+from transport.auth import TokenCache, presented_token
+from transport.intake import INTAKE_PATH, IntakeEndpoint
 from transport.metrics import render_metrics
 from transport.snapshots import SnapshotService
 from transport.stream import EventHub, StreamEndpoint
 
-log = logging.getLogger("healthlog.http")
-
-RETRY_AFTER_S = "5"
 JSONL = "application/x-ndjson"
 STREAM_PATH = "/v1/stream"
 MAX_HEADER_BYTES = 64 * 1024
@@ -49,26 +44,19 @@ def _error(code: str, status: int, headers: dict[str, str] | None = None) -> Res
     return _json({"error": code}, status, headers)
 
 
-@attrs.frozen
-class DeliveryReceipt:
-    """The intake answer: where the delivery is in the journal."""
-
-    delivery_id: int
-    received_at: str
-    sha256: str
-    bytes: int
-
-
 class HealthlogApp:
-    """The ASGI application: the replay stream endpoint beside the quart-trio app."""
+    """The ASGI application: intake and the replay stream endpoint beside the quart-trio app."""
 
-    def __init__(self, http: QuartTrio, stream: StreamEndpoint) -> None:
+    def __init__(self, http: QuartTrio, intake: IntakeEndpoint, stream: StreamEndpoint) -> None:
         self.http = http
+        self.intake = intake
         self.stream = stream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket") and _header_bytes(scope) > MAX_HEADER_BYTES:
             await _refuse_headers(scope, send)
+        elif scope["type"] == "http" and scope["path"] == INTAKE_PATH:
+            await self.intake(scope, receive, send)
         elif scope["type"] == "websocket" and scope["path"] == STREAM_PATH:
             await self.stream(scope, receive, send)
         else:
@@ -104,9 +92,6 @@ def create_app(
 ) -> HealthlogApp:
     """The application bound to a running runtime; ``closing`` is set when shutdown begins."""
     app = QuartTrio("healthlog")
-    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    app.config["BODY_TIMEOUT"] = config.body_timeout_s
-    in_flight: set[tuple[str, str]] = set()
     hub = EventHub(runtime)
 
     @app.before_serving
@@ -114,57 +99,13 @@ def create_app(
         app.nursery.start_soon(hub.run)
 
     async def client() -> str | None:
-        presented = request.headers.get("api-key")
-        authorization = request.headers.get("Authorization", "")
-        if authorization[:7].lower() == "bearer ":
-            presented = authorization[7:].strip()
-        if not presented:
-            return None
-        return await tokens.authenticate(presented)
+        presented = presented_token(
+            request.headers.get("Authorization"), request.headers.get("api-key")
+        )
+        return None if presented is None else await tokens.authenticate(presented)
 
     def unauthorized() -> Response:
         return _error("UNAUTHORIZED", 401, {"WWW-Authenticate": "Bearer"})
-
-    @app.post("/v1/deliveries")
-    async def post_delivery() -> Response:
-        name = await client()
-        if name is None:
-            return unauthorized()
-        if (request.content_length or 0) > config.max_body_bytes:
-            return _error("BODY_TOO_LARGE", 413, {"Connection": "close"})
-        key = request.headers.get("Idempotency-Key") or None
-        if key is not None:
-            if (name, key) in in_flight:
-                return _error("IDEMPOTENCY_KEY_IN_FLIGHT", 409)
-            in_flight.add((name, key))
-        try:
-            try:
-                body = await request.get_data(cache=False)
-            except RequestEntityTooLarge:
-                return _error("BODY_TOO_LARGE", 413, {"Connection": "close"})
-            assert isinstance(body, bytes)
-            receipt = await runtime.submit(
-                NewDelivery(
-                    body=body,
-                    client=name,
-                    content_type=request.headers.get("Content-Type"),
-                    idempotency_key=key,
-                    automation_name=request.headers.get("automation-name"),
-                    automation_id=request.headers.get("automation-id"),
-                    automation_aggregation=request.headers.get("automation-aggregation"),
-                    automation_period=request.headers.get("automation-period"),
-                    session_id=request.headers.get("session-id"),
-                )
-            )
-        except IdempotencyCollision:
-            return _error("ACTION_ID_COLLISION", 422)
-        except StorageError as exc:
-            log.warning("intake: journal could not commit: %s", type(exc).__name__)
-            return _error("JOURNAL_UNAVAILABLE", 503, {"Retry-After": RETRY_AFTER_S})
-        finally:
-            if key is not None:
-                in_flight.discard((name, key))
-        return _receipt(receipt)
 
     @app.get("/v1/status")
     async def get_status() -> Response:
@@ -266,7 +207,7 @@ def create_app(
         config.stream_send_timeout_s,
         closing,
     )
-    return HealthlogApp(app, stream)
+    return HealthlogApp(app, IntakeEndpoint(runtime, tokens, config), stream)
 
 
 async def _objects(runtime: Runtime, **where: Any) -> AsyncIterator[HourlyObject]:
@@ -279,16 +220,3 @@ async def _objects(runtime: Runtime, **where: Any) -> AsyncIterator[HourlyObject
             return
         yield obj
         await trio.lowlevel.checkpoint()
-
-
-def _receipt(receipt: Receipt) -> Response:
-    headers = {"Idempotent-Replayed": "true"} if receipt.replayed else None
-    return _json(
-        DeliveryReceipt(
-            receipt.delivery_id,
-            format_instant(receipt.received_at),
-            receipt.sha256,
-            receipt.bytes,
-        ),
-        headers=headers,
-    )

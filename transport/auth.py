@@ -22,9 +22,24 @@ class TokenCache:
         self._limiter = trio.CapacityLimiter(1)
 
     async def authenticate(self, presented: str) -> str | None:
-        """The client name for a presented token, or None."""
-        async with self._limiter:
-            if trio.current_time() - self._loaded_at >= self._refresh_s:
-                self._hashes = await trio.to_thread.run_sync(self._tokens.hashes)
-                self._loaded_at = trio.current_time()
+        """The client name for a presented token, or None.
+
+        Within ``refresh_s`` of the last load this takes no lock and no thread.
+        """
+        if self._stale():
+            async with self._limiter:
+                if self._stale():
+                    self._hashes = await trio.to_thread.run_sync(self._tokens.hashes)
+                    self._loaded_at = trio.current_time()
         return authenticate(presented, self._hashes)
+
+    def _stale(self) -> bool:
+        return trio.current_time() - self._loaded_at >= self._refresh_s
+
+
+def presented_token(authorization: str | None, api_key: str | None) -> str | None:
+    """The token of ``Authorization: Bearer T`` (preferred) or ``api-key: T``, if any."""
+    presented = api_key
+    if authorization is not None and authorization[:7].lower() == "bearer ":
+        presented = authorization[7:].strip()
+    return presented or None

@@ -12,11 +12,11 @@ All methods may be called from worker threads; one lock serialises the use of th
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import sqlite3
 import threading
-import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +28,7 @@ import attrs
 import msgspec
 import orjson
 
+from healthlog.clock import now_us
 from healthlog.storage._sqlite import (
     StorageError,
     classify,
@@ -37,8 +38,10 @@ from healthlog.storage._sqlite import (
 )
 
 __all__ = [
+    "BodyEncoder",
     "CorruptBody",
     "DeliveryMeta",
+    "EncodedBody",
     "IdempotencyCollision",
     "Journal",
     "JournalStatistics",
@@ -51,6 +54,7 @@ _log = logging.getLogger(__name__)
 _IDENTITY: Final = "identity"
 _ZLIB: Final = "zlib"
 _ZLIB_LEVEL: Final = 1
+_INFLATE_CHUNK: Final = 1 << 20
 
 _MIGRATIONS: Final = (
     """
@@ -98,14 +102,102 @@ _META_COLUMNS: Final = (
 
 
 def _wall_clock_us() -> int:
-    return time.time_ns() // 1000
+    return now_us()
+
+
+@attrs.frozen
+class EncodedBody:
+    """A body already hashed and encoded as the journal stores it (see :class:`BodyEncoder`)."""
+
+    sha256: bytes
+    length: int
+    encoding: str
+    stored: bytes
+
+    def raw(self) -> bytes:
+        """The raw bytes again (only needed to canonicalise a body with an idempotency key)."""
+        if self.encoding == _ZLIB:
+            return zlib.decompress(self.stored)
+        return self.stored
+
+
+def _inflate(stored: bytes, length: int) -> bytes:
+    """Decompress a stored body into one buffer, stopping once it outgrows ``length`` (a
+    tampered row must not inflate without bound). ``zlib.decompress`` with a cap joins its
+    output blocks at the end, briefly holding the body twice; a BytesIO grows in place and
+    hands its buffer over without a copy."""
+    inflater = zlib.decompressobj()
+    out = io.BytesIO()
+    pending = stored
+    while pending and out.tell() <= length:
+        out.write(inflater.decompress(pending, _INFLATE_CHUNK))
+        pending = inflater.unconsumed_tail
+    if out.tell() <= length:
+        out.write(inflater.flush())
+    return out.getvalue()
+
+
+class BodyEncoder:
+    """Hashes and encodes a body chunk by chunk, as it streams in.
+
+    The raw body is never held whole: only what the journal will store grows (a body under the
+    compression threshold is kept as it is). :meth:`hash` and :meth:`encode` keep separate
+    state, so one thread may hash while another compresses; each alone must be called in body
+    order from one place at a time.
+    """
+
+    def __init__(self, compress_min_bytes: int) -> None:
+        self._threshold = compress_min_bytes
+        self._sha256 = hashlib.sha256()
+        self._length = 0
+        self._head = bytearray()
+        self._compressor: zlib._Compress | None = None
+        self._parts: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> None:
+        """Hash and encode ``chunk``."""
+        self.hash(chunk)
+        self.encode((chunk,))
+
+    def hash(self, chunk: bytes) -> None:
+        """Count and hash the next raw bytes."""
+        self._sha256.update(chunk)
+        self._length += len(chunk)
+
+    def encode(self, chunks: Sequence[bytes]) -> None:
+        """Encode the next raw bytes (compressed once the threshold is reached)."""
+        for chunk in chunks:
+            if self._compressor is not None:
+                self._parts.append(self._compressor.compress(chunk))
+                continue
+            self._head += chunk
+            if len(self._head) >= self._threshold:
+                self._compressor = zlib.compressobj(_ZLIB_LEVEL)
+                self._parts.append(self._compressor.compress(self._head))
+                self._head.clear()
+
+    def finish(self) -> EncodedBody:
+        """The encoded body, once every chunk is hashed and encoded; the encoder is spent."""
+        if self._compressor is None and self._length >= self._threshold:
+            self.encode((b"",))
+        if self._compressor is None:
+            stored, encoding = bytes(self._head), _IDENTITY
+        else:
+            self._parts.append(self._compressor.flush())
+            stored, encoding = b"".join(self._parts), _ZLIB
+        self._parts = []
+        return EncodedBody(self._sha256.digest(), self._length, encoding, stored)
 
 
 @attrs.frozen
 class NewDelivery:
-    """A delivery handed to the journal by intake (or by ``healthlog import``)."""
+    """A delivery handed to the journal by intake (or by ``healthlog import``).
 
-    body: bytes
+    ``body`` is the raw bytes, or an :class:`EncodedBody` from the journal's own
+    :meth:`Journal.encoder` (intake encodes while the body streams in).
+    """
+
+    body: bytes | EncodedBody
     client: str
     content_type: str | None = None
     automation_name: str | None = None
@@ -181,10 +273,8 @@ class CorruptBody(StorageError):
 @attrs.frozen
 class _Prepared:
     delivery: NewDelivery
-    sha256: bytes
+    body: EncodedBody
     content_digest: bytes | None
-    encoding: str
-    stored: bytes
 
 
 def _content_digest(body: bytes, raw_sha256: bytes) -> bytes:
@@ -225,6 +315,7 @@ class Journal:
     ) -> None:
         if compress_min_bytes < 0:
             raise ValueError("compress_min_bytes must not be negative")
+        self.path = os.fspath(path)
         self._clock = clock
         self._compress_min_bytes = compress_min_bytes
         self._lock = threading.Lock()
@@ -262,6 +353,10 @@ class Journal:
     def statistics(self) -> JournalStatistics:
         with self._lock:
             return self._stats
+
+    def encoder(self) -> BodyEncoder:
+        """An encoder for a body that streams in, with this journal's compression threshold."""
+        return BodyEncoder(self._compress_min_bytes)
 
     def append(self, delivery: NewDelivery) -> Receipt:
         """Journal one delivery durably; raises :class:`IdempotencyCollision` for a reused key."""
@@ -328,7 +423,7 @@ class Journal:
             body = stored
         elif encoding == _ZLIB:
             try:
-                body = zlib.decompressobj().decompress(stored, length + 1)
+                body = _inflate(stored, length)
             except zlib.error:
                 raise CorruptBody(
                     f"delivery {delivery_id}: stored body does not decompress"
@@ -379,11 +474,17 @@ class Journal:
 
     def _prepare(self, delivery: NewDelivery) -> _Prepared:
         body = delivery.body
-        sha256 = hashlib.sha256(body).digest()
-        digest = None if delivery.idempotency_key is None else _content_digest(body, sha256)
-        if len(body) >= self._compress_min_bytes:
-            return _Prepared(delivery, sha256, digest, _ZLIB, zlib.compress(body, _ZLIB_LEVEL))
-        return _Prepared(delivery, sha256, digest, _IDENTITY, body)
+        if isinstance(body, EncodedBody):
+            encoded = body
+        else:
+            encoder = self.encoder()
+            encoder.feed(body)
+            encoded = encoder.finish()
+        digest = None
+        if delivery.idempotency_key is not None:
+            raw = body if isinstance(body, bytes) else encoded.raw()
+            digest = _content_digest(raw, encoded.sha256)
+        return _Prepared(delivery, encoded, digest)
 
     def _append_locked(
         self, conn: sqlite3.Connection, prepared: list[_Prepared]
@@ -411,8 +512,8 @@ class Journal:
                 " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                 (
                     received_at,
-                    item.sha256,
-                    len(delivery.body),
+                    item.body.sha256,
+                    item.body.length,
                     delivery.content_type,
                     delivery.automation_name,
                     delivery.automation_id,
@@ -421,8 +522,8 @@ class Journal:
                     delivery.session_id,
                     delivery.client,
                     delivery.idempotency_key,
-                    item.encoding,
-                    item.stored,
+                    item.body.encoding,
+                    item.body.stored,
                 ),
             ).fetchone()
             if delivery.idempotency_key is not None:
@@ -431,7 +532,9 @@ class Journal:
                     " VALUES (?, ?, ?, ?)",
                     (delivery.client, delivery.idempotency_key, delivery_id, item.content_digest),
                 )
-            results.append(Receipt(delivery_id, received_at, item.sha256.hex(), len(delivery.body)))
+            results.append(
+                Receipt(delivery_id, received_at, item.body.sha256.hex(), item.body.length)
+            )
         if last != start:
             conn.execute("UPDATE meta SET value = ? WHERE key = 'last_received_at'", (last,))
         return results
@@ -450,7 +553,7 @@ class Journal:
         if row is None:
             return None
         delivery_id, stored_digest, original_sha256 = row[0], bytes(row[1]), bytes(row[3])
-        if item.sha256 != original_sha256 and item.content_digest != stored_digest:
+        if item.body.sha256 != original_sha256 and item.content_digest != stored_digest:
             return IdempotencyCollision(delivery_id)
         return Receipt(delivery_id, row[2], original_sha256.hex(), row[4], replayed=True)
 

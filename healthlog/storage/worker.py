@@ -7,6 +7,7 @@ the middle of a fold rolls its transaction back, as any interrupted SQLite write
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, setup_logging
@@ -47,3 +48,19 @@ def fold_one(
     if meta is None:
         return FoldReport(delivery_id, OutcomeClass.UNWRITTEN, reason="not in the journal")
     return store.fold(journal, meta, epoch, check_budget=budget.checker(meta.bytes))
+
+
+def fold_run(
+    data_dir: str, delivery_ids: Sequence[int], epoch: int, budget: Budget, busy_timeout_ms: int
+) -> list[FoldReport]:
+    """Fold ``delivery_ids`` in order, each as :func:`fold_one` does (its own transaction).
+
+    It stops after the first report that is not DONE, which the pass has to judge first; so a
+    run of small deliveries costs one round trip to the worker instead of one each.
+    """
+    reports: list[FoldReport] = []
+    for delivery_id in delivery_ids:
+        reports.append(fold_one(data_dir, delivery_id, epoch, budget, busy_timeout_ms))
+        if reports[-1].outcome_class is not OutcomeClass.DONE:
+            break
+    return reports

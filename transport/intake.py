@@ -1,0 +1,272 @@
+"""``POST /v1/deliveries`` as a bare ASGI endpoint: the body is encoded while it streams in.
+
+Intake is the service's hot path, so it skips the web framework. The body is never held whole:
+the event loop hashes each chunk as it arrives while a worker thread compresses the previous
+batch (a bounded hand-over, so a fast client waits on TCP rather than filling memory), and the
+journal gets exactly what it stores. The answer comes only with the journal's receipt.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import orjson
+import trio
+
+from actors.runtime import Runtime
+from healthlog import documents
+from healthlog.config import ServeConfig
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.journal import (
+    BodyEncoder,
+    EncodedBody,
+    IdempotencyCollision,
+    NewDelivery,
+    Receipt,
+)
+from healthlog.timestamps import format_instant
+from transport.auth import TokenCache, presented_token
+
+log = logging.getLogger("healthlog.http")
+
+INTAKE_PATH = "/v1/deliveries"
+RETRY_AFTER_S = b"5"
+BATCH_BYTES = 1 << 20
+"""Raw bytes handed to the encoding thread at a time: small bodies never leave the event loop."""
+
+Headers = Sequence[tuple[bytes, bytes]]
+CLOSE: Headers = ((b"connection", b"close"),)
+_Answer = tuple[int, bytes, Headers]
+"""Status, JSON body and extra headers of a response."""
+
+
+@attrs.frozen
+class DeliveryReceipt:
+    """The intake answer: where the delivery is in the journal."""
+
+    delivery_id: int
+    received_at: str
+    sha256: str
+    bytes: int
+
+
+class _Refused(Exception):
+    """The body is not taken: answer ``status`` with ``{"error": code}`` and close."""
+
+    def __init__(self, status: int, code: str) -> None:
+        super().__init__(code)
+        self.status = status
+        self.code = code
+
+
+class _Disconnected(Exception):
+    """The client went away before its body was complete."""
+
+
+class _Body:
+    """The request's body messages, remembering whether there are more to come."""
+
+    def __init__(self, receive: Any, idle_s: float) -> None:
+        self._receive = receive
+        self._idle_s = idle_s
+        self.done = False
+        """The body ended, the client left, or it stalled: nothing more will be read."""
+
+    async def next(self) -> dict[str, Any]:
+        """The next body message; :class:`_Disconnected`, or 408 after ``idle_s`` without one."""
+        with trio.move_on_after(self._idle_s):
+            message: dict[str, Any] = await self._receive()
+            if message["type"] == "http.disconnect":
+                self.done = True
+                raise _Disconnected
+            self.done = not message.get("more_body", False)
+            return message
+        self.done = True
+        raise _Refused(408, "BODY_TIMEOUT")
+
+    async def drain(self) -> None:
+        """Read and drop what is left of the body, before an answer decided early is sent.
+
+        Most clients write the whole body before they read the answer, and hypercorn closes
+        the connection as soon as an answer is complete while the body is not: such a client
+        would see a broken pipe instead of its 413 or 401. (Answering without reading is worse:
+        with the app's queue full of body messages, hypercorn waits forever for room to hand
+        it the disconnect, and the connection never closes.) A client that stalls for
+        ``idle_s`` gets the answer then, with the close.
+        """
+        while not self.done:
+            try:
+                await self.next()
+            except (_Refused, _Disconnected):
+                return
+
+
+class IntakeEndpoint:
+    """Authenticates, streams the body into the journal's encoder, submits, answers."""
+
+    def __init__(self, runtime: Runtime, tokens: TokenCache, config: ServeConfig) -> None:
+        self._runtime = runtime
+        self._tokens = tokens
+        self._limit = config.max_body_bytes
+        self._idle_s = config.body_timeout_s
+        self._in_flight: set[tuple[str, str]] = set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = _Body(receive, self._idle_s)
+        answer = await self._handle(scope, body)
+        if answer is None:
+            return
+        await body.drain()
+        status, content, headers = answer
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": status,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", b"%d" % len(content)),
+                        *headers,
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": content})
+        except trio.BusyResourceError:
+            # hypercorn's trio server half-closes a connection whose client went away without
+            # taking its send lock, so an answer sent at that moment collides with it.
+            log.debug("intake: the client went away before its answer")
+
+    async def _handle(self, scope: Any, body: _Body) -> _Answer | None:
+        """The answer to give, or None when the client left."""
+        if scope["method"] != "POST":
+            return _answer(405, _error("METHOD_NOT_ALLOWED"), ((b"allow", b"POST"),))
+        headers = _headers(scope["headers"])
+        presented = presented_token(headers.get("authorization"), headers.get("api-key"))
+        name = None if presented is None else await self._tokens.authenticate(presented)
+        if name is None:
+            return _answer(401, _error("UNAUTHORIZED"), ((b"www-authenticate", b"Bearer"),))
+        if int(headers.get("content-length") or 0) > self._limit:
+            return _answer(413, _error("BODY_TOO_LARGE"), CLOSE)
+        key = headers.get("idempotency-key") or None
+        if key is not None:
+            if (name, key) in self._in_flight:
+                return _answer(409, _error("IDEMPOTENCY_KEY_IN_FLIGHT"))
+            self._in_flight.add((name, key))
+        try:
+            return await self._take(name, key, headers, body)
+        finally:
+            if key is not None:
+                self._in_flight.discard((name, key))
+
+    async def _take(
+        self, name: str, key: str | None, headers: dict[str, str], body: _Body
+    ) -> _Answer | None:
+        try:
+            encoded = await self._read_body(body)
+        except _Refused as refused:
+            return _answer(refused.status, _error(refused.code), CLOSE)
+        except _Disconnected:
+            log.debug("intake: the client went away before its body was complete")
+            return None
+        try:
+            receipt = await self._runtime.submit(
+                NewDelivery(
+                    body=encoded,
+                    client=name,
+                    content_type=headers.get("content-type"),
+                    idempotency_key=key,
+                    automation_name=headers.get("automation-name"),
+                    automation_id=headers.get("automation-id"),
+                    automation_aggregation=headers.get("automation-aggregation"),
+                    automation_period=headers.get("automation-period"),
+                    session_id=headers.get("session-id"),
+                )
+            )
+        except IdempotencyCollision:
+            return _answer(422, _error("ACTION_ID_COLLISION"))
+        except StorageError as exc:
+            log.warning("intake: journal could not commit: %s", type(exc).__name__)
+            return _answer(503, _error("JOURNAL_UNAVAILABLE"), ((b"retry-after", RETRY_AFTER_S),))
+        return _answer(200, _receipt(receipt), _replayed(receipt))
+
+    async def _read_body(self, body: _Body) -> EncodedBody:
+        """The whole body, encoded; large bodies are encoded in a thread while they arrive."""
+        encoder = self._runtime.journal.encoder()
+        batches, to_encode = trio.open_memory_channel[list[bytes]](1)
+        batch: list[bytes] = []
+        batched = received = 0
+        threaded = False
+        failure: _Refused | _Disconnected | None = None
+        async with trio.open_nursery() as nursery, batches:
+            more = True
+            while more:
+                try:
+                    message = await body.next()
+                except (_Refused, _Disconnected) as exc:
+                    failure = exc
+                    break
+                chunk: bytes = message.get("body", b"")
+                more = bool(message.get("more_body", False))
+                received += len(chunk)
+                if received > self._limit:
+                    failure = _Refused(413, "BODY_TOO_LARGE")
+                    break
+                if chunk:
+                    encoder.hash(chunk)
+                    batch.append(chunk)
+                    batched += len(chunk)
+                if batched >= BATCH_BYTES or (threaded and not more):
+                    if not threaded:
+                        nursery.start_soon(_encode_batches, to_encode, encoder)
+                        threaded = True
+                    await batches.send(batch)
+                    batch, batched = [], 0
+        # Raised here, not in the nursery, so that it is not wrapped in an exception group.
+        if failure is not None:
+            raise failure
+        if not threaded:
+            encoder.encode(batch)
+            return encoder.finish()
+        return await trio.to_thread.run_sync(encoder.finish)
+
+
+async def _encode_batches(
+    to_encode: trio.MemoryReceiveChannel[list[bytes]], encoder: BodyEncoder
+) -> None:
+    async with to_encode:
+        async for batch in to_encode:
+            await trio.to_thread.run_sync(encoder.encode, batch)
+
+
+def _headers(raw: Headers) -> dict[str, str]:
+    """Request headers by lower-case name; the first of repeated ones counts."""
+    headers: dict[str, str] = {}
+    for name, value in raw:
+        headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
+    return headers
+
+
+def _error(code: str) -> bytes:
+    return orjson.dumps({"error": code})
+
+
+def _receipt(receipt: Receipt) -> bytes:
+    return documents.dumps(
+        DeliveryReceipt(
+            receipt.delivery_id,
+            format_instant(receipt.received_at),
+            receipt.sha256,
+            receipt.bytes,
+        )
+    )
+
+
+def _replayed(receipt: Receipt) -> Headers:
+    return ((b"idempotent-replayed", b"true"),) if receipt.replayed else ()
+
+
+def _answer(status: int, body: bytes, headers: Headers = ()) -> _Answer:
+    return status, body, headers
