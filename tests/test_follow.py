@@ -1,5 +1,6 @@
 """``healthlog follow`` and its replica against a real service (specs/stream.md, STREAM-19 to
-STREAM-24).
+STREAM-24), its websocket client against a scripted server (STREAM-26) and the replica file's
+pages (STREAM-27).
 
 The command runs as a real process where its exit code and output matter; elsewhere
 :func:`transport.follow.follow` runs in the test's trio run, so it can be cancelled at any
@@ -11,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 import random
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -28,11 +31,22 @@ from _stream_helpers import (
     small,
 )
 from conftest import CliRun, RunCli
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (
+    AcceptConnection,
+    CloseConnection,
+    Event,
+    Ping,
+    Pong,
+    RejectConnection,
+    Request,
+    TextMessage,
+)
 
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import SIGNING_KEY_FILE, DataDir
 from healthlog.storage.replica import Binding, Replica
-from transport.follow import FollowError, follow
+from transport.follow import ConnectionLost, FollowError, StreamSocket, follow
 
 GRACE_S = 1.0
 ACK_WAIT_S = 3.0
@@ -254,3 +268,106 @@ async def test_caught_up_follower_still_acknowledges(tmp_path: Path) -> None:
                 service.url, service.token, replica, subscriber="nas", until_caught_up=True
             )
             await acked(service, "nas", total, limit_s=ACK_WAIT_S)
+
+
+LONG = "three" * 20_000
+
+
+async def server_events(stream: trio.SocketStream, ws: WSConnection) -> list[Event]:
+    """The events of the next read of a scripted server's socket."""
+    ws.receive_data(await stream.receive_some(2**16) or None)
+    return list(ws.events())
+
+
+async def scripted_server(stream: trio.SocketStream, answers: list[Event]) -> None:
+    """Frames with the handshake answer, a fragmented message, one split over socket writes,
+    then a ping and a close; collects the client's answers to those two."""
+    ws = WSConnection(ConnectionType.SERVER)
+    while not any(isinstance(e, Request) for e in await server_events(stream, ws)):
+        pass
+    await stream.send_all(ws.send(AcceptConnection()) + ws.send(TextMessage("one")))
+    await stream.send_all(ws.send(TextMessage("tw", message_finished=False)))
+    await stream.send_all(ws.send(TextMessage("o", message_finished=True)))
+    data = ws.send(TextMessage(LONG))
+    for piece in (data[:1], data[1:3], data[3:1000], data[1000:]):
+        await stream.send_all(piece)
+        await trio.sleep(0)
+    await stream.send_all(ws.send(Ping(b"there?")))
+    while not any(isinstance(e, Pong) for e in answers):
+        answers.extend(await server_events(stream, ws))
+    await stream.send_all(ws.send(CloseConnection(code=1001)))
+    while not any(isinstance(e, CloseConnection) for e in answers):
+        answers.extend(await server_events(stream, ws))
+
+
+async def refusing_server(stream: trio.SocketStream) -> None:
+    ws = WSConnection(ConnectionType.SERVER)
+    while not any(isinstance(e, Request) for e in await server_events(stream, ws)):
+        pass
+    await stream.send_all(ws.send(RejectConnection(status_code=403)))
+
+
+async def test_stream_socket_against_a_scripted_server() -> None:
+    """STREAM-26: every message whole and in order (with the handshake answer, in fragments,
+    split over writes), the ping and the close answered, the close reported as lost."""
+    answers: list[Event] = []
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(
+                trio.serve_tcp,
+                functools.partial(scripted_server, answers=answers),
+                0,
+                host="127.0.0.1",
+            )
+        )
+        port = listeners[0].socket.getsockname()[1]
+        with trio.fail_after(FRAME_LIMIT_S):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as tcp:
+                ws = StreamSocket(tcp)
+                await ws.open("127.0.0.1", "/v1/stream?after=0", [(b"authorization", b"T")])
+                messages: list[str] = []
+                while len(messages) < 3:
+                    messages += await ws.receive(64)
+                assert messages == ["one", "two", LONG]
+                with pytest.raises(ConnectionLost):
+                    await ws.receive(64)
+            assert [type(e) for e in answers] == [Pong, CloseConnection]
+            assert isinstance(answers[1], CloseConnection)
+            assert answers[1].code == 1001
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, refusing_server, 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        with trio.fail_after(FRAME_LIMIT_S):
+            async with await trio.open_tcp_stream("127.0.0.1", port) as tcp:
+                with pytest.raises(ConnectionLost, match="403"):
+                    await StreamSocket(tcp).open("127.0.0.1", "/v1/stream", [])
+        nursery.cancel_scope.cancel()
+
+
+def page_size(path: Path) -> int:
+    with closing(sqlite3.connect(path)) as conn:
+        return int(conn.execute("PRAGMA page_size").fetchone()[0])
+
+
+def test_replica_file_pages(tmp_path: Path) -> None:
+    """STREAM-27: a new replica file has 16 KiB pages; an existing one keeps its own pages and
+    its state."""
+    with Replica(tmp_path / "new"):
+        pass
+    assert page_size(tmp_path / "new" / "replica.sqlite") == 16 * 2**10
+
+    older = tmp_path / "older"
+    older.mkdir()
+    with closing(sqlite3.connect(older / "replica.sqlite")) as conn:
+        conn.execute("PRAGMA page_size = 4096")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("CREATE TABLE kept (n INTEGER)")
+    with Replica(older) as replica:
+        replica.restore("stream", 7, [])
+    assert page_size(older / "replica.sqlite") == 4096
+    with Replica(older) as replica:
+        assert replica.binding().cursor == 7

@@ -1,8 +1,9 @@
-"""``WS /v1/stream`` against a real ``healthlog serve`` (specs/stream.md, STREAM-1 to STREAM-15).
+"""``WS /v1/stream`` against a real ``healthlog serve`` (specs/stream.md, STREAM-1 to STREAM-15),
+and the page of events the endpoint reads from a real store file (STREAM-25).
 
-Every test starts :func:`transport.serve.serve` on a free port in its own trio run and talks to
-it through real websocket clients: trio-websocket on a TCP stream the test owns, a raw socket
-that never reads, and the independent ``websockets`` library in a thread.
+Every service test starts :func:`transport.serve.serve` on a free port in its own trio run and
+talks to it through real websocket clients: trio-websocket on a TCP stream the test owns, a raw
+socket that never reads, and the independent ``websockets`` library in a thread.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import Any
 import orjson
 import pytest
 import trio
-from _bodies import rows
+from _bodies import append, delivery, point, rows
+from _bodies import body as storage_body
 from _service_helpers import POLL_S, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
@@ -51,7 +53,11 @@ from websockets.sync.client import connect as websockets_connect
 from healthlog import snapshots
 from healthlog.documents import converter
 from healthlog.export import export_lines
+from healthlog.objects import ObjectKey
 from healthlog.snapshots import Manifest
+from healthlog.storage.journal import Journal
+from healthlog.storage.store import Store
+from healthlog.timestamps import parse_instant
 
 SNAPSHOT_KEYS = {"url", "seq", "sha256", "schema", "instance", "stream", "signature"}
 SEND_TIMEOUT_S = 1.0
@@ -432,8 +438,8 @@ async def test_slow_subscriber_does_not_hold_others(tmp_path: Path) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="BUG: transport/stream.py StreamEndpoint._send_loop wraps send() in "
-    "trio.move_on_after(send_timeout_s), but hypercorn's trio TCPServer.protocol_send runs "
+    reason="BUG: transport/stream.py StreamEndpoint._send_loop gives each send() a deadline "
+    "of send_timeout_s, but hypercorn's trio TCPServer.protocol_send runs "
     "stream.send_all inside a shielded CancelScope, so a stalled send can never time out: "
     "a subscriber that never reads is never closed with 4408 and its handler stays parked "
     "until the client itself goes away",
@@ -488,3 +494,58 @@ async def test_shutdown_closes_subscribers_with_1001(tmp_path: Path) -> None:
                 await ws.get_message()
             assert ws.closed is not None, "still open"
             assert ws.closed.code == 1001
+
+
+def test_replay_page_carries_current_objects_and_stays_bounded(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path
+) -> None:
+    """STREAM-25: a page joins each object.changed event with its object's current state (null
+    once gone, and for delivery.folded); it ends after the event whose body reaches the byte
+    limit, never empty, and the next page resumes right after it."""
+    first = append(
+        journal,
+        delivery(storage_body({"hr": [point(1, 60), point(61, 61)], "steps": [point(5, 1)]})),
+    )
+    later = append(journal, delivery(storage_body({"hr": [point(2, 62)]})))
+    store.fold(journal, first, epoch)
+    store.fold(journal, later, epoch)
+
+    page = store.replay_page(0, 256, max_bytes=2**30)
+    assert [event.seq for event, _ in page] == list(range(1, 7))
+    for event, current in page:
+        if event.kind == "delivery.folded":
+            assert current is None
+            continue
+        payload = event.payload
+        key = ObjectKey(payload["metric"], payload["layer"], parse_instant(payload["hour"]))
+        assert current is not None
+        assert current == store.object(key)
+    # The first hour of hr was written by both deliveries: both events carry its newest state.
+    first_hour = [
+        (event, current)
+        for event, current in page
+        if event.kind == "object.changed"
+        and (event.payload["metric"], event.payload["hour"]) == ("hr", "2024-03-01T00:00:00Z")
+    ]
+    assert [event.payload["delivery_id"] for event, _ in first_hour] == [first.id, later.id]
+    (older, older_state), (newer, newer_state) = first_hour
+    assert older.payload["hash"] != newer.payload["hash"]
+    assert older_state == newer_state
+    assert newer_state is not None
+    assert newer_state.hash.hex() == newer.payload["hash"]
+
+    sizes = [0 if current is None else len(current.body) for _, current in page]
+    limited = store.replay_page(0, 256, max_bytes=sizes[0] + sizes[1])
+    assert [event.seq for event, _ in limited] == [1, 2]
+    assert [event.seq for event, _ in store.replay_page(2, 256, max_bytes=1)] == [3]
+    assert [event.seq for event, _ in store.replay_page(3, 256, max_bytes=1)] == [4, 5]
+    assert [event.seq for event, _ in store.replay_page(5, 256, max_bytes=1)] == [6]
+    assert [event.seq for event, _ in store.replay_page(2, 2, max_bytes=2**30)] == [3, 4]
+
+    with Store(tmp_path / "rebuilt.sqlite"):
+        pass
+    assert store.swap_in(tmp_path / "rebuilt.sqlite", epoch) == 3
+    gone = store.replay_page(0, 256, max_bytes=2**30)
+    assert [event.seq for event, _ in gone] == list(range(1, 10))
+    assert [current for _, current in gone] == [None] * 9
+    assert [event.payload["hash"] for event, _ in gone[6:]] == [None] * 3

@@ -1,14 +1,18 @@
 """``healthlog follow``: the reference replay subscriber (R7).
 
-It keeps a local replica equal to the server's objects. Each received event is applied and
-the cursor advanced in one replica transaction; the ACK sent is the highest contiguous
-durable sequence. On ``CURSOR_TOO_OLD`` (or when the server's stream changed) it fetches
-the signed snapshot, validates schema, sha256, signature, instance and stream binding and
-sequence, restores, and resumes strictly after the snapshot. It reconnects with backoff.
+It keeps a local replica equal to the server's objects. Frames are read and decoded ahead
+while the previous batch of events is applied and the cursor advanced in one replica
+transaction; the ACK sent is the highest contiguous durable sequence. On ``CURSOR_TOO_OLD``
+(or when the server's stream changed) it fetches the signed snapshot, validates schema,
+sha256, signature, instance and stream binding and sequence, restores, and resumes strictly
+after the snapshot. It reconnects with backoff.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import logging
 import urllib.parse
 from collections.abc import Callable
@@ -18,7 +22,17 @@ import attrs
 import httpx
 import orjson
 import trio
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection, wrap_client_stream
+from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
+from wsproto.events import (
+    AcceptConnection,
+    CloseConnection,
+    Ping,
+    RejectConnection,
+    Request,
+    TextMessage,
+)
+from wsproto.utilities import RemoteProtocolError
 
 from healthlog import snapshots
 from healthlog.acks import AckTracker
@@ -32,17 +46,26 @@ from healthlog.timestamps import parse_instant
 log = logging.getLogger("healthlog.follow")
 
 MAX_MESSAGE_BYTES = 256 * 2**20
+RECEIVE_BYTES = 256 * 2**10
+CLOSE_TIMEOUT_S = 5.0
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 ACK_EVERY = 64
 ACK_IDLE_S = 0.2
 BATCH = 512
+# Frames decoded ahead while a batch is applied: READ_AHEAD pieces of at most READ_SIZE.
+READ_AHEAD = 8
+READ_SIZE = 64
 # Errors after which reconnecting from the acknowledged cursor is the remedy.
 RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY"})
 
 
 class FollowError(Exception):
     """A reason to stop following for good (a wrong token, another instance, a bad snapshot)."""
+
+
+class ConnectionLost(Exception):
+    """The stream connection was refused, broken or closed: reconnecting is the remedy."""
 
 
 @attrs.frozen
@@ -88,7 +111,7 @@ class Follower:
                 done, lost = False, False
                 try:
                     done = await self._session(http)
-                except* (OSError, httpx.TransportError, HandshakeError, ConnectionClosed):
+                except* (OSError, httpx.TransportError, ConnectionLost):
                     lost = True
                 if done:
                     return
@@ -128,60 +151,85 @@ class Follower:
         resource = f"{self.endpoints.ws_path}?{urllib.parse.urlencode(query)}"
         tcp = await trio.open_tcp_stream(self.endpoints.ws_host, self.endpoints.ws_port)
         try:
-            async with trio.open_nursery() as nursery:
-                ws = await wrap_client_stream(
-                    nursery,
-                    tcp,
-                    self.endpoints.ws_host,
-                    resource,
-                    extra_headers=[(b"authorization", f"Bearer {self.token}".encode())],
-                    max_message_size=MAX_MESSAGE_BYTES,
-                )
-                try:
-                    return await self._receive(http, ws, after, stream)
-                finally:
-                    nursery.cancel_scope.cancel()
+            ws = StreamSocket(tcp)
+            await ws.open(
+                self.endpoints.ws_host,
+                resource,
+                [(b"authorization", f"Bearer {self.token}".encode())],
+            )
+            return await self._receive(http, ws, after, stream)
         finally:
             await tcp.aclose()
 
     async def _receive(
-        self, http: httpx.AsyncClient, ws: WebSocketConnection, after: int, stream: str
+        self, http: httpx.AsyncClient, ws: StreamSocket, after: int, stream: str
     ) -> bool:
-        """Apply frames in batches (one replica transaction each) and acknowledge them."""
+        """Apply frames in batches while the next ones are read and decoded."""
+        batches_in, batches = trio.open_memory_channel[_Batch](READ_AHEAD)
+        refused: FollowError | StorageError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_read_ahead, ws, batches_in)
+            try:
+                done = await self._apply(http, ws, batches, after, stream)
+            except (FollowError, StorageError) as exc:
+                # Raised again below, outside the nursery: callers catch these by type.
+                refused, done = exc, False
+            nursery.cancel_scope.cancel()
+        if refused is not None:
+            raise refused
+        if done:
+            await ws.aclose()
+        return done
+
+    async def _apply(
+        self,
+        http: httpx.AsyncClient,
+        ws: StreamSocket,
+        batches: trio.MemoryReceiveChannel[_Batch],
+        after: int,
+        stream: str,
+    ) -> bool:
+        """Apply each batch in one replica transaction and acknowledge; True once caught up."""
         acks = AckTracker(after)
         acked = after
         while True:
             if self._caught_up(acks.contiguous):
-                await _ack(ws, acks.contiguous)
-                await ws.aclose()
+                await ws.send(_ack_frame(acks.contiguous))
                 return True
             if acks.contiguous - acked >= ACK_EVERY:
-                acked = await _ack(ws, acks.contiguous)
+                await ws.send(_ack_frame(acks.contiguous))
+                acked = acks.contiguous
             with trio.move_on_after(ACK_IDLE_S) as idle:
-                frames = await _frames(ws)
+                try:
+                    batch = await batches.receive()
+                except trio.EndOfChannel:
+                    raise ConnectionLost("the stream ended") from None
             if idle.cancelled_caught:
                 if acks.contiguous > acked:
-                    acked = await _ack(ws, acks.contiguous)
+                    await ws.send(_ack_frame(acks.contiguous))
+                    acked = acks.contiguous
                 continue
-            events = [f for f in frames if f.get("type") == "event"]
-            if events:
-                changes = [c for c in map(_change, events) if c is not None]
-                last = int(events[-1]["seq"])
-                through = await trio.to_thread.run_sync(self.replica.apply, stream, changes, last)
-                acks.durable(through)
-                if self.on_event is not None:
-                    for event in events:
-                        self.on_event(int(event["seq"]))
-            for frame in frames:
-                if frame.get("type") != "error":
-                    continue
-                if frame.get("code") == "CURSOR_TOO_OLD":
-                    manifest = converter.structure(frame["snapshot"], Manifest)
+            while len(batch.seqs) <= BATCH - READ_SIZE and not batch.errors:
+                try:
+                    batch = batch.joined(batches.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            if batch.seqs:
+                await trio.to_thread.run_sync(
+                    self.replica.apply, stream, batch.changes, batch.seqs[-1]
+                )
+                for seq in batch.seqs:
+                    acks.durable(seq)
+                    if self.on_event is not None:
+                        self.on_event(seq)
+            for error in batch.errors:
+                if error.get("code") == "CURSOR_TOO_OLD":
+                    manifest = converter.structure(error["snapshot"], Manifest)
                     await self._restore(http, manifest, after=acks.contiguous, stream=stream)
                     return False
-                if frame.get("code") in RETRYABLE:
+                if error.get("code") in RETRYABLE:
                     return False
-                raise FollowError(f"the server refused the stream: {frame.get('code')}")
+                raise FollowError(f"the server refused the stream: {error.get('code')}")
 
     def _caught_up(self, cursor: int) -> bool:
         return self.until_caught_up and self._target is not None and cursor >= self._target
@@ -210,33 +258,155 @@ class Follower:
         log.info("follow: restored snapshot at seq %d (%d objects)", manifest.seq, len(objects))
 
 
-async def _frames(ws: WebSocketConnection) -> list[dict[str, Any]]:
-    """The next frame, and every frame already waiting behind it (up to a batch)."""
-    frames = [orjson.loads(await ws.get_message())]
-    while len(frames) < BATCH:
-        with trio.move_on_after(0) as empty:
-            message = await ws.get_message()
-        if empty.cancelled_caught:
-            break
-        frames.append(orjson.loads(message))
-    return frames
+class StreamSocket:
+    """The client side of one stream connection, on wsproto over a trio TCP stream.
+
+    A read of up to ``RECEIVE_BYTES`` hands over every message it completes at once. A
+    general client (trio-websocket) reads 4 KiB at a time and passes messages on one per
+    scheduling round through a one-slot channel, which held a follower to a few thousand
+    frames per second.
+    """
+
+    def __init__(self, tcp: trio.SocketStream) -> None:
+        self._tcp = tcp
+        self._ws = WSConnection(ConnectionType.CLIENT)
+        self._ready: collections.deque[str] = collections.deque()
+        self._parts: list[str] = []
+        self._size = 0
+        self._outgoing = bytearray()
+        self._accepted = False
+        self._sending = trio.Lock()
+
+    async def open(self, host: str, resource: str, headers: list[tuple[bytes, bytes]]) -> None:
+        """The opening handshake; messages that arrive with its answer are kept."""
+        await self._send_all(
+            self._ws.send(Request(host=host, target=resource, extra_headers=headers))
+        )
+        while not self._accepted:
+            await self._read()
+
+    async def receive(self, limit: int) -> list[str]:
+        """At least one message, and every other one already read, up to ``limit``."""
+        while not self._ready:
+            await self._read()
+        count = min(limit, len(self._ready))
+        return [self._ready.popleft() for _ in range(count)]
+
+    async def send(self, message: str) -> None:
+        if self._ws.state is not ConnectionState.OPEN:
+            raise ConnectionLost("the stream is closing")
+        await self._send_all(self._ws.send(TextMessage(data=message)))
+
+    async def aclose(self) -> None:
+        """Close, then read until the server's close: a message sent just before (the final
+        ACK) must not be lost to a reset of a socket closed with unread data."""
+        if self._ws.state is ConnectionState.OPEN:
+            await self._send_all(self._ws.send(CloseConnection(code=1000)))
+        with trio.move_on_after(CLOSE_TIMEOUT_S):
+            while self._ws.state is not ConnectionState.CLOSED:
+                await self._read()
+                self._ready.clear()
+
+    async def _read(self) -> None:
+        """One read of the socket, its events handled (pings and a close answered)."""
+        if self._ws.state is ConnectionState.CLOSED:
+            raise ConnectionLost("the server closed the stream")
+        try:
+            data = await self._tcp.receive_some(RECEIVE_BYTES)
+        except trio.BrokenResourceError as exc:
+            raise ConnectionLost(str(exc)) from None
+        if not data and not self._accepted:
+            raise ConnectionLost("the server closed the connection during the handshake")
+        try:
+            self._ws.receive_data(data or None)
+            self._handle_events()
+        except RemoteProtocolError as exc:
+            raise ConnectionLost(f"not a websocket answer: {exc}") from None
+        if self._outgoing:
+            outgoing, self._outgoing = bytes(self._outgoing), bytearray()
+            await self._send_all(outgoing)
+
+    async def _send_all(self, data: bytes) -> None:
+        # ACKs are sent by the applying task while the reading task may answer a ping.
+        async with self._sending:
+            try:
+                await self._tcp.send_all(data)
+            except trio.BrokenResourceError as exc:
+                raise ConnectionLost(str(exc)) from None
+
+    def _handle_events(self) -> None:
+        for event in self._ws.events():
+            if isinstance(event, TextMessage):
+                self._parts.append(event.data)
+                self._size += len(event.data)
+                if self._size > MAX_MESSAGE_BYTES:
+                    raise ConnectionLost("a message beyond the size limit")
+                if event.message_finished:
+                    self._ready.append("".join(self._parts))
+                    self._parts.clear()
+                    self._size = 0
+            elif isinstance(event, Ping):
+                self._outgoing += self._ws.send(event.response())
+            elif isinstance(event, CloseConnection):
+                if self._ws.state is ConnectionState.REMOTE_CLOSING:
+                    self._outgoing += self._ws.send(event.response())
+            elif isinstance(event, AcceptConnection):
+                self._accepted = True
+            elif isinstance(event, RejectConnection):
+                raise ConnectionLost(f"the server refused the stream ({event.status_code})")
 
 
-async def _ack(ws: WebSocketConnection, seq: int) -> int:
-    await ws.send_message(orjson.dumps({"type": "ack", "seq": seq}).decode())
-    return seq
+@attrs.frozen
+class _Batch:
+    """Decoded frames: the events' sequences and object changes, then any error frames."""
+
+    seqs: list[int]
+    changes: list[Change]
+    errors: list[dict[str, Any]]
+
+    @classmethod
+    def decode(cls, messages: list[str]) -> _Batch:
+        seqs, changes, errors = [], [], []
+        for message in messages:
+            frame = orjson.loads(message)
+            if frame.get("type") == "event":
+                seqs.append(int(frame["seq"]))
+                if frame.get("kind") == "object.changed":
+                    changes.append(_change(frame))
+            elif frame.get("type") == "error":
+                errors.append(frame)
+        return cls(seqs, changes, errors)
+
+    def joined(self, other: _Batch) -> _Batch:
+        return _Batch(
+            self.seqs + other.seqs, self.changes + other.changes, self.errors + other.errors
+        )
 
 
-def _change(frame: dict[str, object]) -> Change | None:
-    if frame.get("kind") != "object.changed":
-        return None
-    key = ObjectKey(str(frame["metric"]), str(frame["layer"]), parse_instant(frame["hour"]))
+async def _read_ahead(ws: StreamSocket, batches: trio.MemorySendChannel[_Batch]) -> None:
+    """Read and decode the next frames while the last batch is applied. The end of the
+    connection closes the channel, after every batch that came before it."""
+    async with batches:
+        with contextlib.suppress(ConnectionLost):
+            while True:
+                await batches.send(_Batch.decode(await ws.receive(READ_SIZE)))
+
+
+def _ack_frame(seq: int) -> str:
+    return orjson.dumps({"type": "ack", "seq": seq}).decode()
+
+
+# The metrics of one hour arrive side by side: their shared hour is parsed once.
+_hour = functools.lru_cache(maxsize=1024)(parse_instant)
+
+
+def _change(frame: dict[str, Any]) -> Change:
+    key = ObjectKey(str(frame["metric"]), str(frame["layer"]), _hour(frame["hour"]))
     state = frame.get("object")
     if state is None:
-        return Change(int(str(frame["seq"])), key, None)
+        return Change(int(frame["seq"]), key, None)
     assert isinstance(state, dict)
-    obj = from_wire(key, state)
-    return Change(int(str(frame["seq"])), key, obj)
+    return Change(int(frame["seq"]), key, from_wire(key, state))
 
 
 async def _get_json(http: httpx.AsyncClient, path: str) -> Any:

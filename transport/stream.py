@@ -6,10 +6,10 @@ arrives, dropping messages still queued before it (such as a final ACK). Here ev
 is handled in order, the close last.
 
 The sender never keeps more than one page of events per subscriber: it reads the events
-after its cursor from the store, sends them, and when it has caught up waits for the head
-to move. Replay and live are the same loop, so there is no switch-over to lose an event in.
-A subscriber that stops reading is closed (4408) once a send stalls past the timeout, and
-resumes from its acknowledged cursor.
+after its cursor from the store, with the current objects they name, in one query, sends
+them, and when it has caught up waits for the head to move. Replay and live are the same
+loop, so there is no switch-over to lose an event in. A subscriber that stops reading is
+closed (4408) once a send stalls past the timeout, and resumes from its acknowledged cursor.
 
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized, 4408 too slow, 4410 cursor older than the online window (after an
@@ -30,14 +30,14 @@ import trio
 
 from actors.runtime import Runtime
 from healthlog import faults
-from healthlog.objects import ObjectKey, to_wire
+from healthlog.objects import HourlyObject, to_wire
 from healthlog.snapshots import Manifest
 from healthlog.storage.store import Event, Store
-from healthlog.timestamps import TimestampError, parse_instant
 
 log = logging.getLogger("healthlog.stream")
 
 PAGE = 256
+PAGE_BYTES = 4 * 2**20
 MAX_SUBSCRIBER = 128
 CLOSE_BAD_REQUEST = 4400
 CLOSE_UNAUTHORIZED = 4401
@@ -177,22 +177,27 @@ class StreamEndpoint:
     async def _send_loop(self, sub: _Subscription, send: Send) -> None:
         stream = await self.runtime.read_store(Store.stream_id)
         while True:
-            events = await self.runtime.read_store(
-                functools.partial(Store.events_after, after=sub.cursor, limit=PAGE)
+            page = await self.runtime.read_store(
+                functools.partial(
+                    Store.replay_page, after=sub.cursor, limit=PAGE, max_bytes=PAGE_BYTES
+                )
             )
-            if not events:
+            if not page:
                 await self.hub.wait_beyond(sub.cursor)
                 continue
-            if events[0].seq != sub.cursor + 1:
+            if page[0][0].seq != sub.cursor + 1:
                 await self._too_old(sub.cursor)
-            for event in events:
-                frame = await _frame(self.runtime, stream, event)
-                with trio.move_on_after(self.send_timeout_s) as timer:
+            # One timer for the page, its deadline moved before each send: cheaper than a
+            # cancel scope per frame, and still a limit on each send alone.
+            with trio.CancelScope() as timer:
+                for event, current in page:
+                    frame = _frame(stream, event, current)
+                    timer.deadline = trio.current_time() + self.send_timeout_s
                     faults.point("stream.send")
                     await send({"type": "websocket.send", "text": frame})
-                if timer.cancelled_caught:
-                    raise StreamRefused("TOO_SLOW", CLOSE_TOO_SLOW)
-                sub.cursor = sub.sent = event.seq
+                    sub.cursor = sub.sent = event.seq
+            if timer.cancelled_caught:
+                raise StreamRefused("TOO_SLOW", CLOSE_TOO_SLOW)
 
     async def _receive_loop(self, sub: _Subscription, receive: Receive) -> None:
         while True:
@@ -222,7 +227,7 @@ class StreamEndpoint:
                 )
 
 
-async def _frame(runtime: Runtime, stream: str, event: Event) -> str:
+def _frame(stream: str, event: Event, current: HourlyObject | None) -> str:
     frame: dict[str, Any] = {
         "type": "event",
         "seq": event.seq,
@@ -231,13 +236,5 @@ async def _frame(runtime: Runtime, stream: str, event: Event) -> str:
         **event.payload,
     }
     if event.kind == "object.changed":
-        try:
-            hour = parse_instant(event.payload["hour"])
-        except (KeyError, TimestampError):
-            hour = None
-        current = None
-        if hour is not None:
-            key = ObjectKey(event.payload["metric"], event.payload["layer"], hour)
-            current = await runtime.read_store(functools.partial(Store.object, key=key))
         frame["object"] = None if current is None else to_wire(current)
     return orjson.dumps(frame).decode()

@@ -42,7 +42,11 @@ class Deferred(StorageError):
 
 
 def connect(
-    path: str | os.PathLike[str], *, readonly: bool = False, busy_timeout_ms: int = 5000
+    path: str | os.PathLike[str],
+    *,
+    readonly: bool = False,
+    busy_timeout_ms: int = 5000,
+    page_size: int | None = None,
 ) -> sqlite3.Connection:
     """Open ``path`` with healthlog's settings.
 
@@ -75,6 +79,9 @@ def connect(
         raise classify(exc) from exc
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        if not readonly and page_size is not None:
+            # Only a new file takes it (before WAL is set); an existing file keeps its own.
+            conn.execute(f"PRAGMA page_size = {int(page_size)}")
         if not readonly:
             mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
@@ -212,12 +219,13 @@ class Database:
     """
 
     MIGRATIONS: Sequence[str] = ()
+    PAGE_SIZE: int | None = None
 
     def __init__(
         self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 5000, durable: bool = True
     ) -> None:
         self.path = os.fspath(path)
-        self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
+        self._conn = connect(path, busy_timeout_ms=busy_timeout_ms, page_size=self.PAGE_SIZE)
         self._lock = ConnectionGuard()
         try:
             if not durable:

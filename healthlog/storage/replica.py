@@ -71,6 +71,9 @@ class Replica(_objects.ObjectDatabase):
     """The replica database in a directory. Methods may be called from worker threads."""
 
     MIGRATIONS = MIGRATIONS
+    # An object row (a gzip body of a few KB) spills into an overflow page of its own with
+    # 4 KiB pages: 16 KiB pages keep it in its leaf, a third of the file and of the writes.
+    PAGE_SIZE = 16 * 2**10
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -98,7 +101,7 @@ class Replica(_objects.ObjectDatabase):
                 (instance, public_key),
             )
 
-    def apply(self, stream: str, changes: Sequence[Change], through: int) -> int:
+    def apply(self, stream: str, changes: Sequence[Change], through: int) -> None:
         """Apply changes of ``stream`` newer than the cursor and move it to ``through``."""
         with self._lock, write_transaction(self._conn):
             bound, cursor = self._conn.execute(
@@ -112,7 +115,6 @@ class Replica(_objects.ObjectDatabase):
             self._conn.execute(
                 "UPDATE binding SET cursor = max(cursor, ?) WHERE id = 1", (through,)
             )
-            return max(int(cursor), through)
 
     def restore(self, stream: str, seq: int, objects: Sequence[HourlyObject]) -> None:
         """Replace every object with a snapshot's and resume strictly after ``seq``."""
