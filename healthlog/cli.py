@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import trio
@@ -43,14 +44,42 @@ class CliError(Exception):
 
 
 class Progress:
-    """Progress on stderr: a rewritten line on a terminal, else at most a line a second."""
+    """Progress on stderr: a rewritten line on a terminal, else at most a line a second.
+
+    It is also where a long command stops on SIGTERM or SIGINT (:meth:`stopping`): the signal
+    is noted and SystemExit raised at the next report, so ``finally`` blocks (a lease release)
+    run. Raising from the signal handler itself could interrupt the main thread inside a lock
+    that the rebuild's worker-pool thread needs next (the logging lock, say), and the pool's
+    shutdown would then wait forever. A second signal stops at once.
+    """
 
     def __init__(self, what: str) -> None:
         self._what = what
         self._tty = sys.stderr.isatty()
         self._last = 0.0
+        self._signal: int | None = None
+
+    @contextlib.contextmanager
+    def stopping(self) -> Iterator[None]:
+        """Stop at the next report on SIGTERM or SIGINT while the block runs."""
+        previous = {
+            signum: signal.signal(signum, self._request_stop)
+            for signum in (signal.SIGTERM, signal.SIGINT)
+        }
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _request_stop(self, signum: int, frame: object) -> None:
+        if self._signal is not None:
+            raise SystemExit(128 + signum)
+        self._signal = signum
 
     def __call__(self, done: int, total: int) -> None:
+        if self._signal is not None:
+            raise SystemExit(128 + self._signal)
         now = time.monotonic()
         if done < total and now - self._last < (0.1 if self._tty else 1.0):
             return
@@ -216,17 +245,17 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
-    with data.open_journal() as journal, data.open_store() as store:
-        changed = reindex(
-            journal, store, f"reindex:{default_holder()}", progress=Progress("reindex")
-        )
+    progress = Progress("reindex")
+    with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
+        changed = reindex(journal, store, f"reindex:{default_holder()}", progress=progress)
     print(f"reindex: done, {changed} objects changed", file=sys.stderr)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
-    with data.open_journal() as journal, data.open_store() as store:
-        differences = verify(journal, store, progress=Progress("verify"))
+    progress = Progress("verify")
+    with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
+        differences = verify(journal, store, progress=progress)
     for diff in differences:
         what = "missing" if diff.live is None else "extra" if diff.rebuilt is None else "differs"
         print(f"{what}\t{diff.key.metric}\t{diff.key.layer}\t{format_instant(diff.key.hour)}")
@@ -347,11 +376,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _terminate(signum: int, frame: object) -> None:
-    """SIGTERM ends a synchronous command like Ctrl-C: ``finally`` blocks (a lease release) run."""
-    raise SystemExit(128 + signum)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
@@ -360,8 +384,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = DataDir(args.data if args.data is not None else default_data_dir())
     func: Command = args.func
     try:
-        if func in (cmd_reindex, cmd_verify):
-            signal.signal(signal.SIGTERM, _terminate)
         needs_data = args.needs_data and getattr(args, "replica", None) is None
         if needs_data and not data.path.exists():
             raise CliError(f"no healthlog data in {data.path} (give --data DIR)")

@@ -2,22 +2,38 @@
 
 from __future__ import annotations
 
+import logging
+import sqlite3
+import sys
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+import pytest
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
+from _bodies import stamp as minute_stamp
+from _hostile_corpus import corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from healthlog import objects
+from healthlog.fold import DeliveryFold
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
-from healthlog.storage.journal import Journal
+from healthlog.storage import _partition, rebuild
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import Journal, NewDelivery
 from healthlog.storage.passes import run_pass
-from healthlog.storage.rebuild import rebuild_into, reindex, verify
+from healthlog.storage.rebuild import RebuildError, rebuild_into, reindex, verify
 from healthlog.storage.store import Store
+from healthlog.workload import encode, window
+
+if TYPE_CHECKING:
+    from conftest import RunCli
 
 HR = ObjectKey("hr", "minutes", BASE_US)
 
@@ -48,22 +64,23 @@ def test_verify_finds_nothing_after_folding_in_journal_order_store_12(
     assert verify(journal, store) == []
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_backfill_collision_is_found_and_reindex_repairs_it_store_13(
-    journal: Journal, store: Store, epoch: int, tmp_path: Path
+    journal: Journal, store: Store, epoch: int, tmp_path: Path, workers: int
 ) -> None:
     """STORE-13: a backfill that collides with folded content makes verify report the object;
-    reindex makes the live objects equal a fresh rebuild."""
+    reindex makes the live objects equal a fresh rebuild (in one process or partitioned)."""
     collide(journal, store, epoch)
     live_hash = store.summaries()[HR].hash
 
-    differences = verify(journal, store)
+    differences = verify(journal, store, workers=workers)
 
     assert [d.key for d in differences] == [HR]
     assert differences[0].live == live_hash
     assert differences[0].rebuilt not in (None, live_hash)
 
-    assert reindex(journal, store, "reindex") == 1
-    assert verify(journal, store) == []
+    assert reindex(journal, store, "reindex", workers=workers) == 1
+    assert verify(journal, store, workers=workers) == []
     rebuild_into(journal, tmp_path / "fresh.sqlite")
     with Store(tmp_path / "fresh.sqlite") as fresh:
         assert list(store.iter_objects()) == list(fresh.iter_objects())
@@ -91,11 +108,13 @@ def test_reindex_takes_a_higher_epoch_and_fences_the_folder_store_14(
     assert store.fold(journal, meta, again).outcome_class is OutcomeClass.DONE
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
-    journal: Journal, store: Store, epoch: int
+    journal: Journal, store: Store, epoch: int, workers: int
 ) -> None:
     """STORE-15: reindex appends object.changed only for objects whose hash changed (a vanished
-    one with zero points), after the existing events, with no gap; a second reindex adds none."""
+    one with zero points), after the existing events, with no gap; a second reindex adds none.
+    The same whether the rebuild runs in one process or partitioned."""
     append(
         journal,
         delivery(body({"hr": [point(1, 60)]}), received_at=BASE_US + 1, aggregation="hours"),
@@ -109,7 +128,7 @@ def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
     before = sorted(rows(store.path)["events"])
     unchanged = {k: s.hash for k, s in store.summaries().items() if k.metric != "weight"}
 
-    assert reindex(journal, store, "reindex") == 2
+    assert reindex(journal, store, "reindex", workers=workers) == 2
 
     after = sorted(rows(store.path)["events"])
     assert after[: len(before)] == before
@@ -137,7 +156,7 @@ def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
     ]
     assert {k: summaries[k].hash for k in unchanged} == unchanged
 
-    assert reindex(journal, store, "reindex") == 0
+    assert reindex(journal, store, "reindex", workers=workers) == 0
     assert sorted(rows(store.path)["events"]) == after
 
 
@@ -183,3 +202,232 @@ def test_any_deliveries_folded_in_journal_order_verify_clean_store_16(
         assert run_pass(journal, store, held).stopped_because == "empty"
 
         assert verify(journal, store) == []
+
+
+def corrupt(path: Path, delivery_id: int) -> None:
+    """Flip one byte of a journaled body on disk, behind the journal's back."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("DROP TRIGGER deliveries_no_update")
+        (stored,) = conn.execute(
+            "SELECT body FROM deliveries WHERE id = ?", (delivery_id,)
+        ).fetchone()
+        flipped = bytearray(stored)
+        flipped[len(flipped) // 2] ^= 0x01
+        conn.execute("UPDATE deliveries SET body = ? WHERE id = ?", (bytes(flipped), delivery_id))
+
+
+def rebuilt(journal: Journal, path: Path, workers: int) -> dict[str, list[tuple[Any, ...]]]:
+    """The objects, outcomes and checkpoint of a fresh rebuild with ``workers`` processes."""
+    rebuild_into(journal, path, workers=workers)
+    tables = rows(path)
+    return {name: tables[name] for name in ("objects", "outcomes", "checkpoint")}
+
+
+def with_records(payload: bytes, **sections: list[dict[str, Any]]) -> bytes:
+    """``payload`` with record sections beside its metrics."""
+    document = orjson.loads(payload)
+    document["data"].update(sections)
+    return orjson.dumps(document)
+
+
+def mixed_journal(journal: Journal, tmp_path: Path) -> None:
+    """Deliveries meeting every case a delivery-wide decision of the fold has."""
+    day = [point(m, m % 7, source="Watch") for m in range(0, 150, 3)]
+    workout = {"name": "Walk", "start": minute_stamp(20), "end": minute_stamp(50)}
+    three = body({"hr": day, "steps": day[::2], "energy": day[1::2]})
+    append(journal, delivery(with_records(three, workouts=[workout])))
+    # No header: the layer comes from the spacing of all metrics, the sparse one included.
+    dense = {"hr": [point(1, 61), point(2, 62)], "weight": [point(3, 80.5)]}
+    append(journal, delivery(body(dense), aggregation=None))
+    # No header, no spacing: inherited from the automation's predecessor; or not derivable.
+    append(journal, delivery(body({"weight": [point(30, 81)]}), aggregation=None))
+    append(journal, delivery(body({"weight": [point(31, 82)]}), aggregation=None, automation="B"))
+    append(journal, delivery(b"not json at all"))
+    # Rejected points: partial, and failed when nothing could be read.
+    bad = [
+        {"qty": 1},
+        {"date": "yesterday", "qty": 2},
+        {"date": minute_stamp(5), "end": minute_stamp(1)},
+    ]
+    append(journal, delivery(body({"hr": [point(7, 70), *bad], "steps": [bad[0]]})))
+    append(journal, delivery(body({"hr": bad, "steps": bad[:1]})))
+    # Re-sends: conflicting, poorer and richer; other units than stored.
+    append(journal, delivery(body({"hr": [point(m, 99) for m in range(0, 150, 3)]})))
+    append(journal, delivery(body({"steps": [point(0, 0)]}, units="km")))
+    richer = [point(m, m % 7, source="Watch", context="run") for m in range(3, 150, 6)]
+    append(journal, delivery(body({"energy": richer})))
+    # Metrics without points: their units still count, in whichever partition.
+    entries = [
+        {"name": "x", "units": "a", "data": []},
+        {"name": "x", "units": "b", "data": []},
+        {"name": "hr", "units": "count", "data": [point(200, 1)]},
+    ]
+    append(journal, delivery(orjson.dumps({"data": {"metrics": entries}})))
+    append(journal, delivery(orjson.dumps({"data": {"metrics": entries[:2]}, "extra": 1})))
+    broken = append(journal, delivery(body({"hr": [point(m, 5) for m in range(300, 500)]})))
+    corrupt(tmp_path / "journal.sqlite", broken.id)
+    for case in corpus():
+        append(journal, delivery(case.body, aggregation=None, automation=case.name))
+
+
+def test_partitioned_rebuild_equals_the_one_process_rebuild_store_18(
+    journal: Journal, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STORE-18: objects, outcomes (status, reason, layer, counters) and checkpoint of a
+    partitioned rebuild are those of the one-process rebuild, byte for byte."""
+    mixed_journal(journal, tmp_path)
+
+    alone = rebuilt(journal, tmp_path / "one.sqlite", workers=1)
+
+    statuses = {status for _, _, _, status, *_ in alone["outcomes"]}
+    assert statuses == {"parsed", "partial", "failed"}
+    assert len(alone["objects"]) > 50
+    for workers in (2, 3):
+        assert rebuilt(journal, tmp_path / f"part{workers}.sqlite", workers) == alone
+    assert not [r for r in caplog.records if r.name == "healthlog.rebuild"]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(spec_delivery, min_size=2, max_size=6))
+def test_any_deliveries_rebuild_the_same_partitioned_store_18(
+    specs: list[tuple[int | None, str | None, str, list[tuple[str, int, float, bool]]]],
+) -> None:
+    """STORE-18 (property): random overlapping deliveries rebuild to the same objects and
+    outcomes in one process and partitioned."""
+    with tempfile.TemporaryDirectory() as tmp, Journal(Path(tmp) / "journal.sqlite") as journal:
+        for offset, aggregation, automation, points in specs:
+            metrics: dict[str, list[dict[str, Any]]] = {}
+            for metric, minute, qty, rich in points:
+                extra = {"source": "Watch", "context": "run"} if rich else {}
+                metrics.setdefault(metric, []).append(point(minute, qty, **extra))
+            stamp_at = None if offset is None else BASE_US + offset
+            append(
+                journal,
+                delivery(
+                    body(metrics),
+                    received_at=stamp_at,
+                    aggregation=aggregation,
+                    automation=automation,
+                ),
+            )
+
+        alone = rebuilt(journal, Path(tmp) / "one.sqlite", workers=1)
+
+        assert rebuilt(journal, Path(tmp) / "two.sqlite", workers=2) == alone
+
+
+def test_partitioned_reindex_renews_the_lease_and_stops_when_it_is_lost_store_19(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STORE-19: while worker processes fold, reindex keeps renewing the lease and reporting
+    progress up to the total; when another holder takes the lease meanwhile, the reindex
+    stops with an error and swaps nothing in."""
+    monkeypatch.setattr(rebuild, "LEASE_RENEW_S", 0.0)
+    mixed_journal(journal, tmp_path)
+    run_pass(journal, store, epoch)
+    reported: list[tuple[int, int]] = []
+    renewals = []
+
+    def watch(done: int, total: int) -> None:
+        reported.append((done, total))
+        renewals.append(store.lease().expires_at)
+
+    assert reindex(journal, store, "reindex", progress=watch, workers=2) == 0
+
+    total = len(journal.iter_order())
+    assert reported[-1] == (total, total)
+    assert [done for done, _ in reported] == sorted(done for done, _ in reported)
+    assert len(set(renewals)) > 1
+    before = rows(store.path)["objects"]
+
+    def steal(done: int, total: int) -> None:
+        with Store(store.path) as other:
+            other.acquire_lease("thief", now=time.time_ns() // 1000, ttl=10**9, force=True)
+
+    with pytest.raises(RebuildError, match="lease was lost"):
+        reindex(journal, store, "reindex", progress=steal, workers=2)
+
+    assert rows(store.path)["objects"] == before
+    assert store.lease().holder == "thief"
+
+
+class _Breaking(DeliveryFold):
+    """A fold that breaks on steps, as a bug would."""
+
+    def writes(self) -> Iterator[objects.HourlyObject]:
+        for written in super().writes():
+            if written.key.metric == "steps":
+                raise ZeroDivisionError
+            yield written
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers inherit the broken fold by fork")
+def test_a_broken_partition_falls_back_to_one_process_store_20(
+    journal: Journal,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """STORE-20: when a partition's fold breaks with an error that is not a storage error, the
+    rebuild is done again in one process, with a WARNING, and equals a one-process rebuild."""
+    mixed_journal(journal, tmp_path)
+    alone = rebuilt(journal, tmp_path / "one.sqlite", workers=1)
+    monkeypatch.setattr(_partition, "DeliveryFold", _Breaking)
+
+    assert rebuilt(journal, tmp_path / "two.sqlite", workers=2) == alone
+
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["partitioned rebuild broke (ZeroDivisionError); rebuilding in one process"]
+
+
+def test_swap_writes_every_column_that_differs_store_21(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path
+) -> None:
+    """STORE-21: an object whose content equals the rebuild's but whose provenance does not
+    (a backfill of the same point folded after the live delivery) takes the rebuild's
+    provenance on reindex, with no event and no change counted; objects equal in every column
+    are left as they are."""
+    append(journal, delivery(body({"hr": [point(1, 60)], "steps": [point(2, 10)]})))
+    run_pass(journal, store, epoch)
+    backfill = append(journal, delivery(body({"hr": [point(1, 60)]}), received_at=BASE_US))
+    run_pass(journal, store, epoch)
+    assert store.summaries()[HR].created_by != backfill.id
+    events = store.last_seq()
+
+    assert reindex(journal, store, "reindex") == 0
+
+    assert store.summaries()[HR].created_by == backfill.id
+    assert store.last_seq() == events
+    rebuild_into(journal, tmp_path / "fresh.sqlite")
+    with Store(tmp_path / "fresh.sqlite") as fresh:
+        assert list(store.iter_objects()) == list(fresh.iter_objects())
+
+
+def test_the_command_line_reindexes_a_large_journal_in_worker_processes_store_22(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-22: ``healthlog reindex`` and ``healthlog verify`` (real processes) on a journal
+    large enough for the partitioned rebuild: both exit 0, and the live objects and outcomes
+    are those of a one-process rebuild."""
+    if _partition.available_cores() < 2:
+        pytest.skip("the partitioned rebuild needs two cores")
+    data = DataDir(tmp_path / "data")
+    days = [encode(window(n, first_minute=n * 1440, minutes=1440), n) for n in range(12)]
+    assert sum(map(len, days)) >= rebuild.PARALLEL_MIN_BYTES
+    with data.open_journal() as journal, data.open_store() as store:
+        journal.append_many([NewDelivery(body=day, client="phone") for day in days])
+        held = store.acquire_lease("folder", now=time.time_ns() // 1000, ttl=10**9)
+        assert held is not None
+        run_pass(journal, store, held)
+        store.release_lease("folder", held)
+
+    reindexed = run_cli("reindex", "--data", data.path)
+    verified = run_cli("verify", "--data", data.path)
+
+    assert (reindexed.code, verified.code) == (0, 0), reindexed.err + verified.err
+    assert "reindex: 12/12" in reindexed.err
+    with data.open_journal() as journal:
+        alone = rebuilt(journal, tmp_path / "one.sqlite", workers=1)
+    live = rows(data.store_path)
+    assert live["objects"] == alone["objects"]
+    assert [row[:-1] for row in live["outcomes"]] == [row[:-1] for row in alone["outcomes"]]

@@ -1,7 +1,8 @@
 """Rebuilding the projection from the journal: ``reindex`` and ``verify``.
 
 A rebuild folds deliveries in journal order into a fresh store file, with the same fold
-code the live folder uses and without the out-of-order guard. ``reindex`` takes the fold
+code the live folder uses and without the out-of-order guard; a large one folds disjoint
+sets of metrics side by side in worker processes (``_partition``). ``reindex`` takes the fold
 lease at a higher epoch (fencing the live folder), rebuilds, swaps the result in, and
 releases. ``verify`` rebuilds exactly the deliveries the live store has folded, into a
 temporary file, and compares the two object by object.
@@ -14,13 +15,17 @@ import logging
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import attrs
 
+from healthlog import clock
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
-from healthlog.storage.journal import Journal
+from healthlog.storage import _partition
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
 from healthlog.storage.store import Store
 
@@ -28,6 +33,8 @@ log = logging.getLogger("healthlog.rebuild")
 
 LEASE_TTL_US = 300 * 1_000_000
 LEASE_RENEW_S = 30.0
+MAX_WORKERS = 4
+PARALLEL_MIN_BYTES = 4 * 2**20
 
 
 class RebuildError(Exception):
@@ -44,7 +51,7 @@ class Difference:
 
 
 def _now() -> int:
-    return time.time_ns() // 1000
+    return clock.now_us()
 
 
 def rebuild_into(
@@ -53,18 +60,49 @@ def rebuild_into(
     *,
     only: set[int] | None = None,
     progress: Progress | None = None,
+    workers: int | None = None,
 ) -> None:
-    """Fold the journal (or the deliveries in ``only``) in journal order into a new store."""
+    """Fold the journal (or the deliveries in ``only``) in journal order into a new store.
+
+    ``workers`` processes fold disjoint sets of metrics side by side (see ``_partition``);
+    by default one more than there are cores (at most ``MAX_WORKERS``), so that the scheduler
+    evens out partitions of unequal weight, once the bodies to fold reach
+    ``PARALLEL_MIN_BYTES``, below which one process is quicker than starting more.
+    """
+    queue = [m for m in journal.iter_order() if only is None or m.id in only]
+    if workers is None:
+        cores = _partition.available_cores()
+        enough = cores > 1 and sum(meta.bytes for meta in queue) >= PARALLEL_MIN_BYTES
+        workers = min(MAX_WORKERS, cores + 1) if enough else 1
     with Store(path, durable=False) as target:
         epoch = target.acquire_lease("rebuild", now=_now(), ttl=LEASE_TTL_US, force=True)
         assert epoch is not None
-        queue = [m for m in journal.iter_order() if only is None or m.id in only]
-        for done, meta in enumerate(queue, start=1):
+
+        def fold(meta: DeliveryMeta) -> None:
             report = target.fold(journal, meta, epoch, guard=False)
             if report.outcome_class is not OutcomeClass.DONE:
                 raise RebuildError(
                     f"delivery {meta.id} could not be rebuilt ({report.outcome_class.value})"
                 )
+
+        if workers > 1:
+            try:
+                _partition.rebuild(
+                    journal,
+                    queue,
+                    target,
+                    epoch,
+                    workers=workers,
+                    fold_alone=fold,
+                    progress=progress,
+                )
+                return
+            except _partition.PartitionFailed as exc:
+                log.warning("partitioned rebuild broke (%s); rebuilding in one process", exc)
+            except (StorageError, BrokenProcessPool) as exc:
+                raise RebuildError(f"partitioned rebuild failed: {exc}") from exc
+        for done, meta in enumerate(queue, start=1):
+            fold(meta)
             if progress is not None:
                 progress(done, len(queue))
 
@@ -75,11 +113,17 @@ def _scratch(near: Path) -> Iterator[Path]:
         yield Path(tmp) / "store.sqlite"
 
 
-def verify(journal: Journal, store: Store, *, progress: Progress | None = None) -> list[Difference]:
+def verify(
+    journal: Journal,
+    store: Store,
+    *,
+    progress: Progress | None = None,
+    workers: int | None = None,
+) -> list[Difference]:
     """Objects that differ between the live store and a rebuild of what it has folded."""
     folded, live = store.snapshot()
     with _scratch(Path(store.path)) as path:
-        rebuild_into(journal, path, only=folded, progress=progress)
+        rebuild_into(journal, path, only=folded, progress=progress, workers=workers)
         with Store(path, durable=False) as rebuilt:
             fresh = rebuilt.summaries()
     return [
@@ -92,12 +136,18 @@ def verify(journal: Journal, store: Store, *, progress: Progress | None = None) 
 
 
 def reindex(
-    journal: Journal, store: Store, holder: str, *, progress: Progress | None = None
+    journal: Journal,
+    store: Store,
+    holder: str,
+    *,
+    progress: Progress | None = None,
+    workers: int | None = None,
 ) -> int:
     """Rebuild the projection from the whole journal and swap it in; returns objects changed.
 
-    The lease is taken at a higher epoch (fencing the live folder) and renewed between
-    deliveries, so a reindex killed on the way fences the folder for one TTL at most.
+    The lease is taken at a higher epoch (fencing the live folder) and renewed as the rebuild
+    reports progress (at least once a second while worker processes fold), so a reindex
+    killed on the way fences the folder for one TTL at most.
     """
     epoch = store.acquire_lease(holder, now=_now(), ttl=LEASE_TTL_US, force=True)
     assert epoch is not None
@@ -114,7 +164,7 @@ def reindex(
 
     try:
         with _scratch(Path(store.path)) as path:
-            rebuild_into(journal, path, progress=renewing)
+            rebuild_into(journal, path, progress=renewing, workers=workers)
             changed = store.swap_in(path, epoch)
     finally:
         store.release_lease(holder, epoch)

@@ -1,0 +1,441 @@
+"""The partitioned rebuild: disjoint sets of metrics folded side by side in worker processes.
+
+An hourly object depends only on the points of its own metric (or record section) in journal
+order, so a rebuild can fold disjoint sets of those *units* in separate processes, each into
+a scratch file of its own, and gather the files into the rebuild target at the end.
+
+This process reads every body once, in journal order, and decides what the fold decides for
+a delivery as a whole: its layer (P5: the header, else the spacing of all its metrics, else
+the layer of its automation's predecessor in journal order) and whether it can be folded at
+all. It then cuts the body into one sub-body per partition, holding only that partition's
+units, and hands the sub-bodies to the partition's worker, which folds them with the live
+fold's code under that layer. A unit belongs to the partition that first meets it, the one
+with the least work so far once every worker has one.
+
+A delivery's counters are the sum over its partitions plus what its envelope says. One with
+nothing rejected is ``parsed`` without a reason; the status and reason of any other come
+from folding its whole body once more, in a worker, against an empty projection, since they
+depend on the body alone. A delivery that cannot be folded (a corrupt or undecodable body,
+no derivable layer) writes no object: the target folds it itself, in its place in journal
+order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import sqlite3
+import sys
+import tempfile
+from collections import deque
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import msgspec
+
+from healthlog import hae, layers
+from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo, Outcome
+from healthlog.merge import Counters
+from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.storage import _objects
+from healthlog.storage._sqlite import StorageError, write_transaction
+from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
+from healthlog.storage.passes import Progress
+from healthlog.storage.store import MIGRATIONS, Store, automation_of
+
+# (is a record section, name): a metric and a section of the same name are different units.
+Unit = tuple[bool, str]
+Folded = list[tuple[int, Counters]]
+
+# Sub-bodies read ahead of the workers, at most (or one larger delivery): the memory this
+# process holds for them.
+AHEAD_BYTES = 32 * 2**20
+# A task takes what waits for its partition up to this many bytes (at least one delivery),
+# so that progress moves and a stopped rebuild waits for little.
+TASK_BYTES = 4 * 2**20
+# How often this process wakes while it waits for workers: progress, and the lease renewal.
+POLL_S = 1.0
+
+_ENVELOPE_COUNTERS = ("metrics", "sections", "unknown_sections", "entries_rejected")
+_SUMMED_COUNTERS = tuple(
+    field.name for field in attrs.fields(Counters) if field.name not in _ENVELOPE_COUNTERS
+)
+
+
+class PartitionFailed(Exception):
+    """A partition's fold broke with an error that is not a storage error."""
+
+
+@attrs.frozen
+class Planned:
+    """What a worker needs to fold its share of one delivery."""
+
+    delivery_id: int
+    received_at: int
+    layer: str | None
+
+
+def fold_chunk(scratch_path: str, chunk: list[tuple[Planned, bytes]]) -> Folded:
+    """Fold sub-bodies in order into a partition's scratch file, in a worker process."""
+    with _Scratch(scratch_path, durable=False) as scratch:
+        try:
+            return scratch.fold(chunk)
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise PartitionFailed(type(exc).__name__) from exc
+
+
+def judge(journal_path: str, plan: Planned) -> tuple[str, str | None]:
+    """Status and reason of a delivery, from its whole body against an empty projection."""
+    with Journal(journal_path) as journal:
+        fold = DeliveryFold(
+            journal.read_body(plan.delivery_id),
+            DeliveryInfo(plan.delivery_id, plan.received_at, plan.layer),
+            _Unstored(plan.layer),
+            warn=False,
+        )
+        try:
+            for _ in fold.writes():
+                pass
+        except Exception as exc:
+            raise PartitionFailed(type(exc).__name__) from exc
+    assert fold.outcome is not None
+    return fold.outcome.status, fold.outcome.reason
+
+
+class _Scratch(_objects.ObjectDatabase):
+    """A partition's scratch file: the store's schema, of which only ``objects`` is used."""
+
+    MIGRATIONS = MIGRATIONS
+
+    def fold(self, chunk: list[tuple[Planned, bytes]]) -> Folded:
+        folded = []
+        with self._lock, write_transaction(self._conn):
+            for plan, body in chunk:
+                fold = DeliveryFold(
+                    body,
+                    DeliveryInfo(plan.delivery_id, plan.received_at, plan.layer),
+                    _ScratchProjection(self._conn, plan.layer),
+                    warn=False,
+                )
+                for written in fold.writes():
+                    _objects.write(self._conn, written)
+                assert fold.outcome is not None
+                folded.append((plan.delivery_id, fold.outcome.counters))
+        return folded
+
+
+class _ScratchProjection:
+    """Objects as the partition has folded them so far; the layer is always the header."""
+
+    def __init__(self, conn: sqlite3.Connection, layer: str | None) -> None:
+        self._conn = conn
+        self._layer = layer
+
+    def load(self, key: ObjectKey) -> HourlyObject | None:
+        row = self._conn.execute(
+            f"SELECT {_objects.COLUMNS} FROM objects WHERE metric = ? AND layer = ? AND hour = ?",
+            (key.metric, key.layer, key.hour),
+        ).fetchone()
+        return None if row is None else _objects.row_to_object(row)
+
+    def inherited_layer(self) -> str | None:
+        return self._layer
+
+
+class _Unstored:
+    """An empty projection: what a fold decides from the body alone."""
+
+    def __init__(self, layer: str | None) -> None:
+        self._layer = layer
+
+    def load(self, key: ObjectKey) -> HourlyObject | None:
+        return None
+
+    def inherited_layer(self) -> str | None:
+        return self._layer
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """Fork on Linux: a worker needs nothing of this process but the code, and a spawned one
+    would import the command line's whole program first (half a second each). The executor
+    starts every worker before its own thread; a worker opens only files of its own, never
+    touches the connections it inherits, and ends with ``os._exit``, which closes none."""
+    return multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+
+
+def rebuild(
+    journal: Journal,
+    queue: list[DeliveryMeta],
+    target: Store,
+    epoch: int,
+    *,
+    workers: int,
+    fold_alone: Callable[[DeliveryMeta], None],
+    progress: Progress | None,
+) -> None:
+    """Fold ``queue`` into the empty store ``target`` under ``epoch`` with ``workers`` processes.
+
+    ``fold_alone`` folds a delivery that writes no object into the target, in its place.
+    Raises :class:`PartitionFailed` when a partition's fold broke (the caller rebuilds in one
+    process, where the live fold's handling of a broken delivery applies), and
+    :class:`StorageError` when the journal could not be read or a scratch file written.
+    """
+    with (
+        tempfile.TemporaryDirectory(prefix=".partitions-", dir=Path(target.path).parent) as tmp,
+        concurrent.futures.ProcessPoolExecutor(workers, mp_context=_context()) as pool,
+    ):
+        run = _Run(pool, Path(tmp), workers, len(queue), progress)
+        try:
+            for position, meta in enumerate(queue):
+                run.read(journal, meta, position)
+            run.finish()
+            outcomes = run.outcomes(journal.path, queue)
+        finally:
+            pool.shutdown(cancel_futures=True)
+        batch: list[tuple[DeliveryMeta, Outcome]] = []
+        for meta in queue:
+            if meta.id in outcomes:
+                batch.append((meta, outcomes[meta.id]))
+            else:
+                target.record_outcomes(batch, epoch)
+                batch = []
+                fold_alone(meta)
+        target.record_outcomes(batch, epoch)
+        for part in run.parts:
+            target.absorb_objects(part.scratch, epoch)
+    if progress is not None:
+        progress(len(queue), len(queue))
+
+
+@attrs.define(eq=False)
+class _Part:
+    """One partition: its scratch file, the sub-bodies waiting for it, its running task."""
+
+    scratch: Path
+    load: int = 0
+    waiting: list[tuple[Planned, bytes]] = attrs.Factory(list)
+    waiting_bytes: int = 0
+    running: concurrent.futures.Future[Folded] | None = None
+    # Queue positions of the deliveries handed to it and not folded yet, oldest first.
+    positions: deque[int] = attrs.Factory(deque)
+    running_count: int = 0
+
+
+@attrs.frozen
+class _Delivery:
+    """What this process keeps of a delivery until the outcomes are put together."""
+
+    layer: str | None
+    envelope: dict[str, int]
+
+
+class _Run:
+    """Reads the journal in order and keeps the partitions' workers busy."""
+
+    def __init__(
+        self,
+        pool: concurrent.futures.Executor,
+        tmp: Path,
+        workers: int,
+        total: int,
+        progress: Progress | None,
+    ) -> None:
+        self._pool = pool
+        self._tmp = tmp
+        self._workers = workers
+        self._total = total
+        self._progress = progress
+        self._read = 0
+        self._inherited: dict[str, str] = {}
+        self._owner: dict[Unit, _Part] = {}
+        self.parts: list[_Part] = []
+        self.alone: set[int] = set()
+        self._deliveries: dict[int, _Delivery] = {}
+        self._folded: dict[int, list[Counters]] = {}
+
+    def read(self, journal: Journal, meta: DeliveryMeta, position: int) -> None:
+        """Decide a delivery's layer and hand its sub-bodies to the partitions."""
+        self._read = position + 1
+        try:
+            envelope = hae.read_envelope(journal.read_body(meta.id))
+        except (CorruptBody, hae.EnvelopeError):
+            self.alone.add(meta.id)
+            return
+        has_points = any(group.points for group in envelope.metrics.values())
+        layer = self._layer(meta, envelope) if has_points else None
+        if has_points and layer is None:
+            self.alone.add(meta.id)
+            return
+        self._deliveries[meta.id] = _Delivery(
+            layer,
+            {
+                "metrics": len(envelope.metrics),
+                "sections": len(envelope.sections),
+                "unknown_sections": envelope.unknown_sections,
+                "entries_rejected": envelope.rejected_entries,
+            },
+        )
+        plan = Planned(meta.id, meta.received_at, layer)
+        for part, body in self._cut(envelope).items():
+            part.waiting.append((plan, body))
+            part.waiting_bytes += len(body)
+            part.positions.append(position)
+        self._pump()
+
+    def _layer(self, meta: DeliveryMeta, envelope: hae.Envelope) -> str | None:
+        automation = automation_of(meta)
+        layer = layers.layer_from_header(meta.automation_aggregation)
+        if layer is None:
+            layer = layers.layer_from_spacing(
+                min(filter(None, map(_spacing, envelope.metrics.values())), default=None)
+            )
+        if layer is None and automation is not None:
+            layer = self._inherited.get(automation)
+        if layer is not None and automation is not None:
+            self._inherited[automation] = layer
+        return layer
+
+    def _cut(self, envelope: hae.Envelope) -> dict[_Part, bytes]:
+        """One sub-body per partition the delivery touches. The partition of its first metric
+        with points also takes the metrics without any: they write nothing, but their units
+        still count (``unit_mismatches``)."""
+        weights: dict[Unit, int] = {}
+        for name, group in envelope.metrics.items():
+            if group.points:
+                weights[(False, name)] = sum(map(len, group.arrays))
+        for name, arrays in envelope.sections.items():
+            weights[(True, name)] = sum(map(len, arrays))
+        for unit in sorted(weights, key=lambda u: (-weights[u], u)):
+            owner = self._owner.get(unit)
+            if owner is None:
+                owner = self._owner[unit] = self._lightest()
+            owner.load += weights[unit]
+        first = min(weights, default=None)
+        host = self._owner[first] if first is not None and not first[0] else None
+        entries: dict[_Part, list[dict[str, Any]]] = {}
+        for name, group in envelope.metrics.items():
+            part = self._owner[(False, name)] if group.points else host
+            if part is not None:
+                entries.setdefault(part, []).extend(_entries(name, group))
+        sections: dict[_Part, list[dict[str, Any]]] = {}
+        for name, arrays in envelope.sections.items():
+            sections.setdefault(self._owner[(True, name)], []).extend(
+                {name: array} for array in arrays
+            )
+        return {
+            part: msgspec.json.encode([{"metrics": entries.get(part, [])}, *sections.get(part, [])])
+            for part in entries.keys() | sections.keys()
+        }
+
+    def _lightest(self) -> _Part:
+        if len(self.parts) < self._workers:
+            self.parts.append(_Part(self._tmp / f"part-{len(self.parts)}.sqlite"))
+            return self.parts[-1]
+        return min(self.parts, key=lambda part: part.load)
+
+    def finish(self) -> None:
+        """Wait until every sub-body handed out is folded."""
+        self._pump()
+        while any(part.running is not None for part in self.parts):
+            self._wait()
+            self._pump()
+
+    def _pump(self) -> None:
+        """Start a task for each idle partition with anything waiting; hold reading back while
+        too much waits."""
+        while True:
+            for part in self.parts:
+                if part.running is None and part.waiting:
+                    self._start(part)
+            if sum(part.waiting_bytes for part in self.parts) <= AHEAD_BYTES:
+                break
+            self._wait()
+        self._report()
+
+    def _start(self, part: _Part) -> None:
+        taken, size = 0, 0
+        while taken < len(part.waiting) and (not taken or size < TASK_BYTES):
+            size += len(part.waiting[taken][1])
+            taken += 1
+        chunk, part.waiting = part.waiting[:taken], part.waiting[taken:]
+        part.waiting_bytes -= size
+        part.running = self._pool.submit(fold_chunk, os.fspath(part.scratch), chunk)
+        part.running_count = taken
+
+    def _wait(self) -> None:
+        running = {part.running: part for part in self.parts if part.running is not None}
+        done, _ = concurrent.futures.wait(running, POLL_S, concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+            part = running[future]
+            for delivery_id, counters in future.result():
+                self._folded.setdefault(delivery_id, []).append(counters)
+            for _ in range(part.running_count):
+                part.positions.popleft()
+            part.running, part.running_count = None, 0
+        self._report()
+
+    def _report(self) -> None:
+        if self._progress is not None:
+            oldest = [part.positions[0] for part in self.parts if part.positions]
+            self._progress(min(oldest, default=self._read), self._total)
+
+    def outcomes(self, journal_path: str, queue: list[DeliveryMeta]) -> dict[int, Outcome]:
+        """The outcomes of the deliveries the partitions folded; the workers judge the status
+        and reason of those with something rejected."""
+        counted: dict[int, Counters] = {}
+        judging: dict[int, concurrent.futures.Future[tuple[str, str | None]]] = {}
+        for meta in queue:
+            delivery = self._deliveries.get(meta.id)
+            if delivery is None:
+                continue
+            folded = self._folded.get(meta.id, [])
+            counters = Counters(
+                **{name: sum(getattr(c, name) for c in folded) for name in _SUMMED_COUNTERS},
+                **delivery.envelope,
+            )
+            counted[meta.id] = counters
+            if counters.points_rejected or counters.entries_rejected:
+                plan = Planned(meta.id, meta.received_at, delivery.layer)
+                judging[meta.id] = self._pool.submit(judge, journal_path, plan)
+        while concurrent.futures.wait(judging.values(), POLL_S).not_done:
+            self._report()
+        outcomes = {}
+        for delivery_id, counters in counted.items():
+            judged = judging.get(delivery_id)
+            status, reason = (PARSED, None) if judged is None else judged.result()
+            layer = self._deliveries[delivery_id].layer
+            outcomes[delivery_id] = Outcome(status, reason, layer, counters)
+        return outcomes
+
+
+def _entries(name: str, group: hae.MetricGroup) -> Iterator[dict[str, Any]]:
+    """The metric's entries as they came, each with its own units."""
+    for units, array in zip(group.units, group.arrays, strict=True):
+        entry: dict[str, Any] = {"name": name, "data": array}
+        if units is not None:
+            entry["units"] = units
+        yield entry
+
+
+def _spacing(group: hae.MetricGroup) -> int | None:
+    """The smallest gap between the starts the metric's points bring to its spacing."""
+    starts = []
+    for array in group.arrays:
+        for element in msgspec.json.decode(array, type=list[msgspec.Raw]):
+            start = layers.spacing_start(element)
+            if start is not None:
+                starts.append(start)
+    return layers.smallest_spacing(starts)
