@@ -11,13 +11,13 @@ renewal. On shutdown it releases.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 
 import attrs
 import trio
 
 from healthlog import faults
+from healthlog.clock import now_us
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.store import Store
 
@@ -25,7 +25,7 @@ log = logging.getLogger("healthlog.lease")
 
 
 def wall_clock_us() -> int:
-    return time.time_ns() // 1000
+    return now_us()
 
 
 @attrs.frozen

@@ -192,6 +192,8 @@ class DeliveryFold:
         return objects.encode(key, object_units, points, created_by, sealed)
 
     def _warn(self, what: str, metric: str, layer: str, hour: int) -> None:
+        if not log.isEnabledFor(self._warn_level):
+            return
         log.log(
             self._warn_level,
             "%s metric=%s layer=%s hour=%s delivery=%d",

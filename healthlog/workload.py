@@ -8,6 +8,7 @@ Every point carries a distinctive ``source`` so that logs can be searched for le
 
 from __future__ import annotations
 
+import math
 import random
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -18,6 +19,7 @@ METRICS = {"heart_rate": "count/min", "step_count": "count", "active_energy": "k
 LEAK_MARKER = "Chaos\u2019s Watch \u231a"
 VARIANTS = ("identical", "poorer", "richer", "conflicting")
 EPOCH = datetime(2025, 3, 1, tzinfo=UTC)
+LARGEST_MIB = 62
 
 
 def _stamp(moment: datetime, offset_hours: int) -> str:
@@ -96,3 +98,10 @@ def big_body(seed: int, *, target_bytes: int) -> bytes:
     per_minute = len(encode(window(seed, first_minute=0, minutes=60), seed)) / 60
     minutes = max(1, int(target_bytes / per_minute))
     return encode(window(seed, first_minute=0, minutes=minutes), seed)
+
+
+def body_bytes(rng: random.Random) -> int:
+    """A seeded body size from 1 to 62 MiB for a run, the large ones rare: ``62 ** (u ** 3)``
+    MiB for a uniform ``u``, so half are under 1.7 MiB, one in five over 8 and one in
+    seventeen over 31 (a few MiB on average, which keeps a 20-run harness short)."""
+    return round(2**20 * math.pow(LARGEST_MIB, rng.random() ** 3))

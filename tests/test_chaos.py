@@ -6,6 +6,7 @@ import logging
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import orjson
@@ -15,7 +16,7 @@ from healthlog import faults
 from healthlog.storage import faultplan
 from healthlog.storage._sqlite import Deferred
 from healthlog.workload import LEAK_MARKER
-from transport.chaos import Run
+from transport.chaos import KINDS, Run
 
 SUMMARY = re.compile(
     r"^chaos: runs (\d+), faults injected (\d+), crashes (\d+), deliveries (\d+),"
@@ -79,3 +80,13 @@ def test_plan_from_the_environment_fires_and_logs_chaos_3(
         faults.install(faultplan.from_spec({"nowhere": {"hits": [1], "do": "busy"}}))
     with pytest.raises(ValueError, match="unknown fault kind"):
         faultplan.from_spec({"fold.begin": {"hits": [1], "do": "explode"}})
+
+
+def test_two_hundred_runs_plan_every_kind_chaos_5(tmp_path: Path) -> None:
+    """CHAOS-5: the runs of ``--seed 7 --runs 200`` choose every kind of fault, each in several
+    runs (what fired is counted by the 200-run itself)."""
+    chosen: Counter[str] = Counter()
+    for n in range(200):
+        chosen.update(Run(7 * 100_000 + n, tmp_path).kinds)
+    assert set(chosen) == set(KINDS)
+    assert min(chosen.values()) >= 10

@@ -194,6 +194,23 @@ def test_lease_acquire_renew_refuse_takeover_release_force_store_5(store: Store)
     assert store.lease() == Lease("b", 5, 142)
 
 
+def test_expiry_beyond_one_term_is_cut_to_one_term_fence_11(store: Store) -> None:
+    """FENCE-11: a holder whose clock ran an hour ahead left an expiry an hour away; the next
+    candidate cuts it to one term and takes over after that term, not after the hour. A longer
+    term (a reindex's) within its own term is not cut."""
+    hour = 3600 * 10**6
+    assert store.acquire_lease("ahead", now=1000 + hour, ttl=10) == 1
+    assert store.acquire_lease("next", now=1000, ttl=10) is None
+    assert store.lease() == Lease("ahead", 1, 1010)
+    assert store.acquire_lease("next", now=1009, ttl=10) is None
+    assert store.acquire_lease("next", now=1010, ttl=10) == 2
+    assert store.lease() == Lease("next", 2, 1020)
+
+    assert store.acquire_lease("reindex", now=2000, ttl=300, force=True) == 3
+    assert store.acquire_lease("next", now=2001, ttl=10) is None
+    assert store.lease() == Lease("reindex", 3, 2300)
+
+
 def test_busy_store_defers_and_writes_nothing_store_6(journal: Journal, tmp_path: Path) -> None:
     """STORE-6: a second connection holding the write lock makes the fold DEFERRED; once it
     commits, the same fold goes through."""

@@ -1,15 +1,17 @@
 """``healthlog chaos``: the fault-injection harness (X1 to X4) against real ``serve`` processes.
 
 Each run starts ``healthlog serve`` on a fresh data directory with a seeded fault plan,
-posts a seeded workload (overlapping re-sends that are identical, poorer, richer and
-conflicting; idempotent retries; concurrent posts), injects faults (SQLITE_BUSY and I/O
-errors at fault points, delays, a real second process holding the store's write lock,
-SIGKILL of the service at a fault point, a concurrent ``reindex`` stealing the lease,
-follower websocket drops), restarts the service after a crash, waits for quiescence and
-checks every invariant:
+posts a seeded workload (one minute-level body of 1 to 62 MiB and a short window it
+overlaps, with re-sends that are identical, poorer, richer and conflicting; idempotent
+retries; concurrent posts), injects faults (SQLITE_BUSY and I/O errors at fault points,
+delays, jumps of the service's wall clock, a real second process holding the store's write
+lock, SIGKILL of the service at a fault point, a concurrent ``reindex`` stealing the lease,
+follower websocket drops, posts and followers cancelled part-way), restarts the service
+after a crash, waits for quiescence and checks every invariant:
 
 - every delivery answered 200 is in the journal with its sha256 (else: lost);
 - an idempotency key never journals twice;
+- journal stamps never go back: ``received_at`` is non-decreasing in append order;
 - every journaled delivery is folded;
 - the live objects equal a fresh rebuild (else: mismatched); a run whose service logged an
   out-of-order fold (possible after an I/O error, F4) is reindexed first, as the log says;
@@ -21,6 +23,7 @@ checks every invariant:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +49,15 @@ from healthlog.storage.rebuild import verify
 from healthlog.storage.replica import Replica
 from transport.follow import Endpoints, Follower
 
-KINDS = ("busy", "ioerror", "delay", "kill", "lock", "steal", "drop")
+KINDS = ("busy", "ioerror", "delay", "clock", "kill", "lock", "steal", "drop", "cancel")
 FOLD_POINTS = ("fold.begin", "fold.object_write", "fold.outcome_write", "fold.before_commit")
 KILL_POINTS = (*FOLD_POINTS, "fold.after_commit", "journal.append")
 START_TIMEOUT_S = 30.0
 QUIET_TIMEOUT_S = 60.0
 POST_ATTEMPTS = 8
+UPLOAD_CHUNK = 256 * 1024
+# Clock jumps of one minute to four hours, either way.
+JUMP_S = (60.0, 4 * 3600.0)
 # Events a reindex's swap writes: they follow the rebuild's order, not the live folder's.
 REINDEX_EVENT = "reindex."
 
@@ -64,6 +71,7 @@ class RunResult:
     crashes: int = 0
     deliveries: int = 0
     bytes: int = 0
+    largest: int = 0
     lost: int = 0
     mismatched: int = 0
     reordered: int = 0
@@ -126,6 +134,16 @@ def _plan(rng: random.Random, kinds: set[str]) -> dict[str, Any]:
         plan["journal.append"] = {"hits": sorted(rng.sample(range(1, 6), 2)), "do": "delay"}
     if "kill" in kinds:
         plan[rng.choice(KILL_POINTS)] = {"hits": [rng.randint(1, 4)], "do": "kill"}
+    if "clock" in kinds:
+        low, high = JUMP_S
+        size = low * (high / low) ** rng.random()
+        # With a kill, forward at the first acquisition: the killed holder leaves an expiry
+        # far ahead for the restarted service (FENCE-11). Otherwise either way, a bit later.
+        if "kill" in kinds:
+            hit, seconds = 1, size
+        else:
+            hit, seconds = rng.randint(1, 4), size * rng.choice((1, -1))
+        plan["lease.renew"] = {"hits": [hit], "do": "clock", "seconds": seconds}
     return plan
 
 
@@ -145,6 +163,7 @@ class Run:
             self.token = tokens.add("chaos")
         self.service: _Service | None = None
         self.planned: dict[str, str] = {}
+        self.reindex_failure: str | None = None
         self._restarting = trio.Lock()
 
     def _cli(self, command: str) -> list[str]:
@@ -158,16 +177,17 @@ class Run:
         await self.service.started()
 
     async def execute(self) -> RunResult:
+        bodies = await trio.to_thread.run_sync(self._bodies)
         await self.start_service(with_faults=True)
         try:
             async with trio.open_nursery() as nursery:
-                if "drop" in self.kinds:
-                    nursery.start_soon(self._dropping_follower)
+                if self.kinds & {"drop", "cancel"}:
+                    nursery.start_soon(self._interrupted_follower)
                 if "lock" in self.kinds:
                     nursery.start_soon(self._hold_lock)
                 if "steal" in self.kinds:
                     nursery.start_soon(self._steal)
-                await self._post_workload()
+                await self._post_workload(bodies)
                 await self._quiesce()
                 nursery.cancel_scope.cancel()
             await self._check()
@@ -177,25 +197,42 @@ class Run:
         self._check_logs()
         return self.result
 
-    async def _post_workload(self) -> None:
+    def _bodies(self) -> list[bytes]:
+        """A short window and 4 to 8 re-sends of it, and one large body that overlaps them."""
         base = workload.window(self.seed, first_minute=0, minutes=self.rng.randint(30, 240))
         documents = [base]
         for n in range(self.rng.randint(4, 8)):
             documents.append(workload.variant(base, self.rng.choice(workload.VARIANTS), n))
         bodies = [workload.encode(doc, self.seed + n) for n, doc in enumerate(documents)]
+        size = workload.body_bytes(self.rng)
+        large = workload.big_body(self.seed + len(bodies), target_bytes=size)
+        bodies.insert(self.rng.randint(0, len(bodies)), large)
+        return bodies
+
+    async def _post_workload(self, bodies: list[bytes]) -> None:
         async with httpx.AsyncClient(timeout=30) as client, trio.open_nursery() as nursery:
             for n, body in enumerate(bodies):
                 key = f"k{self.seed}-{n}" if self.rng.random() < 0.5 else None
-                nursery.start_soon(self._post, client, body, key)
+                # Where a cancelled first attempt stops: a fraction of the body, or 1.0 for
+                # all of it (cancelled while waiting for the reply).
+                stop = self.rng.choice((self.rng.random(), 1.0))
+                cancel = stop if "cancel" in self.kinds and self.rng.random() < 0.5 else None
+                nursery.start_soon(self._post, client, body, key, cancel)
                 if self.rng.random() < 0.5:
                     await trio.sleep(self.rng.uniform(0, 0.2))
 
-    async def _post(self, client: httpx.AsyncClient, body: bytes, key: str | None) -> None:
+    async def _post(
+        self, client: httpx.AsyncClient, body: bytes, key: str | None, cancel: float | None
+    ) -> None:
         headers = {"Authorization": f"Bearer {self.token}", "automation-aggregation": "minutes"}
         if key is not None:
             headers["Idempotency-Key"] = key
         for attempt in range(POST_ATTEMPTS):
             service = await self._running()
+            if cancel is not None:
+                await self._cancelled_post(service.url, body, headers, cancel)
+                cancel = None
+                continue
             try:
                 response = await client.post(
                     service.url + "/v1/deliveries", content=body, headers=headers
@@ -215,8 +252,35 @@ class Run:
                 self.keys[key] = receipt["sha256"]
             self.result.deliveries += 1
             self.result.bytes += len(body)
+            self.result.largest = max(self.result.largest, len(body))
             return
         self.result.broken.append("a delivery was never accepted")
+
+    async def _cancelled_post(
+        self, url: str, body: bytes, headers: dict[str, str], stop: float
+    ) -> None:
+        """A post given up part-way, as by a phone that loses its network: the upload is
+        cancelled after ``stop`` of its chunks, or once all were sent, before the reply."""
+        chunks = range(0, len(body), UPLOAD_CHUNK)
+        sent = int(stop * len(chunks))
+        with trio.CancelScope() as scope:
+
+            async def upload() -> AsyncIterator[bytes]:
+                for n, start in enumerate(chunks):
+                    if n == sent:
+                        scope.cancel()
+                        await trio.lowlevel.checkpoint()
+                    yield body[start : start + UPLOAD_CHUNK]
+                scope.cancel()
+
+            async with httpx.AsyncClient(timeout=30) as client:
+                with contextlib.suppress(httpx.TransportError):
+                    await client.post(
+                        url + "/v1/deliveries",
+                        content=upload(),
+                        headers={**headers, "Content-Length": str(len(body))},
+                    )
+        self.result.faults["cancel"] += 1
 
     async def _running(self) -> _Service:
         """The service, restarted (without faults) if a fault killed it."""
@@ -247,18 +311,39 @@ class Run:
         self.result.faults["steal"] += 1
         done = await trio.run_process(self._cli("reindex"), check=False, capture_stderr=True)
         if done.returncode != 0:
-            self.result.broken.append("a concurrent reindex failed")
+            self.reindex_failure = done.stderr.decode(errors="replace")
 
-    async def _dropping_follower(self) -> None:
+    async def _interrupted_follower(self) -> None:
+        """A follower whose sessions end part-way and resume from its replica: dropped on a
+        timer, or cancelled right after it applied its n-th event, before acknowledging it."""
         replica = self.data.path.parent / f"replica-{self.seed}"
         with Replica(replica) as store:
             while True:
                 service = await self._running()
-                follower = Follower(Endpoints.parse(service.url), self.token, store, "chaos")
-                with trio.move_on_after(self.rng.uniform(0.1, 0.8)):
-                    await follower.run()
-                self.result.faults["drop"] += 1
+                cancelling = "cancel" in self.kinds and (
+                    "drop" not in self.kinds or self.rng.random() < 0.5
+                )
+                if cancelling:
+                    await self._follow(store, service.url, self.rng.randint(1, 40))
+                else:
+                    with trio.move_on_after(self.rng.uniform(0.1, 0.8)):
+                        await self._follow(store, service.url, None)
+                self.result.faults["cancel" if cancelling else "drop"] += 1
                 await trio.sleep(self.rng.uniform(0, 0.3))
+
+    async def _follow(self, store: Replica, url: str, cancel_after: int | None) -> None:
+        """Follow until cancelled from outside, or until ``cancel_after`` events applied."""
+        applied = 0
+        with trio.CancelScope() as scope:
+
+            def on_event(seq: int) -> None:
+                nonlocal applied
+                applied += 1
+                if applied == cancel_after:
+                    scope.cancel()
+
+            follower = Follower(Endpoints.parse(url), self.token, store, "chaos", on_event=on_event)
+            await follower.run()
 
     async def _quiesce(self) -> None:
         headers = {"Authorization": f"Bearer {self.token}"}
@@ -280,6 +365,9 @@ class Run:
     async def _check(self) -> None:
         with self.data.open_journal() as journal:
             metas = journal.iter_order()
+            stamps = [m.received_at for m in sorted(metas, key=lambda m: m.id)]
+            if any(a > b for a, b in itertools.pairwise(stamps)):
+                self.result.broken.append("journal stamps went back in append order")
             by_sha = {m.sha256: m.id for m in metas}
             self.result.lost = sum(1 for sha in self.accepted if sha not in by_sha)
             if self.result.lost:
@@ -302,15 +390,14 @@ class Run:
     async def _compare_projection(self) -> None:
         logged = self.log.read_text(errors="replace")
         if "healthlog reindex" in logged:
-            command = [
-                sys.executable,
-                "-m",
-                "healthlog.cli",
-                "reindex",
-                "--data",
-                str(self.data.path),
-            ]
-            await trio.run_process(command, capture_stderr=True)
+            # The service stops meanwhile: a clock it jumped alone would take the reindex's
+            # lease (see _check_logs); it comes back with the true clock for the follower.
+            assert self.service is not None
+            await self.service.stop()
+            done = await trio.run_process(self._cli("reindex"), check=False, capture_stderr=True)
+            if done.returncode != 0:
+                self.result.broken.append("the reindex the service asked for failed")
+            await self.start_service(with_faults=False)
         elif self.result.reordered:
             self.result.broken.append("folds left journal order without a warning")
         with self.data.open_journal() as journal, self.data.open_store() as store:
@@ -342,6 +429,12 @@ class Run:
                 self.result.broken.append(f"ERROR logged: {line[:160]}")
             if workload.LEAK_MARKER in line or self.token in line:
                 self.result.broken.append("a value or token reached a log record")
+        # The service's clock jumps alone, so a forward jump beyond the reindex's term makes
+        # its lease look expired there (as a machine-wide step would), and a backward one can
+        # cut its expiry; the reindex then loses the lease and fails before its swap, safely.
+        lost_to_a_jump = self.result.faults["clock"] > 0 and "lease" in (self.reindex_failure or "")
+        if self.reindex_failure is not None and not lost_to_a_jump:
+            self.result.broken.append("a concurrent reindex failed")
 
 
 _FIRED = re.compile(r"fault injected at ([a-z_.]+) ")
@@ -365,20 +458,26 @@ class Summary:
 
     def table(self) -> str:
         lines = [
-            f"{'seed':>10} {'faults':<40} {'crashes':>7} {'deliv':>5} {'bytes':>10} {'lost':>4}"
-            f" {'mism':>4} {'reord':>5}  result"
+            f"{'seed':>10} {'faults':<40} {'crashes':>7} {'deliv':>5} {'bytes':>10}"
+            f" {'max MiB':>7} {'lost':>4} {'mism':>4} {'reord':>5}  result"
         ]
         for r in self.runs:
             faults = ",".join(f"{k}={v}" for k, v in sorted(r.faults.items())) or "-"
             lines.append(
                 f"{r.seed:>10} {faults:<40} {r.crashes:>7} {r.deliveries:>5} {r.bytes:>10}"
-                f" {r.lost:>4} {r.mismatched:>4} {r.reordered:>5}  "
+                f" {r.largest / 2**20:>7.1f} {r.lost:>4} {r.mismatched:>4} {r.reordered:>5}  "
                 + ("ok" if not r.broken else "; ".join(r.broken)[:200])
             )
         by_kind: Counter[str] = Counter()
         for r in self.runs:
             by_kind.update(r.faults)
         lines.append("faults by kind: " + ", ".join(f"{k} {by_kind[k]}" for k in KINDS))
+        largest = [r.largest for r in self.runs if r.largest]
+        if largest:
+            lines.append(
+                f"largest body per run: {min(largest) / 2**20:.1f} to"
+                f" {max(largest) / 2**20:.1f} MiB"
+            )
         lines.append(
             f"chaos: runs {len(self.runs)}, faults injected {sum(by_kind.values())},"
             f" crashes {sum(r.crashes for r in self.runs)},"

@@ -4,7 +4,8 @@ A plan is JSON in the ``HEALTHLOG_FAULT_PLAN`` environment variable, read by eve
 that has fault points (the service and its fold workers):
 ``{"fold.object_write": {"hits": [3], "do": "busy"}, "journal.append": {"hits": [2, 5],
 "do": "delay", "seconds": 0.2}}``. Kinds: ``busy`` (an injected SQLITE_BUSY), ``ioerror``,
-``delay``, and ``kill`` (SIGKILL of the serving process, named by ``HEALTHLOG_SERVE_PID``).
+``delay``, ``kill`` (SIGKILL of the serving process, named by ``HEALTHLOG_SERVE_PID``), and
+``clock`` (the process's wall clock jumps by a signed ``seconds``, as an NTP step does).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Any
 
 import orjson
 
-from healthlog import faults
+from healthlog import clock, faults
 from healthlog.storage._sqlite import Deferred, StorageError
 
 PLAN_ENV = "HEALTHLOG_FAULT_PLAN"
 SERVE_PID_ENV = "HEALTHLOG_SERVE_PID"
-KINDS = ("busy", "ioerror", "delay", "kill")
+KINDS = ("busy", "ioerror", "delay", "kill", "clock")
 
 
 class InjectedIOError(StorageError):
@@ -46,6 +47,9 @@ def _action(spec: Mapping[str, Any]) -> Callable[[str], None]:
         return lambda name: time.sleep(seconds)
     if kind == "kill":
         return _kill
+    if kind == "clock":
+        shift = float(spec["seconds"])
+        return lambda name: clock.jump(shift)
     raise ValueError(f"unknown fault kind {kind!r}; choose from {', '.join(KINDS)}")
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import attrs
 
+from healthlog import clock
 from healthlog.fold import BudgetExceeded
 from healthlog.folding import FoldPass
 from healthlog.storage._sqlite import StorageError
@@ -58,7 +59,7 @@ def run_pass(
     guard: bool = True,
     budget: Budget = Budget(),
     progress: Progress | None = None,
-    now: Callable[[], int] = lambda: time.time_ns() // 1000,
+    now: Callable[[], int] = clock.now_us,
 ) -> FoldPass[DeliveryMeta]:
     """Fold every pending delivery in journal order until the end, a deferral or a fence."""
     try:

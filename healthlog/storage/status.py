@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import time
-
+from healthlog import clock
 from healthlog.documents import (
     DeliveryCounts,
     JournalFigures,
@@ -25,7 +24,7 @@ def collect_status(journal: Journal, store: Store, public_key: str | None = None
     oldest = waiting[0] if waiting else None
     mark = store.mark(LAG_MARK) or {}
     lease = store.lease()
-    now = time.time_ns() // 1000
+    now = clock.now_us()
     window_start, head = store.event_window()
     return Status(
         journal=JournalFigures(deliveries, size),

@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import orjson
 
-from healthlog import faults
+from healthlog import clock, faults
 from healthlog.fold import FAILED, BudgetExceeded, DeliveryFold, DeliveryInfo, Outcome
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.merge import Counters
@@ -89,6 +88,9 @@ MIGRATIONS = (
     """
     ALTER TABLE events ADD COLUMN at INTEGER NOT NULL DEFAULT 0;
     INSERT INTO marks (key, value) VALUES ('stream', json_quote(lower(hex(randomblob(16)))));
+    """,
+    """
+    ALTER TABLE lease ADD COLUMN term INTEGER NOT NULL DEFAULT 0;
     """,
 )
 
@@ -194,22 +196,38 @@ class Store(_objects.ObjectDatabase):
     def acquire_lease(self, holder: str, *, now: int, ttl: int, force: bool = False) -> int | None:
         """Take or renew the fold lease; return the epoch held, or None if someone else holds it.
 
-        A takeover (a new holder, an expired lease, or ``force``) increments the epoch.
+        A takeover (a new holder, an expired lease, or ``force``) increments the epoch. An
+        expiry further ahead than one term (the holder's or ours, whichever is longer) was
+        written by a clock that has since jumped back: it is cut to one term from now, so a
+        dead holder's lease frees within a term, while a live holder keeps it by renewing.
         """
         with self._lock, write_transaction(self._conn):
-            current, epoch, expires_at = self._conn.execute(
-                "SELECT holder, epoch, expires_at FROM lease WHERE name = ?", (FOLD_LEASE,)
+            current, epoch, expires_at, term = self._conn.execute(
+                "SELECT holder, epoch, expires_at, term FROM lease WHERE name = ?", (FOLD_LEASE,)
             ).fetchone()
             if current == holder and expires_at > now and not force:
                 self._conn.execute(
-                    "UPDATE lease SET expires_at = ? WHERE name = ?", (now + ttl, FOLD_LEASE)
+                    "UPDATE lease SET expires_at = ?, term = ? WHERE name = ?",
+                    (now + ttl, ttl, FOLD_LEASE),
                 )
                 return int(epoch)
             if current is not None and current != holder and expires_at > now and not force:
+                longest = max(term, ttl)
+                if expires_at > now + longest:
+                    log.warning(
+                        "fold lease expires %.1f s ahead, beyond its term: cut to %.1f s",
+                        (expires_at - now) / 1e6,
+                        longest / 1e6,
+                    )
+                    self._conn.execute(
+                        "UPDATE lease SET expires_at = ? WHERE name = ?",
+                        (now + longest, FOLD_LEASE),
+                    )
                 return None
             self._conn.execute(
-                "UPDATE lease SET holder = ?, epoch = epoch + 1, expires_at = ? WHERE name = ?",
-                (holder, now + ttl, FOLD_LEASE),
+                "UPDATE lease SET holder = ?, epoch = epoch + 1, expires_at = ?, term = ?"
+                " WHERE name = ?",
+                (holder, now + ttl, ttl, FOLD_LEASE),
             )
             return int(epoch) + 1
 
@@ -446,8 +464,21 @@ class Store(_objects.ObjectDatabase):
                         " WHERE NOT EXISTS (SELECT 1 FROM main.outcomes o"
                         " WHERE o.delivery_id = n.delivery_id) ORDER BY received_at, delivery_id"
                     ).fetchall()
-                    self._conn.execute("DELETE FROM main.objects")
-                    self._conn.execute("INSERT INTO main.objects SELECT * FROM rebuilt.objects")
+                    # Only rows that differ are written: after a rebuild most are equal, and
+                    # rewriting every object would copy the whole store through the WAL.
+                    self._conn.execute(
+                        "DELETE FROM main.objects WHERE NOT EXISTS (SELECT 1 FROM rebuilt.objects n"
+                        " WHERE n.metric = objects.metric AND n.layer = objects.layer"
+                        " AND n.hour = objects.hour)"
+                    )
+                    self._conn.execute(
+                        "INSERT OR REPLACE INTO main.objects SELECT * FROM rebuilt.objects n"
+                        " WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE o.metric = n.metric"
+                        " AND o.layer = n.layer AND o.hour = n.hour AND o.units IS n.units"
+                        " AND o.first = n.first AND o.last = n.last AND o.points = n.points"
+                        " AND o.created_by = n.created_by AND o.hash = n.hash"
+                        " AND o.sealed = n.sealed AND o.body = n.body)"
+                    )
                     self._conn.execute("DELETE FROM main.outcomes")
                     self._conn.execute(
                         "INSERT INTO main.outcomes SELECT delivery_id, received_at, automation,"
@@ -471,6 +502,28 @@ class Store(_objects.ObjectDatabase):
             finally:
                 self._conn.execute("DETACH DATABASE rebuilt")
         return len(changed)
+
+    def record_outcomes(self, folded: Sequence[tuple[DeliveryMeta, Outcome]], epoch: int) -> None:
+        """Record outcomes a partitioned rebuild put together, in journal order, as its folds
+        would have (outcome, checkpoint, ``delivery.folded`` event), in one fenced transaction."""
+        with self._lock, write_transaction(self._conn):
+            self._check_epoch(epoch)
+            for meta, outcome in folded:
+                self._write_outcome(meta, outcome, epoch)
+
+    def absorb_objects(self, part: str | os.PathLike[str], epoch: int) -> None:
+        """Copy every object of a rebuild partition's file (the store's schema) into this store."""
+        with self._lock:
+            self._conn.execute("ATTACH DATABASE ? AS part", (os.fspath(part),))
+            try:
+                with write_transaction(self._conn):
+                    self._check_epoch(epoch)
+                    self._conn.execute(
+                        f"INSERT INTO main.objects ({_objects.COLUMNS})"
+                        f" SELECT {_objects.COLUMNS} FROM part.objects"
+                    )
+            finally:
+                self._conn.execute("DETACH DATABASE part")
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -567,6 +620,47 @@ class Store(_objects.ObjectDatabase):
             for seq, event_id, kind, payload in rows
         ]
 
+    def replay_page(
+        self, after: int, limit: int, max_bytes: int
+    ) -> list[tuple[Event, HourlyObject | None]]:
+        """Up to ``limit`` events with ``seq > after`` in sequence order, each with the current
+        state of the object an ``object.changed`` event names (None when it no longer exists,
+        and for other kinds), read in one statement: one snapshot, one trip to this thread.
+
+        The page ends early once the object bodies read reach ``max_bytes`` (at least one
+        event), so a page of large objects stays bounded. The event names its hour as ISO
+        text, the objects table in microseconds; an unreadable hour matches no object.
+        """
+        rows = []
+        size = 0
+        with self._lock:
+            cursor = self._conn.execute(
+                "SELECT e.seq, e.id, e.kind, e.payload, o.metric, o.layer, o.hour, o.units,"
+                " o.body, o.hash, o.first, o.last, o.points, o.created_by, o.sealed"
+                " FROM events AS e LEFT JOIN objects AS o ON e.kind = 'object.changed'"
+                " AND o.metric = json_extract(e.payload, '$.metric')"
+                " AND o.layer = json_extract(e.payload, '$.layer')"
+                " AND o.hour = CAST(strftime('%s', json_extract(e.payload, '$.hour')) AS INTEGER)"
+                " * 1000000"
+                " WHERE e.seq > ? ORDER BY e.seq LIMIT ?",
+                (after, limit),
+            )
+            try:
+                for row in cursor:
+                    rows.append(row)
+                    size += len(row[8] or b"")  # o.body, None when no object matched
+                    if size >= max_bytes:
+                        break
+            finally:
+                cursor.close()
+        return [
+            (
+                Event(seq, event_id, kind, orjson.loads(payload)),
+                None if state[0] is None else _objects.row_to_object(state),
+            )
+            for seq, event_id, kind, payload, *state in rows
+        ]
+
     def event_window(self) -> tuple[int, int]:
         """(oldest retained seq - 1, head seq): a cursor in that range can be replayed."""
         with self._lock:
@@ -647,4 +741,4 @@ def _folded_event(delivery_id: int, status: str, counters: dict[str, int]) -> di
 
 
 def _now_us() -> int:
-    return time.time_ns() // 1000
+    return clock.now_us()

@@ -1,0 +1,49 @@
+"""The wall clock and its injected jumps (specs/chaos.md)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from healthlog import clock, faults
+from healthlog.storage import faultplan
+from healthlog.storage.journal import Journal, NewDelivery
+
+HOUR_US = 3600 * 10**6
+
+
+def test_clock_fault_jumps_the_wall_clock_and_journal_stamps_stay_ordered_chaos_4(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CHAOS-4: a ``clock`` fault steps the process's wall clock by its signed seconds at the
+    named hit; deliveries journaled after a backward step are stamped no earlier than those
+    before it."""
+    caplog.set_level(logging.INFO, logger="healthlog.faults")
+    plan = faultplan.from_spec(
+        {
+            "lease.renew": {"hits": [2], "do": "clock", "seconds": 3600},
+            "journal.append": {"hits": [2], "do": "clock", "seconds": -7200},
+        }
+    )
+    with Journal(tmp_path / "journal.sqlite") as journal, faults.loaded(plan):
+        try:
+            faults.point("lease.renew")
+            assert abs(clock.now_us() - time.time_ns() // 1000) < HOUR_US // 2
+            faults.point("lease.renew")
+            assert clock.now_us() - time.time_ns() // 1000 > HOUR_US // 2
+            stamps = []
+            for n in range(3):
+                faults.point("journal.append")
+                stamps.append(journal.append(NewDelivery(b"{}", f"c{n}")).received_at)
+            assert time.time_ns() // 1000 - clock.now_us() > HOUR_US // 2
+        finally:
+            clock.jump(3600)
+    assert stamps == sorted(stamps)
+    assert abs(clock.now_us() - time.time_ns() // 1000) < HOUR_US // 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "fault injected at lease.renew (hit 2)",
+        "fault injected at journal.append (hit 2)",
+    ]
