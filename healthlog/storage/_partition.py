@@ -29,7 +29,7 @@ import sqlite3
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -357,6 +357,9 @@ class _Run:
         """Start a task for each idle partition with anything waiting; hold reading back while
         too much waits."""
         while True:
+            self._reap(
+                [part for part in self.parts if part.running is not None and part.running.done()]
+            )
             for part in self.parts:
                 if part.running is None and part.waiting:
                     self._start(part)
@@ -378,14 +381,18 @@ class _Run:
     def _wait(self) -> None:
         running = {part.running: part for part in self.parts if part.running is not None}
         done, _ = concurrent.futures.wait(running, POLL_S, concurrent.futures.FIRST_COMPLETED)
-        for future in done:
-            part = running[future]
-            for delivery_id, counters in future.result():
+        self._reap(running[future] for future in done)
+        self._report()
+
+    def _reap(self, parts: Iterable[_Part]) -> None:
+        """Take the results of the partitions' finished tasks, leaving them idle."""
+        for part in parts:
+            assert part.running is not None
+            for delivery_id, counters in part.running.result():
                 self._folded.setdefault(delivery_id, []).append(counters)
             for _ in range(part.running_count):
                 part.positions.popleft()
             part.running, part.running_count = None, 0
-        self._report()
 
     def _report(self) -> None:
         if self._progress is not None:
@@ -434,8 +441,5 @@ def _spacing(group: hae.MetricGroup) -> int | None:
     """The smallest gap between the starts the metric's points bring to its spacing."""
     starts = []
     for array in group.arrays:
-        for element in msgspec.json.decode(array, type=list[msgspec.Raw]):
-            start = layers.spacing_start(element)
-            if start is not None:
-                starts.append(start)
+        starts.extend(layers.spacing_starts(array))
     return layers.smallest_spacing(starts)
