@@ -30,9 +30,6 @@ from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import TokenError
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
-from transport.chaos import run_chaos
-from transport.follow import FollowError, follow
-from transport.serve import serve
 
 IMPORT_CLIENT = "cli:import"
 
@@ -166,7 +163,14 @@ def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
     return 0
 
 
+# The web stack (transport) is imported only by the commands that use it: each fold worker
+# process starts by re-running the console script (multiprocessing's spawn), and would
+# otherwise spend a third of a second of CPU importing quart and hypercorn it never uses.
+
+
 async def _serve(data: DataDir, config: ServeConfig) -> None:
+    from transport.serve import serve
+
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve, data, config)
         print(f"healthlog serving on {url} (data in {data.path})", flush=True)
@@ -196,6 +200,8 @@ def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
+    from transport.follow import FollowError, follow
+
     with Replica(args.replica) as replica:
         try:
             trio.run(
@@ -218,6 +224,8 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
+    from transport.chaos import run_chaos
+
     logging.getLogger("healthlog").setLevel(logging.ERROR)
     summary = trio.run(run_chaos, args.seed, args.runs, args.minutes, None)
     print(summary.table())

@@ -9,9 +9,12 @@ import logging
 import math
 import os
 import sqlite3
+import subprocess
+import sys
 import time
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -258,12 +261,12 @@ async def test_a_failed_selection_ends_the_pass_not_the_loop_run_21(
         iter_order = runtime.journal.iter_order
         calls = 0
 
-        def fails_once() -> object:
+        def fails_once(**where: Any) -> object:
             nonlocal calls
             calls += 1
             if calls == 1:
                 raise StorageError("database error: disk I/O error")
-            return iter_order()
+            return iter_order(**where)
 
         monkeypatch.setattr(runtime.journal, "iter_order", fails_once)
         await passes_ended(runtime, 1)
@@ -490,3 +493,19 @@ async def test_fold_workers_run_nicer_than_the_service_run_28(tmp_path: Path) ->
     assert started
     own = os.getpriority(os.PRIO_PROCESS, 0)
     assert set(started.values()) == {min(19, own + WORKER_NICENESS)}
+
+
+def test_fold_workers_start_without_the_web_stack_run_29() -> None:
+    """RUN-29: re-running the ``healthlog`` console script as ``__mp_main__``, as the spawn of
+    every fold worker does, imports neither quart nor hypercorn."""
+    script = Path(sys.executable).with_name("healthlog")
+    probe = (
+        "import runpy, sys\n"
+        f"runpy.run_path({str(script)!r}, run_name='__mp_main__')\n"
+        "import healthlog.storage.worker\n"
+        "print(sorted({'quart', 'hypercorn'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout.strip() == "[]"

@@ -701,3 +701,16 @@ def test_a_body_encoded_while_it_streams_in_is_journaled_as_a_whole_one_journal_
     assert journal.read_body(receipt.delivery_id) == body
     again = journal.append(NewDelivery(body=body, client="phone", idempotency_key=key))
     assert again == attrs.evolve(receipt, replayed=True)
+
+
+def test_metadata_of_a_run_and_the_span_up_to_a_position_journal_30(journal: Journal) -> None:
+    """JOURNAL-30: get_metas reads several ids at once; span_through counts and sums the ids
+    at or before a position in journal order."""
+    first, second, third = (
+        journal.append(delivery(b"{}", received_at=stamp)).delivery_id for stamp in (100, 300, 200)
+    )
+    metas = journal.get_metas([first, second, third, third + 1])
+    assert metas == {i: journal.get_meta(i) for i in (first, second, third)}
+    assert journal.span_through((200, third)) == (2, first + third)
+    assert journal.span_through((100, first - 1)) == (0, 0)
+    assert journal.span_through((300, second)) == (3, first + second + third)

@@ -269,3 +269,35 @@ def test_takeover_mid_pass_stops_it_fold_9(journal: Journal, store: Store, epoch
     assert store.folded_ids() == {first.id}
     assert store.mark(LAG_MARK) is None
     assert store.mark(FIRST_PASS_MARK) is None
+
+
+def test_selection_reads_past_the_checkpoint_and_behind_it_when_something_is_missing_fold_12(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """FOLD-12: with everything up to the checkpoint folded, the selection is what came after
+    it; a backfill journaled behind the checkpoint, or a delivery behind it left unwritten, is
+    selected too, in journal order."""
+    first, second, third = three(journal)
+    assert ended(run_pass(journal, store, epoch)) == (3, [], "empty", None)
+    later = [
+        append(journal, delivery(body({"hr": [point(n, n)]}), received_at=BASE_US + n))
+        for n in (10, 11)
+    ]
+    assert [m.id for m in pending(journal, store)] == [m.id for m in later]
+
+    backfill = append(journal, delivery(body({"hr": [point(5, 5)]}), received_at=BASE_US + 5))
+    assert [m.id for m in pending(journal, store)] == [backfill.id, *[m.id for m in later]]
+
+    with faults.loaded(plan(fold__outcome_write=({1}, StorageError))):
+        assert ended(run_pass(journal, store, epoch)) == (2, [backfill.id], "unwritten", None)
+    assert store.checkpoint()[1] == later[-1].id
+    assert [m.id for m in pending(journal, store)] == [backfill.id]
+    assert ended(run_pass(journal, store, epoch)) == (1, [], "empty", None)
+    assert pending(journal, store) == []
+    assert store.folded_ids() == {
+        first.id,
+        second.id,
+        third.id,
+        backfill.id,
+        *(m.id for m in later),
+    }

@@ -193,8 +193,18 @@ class IntakeEndpoint:
         return _answer(200, _receipt(receipt), _replayed(receipt))
 
     async def _read_body(self, body: _Body) -> EncodedBody:
-        """The whole body, encoded; large bodies are encoded in a thread while they arrive."""
+        """The whole body, encoded; large bodies are encoded in a thread while they arrive.
+
+        A small body that comes in one message (a small delivery usually does) is encoded at
+        once, without the hand-over's nursery and channel.
+        """
         encoder = self._runtime.journal.encoder()
+        message = await body.next()
+        chunk: bytes = message.get("body", b"")
+        whole = not message.get("more_body", False)
+        if whole and len(chunk) < BATCH_BYTES and len(chunk) <= self._limit:
+            encoder.feed(chunk)
+            return encoder.finish()
         batches, to_encode = trio.open_memory_channel[list[bytes]](1)
         batch: list[bytes] = []
         batched = received = 0
@@ -203,12 +213,7 @@ class IntakeEndpoint:
         async with trio.open_nursery() as nursery, batches:
             more = True
             while more:
-                try:
-                    message = await body.next()
-                except (_Refused, _Disconnected) as exc:
-                    failure = exc
-                    break
-                chunk: bytes = message.get("body", b"")
+                chunk = message.get("body", b"")
                 more = bool(message.get("more_body", False))
                 received += len(chunk)
                 if received > self._limit:
@@ -224,6 +229,12 @@ class IntakeEndpoint:
                         threaded = True
                     await batches.send(batch)
                     batch, batched = [], 0
+                if more:
+                    try:
+                        message = await body.next()
+                    except (_Refused, _Disconnected) as exc:
+                        failure = exc
+                        break
         # Raised here, not in the nursery, so that it is not wrapped in an exception group.
         if failure is not None:
             raise failure

@@ -409,6 +409,15 @@ class Journal:
             ).fetchone()
         return None if row is None else _meta(row)
 
+    def get_metas(self, delivery_ids: Sequence[int]) -> dict[int, DeliveryMeta]:
+        """The metadata of those of ``delivery_ids`` that are journaled, in one query."""
+        marks = ", ".join("?" * len(delivery_ids))
+        with self._reading() as conn:
+            rows = conn.execute(
+                f"SELECT {_META_COLUMNS} FROM deliveries WHERE id IN ({marks})", delivery_ids
+            ).fetchall()
+        return {row[0]: _meta(row) for row in rows}
+
     def read_body(self, delivery_id: int) -> bytes:
         """The raw body, byte for byte; :class:`CorruptBody` if it does not match its sha256."""
         with self._reading() as conn:
@@ -455,6 +464,20 @@ class Journal:
                 )
             rows = cursor.fetchall()
         return [_meta(row) for row in rows]
+
+    def span_through(self, position: tuple[int, int]) -> tuple[int, int]:
+        """(number, sum of ids) of the deliveries at or before ``position`` in journal order.
+
+        Read from the order index alone, so a caller can tell cheaply whether every one of them
+        is accounted for elsewhere.
+        """
+        with self._reading() as conn:
+            number, ids = conn.execute(
+                "SELECT count(*), coalesce(sum(id), 0) FROM deliveries"
+                " WHERE (received_at, id) <= (?, ?)",
+                position,
+            ).fetchone()
+        return int(number), int(ids)
 
     def count(self) -> tuple[int, int]:
         """(number of deliveries, total raw bytes)."""

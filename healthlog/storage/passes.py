@@ -46,9 +46,18 @@ class Budget:
 
 
 def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
-    """Journaled deliveries without an outcome, in journal order."""
-    folded = store.folded_ids()
-    return [meta for meta in journal.iter_order() if meta.id not in folded]
+    """Journaled deliveries without an outcome, in journal order.
+
+    Usually every delivery up to the checkpoint has its outcome (the same number and the same
+    sum of ids on both sides), and only the journal past it is read: a pass then costs what is
+    new, not the whole journal. Otherwise (one left unwritten, a backfill journaled behind the
+    checkpoint, a checkpoint moved back) the whole journal is read.
+    """
+    position, folded_through, folded_after = store.folded_split()
+    if position is None or journal.span_through(position) != folded_through:
+        folded = store.folded_ids()
+        return [meta for meta in journal.iter_order() if meta.id not in folded]
+    return [meta for meta in journal.iter_order(after=position) if meta.id not in folded_after]
 
 
 def run_pass(

@@ -531,6 +531,37 @@ class Store(_objects.ObjectDatabase):
         with self._lock:
             return {row[0] for row in self._conn.execute("SELECT delivery_id FROM outcomes")}
 
+    def folded_split(self) -> tuple[tuple[int, int] | None, tuple[int, int], set[int]]:
+        """The checkpoint's position, (number, sum of ids) of the outcomes at or before it in
+        journal order, and the ids of those after it, read in one transaction."""
+        with self._lock:
+            self._conn.execute("BEGIN")
+            try:
+                received_at, delivery_id = self._conn.execute(
+                    "SELECT received_at, delivery_id FROM checkpoint WHERE id = 1"
+                ).fetchone()
+                if received_at is None:
+                    position = None
+                    through = (0, 0)
+                    rows = self._conn.execute("SELECT delivery_id FROM outcomes")
+                else:
+                    position = (int(received_at), int(delivery_id))
+                    number, ids = self._conn.execute(
+                        "SELECT count(*), coalesce(sum(delivery_id), 0) FROM outcomes"
+                        " WHERE (received_at, delivery_id) <= (?, ?)",
+                        position,
+                    ).fetchone()
+                    through = (int(number), int(ids))
+                    rows = self._conn.execute(
+                        "SELECT delivery_id FROM outcomes"
+                        " WHERE (received_at, delivery_id) > (?, ?)",
+                        position,
+                    )
+                after = {row[0] for row in rows}
+            finally:
+                self._conn.execute("COMMIT")
+        return position, through, after
+
     def outcome(self, delivery_id: int) -> OutcomeRow | None:
         with self._lock:
             row = self._conn.execute(

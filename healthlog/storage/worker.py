@@ -39,28 +39,28 @@ def _open(data_dir: str, busy_timeout_ms: int) -> tuple[Journal, Store]:
     return handles
 
 
-def fold_one(
-    data_dir: str, delivery_id: int, epoch: int, budget: Budget, busy_timeout_ms: int
-) -> FoldReport:
-    """Fold one journaled delivery of ``data_dir`` under lease epoch ``epoch``."""
-    journal, store = _open(data_dir, busy_timeout_ms)
-    meta = journal.get_meta(delivery_id)
-    if meta is None:
-        return FoldReport(delivery_id, OutcomeClass.UNWRITTEN, reason="not in the journal")
-    return store.fold(journal, meta, epoch, check_budget=budget.checker(meta.bytes))
-
-
 def fold_run(
     data_dir: str, delivery_ids: Sequence[int], epoch: int, budget: Budget, busy_timeout_ms: int
 ) -> list[FoldReport]:
-    """Fold ``delivery_ids`` in order, each as :func:`fold_one` does (its own transaction).
+    """Fold the journaled deliveries ``delivery_ids`` of ``data_dir`` in order under lease
+    epoch ``epoch``, each in its own transaction.
 
     It stops after the first report that is not DONE, which the pass has to judge first; so a
-    run of small deliveries costs one round trip to the worker instead of one each.
+    run of small deliveries costs one round trip to the worker instead of one each, and one
+    read of their metadata.
     """
+    journal, store = _open(data_dir, busy_timeout_ms)
+    metas = journal.get_metas(delivery_ids)
     reports: list[FoldReport] = []
     for delivery_id in delivery_ids:
-        reports.append(fold_one(data_dir, delivery_id, epoch, budget, busy_timeout_ms))
+        meta = metas.get(delivery_id)
+        if meta is None:
+            reports.append(
+                FoldReport(delivery_id, OutcomeClass.UNWRITTEN, reason="not in the journal")
+            )
+        else:
+            check = budget.checker(meta.bytes)
+            reports.append(store.fold(journal, meta, epoch, check_budget=check))
         if reports[-1].outcome_class is not OutcomeClass.DONE:
             break
     return reports
