@@ -1,4 +1,4 @@
-"""Folding one delivery in a worker process (the event loop's process never parses a body).
+"""Folding deliveries in a worker process (the event loop's process never parses a body).
 
 A worker keeps its journal and store connections open between calls; killing the worker in
 the middle of a fold rolls its transaction back, as any interrupted SQLite writer does.
