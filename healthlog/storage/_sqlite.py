@@ -148,6 +148,20 @@ def write_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         raise
 
 
+@contextlib.contextmanager
+def read_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """Run the block's reads inside one deferred ``BEGIN`` ... ``COMMIT``, so they see one
+    snapshot of the file; SQLite errors propagate classified (:func:`classify`)."""
+    try:
+        conn.execute("BEGIN")
+        try:
+            yield conn
+        finally:
+            _rollback(conn)
+    except sqlite3.Error as exc:
+        raise classify(exc) from exc
+
+
 def _rollback(conn: sqlite3.Connection) -> None:
     if not conn.in_transaction:
         return

@@ -25,6 +25,7 @@ from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
     Deferred,
     StorageError,
+    read_transaction,
     write_transaction,
 )
 from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
@@ -534,32 +535,27 @@ class Store(_objects.ObjectDatabase):
     def folded_split(self) -> tuple[tuple[int, int] | None, tuple[int, int], set[int]]:
         """The checkpoint's position, (number, sum of ids) of the outcomes at or before it in
         journal order, and the ids of those after it, read in one transaction."""
-        with self._lock:
-            self._conn.execute("BEGIN")
-            try:
-                received_at, delivery_id = self._conn.execute(
-                    "SELECT received_at, delivery_id FROM checkpoint WHERE id = 1"
+        with self._lock, read_transaction(self._conn):
+            received_at, delivery_id = self._conn.execute(
+                "SELECT received_at, delivery_id FROM checkpoint WHERE id = 1"
+            ).fetchone()
+            if received_at is None:
+                position = None
+                through = (0, 0)
+                rows = self._conn.execute("SELECT delivery_id FROM outcomes")
+            else:
+                position = (int(received_at), int(delivery_id))
+                number, ids = self._conn.execute(
+                    "SELECT count(*), coalesce(sum(delivery_id), 0) FROM outcomes"
+                    " WHERE (received_at, delivery_id) <= (?, ?)",
+                    position,
                 ).fetchone()
-                if received_at is None:
-                    position = None
-                    through = (0, 0)
-                    rows = self._conn.execute("SELECT delivery_id FROM outcomes")
-                else:
-                    position = (int(received_at), int(delivery_id))
-                    number, ids = self._conn.execute(
-                        "SELECT count(*), coalesce(sum(delivery_id), 0) FROM outcomes"
-                        " WHERE (received_at, delivery_id) <= (?, ?)",
-                        position,
-                    ).fetchone()
-                    through = (int(number), int(ids))
-                    rows = self._conn.execute(
-                        "SELECT delivery_id FROM outcomes"
-                        " WHERE (received_at, delivery_id) > (?, ?)",
-                        position,
-                    )
-                after = {row[0] for row in rows}
-            finally:
-                self._conn.execute("COMMIT")
+                through = (int(number), int(ids))
+                rows = self._conn.execute(
+                    "SELECT delivery_id FROM outcomes WHERE (received_at, delivery_id) > (?, ?)",
+                    position,
+                )
+            after = {row[0] for row in rows}
         return position, through, after
 
     def outcome(self, delivery_id: int) -> OutcomeRow | None:
@@ -580,13 +576,9 @@ class Store(_objects.ObjectDatabase):
 
     def snapshot(self) -> tuple[set[int], dict[ObjectKey, ObjectSummary]]:
         """The folded delivery ids and the object summaries, read in one transaction."""
-        with self._lock:
-            self._conn.execute("BEGIN")
-            try:
-                folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
-                summaries = self._summaries_locked()
-            finally:
-                self._conn.execute("COMMIT")
+        with self._lock, read_transaction(self._conn):
+            folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
+            summaries = self._summaries_locked()
         return folded, summaries
 
     def counter_totals(self, names: Sequence[str]) -> dict[str, int]:
