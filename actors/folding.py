@@ -25,7 +25,7 @@ import trio
 import trio_parallel
 
 from actors.journal import GONE
-from actors.lease import wall_clock_us
+from healthlog.clock import now_us
 from healthlog.folding import FoldPass, FoldReport, OutcomeClass
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal
@@ -175,7 +175,7 @@ class FoldingActor:
         assert folding.stopped_because is not None
         self._stops[folding.stopped_because] += 1
         await trio.to_thread.run_sync(
-            write_marks, self._journal, self._store, folding, wall_clock_us, limiter=self._limiter
+            write_marks, self._journal, self._store, folding, now_us, limiter=self._limiter
         )
 
     def _time(self, seconds: float) -> None:

@@ -24,10 +24,6 @@ from healthlog.storage.store import Store
 log = logging.getLogger("healthlog.lease")
 
 
-def wall_clock_us() -> int:
-    return now_us()
-
-
 @attrs.frozen
 class LeaseStatistics:
     holder: str
@@ -50,7 +46,7 @@ class LeaseActor:
         *,
         ttl_s: float,
         renew_s: float,
-        clock: Callable[[], int] = wall_clock_us,
+        clock: Callable[[], int] = now_us,
     ) -> None:
         if not 0 < renew_s < ttl_s:
             raise ValueError("the renew interval must be positive and shorter than the TTL")

@@ -12,7 +12,7 @@ import logging
 import attrs
 import trio
 
-from actors.lease import wall_clock_us
+from healthlog.clock import now_us
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.store import Store
 
@@ -49,7 +49,7 @@ class RetentionActor:
     async def run(self) -> None:
         while True:
             await trio.sleep(self._period_s)
-            cutoff = wall_clock_us() - self._max_age_us
+            cutoff = now_us() - self._max_age_us
             try:
                 prune = functools.partial(
                     self._store.prune_events, keep=self._keep, older_than_us=cutoff

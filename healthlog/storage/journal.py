@@ -101,10 +101,6 @@ _META_COLUMNS: Final = (
 )
 
 
-def _wall_clock_us() -> int:
-    return now_us()
-
-
 @attrs.frozen
 class EncodedBody:
     """A body already hashed and encoded as the journal stores it (see :class:`BodyEncoder`)."""
@@ -309,7 +305,7 @@ class Journal:
         self,
         path: str | os.PathLike[str],
         *,
-        clock: Callable[[], int] = _wall_clock_us,
+        clock: Callable[[], int] = now_us,
         compress_min_bytes: int = 1024,
         busy_timeout_ms: int = 5000,
     ) -> None:

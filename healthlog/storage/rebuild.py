@@ -50,10 +50,6 @@ class Difference:
     rebuilt: bytes | None
 
 
-def _now() -> int:
-    return clock.now_us()
-
-
 def rebuild_into(
     journal: Journal,
     path: Path,
@@ -75,7 +71,7 @@ def rebuild_into(
         enough = cores > 1 and sum(meta.bytes for meta in queue) >= PARALLEL_MIN_BYTES
         workers = min(MAX_WORKERS, cores + 1) if enough else 1
     with Store(path, durable=False) as target:
-        epoch = target.acquire_lease("rebuild", now=_now(), ttl=LEASE_TTL_US, force=True)
+        epoch = target.acquire_lease("rebuild", now=clock.now_us(), ttl=LEASE_TTL_US, force=True)
         assert epoch is not None
 
         def fold(meta: DeliveryMeta) -> None:
@@ -149,14 +145,14 @@ def reindex(
     reports progress (at least once a second while worker processes fold), so a reindex
     killed on the way fences the folder for one TTL at most.
     """
-    epoch = store.acquire_lease(holder, now=_now(), ttl=LEASE_TTL_US, force=True)
+    epoch = store.acquire_lease(holder, now=clock.now_us(), ttl=LEASE_TTL_US, force=True)
     assert epoch is not None
     renewed = time.monotonic()
 
     def renewing(done: int, total: int) -> None:
         nonlocal renewed
         if time.monotonic() - renewed > LEASE_RENEW_S:
-            if store.acquire_lease(holder, now=_now(), ttl=LEASE_TTL_US) != epoch:
+            if store.acquire_lease(holder, now=clock.now_us(), ttl=LEASE_TTL_US) != epoch:
                 raise RebuildError(f"the fold lease was lost during the reindex (epoch {epoch})")
             renewed = time.monotonic()
         if progress is not None:

@@ -323,7 +323,7 @@ class Store(_objects.ObjectDatabase):
             self._write_outcome(meta, fold.outcome, epoch)
             faults.point("fold.before_commit")
         if later:
-            waited = max(0, _now_us() - meta.received_at) // 1_000_000
+            waited = max(0, clock.now_us() - meta.received_at) // 1_000_000
             log.warning(
                 "delivery %d folded after a later delivery (waited %d s): the projection no"
                 " longer follows journal order; run `healthlog reindex`",
@@ -433,7 +433,7 @@ class Store(_objects.ObjectDatabase):
     def _event(self, event_id: str, kind: str, payload: dict[str, Any]) -> None:
         self._conn.execute(
             "INSERT INTO events (id, kind, payload, at) VALUES (?, ?, ?, ?)",
-            (event_id, kind, orjson.dumps(payload).decode(), _now_us()),
+            (event_id, kind, orjson.dumps(payload).decode(), clock.now_us()),
         )
 
     # -- rebuild swap (L3) ------------------------------------------------------------------
@@ -761,7 +761,3 @@ def _object_event(
 def _folded_event(delivery_id: int, status: str, counters: dict[str, int]) -> dict[str, Any]:
     """The payload of a ``delivery.folded`` event."""
     return {"delivery_id": delivery_id, "status": status, "counters": counters}
-
-
-def _now_us() -> int:
-    return clock.now_us()
