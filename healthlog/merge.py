@@ -29,7 +29,7 @@ from enum import Enum
 
 import attrs
 
-from healthlog.points import Point, decode_point
+from healthlog.points import Point, point_at, same_content
 
 Coordinates = tuple[int, int]
 
@@ -85,7 +85,7 @@ class Incoming:
 
     def point(self, key: Coordinates) -> Point:
         point = self.decoded.get(key)
-        return decode_point(self.raws[key]) if point is None else point
+        return point_at(self.raws[key], *key) if point is None else point
 
 
 def reduce_delivery(
@@ -111,12 +111,12 @@ def reduce_delivery(
     for i, key in enumerate(keys):
         if key not in shared:
             continue
-        point = decoded.get(i) or decode_point(raws[i])
+        point = decoded.get(i) or point_at(raws[i], *key)
         seen = kept.get(key)
         if seen is None:
             kept[key] = point
             continue
-        if seen.canonical != point.canonical or key in forms:
+        if key in forms or not same_content(seen, point):
             forms.setdefault(key, {seen.canonical}).add(point.canonical)
         if _rank(point) > _rank(seen):
             kept[key] = point
@@ -152,9 +152,9 @@ def merge_points(
             counters.points_new += 1
             changed = True
             continue
-        old = decode_point(old_raw)
+        old = point_at(old_raw, *key)
         point = incoming.point(key)
-        if old.canonical == point.canonical:
+        if same_content(old, point):
             counters.points_unchanged += 1
             continue
         counters.overwrites += 1

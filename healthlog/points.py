@@ -7,7 +7,7 @@ form, which is what collisions are decided on, never the raw bytes.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import orjson
@@ -17,20 +17,50 @@ from healthlog.timestamps import TimestampError, parse_instant
 TIMESTAMP_KEYS = frozenset({"date", "start", "end", "startDate", "endDate"})
 
 _decoder = msgspec.json.Decoder()
+_sorted_encoder = msgspec.json.Encoder(order="sorted")
+_NESTED = frozenset({dict, list})
 
 
 class PointError(ValueError):
     """A point that cannot be folded; the message never carries a value."""
 
 
-class Point(NamedTuple):
-    """One point of one delivery, ready to merge."""
+class Point:
+    """One decoded point of one delivery, ready to merge.
 
-    start: int
-    end: int
-    canonical: bytes
-    completeness: int
-    raw: bytes
+    The canonical form is computed on first use: a meeting of two points is mostly decided by
+    their raw bytes, their completeness or their plain content (see :func:`same_content`).
+    """
+
+    __slots__ = ("_canonical", "_value", "completeness", "end", "raw", "start")
+
+    def __init__(
+        self,
+        start: int,
+        end: int,
+        raw: bytes,
+        completeness: int,
+        *,
+        value: dict[str, Any] | None = None,
+        canonical: bytes | None = None,
+    ) -> None:
+        self.start = start
+        self.end = end
+        self.raw = raw
+        self.completeness = completeness
+        self._value = value
+        self._canonical = canonical
+
+    @property
+    def canonical(self) -> bytes:
+        """The canonical bytes (S4); nesting too deep to compute them rejects the point."""
+        if self._canonical is None:
+            assert self._value is not None
+            try:
+                self._canonical = _encode(_normalise_object(self._value))
+            except RecursionError:
+                raise PointError("point is not valid JSON") from None
+        return self._canonical
 
 
 def instant_of(value: object) -> int:
@@ -115,22 +145,55 @@ def point_object(raw: bytes | msgspec.Raw) -> dict[str, Any]:
 
 
 def decode_point(raw: bytes) -> Point:
-    """Decode one verbatim point into its coordinates, canonical form and completeness."""
+    """Decode one verbatim point into its coordinates, completeness and canonical form."""
     value = point_object(raw)
     start, end = coordinates(value)
-    return content_point(value, start, end, raw)
+    return _lazy_point(value, start, end, raw)
+
+
+def point_at(raw: bytes, start: int, end: int) -> Point:
+    """Decode one verbatim point whose coordinates are known already (stored, or read)."""
+    return _lazy_point(point_object(raw), start, end, raw)
 
 
 def content_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Point:
-    """A point with the canonical form and completeness of its decoded ``value``.
+    """A point with the canonical form and completeness of its decoded ``value``, computed now.
 
     Nesting too deep for the canonical form to be computed rejects the point.
     """
     try:
         normal = _normalise_object(value)
-        return Point(start, end, _encode(normal), len(normal), raw)
+        return Point(start, end, raw, len(normal), canonical=_encode(normal))
     except RecursionError:
         raise PointError("point is not valid JSON") from None
+
+
+def _lazy_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Point:
+    """A flat point (no object or array values) counts its fields without normalising them
+    and leaves its canonical form for later; a nested one is normalised now."""
+    values = list(value.values())
+    if not _NESTED.isdisjoint(map(type, values)):
+        return content_point(value, start, end, raw)
+    # Flat fields normalise to nothing only when null or "" (rule 3: 0 and false count).
+    completeness = len(values) - values.count(None) - values.count("")
+    return Point(start, end, raw, completeness, value=value)
+
+
+def same_content(a: Point, b: Point) -> bool:
+    """Whether two points have the same canonical form, decided as cheaply as possible.
+
+    Equal raw bytes, or equal decoded values (keys sorted, every number and string as it
+    came), have equal canonical forms; a different completeness means different forms. Only
+    what is left compares the canonical forms themselves.
+    """
+    if a.raw == b.raw:
+        return True
+    if a.completeness != b.completeness:
+        return False
+    plain = a._value is not None and b._value is not None
+    if plain and _sorted_encoder.encode(a._value) == _sorted_encoder.encode(b._value):
+        return True
+    return a.canonical == b.canonical
 
 
 def is_empty(value: object) -> bool:

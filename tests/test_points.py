@@ -6,8 +6,18 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from healthlog.points import PointError, canonical_form, completeness, coordinates, decode_point
+from healthlog.points import (
+    PointError,
+    canonical_form,
+    completeness,
+    coordinates,
+    decode_point,
+    point_at,
+    same_content,
+)
 from healthlog.timestamps import parse_instant
 
 FEB_6_15H = parse_instant("2024-02-06 15:00:00 +0000")
@@ -217,3 +227,39 @@ def test_completeness_counts_significant_fields() -> None:
         "hollow": {"a": None, "b": ""},
     }
     assert completeness(value) == 4
+
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(["", "A|B", "2024-02-06 07:00:00 -0800", "2024-02-06 15:00:00 +0000"]),
+    st.sampled_from([0, 1, 46, 46.0, 46.00000000000001, -0.0, 0.1 + 0.2, 0.3, 2**70, 1e20]),
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=2)
+        | st.dictionaries(st.sampled_from(["qty", "date", "x"]), inner, max_size=2)
+    ),
+    max_leaves=4,
+)
+_FIELDS = st.dictionaries(
+    st.sampled_from(["qty", "source", "context", "end", "meta", "date"]), _VALUES, max_size=4
+)
+
+
+@given(_FIELDS, _FIELDS, st.randoms(use_true_random=False))
+def test_meeting_decided_as_canonical_forms_decide(
+    left: dict[str, Any], right: dict[str, Any], rng: Any
+) -> None:
+    """MERGE-23: the cheap answers agree with the canonical forms, in either key order."""
+    for fields in (left, right):
+        fields["start"] = "2024-02-06 15:00:00 +0000"
+        fields.pop("end", None)
+    shuffled = dict(rng.sample(list(left.items()), len(left)))
+    for a, b in ((left, right), (left, shuffled), (shuffled, left)):
+        first = point_at(json.dumps(a).encode(), FEB_6_15H, FEB_6_15H)
+        second = point_at(json.dumps(b).encode(), FEB_6_15H, FEB_6_15H)
+        assert first.completeness == completeness(a)
+        assert same_content(first, second) == (canonical_form(a) == canonical_form(b))
+        assert first.canonical == canonical_form(a)
