@@ -6,10 +6,13 @@ import json
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import msgspec
 import pytest
 from fixtures import MemoryProjection, app_date, fold, make_body, resend
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from healthlog import objects
+from healthlog import hae, objects
 from healthlog.fold import FAILED, PARSED, PARTIAL
 from healthlog.objects import ObjectKey
 from healthlog.points import decode_point
@@ -71,7 +74,7 @@ def test_app_envelope() -> None:
 
 
 def test_sections_beside_data() -> None:
-    """PARSE-34: a section next to `data` at the top level is folded with it."""
+    """PARSE-35: a section next to `data` at the top level is folded with it."""
     workout = {
         "name": "Walk",
         "start": "2024-02-06 07:00:00 -0800",
@@ -349,6 +352,48 @@ def test_whitespace_and_order_anywhere_in_a_large_array(variant: str) -> None:
     assert hashes(projection) == hashes(reference)
     assert outcome.counters.points_rejected == (1 if variant.endswith("rejected") else 0)
     assert outcome.counters.points_new == len(points)
+
+
+_POINT_BYTES = [
+    b'{"date":"%s","qty":1}' % D0.encode(),
+    b'{"qty":2.5,"date":"%s","source":"A|B"}' % D1.encode(),
+    b'{"date":"%s","qty":3}' % D0.encode(),
+    b'{"date":"2024-02-06T15:03:00Z","qty":4}',
+    b'{"date":"2024-02-06","qty":5}',
+    b'{"date":"yesterday","qty":6}',
+    b'{"date":12,"qty":7}',
+    b'{"date":null}',
+    b'{"qty":8}',
+    b'{"start":"%s","end":"%s","qty":9}' % (D0.encode(), D2.encode()),
+    b'{"startDate":"%s","endDate":"%s","value":"Core"}' % (D1.encode(), D2.encode()),
+    b'{"date":"%s","end":"%s"}' % (D2.encode(), D0.encode()),
+    b'{"date":"%s","qty":1E400}' % D2.encode(),
+    b'{"date":"%s","source":"Anna\xff Watch"}' % D2.encode(),
+    b'{"date":"%s","note":"{[x]}"}' % D1.encode(),
+    b'{"date":"%s","meta":{"a":[1]}}' % D0.encode(),
+    b'{"date":"%s","date":"%s"}' % (D0.encode(), D2.encode()),
+    b'"{"',
+    b"7",
+    b"[]",
+]
+
+
+@given(st.lists(st.sampled_from(_POINT_BYTES), max_size=12))
+@settings(max_examples=300)
+def test_flat_reading_agrees_with_point_by_point(raws: list[bytes]) -> None:
+    """PARSE-36: a compact array read a slice at a time (its flat points decoded together)
+    gives exactly what reading each point on its own gives."""
+    fast = b"[%s]" % b",".join(raws)
+    slow = b"[ %s]" % b",".join(raws)
+    for spacing in (False, True):
+        read = [hae.read_series([msgspec.Raw(data)], spacing=spacing) for data in (fast, slow)]
+        assert isinstance(read[0].sources[0], msgspec.Raw)
+        assert isinstance(read[1].sources[0], list)
+        for attribute in ("starts", "ends", "rejected", "spacing"):
+            assert getattr(read[0], attribute) == getattr(read[1], attribute)
+        assert {i: p.canonical for i, p in read[0].decoded.items()} == {
+            i: p.canonical for i, p in read[1].decoded.items()
+        }
 
 
 def test_sleep_segments_sharing_a_start() -> None:
