@@ -72,7 +72,9 @@ class DeliveryFold:
     """Fold one delivery: iterate :meth:`writes`, then read :attr:`outcome`.
 
     Collisions, unit mismatches and sealed writes are logged at WARNING, or at DEBUG when
-    ``warn`` is off (a rebuild, which would only repeat what the live fold said).
+    ``warn`` is off (a rebuild, which would only repeat what the live fold said). With
+    ``measure`` on, :attr:`spacing` is the smallest spacing of the delivery's metrics even when
+    the layer did not need it (a partitioned rebuild checks the layers it assumed).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class DeliveryFold:
         check_budget: Callable[[], None] = lambda: None,
         *,
         warn: bool = True,
+        measure: bool = False,
     ) -> None:
         self._body = body
         self._warn_level = logging.WARNING if warn else logging.DEBUG
@@ -93,6 +96,8 @@ class DeliveryFold:
         self._rejections: Counter[str] = Counter()
         self._layer: str | None = None
         self._failure: str | None = None
+        self._measure = measure
+        self.spacing: int | None = None
         self.outcome: Outcome | None = None
 
     def writes(self) -> Iterator[HourlyObject]:
@@ -119,7 +124,8 @@ class DeliveryFold:
                 group = envelope.metrics.pop(name)
                 series = read.pop(name, None)
                 if series is None:
-                    series = hae.read_series(group.arrays, spacing=False)
+                    series = hae.read_series(group.arrays, spacing=self._measure)
+                    self._measured(series)
                 units = self._units(group.units)
                 yield from self._fold_series(name, self._layer, units, series)
         for section in sorted(envelope.sections):
@@ -135,11 +141,15 @@ class DeliveryFold:
             return layer
         for name, group in envelope.metrics.items():
             read[name] = hae.read_series(group.arrays, spacing=True)
-        spacings = [series.spacing for series in read.values() if series.spacing]
-        layer = layers.layer_from_spacing(min(spacings, default=None))
+            self._measured(read[name])
+        layer = layers.layer_from_spacing(self.spacing)
         if layer is not None:
             return layer
         return self._projection.inherited_layer()
+
+    def _measured(self, series: hae.Series) -> None:
+        if series.spacing and (self.spacing is None or series.spacing < self.spacing):
+            self.spacing = series.spacing
 
     def _units(self, entries: list[str | None]) -> str | None:
         present = sorted({u for u in entries if u is not None})

@@ -321,13 +321,15 @@ class _Reading:
     ends: dict[int, int] = attrs.Factory(dict)
     rejected: dict[int, str] = attrs.Factory(dict)
     decoded: dict[int, Point] = attrs.Factory(dict)
-    stamps: array[int] = attrs.Factory(lambda: array("q"))
+    # The starts that give the spacing; None while they are all the starts read so far (every
+    # point stamped by ``date`` alone), so that the app's shape costs no second array.
+    stamps: array[int] | None = None
 
     def flat(self, elements: Sequence[msgspec.Raw | bytes], values: list[Any]) -> None:
         """Read flat points already decoded. The app's own shape (an object stamped by
         ``date`` alone, in a form ``instant_of`` reads) is read here; any other point is
         read on its own."""
-        starts, stamps = self.starts, self.stamps
+        starts = self.starts
         for element, value in zip(elements, values, strict=True):
             if type(value) is dict and _OTHER_STAMPS.isdisjoint(value):
                 date = value.get("date")
@@ -338,14 +340,16 @@ class _Reading:
                         pass
                     else:
                         starts.append(start)
-                        if self.spacing:
-                            stamps.append(start)
+                        if self.stamps is not None and self.spacing:
+                            self.stamps.append(start)
                         continue
             self.point(element, element)
 
     def point(self, element: msgspec.Raw | bytes, original: msgspec.Raw | bytes) -> None:
         """Read one point, decoding it whole; ``original`` is the element as it came."""
         index = len(self.starts)
+        if self.spacing and self.stamps is None:
+            self.stamps = array("q", self.starts)
         try:
             if not element:
                 raise PointError("point is not valid JSON")
@@ -356,7 +360,7 @@ class _Reading:
         except PointError as exc:
             self.rejected[index] = str(exc)
             self.starts.append(0)
-            if self.spacing:
+            if self.stamps is not None:
                 stamp = layers.spacing_start(original)
                 if stamp is not None:
                     self.stamps.append(stamp)
@@ -364,11 +368,12 @@ class _Reading:
         self.starts.append(start)
         if end != start:
             self.ends[index] = end
-        if self.spacing and ("start" in value or "startDate" not in value):
+        if self.stamps is not None and ("start" in value or "startDate" not in value):
             self.stamps.append(start)
 
     def series(self) -> Series:
-        gap = layers.smallest_spacing(self.stamps) if self.spacing else None
+        stamps = self.starts if self.stamps is None else self.stamps
+        gap = layers.smallest_spacing(stamps) if self.spacing else None
         return Series(self.sources, self.starts, self.ends, self.rejected, self.decoded, gap)
 
 

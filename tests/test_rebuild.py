@@ -316,6 +316,38 @@ def test_any_deliveries_rebuild_the_same_partitioned_store_18(
         assert rebuilt(journal, Path(tmp) / "two.sqlite", workers=2) == alone
 
 
+@pytest.mark.parametrize("regrouped", [False, True])
+def test_assumed_layers_are_checked_and_folded_again_when_wrong_store_23(
+    journal: Journal, tmp_path: Path, caplog: pytest.LogCaptureFixture, regrouped: bool
+) -> None:
+    """STORE-23: deliveries without a header are folded under their automation's last layer
+    and checked against the spacing the workers measured; an automation that changed its
+    grouping is folded a second time, under the layers then known, with the same result."""
+    caplog.set_level(logging.DEBUG, logger="healthlog.partition")
+    every = 60 if regrouped else 1
+    for automation in ("A", None):
+        for n in range(3):
+            spaced = [point(1000 * n + m * (every if n == 1 else 1), m) for m in range(40)]
+            append(
+                journal,
+                delivery(
+                    body({"hr": spaced, "steps": spaced[::2]}),
+                    aggregation=None,
+                    automation=automation,
+                ),
+            )
+        lone = body({"hr": [point(5000, 1)]})
+        append(journal, delivery(lone, aggregation=None, automation=automation))
+
+    alone = rebuilt(journal, tmp_path / "one.sqlite", workers=1)
+
+    layers = {layer for *_, layer, _, _ in alone["outcomes"]}
+    assert layers == ({"minutes", "hours", None} if regrouped else {"minutes", None})
+    assert rebuilt(journal, tmp_path / "two.sqlite", workers=2) == alone
+    again = [r for r in caplog.records if "folding again" in r.getMessage()]
+    assert len(again) == (1 if regrouped else 0)
+
+
 def test_partitioned_reindex_renews_the_lease_and_stops_when_it_is_lost_store_19(
     journal: Journal, store: Store, epoch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

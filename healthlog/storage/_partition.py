@@ -12,6 +12,13 @@ units, and hands the sub-bodies to the partition's worker, which folds them with
 fold's code under that layer. A unit belongs to the partition that first meets it, the one
 with the least work so far once every worker has one.
 
+The spacing of a delivery without a header costs a reading of every timestamp, which the
+workers do anyway. So this process assumes such a delivery has the layer its automation's
+last delivery had (an automation keeps its grouping), reads the spacing only of the first, and
+has the workers report the spacing of what they fold. Once all is folded, the layers are
+worked out again in journal order from the reported spacings; if any differs from the one
+assumed, everything is folded once more under the layers now known.
+
 A delivery's counters are the sum over its partitions plus what its envelope says. One with
 nothing rejected is ``parsed`` without a reason; the status and reason of any other come
 from folding its whole body once more, in a worker, against an empty projection, since they
@@ -23,6 +30,7 @@ order.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import multiprocessing
 import os
 import sqlite3
@@ -46,9 +54,12 @@ from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
 from healthlog.storage.store import MIGRATIONS, Store, automation_of
 
+log = logging.getLogger("healthlog.partition")
+
 # (is a record section, name): a metric and a section of the same name are different units.
 Unit = tuple[bool, str]
-Folded = list[tuple[int, Counters]]
+# (delivery id, counters, smallest spacing of the share's metrics when measured)
+Folded = list[tuple[int, Counters, int | None]]
 
 # Sub-bodies read ahead of the workers, at most (or one larger delivery): the memory this
 # process holds for them.
@@ -71,11 +82,13 @@ class PartitionFailed(Exception):
 
 @attrs.frozen
 class Planned:
-    """What a worker needs to fold its share of one delivery."""
+    """What a worker needs to fold its share of one delivery; ``measure`` when the layer is
+    assumed and the spacing of the share is to be reported."""
 
     delivery_id: int
     received_at: int
     layer: str | None
+    measure: bool = False
 
 
 def fold_chunk(scratch_path: str, chunk: list[tuple[Planned, bytes]]) -> Folded:
@@ -121,11 +134,12 @@ class _Scratch(_objects.ObjectDatabase):
                     DeliveryInfo(plan.delivery_id, plan.received_at, plan.layer),
                     _ScratchProjection(self._conn, plan.layer),
                     warn=False,
+                    measure=plan.measure,
                 )
                 for written in fold.writes():
                     _objects.write(self._conn, written)
                 assert fold.outcome is not None
-                folded.append((plan.delivery_id, fold.outcome.counters))
+                folded.append((plan.delivery_id, fold.outcome.counters, fold.spacing))
         return folded
 
 
@@ -193,15 +207,27 @@ def rebuild(
     process, where the live fold's handling of a broken delivery applies), and
     :class:`StorageError` when the journal could not be read or a scratch file written.
     """
+    reported = 0
+
+    def onwards(done: int, total: int) -> None:
+        """Progress that never goes back, over a second pass too."""
+        nonlocal reported
+        reported = max(reported, done)
+        if progress is not None:
+            progress(reported, total)
+
     with (
         tempfile.TemporaryDirectory(prefix=".partitions-", dir=Path(target.path).parent) as tmp,
         concurrent.futures.ProcessPoolExecutor(workers, mp_context=_context()) as pool,
     ):
-        run = _Run(pool, Path(tmp), workers, len(queue), progress)
         try:
-            for position, meta in enumerate(queue):
-                run.read(journal, meta, position)
-            run.finish()
+            run = _Run(pool, Path(tmp) / "assumed", workers, len(queue), onwards, known=None)
+            run.fold(journal, queue)
+            known = run.misassumed(queue)
+            if known is not None:
+                log.debug("layers were not those assumed; folding again under the known layers")
+                run = _Run(pool, Path(tmp) / "known", workers, len(queue), onwards, known=known)
+                run.fold(journal, queue)
             outcomes = run.outcomes(journal.path, queue)
         finally:
             pool.shutdown(cancel_futures=True)
@@ -242,8 +268,25 @@ class _Delivery:
     envelope: dict[str, int]
 
 
+@attrs.frozen
+class _Layering:
+    """What decides the layer of a delivery with points (P5), as far as this process knows it:
+    the header's layer, the automation, and the spacing unless the workers measure it."""
+
+    delivery_id: int
+    used: str | None
+    header: str | None
+    automation: str | None
+    spacing: int | None
+    measured: bool
+
+
 class _Run:
-    """Reads the journal in order and keeps the partitions' workers busy."""
+    """Reads the journal in order and keeps the partitions' workers busy.
+
+    With ``known`` layers (by delivery id) it folds under those; without, it assumes them as
+    the module says, and :meth:`misassumed` tells whether it was right.
+    """
 
     def __init__(
         self,
@@ -251,20 +294,32 @@ class _Run:
         tmp: Path,
         workers: int,
         total: int,
-        progress: Progress | None,
+        progress: Progress,
+        *,
+        known: dict[int, str | None] | None,
     ) -> None:
+        tmp.mkdir()
         self._pool = pool
         self._tmp = tmp
         self._workers = workers
         self._total = total
         self._progress = progress
+        self._known = known
         self._read = 0
-        self._inherited: dict[str, str] = {}
+        self._last: dict[str | None, str] = {}
+        self._layering: list[_Layering] = []
+        self._spacings: dict[int, int] = {}
         self._owner: dict[Unit, _Part] = {}
         self.parts: list[_Part] = []
         self.alone: set[int] = set()
         self._deliveries: dict[int, _Delivery] = {}
         self._folded: dict[int, list[Counters]] = {}
+
+    def fold(self, journal: Journal, queue: list[DeliveryMeta]) -> None:
+        """Read and hand out every delivery of ``queue``, and wait until all is folded."""
+        for position, meta in enumerate(queue):
+            self.read(journal, meta, position)
+        self.finish()
 
     def read(self, journal: Journal, meta: DeliveryMeta, position: int) -> None:
         """Decide a delivery's layer and hand its sub-bodies to the partitions."""
@@ -275,7 +330,7 @@ class _Run:
             self.alone.add(meta.id)
             return
         has_points = any(group.points for group in envelope.metrics.values())
-        layer = self._layer(meta, envelope) if has_points else None
+        layer, measure = self._layer(meta, envelope) if has_points else (None, False)
         if has_points and layer is None:
             self.alone.add(meta.id)
             return
@@ -288,25 +343,56 @@ class _Run:
                 "entries_rejected": envelope.rejected_entries,
             },
         )
-        plan = Planned(meta.id, meta.received_at, layer)
+        plan = Planned(meta.id, meta.received_at, layer, measure)
         for part, body in self._cut(envelope).items():
             part.waiting.append((plan, body))
             part.waiting_bytes += len(body)
             part.positions.append(position)
         self._pump()
 
-    def _layer(self, meta: DeliveryMeta, envelope: hae.Envelope) -> str | None:
+    def _layer(self, meta: DeliveryMeta, envelope: hae.Envelope) -> tuple[str | None, bool]:
+        """The layer to fold under, and whether it is assumed (the workers then measure).
+
+        A delivery whose metrics hold a point each at most has no spacing: its layer is
+        inherited (from the layer used for its predecessor, which the check confirms)."""
+        if self._known is not None:
+            return self._known[meta.id], False
         automation = automation_of(meta)
-        layer = layers.layer_from_header(meta.automation_aggregation)
-        if layer is None:
-            layer = layers.layer_from_spacing(
-                min(filter(None, map(_spacing, envelope.metrics.values())), default=None)
-            )
-        if layer is None and automation is not None:
-            layer = self._inherited.get(automation)
-        if layer is not None and automation is not None:
-            self._inherited[automation] = layer
-        return layer
+        header = layers.layer_from_header(meta.automation_aggregation)
+        last = self._last.get(automation)
+        spacing = None
+        measured = False
+        layer: str | None
+        if header is not None:
+            layer = header
+        elif all(group.points < 2 for group in envelope.metrics.values()):
+            layer = last if automation is not None else None
+        elif last is not None:
+            layer, measured = last, True
+        else:
+            spacing = min(filter(None, map(_spacing, envelope.metrics.values())), default=None)
+            layer = layers.layer_from_spacing(spacing)
+        self._layering.append(_Layering(meta.id, layer, header, automation, spacing, measured))
+        if layer is not None:
+            self._last[automation] = layer
+        return layer, measured
+
+    def misassumed(self, queue: list[DeliveryMeta]) -> dict[int, str | None] | None:
+        """None when every layer used is the one P5 gives in journal order, with the spacings
+        the workers measured; otherwise the layers P5 gives, by delivery id."""
+        inherited: dict[str, str] = {}
+        layers_now: dict[int, str | None] = {}
+        wrong = False
+        for step in self._layering:
+            spacing = self._spacings.get(step.delivery_id) if step.measured else step.spacing
+            layer = step.header or layers.layer_from_spacing(spacing)
+            if layer is None and step.automation is not None:
+                layer = inherited.get(step.automation)
+            if layer is not None and step.automation is not None:
+                inherited[step.automation] = layer
+            layers_now[step.delivery_id] = layer
+            wrong = wrong or layer != step.used
+        return layers_now if wrong else None
 
     def _cut(self, envelope: hae.Envelope) -> dict[_Part, bytes]:
         """One sub-body per partition the delivery touches. The partition of its first metric
@@ -388,16 +474,19 @@ class _Run:
         """Take the results of the partitions' finished tasks, leaving them idle."""
         for part in parts:
             assert part.running is not None
-            for delivery_id, counters in part.running.result():
+            for delivery_id, counters, spacing in part.running.result():
                 self._folded.setdefault(delivery_id, []).append(counters)
+                if spacing is not None:
+                    self._spacings[delivery_id] = min(
+                        spacing, self._spacings.get(delivery_id, spacing)
+                    )
             for _ in range(part.running_count):
                 part.positions.popleft()
             part.running, part.running_count = None, 0
 
     def _report(self) -> None:
-        if self._progress is not None:
-            oldest = [part.positions[0] for part in self.parts if part.positions]
-            self._progress(min(oldest, default=self._read), self._total)
+        oldest = [part.positions[0] for part in self.parts if part.positions]
+        self._progress(min(oldest, default=self._read), self._total)
 
     def outcomes(self, journal_path: str, queue: list[DeliveryMeta]) -> dict[int, Outcome]:
         """The outcomes of the deliveries the partitions folded; the workers judge the status
