@@ -29,7 +29,7 @@ from enum import Enum
 
 import attrs
 
-from healthlog.points import Point, point_at, same_content
+from healthlog.points import Point, point_at, points_at, same_content
 
 Coordinates = tuple[int, int]
 
@@ -83,9 +83,13 @@ class Incoming:
     raws: dict[Coordinates, bytes]
     decoded: dict[Coordinates, Point]
 
-    def point(self, key: Coordinates) -> Point:
-        point = self.decoded.get(key)
-        return point_at(self.raws[key], *key) if point is None else point
+    def points(self, keys: list[Coordinates]) -> list[Point]:
+        """The points at ``keys``, decoding together those not decoded yet."""
+        missing = [key for key in keys if key not in self.decoded]
+        fresh = dict(
+            zip(missing, points_at([self.raws[key] for key in missing], missing), strict=True)
+        )
+        return [self.decoded.get(key) or fresh[key] for key in keys]
 
 
 def reduce_delivery(
@@ -145,15 +149,21 @@ def merge_points(
         counters.points_new += len(incoming.raws)
         return bool(incoming.raws)
     changed = False
+    meeting: list[Coordinates] = []
     for key, raw in incoming.raws.items():
         old_raw = stored.get(key)
         if old_raw is None:
             stored[key] = raw
             counters.points_new += 1
             changed = True
-            continue
-        old = point_at(old_raw, *key)
-        point = incoming.point(key)
+        elif old_raw == raw:
+            counters.points_unchanged += 1
+        else:
+            meeting.append(key)
+    if not meeting:
+        return changed
+    olds = points_at([stored[key] for key in meeting], meeting)
+    for key, old, point in zip(meeting, olds, incoming.points(meeting), strict=True):
         if same_content(old, point):
             counters.points_unchanged += 1
             continue

@@ -40,9 +40,8 @@ class Point:
         end: int,
         raw: bytes,
         completeness: int,
-        *,
-        value: dict[str, Any] | None = None,
-        canonical: bytes | None = None,
+        value: dict[str, Any] | None,
+        canonical: bytes | None,
     ) -> None:
         self.start = start
         self.end = end
@@ -156,6 +155,24 @@ def point_at(raw: bytes, start: int, end: int) -> Point:
     return _lazy_point(point_object(raw), start, end, raw)
 
 
+def points_at(raws: list[bytes], keys: list[tuple[int, int]]) -> list[Point]:
+    """:func:`point_at` of many points, decoded together as one JSON array (each point is one
+    JSON value, so the array decodes exactly when every point does); if any does not, each
+    is decoded on its own and the first that cannot be raises its :class:`PointError`."""
+    try:
+        values = _decoder.decode(b"[%s]" % b",".join(raws))
+    except (msgspec.DecodeError, RecursionError):
+        values = None
+    if values is None or len(values) != len(raws):
+        return [point_at(raw, *key) for raw, key in zip(raws, keys, strict=True)]
+    points = []
+    for value, raw, (start, end) in zip(values, raws, keys, strict=True):
+        if type(value) is not dict:
+            raise PointError(f"point is a JSON {type(value).__name__}, not an object")
+        points.append(_lazy_point(value, start, end, raw))
+    return points
+
+
 def content_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Point:
     """A point with the canonical form and completeness of its decoded ``value``, computed now.
 
@@ -163,7 +180,7 @@ def content_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Po
     """
     try:
         normal = _normalise_object(value)
-        return Point(start, end, raw, len(normal), canonical=_encode(normal))
+        return Point(start, end, raw, len(normal), None, _encode(normal))
     except RecursionError:
         raise PointError("point is not valid JSON") from None
 
@@ -175,8 +192,7 @@ def _lazy_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Poin
     if not _NESTED.isdisjoint(map(type, values)):
         return content_point(value, start, end, raw)
     # Flat fields normalise to nothing only when null or "" (rule 3: 0 and false count).
-    completeness = len(values) - values.count(None) - values.count("")
-    return Point(start, end, raw, completeness, value=value)
+    return Point(start, end, raw, len(values) - values.count(None) - values.count(""), value, None)
 
 
 def same_content(a: Point, b: Point) -> bool:

@@ -133,7 +133,7 @@ def reduced(points: list[Point]) -> tuple[bytes, Counters, Recorder]:
     for decoded in ({}, dict(enumerate(points)), {0: points[0]}):
         result, counters, recorder = reduce(points, decoded)
         assert list(result.raws) == [KEY]
-        assert result.point(KEY).raw == result.raws[KEY]
+        assert result.points([KEY])[0].raw == result.raws[KEY]
         outcomes.append((result.raws[KEY], counters, recorder.seen))
     assert outcomes[0] == outcomes[1] == outcomes[2]
     return outcomes[0][0], outcomes[0][1], recorder
