@@ -199,17 +199,37 @@ def same_content(a: Point, b: Point) -> bool:
     """Whether two points have the same canonical form, decided as cheaply as possible.
 
     Equal raw bytes, or equal decoded values (keys sorted, every number and string as it
-    came), have equal canonical forms; a different completeness means different forms. Only
-    what is left compares the canonical forms themselves.
+    came), have equal canonical forms; a different completeness, or a field whose numbers
+    differ at 12 significant digits, means different forms. Only what is left compares the
+    canonical forms themselves.
     """
     if a.raw == b.raw:
         return True
     if a.completeness != b.completeness:
         return False
-    plain = a._value is not None and b._value is not None
-    if plain and _sorted_encoder.encode(a._value) == _sorted_encoder.encode(b._value):
-        return True
+    if a._value is not None and b._value is not None:
+        if _sorted_encoder.encode(a._value) == _sorted_encoder.encode(b._value):
+            return True
+        if _numbers_differ(a._value, b._value):
+            return False
     return a.canonical == b.canonical
+
+
+def _numbers_differ(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether some key holds a number in both whose canonical values differ."""
+    for key, left in a.items():
+        right: Any = b.get(key)
+        if (
+            type(left) in _NUMBERS
+            and type(right) in _NUMBERS
+            and left != right
+            and _number(left) != _number(right)
+        ):
+            return True
+    return False
+
+
+_NUMBERS = frozenset({int, float})
 
 
 def is_empty(value: object) -> bool:
