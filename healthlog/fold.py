@@ -69,7 +69,8 @@ class Projection(Protocol):
 
 
 class DeliveryFold:
-    """Fold one delivery: iterate :meth:`writes`, then read :attr:`outcome`.
+    """Fold one delivery (its body, or its envelope already read): iterate :meth:`writes`,
+    then read :attr:`outcome`.
 
     Collisions, unit mismatches and sealed writes are logged at WARNING, or at DEBUG when
     ``warn`` is off (a rebuild, which would only repeat what the live fold said). With
@@ -79,7 +80,7 @@ class DeliveryFold:
 
     def __init__(
         self,
-        body: bytes,
+        body: bytes | hae.Envelope,
         info: DeliveryInfo,
         projection: Projection,
         check_budget: Callable[[], None] = lambda: None,
@@ -102,11 +103,14 @@ class DeliveryFold:
 
     def writes(self) -> Iterator[HourlyObject]:
         """Yield every object whose content changes; set :attr:`outcome` at the end."""
-        try:
-            envelope = hae.read_envelope(self._body)
-        except hae.EnvelopeError as exc:
-            self._finish(failure=f"undecodable body: {exc}")
-            return
+        if isinstance(self._body, hae.Envelope):
+            envelope = self._body
+        else:
+            try:
+                envelope = hae.read_envelope(self._body)
+            except hae.EnvelopeError as exc:
+                self._finish(failure=f"undecodable body: {exc}")
+                return
         self._body = b""
         self._counters.unknown_sections = envelope.unknown_sections
         self._counters.entries_rejected = envelope.rejected_entries

@@ -7,9 +7,9 @@ a scratch file of its own, and gather the files into the rebuild target at the e
 This process reads every body once, in journal order, and decides what the fold decides for
 a delivery as a whole: its layer (P5: the header, else the spacing of all its metrics, else
 the layer of its automation's predecessor in journal order) and whether it can be folded at
-all. It then cuts the body into one sub-body per partition, holding only that partition's
-units, and hands the sub-bodies to the partition's worker, which folds them with the live
-fold's code under that layer. A unit belongs to the partition that first meets it, the one
+all. It then cuts the envelope into one share per partition, holding only that partition's
+units (their arrays still raw JSON), and hands the shares to the partition's worker, which
+folds them with the live fold's code under that layer. A unit belongs to the partition that first meets it, the one
 with the least work so far once every worker has one.
 
 The spacing of a delivery without a header costs a reading of every timestamp, which the
@@ -37,12 +37,10 @@ import sqlite3
 import sys
 import tempfile
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import attrs
-import msgspec
 
 from healthlog import hae, layers
 from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo, Outcome
@@ -91,8 +89,8 @@ class Planned:
     measure: bool = False
 
 
-def fold_chunk(scratch_path: str, chunk: list[tuple[Planned, bytes]]) -> Folded:
-    """Fold sub-bodies in order into a partition's scratch file, in a worker process."""
+def fold_chunk(scratch_path: str, chunk: list[tuple[Planned, hae.Envelope]]) -> Folded:
+    """Fold shares of deliveries in order into a partition's scratch file, in a worker process."""
     with _Scratch(scratch_path, durable=False) as scratch:
         try:
             return scratch.fold(chunk)
@@ -125,12 +123,12 @@ class _Scratch(_objects.ObjectDatabase):
 
     MIGRATIONS = MIGRATIONS
 
-    def fold(self, chunk: list[tuple[Planned, bytes]]) -> Folded:
+    def fold(self, chunk: list[tuple[Planned, hae.Envelope]]) -> Folded:
         folded = []
         with self._lock, write_transaction(self._conn):
-            for plan, body in chunk:
+            for plan, share in chunk:
                 fold = DeliveryFold(
-                    body,
+                    share,
                     DeliveryInfo(plan.delivery_id, plan.received_at, plan.layer),
                     _ScratchProjection(self._conn, plan.layer),
                     warn=False,
@@ -248,11 +246,11 @@ def rebuild(
 
 @attrs.define(eq=False)
 class _Part:
-    """One partition: its scratch file, the sub-bodies waiting for it, its running task."""
+    """One partition: its scratch file, the shares waiting for it, its running task."""
 
     scratch: Path
     load: int = 0
-    waiting: list[tuple[Planned, bytes]] = attrs.Factory(list)
+    waiting: list[tuple[Planned, hae.Envelope, int]] = attrs.Factory(list)
     waiting_bytes: int = 0
     running: concurrent.futures.Future[Folded] | None = None
     # Queue positions of the deliveries handed to it and not folded yet, oldest first.
@@ -322,7 +320,7 @@ class _Run:
         self.finish()
 
     def read(self, journal: Journal, meta: DeliveryMeta, position: int) -> None:
-        """Decide a delivery's layer and hand its sub-bodies to the partitions."""
+        """Decide a delivery's layer and hand its shares to the partitions."""
         self._read = position + 1
         try:
             envelope = hae.read_envelope(journal.read_body(meta.id))
@@ -344,9 +342,9 @@ class _Run:
             },
         )
         plan = Planned(meta.id, meta.received_at, layer, measure)
-        for part, body in self._cut(envelope).items():
-            part.waiting.append((plan, body))
-            part.waiting_bytes += len(body)
+        for part, (share, size) in self._cut(envelope).items():
+            part.waiting.append((plan, share, size))
+            part.waiting_bytes += size
             part.positions.append(position)
         self._pump()
 
@@ -394,10 +392,10 @@ class _Run:
             wrong = wrong or layer != step.used
         return layers_now if wrong else None
 
-    def _cut(self, envelope: hae.Envelope) -> dict[_Part, bytes]:
-        """One sub-body per partition the delivery touches. The partition of its first metric
-        with points also takes the metrics without any: they write nothing, but their units
-        still count (``unit_mismatches``)."""
+    def _cut(self, envelope: hae.Envelope) -> dict[_Part, tuple[hae.Envelope, int]]:
+        """One share of the envelope per partition the delivery touches, with its size in
+        bytes. The partition of its first metric with points also takes the metrics without
+        any: they write nothing, but their units still count (``unit_mismatches``)."""
         weights: dict[Unit, int] = {}
         for name, group in envelope.metrics.items():
             if group.points:
@@ -411,20 +409,19 @@ class _Run:
             owner.load += weights[unit]
         first = min(weights, default=None)
         host = self._owner[first] if first is not None and not first[0] else None
-        entries: dict[_Part, list[dict[str, Any]]] = {}
+        shares: dict[_Part, tuple[hae.Envelope, int]] = {}
         for name, group in envelope.metrics.items():
             part = self._owner[(False, name)] if group.points else host
             if part is not None:
-                entries.setdefault(part, []).extend(_entries(name, group))
-        sections: dict[_Part, list[dict[str, Any]]] = {}
+                share, size = shares.setdefault(part, (hae.Envelope(), 0))
+                share.metrics[name] = group
+                shares[part] = share, size + weights.get((False, name), 0)
         for name, arrays in envelope.sections.items():
-            sections.setdefault(self._owner[(True, name)], []).extend(
-                {name: array} for array in arrays
-            )
-        return {
-            part: msgspec.json.encode([{"metrics": entries.get(part, [])}, *sections.get(part, [])])
-            for part in entries.keys() | sections.keys()
-        }
+            part = self._owner[(True, name)]
+            share, size = shares.setdefault(part, (hae.Envelope(), 0))
+            share.sections[name] = arrays
+            shares[part] = share, size + weights[(True, name)]
+        return shares
 
     def _lightest(self) -> _Part:
         if len(self.parts) < self._workers:
@@ -433,7 +430,7 @@ class _Run:
         return min(self.parts, key=lambda part: part.load)
 
     def finish(self) -> None:
-        """Wait until every sub-body handed out is folded."""
+        """Wait until every share handed out is folded."""
         self._pump()
         while any(part.running is not None for part in self.parts):
             self._wait()
@@ -457,9 +454,10 @@ class _Run:
     def _start(self, part: _Part) -> None:
         taken, size = 0, 0
         while taken < len(part.waiting) and (not taken or size < TASK_BYTES):
-            size += len(part.waiting[taken][1])
+            size += part.waiting[taken][2]
             taken += 1
-        chunk, part.waiting = part.waiting[:taken], part.waiting[taken:]
+        chunk = [(plan, share) for plan, share, _ in part.waiting[:taken]]
+        part.waiting = part.waiting[taken:]
         part.waiting_bytes -= size
         part.running = self._pool.submit(fold_chunk, os.fspath(part.scratch), chunk)
         part.running_count = taken
@@ -515,15 +513,6 @@ class _Run:
             layer = self._deliveries[delivery_id].layer
             outcomes[delivery_id] = Outcome(status, reason, layer, counters)
         return outcomes
-
-
-def _entries(name: str, group: hae.MetricGroup) -> Iterator[dict[str, Any]]:
-    """The metric's entries as they came, each with its own units."""
-    for units, array in zip(group.units, group.arrays, strict=True):
-        entry: dict[str, Any] = {"name": name, "data": array}
-        if units is not None:
-            entry["units"] = units
-        yield entry
 
 
 def _spacing(group: hae.MetricGroup) -> int | None:
