@@ -89,24 +89,26 @@ def kept_both(mutated: bytes) -> tuple[tuple[str, bytes], ...]:
     return ((AT_10, mutated), (AT_1001, SECOND))
 
 
+def dated(name: str, mutated: bytes, start: str | None) -> Case:
+    """``mutated`` beside SECOND: kept at ``start`` (parsed), or rejected when None (partial).
+    The case of most mutations of the first point, not only of its date."""
+    kept = ((start, mutated),) if start is not None else ()
+    return Case(
+        name,
+        envelope(name, mutated, SECOND),
+        "parsed" if start is not None else "partial",
+        metric_of(name),
+        tuple(sorted((*kept, (AT_1001, SECOND)))),
+    )
+
+
 def wrong_point_types() -> Iterator[Case]:
     """Each field of the first point as each type: a ``date`` that is not a timestamp rejects
     its point (partial); ``qty`` and ``source`` are not interpreted (parsed, kept verbatim)."""
     for kind, value in WRONG.items():
-        name = f"point-date-{kind}"
-        yield Case(
-            name,
-            envelope(name, first_point(date=value), SECOND),
-            "partial",
-            metric_of(name),
-            ((AT_1001, SECOND),),
-        )
+        yield dated(f"point-date-{kind}", first_point(date=value), None)
         for field in ("qty", "source"):
-            name = f"point-{field}-{kind}"
-            mutated = first_point(**{field: value})
-            yield Case(
-                name, envelope(name, mutated, SECOND), "parsed", metric_of(name), kept_both(mutated)
-            )
+            yield dated(f"point-{field}-{kind}", first_point(**{field: value}), AT_10)
 
 
 def wrong_entry_types() -> Iterator[Case]:
@@ -208,26 +210,9 @@ def big_numbers() -> Iterator[Case]:
         ("minus-zero", b"-0"),
         ("underflow", b"1e-400"),
     ):
-        mutated = first_point(qty=qty)
-        yield Case(
-            name, envelope(name, mutated, SECOND), "parsed", metric_of(name), kept_both(mutated)
-        )
-    name = "overflow"
-    yield Case(
-        name,
-        envelope(name, first_point(qty=b"1E400"), SECOND),
-        "partial",
-        metric_of(name),
-        ((AT_1001, SECOND),),
-    )
-    name = "int-2**70-date"
-    yield Case(
-        name,
-        envelope(name, first_point(date=b"%d" % BIG), SECOND),
-        "partial",
-        metric_of(name),
-        ((AT_1001, SECOND),),
-    )
+        yield dated(name, first_point(qty=qty), AT_10)
+    yield dated("overflow", first_point(qty=b"1E400"), None)
+    yield dated("int-2**70-date", first_point(date=b"%d" % BIG), None)
     name = "int-2**70-units"
     yield Case(
         name,
@@ -269,10 +254,7 @@ def invalid_utf8() -> Iterator[Case]:
         ("cut-sequence", first_point(source=b'"W\xe2\x80"')),
         ("continuation", first_point(source=b'"\x80W"')),
     ):
-        name = f"utf8-point-{where}"
-        yield Case(
-            name, envelope(name, mutated, SECOND), "partial", metric_of(name), ((AT_1001, SECOND),)
-        )
+        yield dated(f"utf8-point-{where}", mutated, None)
     yield Case("utf8-before-root", b"\xff" + envelope("utf8-before-root", SECOND), "failed")
     yield Case("utf8-after-root", envelope("utf8-after-root", SECOND) + b"\xff", "failed")
     yield Case("utf8-between-tokens", b'{"data":\xff{"metrics":[]}}', "failed")
@@ -313,15 +295,7 @@ def byte_order_marks() -> Iterator[Case]:
     yield Case("bom-utf32", text.encode("utf-32"), "failed")
     yield Case("bom-utf8-twice", b"\xef\xbb\xbf" * 2 + envelope("bom-twice", SECOND), "failed")
     yield Case("bom-utf8-after-brace", b"{\xef\xbb\xbf" + envelope("bom-in", SECOND)[1:], "failed")
-    name = "bom-in-a-string"
-    mutated = first_point(source=b'"\xef\xbb\xbfWatch"')
-    yield Case(
-        name,
-        envelope(name, mutated, SECOND),
-        "parsed",
-        metric_of(name),
-        kept_both(mutated),
-    )
+    yield dated("bom-in-a-string", first_point(source=b'"\xef\xbb\xbfWatch"'), AT_10)
 
 
 def duplicate_keys() -> Iterator[Case]:
@@ -377,18 +351,6 @@ def stamped(text: str) -> bytes:
     return first_point(date=compact(text))
 
 
-def dated(name: str, mutated: bytes, start: str | None) -> Case:
-    """``mutated`` beside SECOND: kept at ``start``, or rejected when None."""
-    kept = ((start, mutated),) if start is not None else ()
-    return Case(
-        name,
-        envelope(name, mutated, SECOND),
-        "parsed" if start is not None else "partial",
-        metric_of(name),
-        tuple(sorted((*kept, (AT_1001, SECOND)))),
-    )
-
-
 def dates() -> Iterator[Case]:
     """12-hour times with U+202F, U+00A0 or a plain space; Buddhist-era years (2567), which are
     read as written (year 2567 of the Gregorian calendar, where 29 February does not exist);
@@ -425,14 +387,7 @@ def html() -> Iterator[Case]:
         ("key", b'{"date":%s,"<k>&amp;":"&lt;v&gt;","qty":7}' % DATE),
         ("escaped", first_point(source=b'"\\u003cb\\u003e \\u0026 \\/"')),
     ):
-        name = f"html-{where}"
-        yield Case(
-            name,
-            envelope(name, mutated, SECOND),
-            "parsed",
-            metric_of(name),
-            kept_both(mutated),
-        )
+        yield dated(f"html-{where}", mutated, AT_10)
     name = "html-units"
     yield Case(
         name,

@@ -10,13 +10,13 @@ the layer is never what decides.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from _cli_bodies import body, compact, metric, point, raw_point, write
+from _baseline import BASELINE, BASELINE_LINES, errors
+from _cli_bodies import body, metric, point, raw_point, write
 
 from healthlog.storage.datadir import DataDir
 
@@ -25,23 +25,6 @@ if TYPE_CHECKING:
 
     FoldHostile = Callable[[bytes], tuple[str, list[bytes]]]
 
-BASELINE = body(
-    metric(
-        "heart_rate",
-        "count/min",
-        point("2024-02-06 15:00:00 +0000", qty=61, source="Watch"),
-        point("2024-02-06 15:01:00 +0000", qty=62),
-    ),
-    workouts=[
-        compact(
-            {
-                "name": "Walk",
-                "start": "2024-02-06 16:00:00 +0000",
-                "end": "2024-02-06 16:30:00 +0000",
-            }
-        )
-    ],
-)
 GOOD = point("2024-03-01 10:00:00 +0000", qty=7)
 OTHER = point("2024-03-01 10:01:00 +0000", qty=8)
 
@@ -72,7 +55,7 @@ def fold_hostile(
     run = cli("import", "--data", data, write(tmp_path / "baseline.json", BASELINE))
     assert run.code == 0, run.err
     before = cli("export", "--data", data).lines()
-    assert len(before) == 3
+    assert len(before) == BASELINE_LINES
 
     def fold(content: bytes) -> tuple[str, list[bytes]]:
         journaled = len(outcomes(data))
@@ -86,7 +69,7 @@ def fold_hostile(
         lines = cli("export", "--data", data).lines()
         assert [line for line in lines if json.loads(line)["metric"] != "hostile"] == before
         assert cli("verify", "--data", data).code == 0
-        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+        assert errors(caplog) == []
         hostile_lines = [line for line in lines if json.loads(line)["metric"] == "hostile"]
         return statuses[-1], [raw_point(line) for line in hostile_lines]
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
-from _cli_bodies import body, compact, metric, point, raw_point
+from _baseline import BASELINE, BASELINE_LINES, errors
+from _cli_bodies import raw_point
 from _hostile_corpus import Case, Oversized, corpus
 from _service_helpers import Service, serving
 
@@ -28,23 +28,6 @@ CONCURRENCY = 8
 MINUTES = {"automation-aggregation": "minutes"}
 # Metrics whose points are not compared: the hand-written files' and the workout records'.
 UNCHECKED = ("file.", "workouts")
-BASELINE = body(
-    metric(
-        "heart_rate",
-        "count/min",
-        point("2024-02-06 15:00:00 +0000", qty=61, source="Watch <Ultra> & co"),
-        point("2024-02-06 15:01:00 +0000", qty=62),
-    ),
-    workouts=[
-        compact(
-            {
-                "name": "Walk",
-                "start": "2024-02-06 16:00:00 +0000",
-                "end": "2024-02-06 16:30:00 +0000",
-            }
-        )
-    ],
-)
 
 
 def sha256(content: bytes) -> str:
@@ -72,7 +55,7 @@ async def with_baseline(service: Service) -> dict[tuple[str, str, str, str], byt
     assert (await service.post(BASELINE, MINUTES)).status_code == 200
     await service.wait_folded()
     before = await export(service)
-    assert len(before) == 3
+    assert len(before) == BASELINE_LINES
     return before
 
 
@@ -97,10 +80,6 @@ async def outcome_of(
         response = await service.get(f"/v1/deliveries/{delivery_id}")
         assert response.status_code == 200
         into[name] = response.json()
-
-
-def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_hostile_corpus(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
