@@ -20,6 +20,7 @@ from healthlog import documents, layers
 from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
 from healthlog.export import FORMATS, export_lines
 from healthlog.logs import LEVELS, setup_logging
+from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
@@ -100,6 +101,13 @@ def _layer(value: str) -> str:
     return layer
 
 
+def _stored_layer(value: str) -> str:
+    """A layer objects are stored under: an automation's, or ``records`` (sections)."""
+    if value.strip().lower() == layers.RECORDS:
+        return layers.RECORDS
+    return _layer(value)
+
+
 # -- commands -------------------------------------------------------------------------------
 
 
@@ -143,6 +151,33 @@ async def _import(args: argparse.Namespace, data: DataDir, bodies: list[bytes]) 
             )
             assert outcome is not None
             print(f"delivery {delivery_id}: {outcome.status}", file=sys.stderr)
+    return 0
+
+
+def cmd_seal(args: argparse.Namespace, data: DataDir) -> int:
+    seal = Seal(args.before, args.metric, args.layer)
+    return trio.run(_seal, args, data, seal)
+
+
+async def _seal(args: argparse.Namespace, data: DataDir, seal: Seal) -> int:
+    """Journal a seal through the runtime's intake, then wait until it is folded (S9)."""
+    async with open_runtime(RuntimeConfig(data.path, fold=not args.no_wait)) as runtime:
+        receipt = await runtime.submit(
+            NewDelivery(body=seal.encode(), client=SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE)
+        )
+        scope = " ".join(
+            f"{name} {value}"
+            for name, value in (("metric", seal.metric), ("layer", seal.layer))
+            if value is not None
+        )
+        print(
+            f"journaled the seal of the hours before {format_instant(seal.before)}"
+            f"{' of ' + scope if scope else ''} as delivery {receipt.delivery_id}",
+            file=sys.stderr,
+        )
+        if args.no_wait:
+            return 0
+        await runtime.wait_folded([receipt.delivery_id])
     return 0
 
 
@@ -326,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--received-at", type=_instant, default=None, help="historical stamp")
     p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")
     p.add_argument("files", nargs="+", metavar="FILE")
+
+    p = command("seal", cmd_seal, "mark the hours before an instant final (late writes warn)")
+    p.add_argument("--before", type=_instant, required=True, help="seal hours ending by then")
+    p.add_argument("--metric", default=None, help="only this metric (or record section)")
+    p.add_argument("--layer", type=_stored_layer, default=None, help="only this layer")
+    p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")
 
     p = command("export", cmd_export, "write stored points to stdout", needs_data=True)
     p.add_argument("--metric", default=None)

@@ -67,6 +67,9 @@ class Projection(Protocol):
     def inherited_layer(self) -> str | None:
         """The layer of the preceding delivery of the same automation in journal order."""
 
+    def sealed(self, key: ObjectKey) -> bool:
+        """Whether a seal folded before this delivery covers the object's hour (S9)."""
+
 
 class DeliveryFold:
     """Fold one delivery (its body, or its envelope already read): iterate :meth:`writes`,
@@ -186,12 +189,13 @@ class DeliveryFold:
             self._warn(f"point collision kind={kind.value}", key.metric, key.layer, key.hour)
 
         stored = self._projection.load(key)
+        sealed = self._projection.sealed(key)
         if stored is None:
             points: dict[Coordinates, bytes] = {}
-            created_by, sealed, object_units = self._info.id, False, units
+            created_by, object_units = self._info.id, units
         else:
             points = objects.decode(stored.body)
-            created_by, sealed = stored.created_by, stored.sealed
+            created_by, sealed = stored.created_by, sealed or stored.sealed
             object_units = stored.units if stored.units is not None else units
             if units is not None and units != object_units:
                 self._counters.unit_mismatches += 1

@@ -31,6 +31,7 @@ from typing import Any
 from healthlog.fold import DeliveryFold, DeliveryInfo, Outcome
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.points import TIMESTAMP_KEYS
+from healthlog.seals import Seal, covered
 
 APP_FORMAT = "%Y-%m-%d %H:%M:%S %z"
 DEFAULT_START = datetime(2024, 2, 6, 7, 0, tzinfo=timezone(timedelta(hours=-8)))
@@ -200,12 +201,16 @@ class MemoryProjection:
     def __init__(self, inherited: str | None = None) -> None:
         self.objects: dict[ObjectKey, HourlyObject] = {}
         self.inherited = inherited
+        self.seals: list[Seal] = []
 
     def load(self, key: ObjectKey) -> HourlyObject | None:
         return self.objects.get(key)
 
     def inherited_layer(self) -> str | None:
         return self.inherited
+
+    def sealed(self, key: ObjectKey) -> bool:
+        return covered(self.seals, key)
 
 
 def fold(

@@ -9,8 +9,11 @@ a delivery as a whole: its layer (P5: the header, else the spacing of all its me
 the layer of its automation's predecessor in journal order) and whether it can be folded at
 all. It then cuts the envelope into one share per partition, holding only that partition's
 units (their arrays still raw JSON), and hands the shares to the partition's worker, which
-folds them with the live fold's code under that layer. A unit belongs to the partition that first meets it, the one
-with the least work so far once every worker has one.
+folds them with the live fold's code under that layer. A unit belongs to the partition that
+first meets it, the one with the least work so far once every worker has one. A seal (S9) is
+folded by the target in its place; each share carries how many seals came before it, so that
+a worker counts sealed writes as the live fold does, and the objects gathered at the end are
+marked as the seals cover them.
 
 The spacing of a delivery without a header costs a reading of every timestamp, which the
 workers do anyway. So this process assumes such a delivery has the layer its automation's
@@ -30,6 +33,7 @@ order.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -46,6 +50,8 @@ from healthlog import hae, layers
 from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo, Outcome
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.seals import Seal, SealError, covered, is_seal
+from healthlog.seals import decode as decode_seal
 from healthlog.storage import _objects
 from healthlog.storage._sqlite import StorageError, write_transaction
 from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
@@ -87,13 +93,18 @@ class Planned:
     received_at: int
     layer: str | None
     measure: bool = False
+    seals: int = 0
 
 
-def fold_chunk(scratch_path: str, chunk: list[tuple[Planned, hae.Envelope]]) -> Folded:
-    """Fold shares of deliveries in order into a partition's scratch file, in a worker process."""
+def fold_chunk(
+    scratch_path: str, chunk: list[tuple[Planned, hae.Envelope]], seals: list[Seal]
+) -> Folded:
+    """Fold shares of deliveries in order into a partition's scratch file, in a worker process;
+    ``seals`` are those in journal order up to the last share, of which each plan counts its
+    own."""
     with _Scratch(scratch_path, durable=False) as scratch:
         try:
-            return scratch.fold(chunk)
+            return scratch.fold(chunk, seals)
         except StorageError:
             raise
         except Exception as exc:
@@ -123,14 +134,14 @@ class _Scratch(_objects.ObjectDatabase):
 
     MIGRATIONS = MIGRATIONS
 
-    def fold(self, chunk: list[tuple[Planned, hae.Envelope]]) -> Folded:
+    def fold(self, chunk: list[tuple[Planned, hae.Envelope]], seals: list[Seal]) -> Folded:
         folded = []
         with self._lock, write_transaction(self._conn):
             for plan, share in chunk:
                 fold = DeliveryFold(
                     share,
                     DeliveryInfo(plan.delivery_id, plan.received_at, plan.layer),
-                    _ScratchProjection(self._conn, plan.layer),
+                    _ScratchProjection(self._conn, plan.layer, seals[: plan.seals]),
                     warn=False,
                     measure=plan.measure,
                 )
@@ -144,9 +155,10 @@ class _Scratch(_objects.ObjectDatabase):
 class _ScratchProjection:
     """Objects as the partition has folded them so far; the layer is always the header."""
 
-    def __init__(self, conn: sqlite3.Connection, layer: str | None) -> None:
+    def __init__(self, conn: sqlite3.Connection, layer: str | None, seals: list[Seal]) -> None:
         self._conn = conn
         self._layer = layer
+        self._seals = seals
 
     def load(self, key: ObjectKey) -> HourlyObject | None:
         row = self._conn.execute(
@@ -157,6 +169,9 @@ class _ScratchProjection:
 
     def inherited_layer(self) -> str | None:
         return self._layer
+
+    def sealed(self, key: ObjectKey) -> bool:
+        return covered(self._seals, key)
 
 
 class _Unstored:
@@ -170,6 +185,9 @@ class _Unstored:
 
     def inherited_layer(self) -> str | None:
         return self._layer
+
+    def sealed(self, key: ObjectKey) -> bool:
+        return False
 
 
 def available_cores() -> int:
@@ -240,6 +258,7 @@ def rebuild(
         target.record_outcomes(batch, epoch)
         for part in run.parts:
             target.absorb_objects(part.scratch, epoch)
+        target.seal_covered(epoch)
     if progress is not None:
         progress(len(queue), len(queue))
 
@@ -307,6 +326,7 @@ class _Run:
         self._last: dict[str | None, str] = {}
         self._layering: list[_Layering] = []
         self._spacings: dict[int, int] = {}
+        self._seals: list[Seal] = []
         self._owner: dict[Unit, _Part] = {}
         self.parts: list[_Part] = []
         self.alone: set[int] = set()
@@ -322,6 +342,12 @@ class _Run:
     def read(self, journal: Journal, meta: DeliveryMeta, position: int) -> None:
         """Decide a delivery's layer and hand its shares to the partitions."""
         self._read = position + 1
+        if is_seal(meta.client, meta.content_type):
+            self.alone.add(meta.id)
+            # One that cannot be read fails in the target, as it does live, and seals nothing.
+            with contextlib.suppress(CorruptBody, SealError):
+                self._seals.append(decode_seal(journal.read_body(meta.id)))
+            return
         try:
             envelope = hae.read_envelope(journal.read_body(meta.id))
         except (CorruptBody, hae.EnvelopeError):
@@ -341,7 +367,7 @@ class _Run:
                 "entries_rejected": envelope.rejected_entries,
             },
         )
-        plan = Planned(meta.id, meta.received_at, layer, measure)
+        plan = Planned(meta.id, meta.received_at, layer, measure, len(self._seals))
         for part, (share, size) in self._cut(envelope).items():
             part.waiting.append((plan, share, size))
             part.waiting_bytes += size
@@ -459,7 +485,9 @@ class _Run:
         chunk = [(plan, share) for plan, share, _ in part.waiting[:taken]]
         part.waiting = part.waiting[taken:]
         part.waiting_bytes -= size
-        part.running = self._pool.submit(fold_chunk, os.fspath(part.scratch), chunk)
+        part.running = self._pool.submit(
+            fold_chunk, os.fspath(part.scratch), chunk, list(self._seals)
+        )
         part.running_count = taken
 
     def _wait(self) -> None:

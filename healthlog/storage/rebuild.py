@@ -116,7 +116,8 @@ def verify(
     progress: Progress | None = None,
     workers: int | None = None,
 ) -> list[Difference]:
-    """Objects that differ between the live store and a rebuild of what it has folded."""
+    """Objects that differ between the live store and a rebuild of what it has folded: in
+    content (hash), or in whether a seal covers them."""
     folded, live = store.snapshot()
     with _scratch(Path(store.path)) as path:
         rebuild_into(journal, path, only=folded, progress=progress, workers=workers)
@@ -127,7 +128,9 @@ def verify(
             key, live[key].hash if key in live else None, fresh[key].hash if key in fresh else None
         )
         for key in sorted(live.keys() | fresh.keys(), key=attrs.astuple)
-        if key not in live or key not in fresh or live[key].hash != fresh[key].hash
+        if key not in live
+        or key not in fresh
+        or (live[key].hash, live[key].sealed) != (fresh[key].hash, fresh[key].sealed)
     ]
 
 

@@ -16,11 +16,12 @@ from typing import Any
 import attrs
 import orjson
 
-from healthlog import clock, faults
-from healthlog.fold import FAILED, BudgetExceeded, DeliveryFold, DeliveryInfo, Outcome
+from healthlog import clock, faults, seals
+from healthlog.fold import FAILED, PARSED, BudgetExceeded, DeliveryFold, DeliveryInfo, Outcome
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.seals import Seal, SealError
 from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
     Deferred,
@@ -29,7 +30,7 @@ from healthlog.storage._sqlite import (
     write_transaction,
 )
 from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
-from healthlog.timestamps import format_instant
+from healthlog.timestamps import US_PER_HOUR, format_instant
 
 log = logging.getLogger("healthlog.store")
 
@@ -93,6 +94,14 @@ MIGRATIONS = (
     """
     ALTER TABLE lease ADD COLUMN term INTEGER NOT NULL DEFAULT 0;
     """,
+    """
+    CREATE TABLE seals (
+        delivery_id INTEGER PRIMARY KEY,
+        before INTEGER NOT NULL,
+        metric TEXT,
+        layer TEXT
+    );
+    """,
 )
 
 
@@ -152,6 +161,14 @@ def automation_of(meta: DeliveryMeta) -> str | None:
     return None
 
 
+def _seals(conn: sqlite3.Connection) -> list[Seal]:
+    """The seals folded so far."""
+    return [
+        Seal(before, metric, layer)
+        for before, metric, layer in conn.execute("SELECT before, metric, layer FROM seals")
+    ]
+
+
 def _load(conn: sqlite3.Connection, key: ObjectKey) -> HourlyObject | None:
     row = conn.execute(
         "SELECT units, body, hash, first, last, points, created_by, sealed FROM objects"
@@ -170,9 +187,15 @@ class _Projection:
     def __init__(self, conn: sqlite3.Connection, meta: DeliveryMeta) -> None:
         self._conn = conn
         self._meta = meta
+        self._seals: list[Seal] | None = None
 
     def load(self, key: ObjectKey) -> HourlyObject | None:
         return _load(self._conn, key)
+
+    def sealed(self, key: ObjectKey) -> bool:
+        if self._seals is None:
+            self._seals = _seals(self._conn)
+        return seals.covered(self._seals, key)
 
     def inherited_layer(self) -> str | None:
         automation = automation_of(self._meta)
@@ -306,21 +329,25 @@ class Store(_objects.ObjectDatabase):
             if self._folded(meta.id):
                 return self._report_existing(meta.id)
             later = guard and self._later_folded(meta)
-            fold = DeliveryFold(
-                body,
-                DeliveryInfo(meta.id, meta.received_at, meta.automation_aggregation),
-                _Projection(conn, meta),
-                check_budget,
-                warn=guard,
-            )
-            del body
-            for n, written in enumerate(fold.writes(), start=1):
-                faults.point("fold.object_write")
-                self._write_object(written)
-                payload = _object_event(written.key, written.hash, written.count, meta.id)
-                self._event(f"{meta.id}.{n}", "object.changed", payload)
-            assert fold.outcome is not None
-            self._write_outcome(meta, fold.outcome, epoch)
+            if seals.is_seal(meta.client, meta.content_type):
+                outcome = self._seal(meta, body)
+            else:
+                fold = DeliveryFold(
+                    body,
+                    DeliveryInfo(meta.id, meta.received_at, meta.automation_aggregation),
+                    _Projection(conn, meta),
+                    check_budget,
+                    warn=guard,
+                )
+                del body
+                for n, written in enumerate(fold.writes(), start=1):
+                    faults.point("fold.object_write")
+                    self._write_object(written)
+                    payload = _object_event(written.key, written.hash, written.count, meta.id)
+                    self._event(f"{meta.id}.{n}", "object.changed", payload)
+                assert fold.outcome is not None
+                outcome = fold.outcome
+            self._write_outcome(meta, outcome, epoch)
             faults.point("fold.before_commit")
         if later:
             waited = max(0, clock.now_us() - meta.received_at) // 1_000_000
@@ -334,9 +361,43 @@ class Store(_objects.ObjectDatabase):
             faults.point("fold.after_commit")
         except Exception as exc:
             log.warning("delivery %d: fault after commit: %s", meta.id, type(exc).__name__)
-        return FoldReport(
-            meta.id, OutcomeClass.DONE, fold.outcome.status, fold.outcome.reason, later
+        return FoldReport(meta.id, OutcomeClass.DONE, outcome.status, outcome.reason, later)
+
+    def _seal(self, meta: DeliveryMeta, body: bytes) -> Outcome:
+        """Fold a journaled seal: record it and mark the stored objects it covers, each with
+        an ``object.changed`` event. Its counters stay zero, whatever it marked, so that a
+        rebuild's outcome does not depend on which objects a partition had folded by then."""
+        try:
+            seal = seals.decode(body)
+        except SealError as exc:
+            return Outcome(FAILED, str(exc), None, Counters())
+        self._conn.execute(
+            "INSERT INTO seals (delivery_id, before, metric, layer) VALUES (?, ?, ?, ?)",
+            (meta.id, seal.before, seal.metric, seal.layer),
         )
+        marked = self._conn.execute(
+            "UPDATE objects SET sealed = 1 WHERE sealed = 0 AND hour + ? <= ?"
+            " AND coalesce(? = metric, 1) AND coalesce(? = layer, 1)"
+            " RETURNING metric, layer, hour, hash, points",
+            (US_PER_HOUR, seal.before, seal.metric, seal.layer),
+        ).fetchall()
+        for n, (metric, layer, hour, digest, count) in enumerate(sorted(marked), start=1):
+            payload = _object_event(ObjectKey(metric, layer, hour), digest, count, meta.id)
+            self._event(f"{meta.id}.{n}", "object.changed", payload)
+        log.info("seal %d folded: %d stored objects sealed", meta.id, len(marked))
+        return Outcome(PARSED, None, None, Counters())
+
+    def seal_covered(self, epoch: int) -> None:
+        """Mark every object that a recorded seal covers (a partitioned rebuild, whose
+        partitions are gathered after the seals were folded)."""
+        with self._lock, write_transaction(self._conn):
+            self._check_epoch(epoch)
+            self._conn.execute(
+                "UPDATE objects SET sealed = 1 WHERE sealed = 0 AND EXISTS (SELECT 1 FROM seals s"
+                " WHERE objects.hour + ? <= s.before AND coalesce(s.metric = objects.metric, 1)"
+                " AND coalesce(s.layer = objects.layer, 1))",
+                (US_PER_HOUR,),
+            )
 
     def _fold_failed(self, meta: DeliveryMeta, epoch: int, reason: str) -> FoldReport:
         outcome = Outcome(status=FAILED, reason=reason, layer=None, counters=Counters())
@@ -454,7 +515,8 @@ class Store(_objects.ObjectDatabase):
                     changed = self._conn.execute(
                         "SELECT metric, layer, hour, hash, points FROM rebuilt.objects n"
                         " WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE o.metric = n.metric"
-                        " AND o.layer = n.layer AND o.hour = n.hour AND o.hash = n.hash)"
+                        " AND o.layer = n.layer AND o.hour = n.hour AND o.hash = n.hash"
+                        " AND o.sealed = n.sealed)"
                         " UNION ALL"
                         " SELECT metric, layer, hour, NULL, 0 FROM main.objects o"
                         " WHERE NOT EXISTS (SELECT 1 FROM rebuilt.objects n WHERE o.metric ="
@@ -480,6 +542,8 @@ class Store(_objects.ObjectDatabase):
                         " AND o.created_by = n.created_by AND o.hash = n.hash"
                         " AND o.sealed = n.sealed AND o.body = n.body)"
                     )
+                    self._conn.execute("DELETE FROM main.seals")
+                    self._conn.execute("INSERT INTO main.seals SELECT * FROM rebuilt.seals")
                     self._conn.execute("DELETE FROM main.outcomes")
                     self._conn.execute(
                         "INSERT INTO main.outcomes SELECT delivery_id, received_at, automation,"

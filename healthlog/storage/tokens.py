@@ -20,6 +20,9 @@ from healthlog.storage._sqlite import (
 )
 
 TOKEN_PREFIX = "hl_"
+# Client names of what the command line journals itself (``cli:import``, ``cli:seal``): no
+# token may be named so, or its deliveries could pass for a seal.
+RESERVED_PREFIX = "cli:"
 
 MIGRATIONS = (
     """
@@ -55,6 +58,8 @@ class Tokens(Database):
         """Create a token for ``name`` and return the secret (the only time it is seen)."""
         if not name or len(name) > 128 or not name.isprintable():
             raise TokenError("a token name is 1 to 128 printable characters")
+        if name.startswith(RESERVED_PREFIX):
+            raise TokenError(f"token names beginning {RESERVED_PREFIX!r} are reserved")
         token = TOKEN_PREFIX + secrets.token_urlsafe(32)
         with self._lock, write_transaction(self._conn):
             if self._conn.execute("SELECT 1 FROM tokens WHERE name = ?", (name,)).fetchone():

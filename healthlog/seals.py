@@ -1,0 +1,89 @@
+"""Seals (S9): the user's word that the hours before an instant are final.
+
+A seal is journaled like a delivery, so that it takes its place in journal order and a rebuild
+folds it where the live folder did. It covers every hour that ends at or before ``before``
+(optionally of one metric, one layer); from its place on, an object in a covered hour is
+sealed: the seal marks those already stored, and a later write to a covered hour (an object
+stored or new) is still saved but counted and logged as a sealed write.
+
+A journaled seal is told from a delivery by its client and content type together; the client
+name is one that no token can have (token names beginning ``cli:`` are reserved).
+"""
+
+from __future__ import annotations
+
+import attrs
+import msgspec
+
+from healthlog.objects import ObjectKey
+from healthlog.timestamps import US_PER_HOUR, TimestampError, format_instant, parse_instant
+
+SEAL_CLIENT = "cli:seal"
+SEAL_CONTENT_TYPE = "application/vnd.healthlog.seal+json"
+
+
+class SealError(ValueError):
+    """A seal body that cannot be read; the message quotes nothing of it."""
+
+
+@attrs.frozen
+class Seal:
+    """Hours that end at or before ``before`` (UTC microseconds), of ``metric`` and ``layer``
+    when given."""
+
+    before: int
+    metric: str | None = None
+    layer: str | None = None
+
+    def covers(self, key: ObjectKey) -> bool:
+        return (
+            key.hour + US_PER_HOUR <= self.before
+            and (self.metric is None or key.metric == self.metric)
+            and (self.layer is None or key.layer == self.layer)
+        )
+
+    def encode(self) -> bytes:
+        """The journaled body."""
+        return msgspec.json.encode(
+            {
+                "seal": {
+                    "before": format_instant(self.before),
+                    "metric": self.metric,
+                    "layer": self.layer,
+                }
+            }
+        )
+
+
+class _Body(msgspec.Struct, forbid_unknown_fields=True):
+    before: str
+    metric: str | None = None
+    layer: str | None = None
+
+
+def is_seal(client: str, content_type: str | None) -> bool:
+    """Whether a journal entry with this client and content type is a seal."""
+    return client == SEAL_CLIENT and content_type == SEAL_CONTENT_TYPE
+
+
+def decode(body: bytes) -> Seal:
+    """The seal a journaled body holds; :class:`SealError` when it holds none."""
+    try:
+        read = msgspec.json.decode(body, type=dict[str, _Body])
+    except (msgspec.DecodeError, RecursionError):
+        raise SealError("seal body is not a seal document") from None
+    if read.keys() != {"seal"}:
+        raise SealError("seal body is not a seal document")
+    inner = read["seal"]
+    try:
+        before = parse_instant(inner.before)
+    except TimestampError:
+        raise SealError("seal body has an unreadable instant") from None
+    if inner.metric == "" or inner.layer == "":
+        raise SealError("seal body names an empty metric or layer")
+    return Seal(before, inner.metric, inner.layer)
+
+
+def covered(seals: list[Seal], key: ObjectKey) -> bool:
+    """Whether any of ``seals`` covers ``key``."""
+    return any(seal.covers(key) for seal in seals)

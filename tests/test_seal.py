@@ -1,0 +1,245 @@
+"""Seals (specs/seal.md): journaled, folded in journal order, reproduced by every rebuild."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from _bodies import BASE_US, append, body, delivery, point, rows
+
+from healthlog.objects import ObjectKey
+from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal, SealError, decode
+from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
+from healthlog.storage.passes import run_pass
+from healthlog.storage.rebuild import rebuild_into, reindex, verify
+from healthlog.storage.store import Store
+from healthlog.storage.tokens import TokenError, Tokens
+from healthlog.timestamps import US_PER_HOUR
+
+if TYPE_CHECKING:
+    from conftest import RunCli
+
+HOUR = US_PER_HOUR
+# Points at minutes 1 and 61: hours 0 and 1 after BASE_US.
+TWO_HOURS = body({"hr": [point(1, 60), point(61, 61)], "steps": [point(2, 5)]})
+
+
+def sealing(seal: Seal) -> NewDelivery:
+    return NewDelivery(seal.encode(), SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE)
+
+
+def flags(store: Store) -> dict[tuple[str, int], bool]:
+    """(metric, hour offset from BASE_US in hours) -> sealed."""
+    return {
+        (s.key.metric, (s.key.hour - BASE_US) // HOUR): s.sealed for s in store.summaries().values()
+    }
+
+
+def outcome_of(store: Store, meta: DeliveryMeta | int) -> tuple[str, str | None, dict[str, int]]:
+    outcome = store.outcome(meta if isinstance(meta, int) else meta.id)
+    assert outcome is not None
+    return outcome.status, outcome.reason, outcome.counters
+
+
+def test_a_seal_marks_the_stored_objects_it_covers_seal_1(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """SEAL-1: the hours that end by `before`, of the metric and layer given, are marked, each
+    with an `object.changed` event that keeps its hash; the seal's counters stay zero."""
+    append(journal, delivery(TWO_HOURS))
+    run_pass(journal, store, epoch)
+    hashes = {s.key: s.hash for s in store.summaries().values()}
+    seal = append(journal, sealing(Seal(BASE_US + HOUR, "hr", "minutes")))
+    last = store.events_after(0, 1000)[-1].seq
+
+    run_pass(journal, store, epoch)
+
+    assert flags(store) == {("hr", 0): True, ("hr", 1): False, ("steps", 0): False}
+    status, reason, counters = outcome_of(store, seal)
+    assert (status, reason) == ("parsed", None)
+    assert not any(counters.values())
+    changed = [e.payload for e in store.events_after(last, 1000) if e.kind == "object.changed"]
+    assert changed == [
+        {
+            "metric": "hr",
+            "layer": "minutes",
+            "hour": "2024-03-01T00:00:00Z",
+            "hash": hashes[ObjectKey("hr", "minutes", BASE_US)].hex(),
+            "points": 1,
+            "delivery_id": seal.id,
+        }
+    ]
+    unfiltered = append(journal, sealing(Seal(BASE_US + 2 * HOUR, layer="hours")))
+    run_pass(journal, store, epoch)
+    assert outcome_of(store, unfiltered)[0] == "parsed"
+    assert flags(store) == {("hr", 0): True, ("hr", 1): False, ("steps", 0): False}
+
+
+def test_a_later_write_to_a_sealed_hour_is_saved_and_counted_seal_2(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SEAL-2: after a seal, a write to a covered hour (a stored object, or a new one) is saved,
+    sealed, counted in `sealed_writes` and logged at WARNING; other hours are not."""
+    append(journal, delivery(TWO_HOURS))
+    append(journal, sealing(Seal(BASE_US + 2 * HOUR)))
+    run_pass(journal, store, epoch)
+    late = body({"hr": [point(3, 62), point(121, 63)], "weight": [point(4, 80)]})
+    meta = append(journal, delivery(late))
+
+    with caplog.at_level(logging.WARNING, logger="healthlog.fold"):
+        run_pass(journal, store, epoch)
+
+    assert flags(store) == {
+        ("hr", 0): True,
+        ("hr", 1): True,
+        ("hr", 2): False,
+        ("steps", 0): True,
+        ("weight", 0): True,
+    }
+    status, _, counters = outcome_of(store, meta)
+    assert status == "parsed"
+    assert counters["sealed_writes"] == 2
+    assert counters["points_new"] == 3
+    warned = [r.getMessage() for r in caplog.records if "sealed" in r.getMessage()]
+    assert len(warned) == 2
+    assert all("62" not in message and "80" not in message for message in warned)
+
+
+def seal_journal(journal: Journal) -> None:
+    """Deliveries, seals between them, late writes, and a seal that cannot be read."""
+    append(journal, delivery(TWO_HOURS))
+    append(journal, delivery(body({"hr": [point(m, m % 9) for m in range(120, 300, 2)]})))
+    append(journal, sealing(Seal(BASE_US + 2 * HOUR, "hr")))
+    append(journal, delivery(body({"hr": [point(5, 70), point(200, 71)], "steps": [point(7, 1)]})))
+    append(journal, NewDelivery(b'{"seal": 1}', SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE))
+    append(journal, sealing(Seal(BASE_US + 4 * HOUR)))
+    append(journal, delivery(body({"steps": [point(9, 2), point(400, 3)]})))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_rebuilds_reproduce_the_seals_seal_3(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path, workers: int
+) -> None:
+    """SEAL-3: verify is clean after seals; a reindex changes nothing; a partitioned rebuild
+    equals the one-process rebuild (objects with their flags, outcomes with their counters)."""
+    seal_journal(journal)
+    run_pass(journal, store, epoch)
+    store.release_lease("folder", epoch)
+
+    assert verify(journal, store) == []
+    assert reindex(journal, store, "reindex") == 0
+
+    rebuild_into(journal, tmp_path / "one.sqlite", workers=1)
+    rebuild_into(journal, tmp_path / "many.sqlite", workers=workers)
+    one, many = rows(tmp_path / "one.sqlite"), rows(tmp_path / "many.sqlite")
+    for table in ("objects", "outcomes", "seals", "checkpoint"):
+        assert one[table] == many[table]
+    assert sorted(sealed for *_, sealed, _ in one["objects"]) == [0, 0, 1, 1, 1, 1, 1]
+    assert sum(json.loads(counters)["sealed_writes"] for *_, counters, _ in one["outcomes"]) == 2
+
+
+def test_a_seal_cannot_be_forged_seal_4(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path
+) -> None:
+    """SEAL-4: no token may be named `cli:...`; a seal body sent by a client is folded as a
+    delivery and seals nothing."""
+    with Tokens(tmp_path / "tokens.sqlite") as tokens, pytest.raises(TokenError, match="reserved"):
+        tokens.add(SEAL_CLIENT)
+    append(journal, delivery(TWO_HOURS))
+    forged = Seal(BASE_US + 10 * HOUR).encode()
+    append(journal, NewDelivery(forged, "phone", content_type=SEAL_CONTENT_TYPE))
+
+    run_pass(journal, store, epoch)
+
+    assert not any(flags(store).values())
+    assert store.summaries()
+    assert rows(store.path)["seals"] == []
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"not json",
+        b'{"seal": 1}',
+        b'{"seal": {"before": "soon"}}',
+        b'{"seal": {"before": "2024-03-01T00:00:00Z", "metric": ""}}',
+        b'{"seal": {"before": "2024-03-01T00:00:00Z", "colour": "red"}}',
+        b'{"seal": {"before": "2024-03-01T00:00:00Z"}, "more": 1}',
+    ],
+)
+def test_an_unreadable_seal_fails_and_seals_nothing_seal_5(
+    journal: Journal, store: Store, epoch: int, payload: bytes
+) -> None:
+    """SEAL-5: a journaled seal that cannot be read is `failed` with a reason quoting nothing
+    of it, and seals nothing."""
+    with pytest.raises(SealError):
+        decode(payload)
+    append(journal, delivery(TWO_HOURS))
+    meta = append(journal, NewDelivery(payload, SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE))
+
+    report = run_pass(journal, store, epoch)
+
+    assert report.reached_end
+    status, reason, _ = outcome_of(store, meta)
+    assert status == "failed"
+    assert reason is not None
+    assert reason.startswith("seal body")
+    assert not any(flags(store).values())
+
+
+def test_verify_finds_a_flag_the_journal_does_not_give_seal_7(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """SEAL-7: an object sealed in the store without a journaled seal differs from the
+    rebuild, though its content is the same."""
+    append(journal, delivery(TWO_HOURS))
+    run_pass(journal, store, epoch)
+    with closing(sqlite3.connect(store.path)) as conn, conn:
+        conn.execute("UPDATE objects SET sealed = 1 WHERE metric = 'steps'")
+
+    differences = verify(journal, store)
+
+    assert [(d.key.metric, d.live == d.rebuilt) for d in differences] == [("steps", True)]
+
+
+def test_seal_from_the_command_line_seal_6(run_cli: RunCli, tmp_path: Path) -> None:
+    """SEAL-6: `healthlog seal` journals a seal and waits until it is folded; `--layer
+    records` names the section layer; an unreadable `--before` is a usage error."""
+    data = tmp_path / "data"
+    payload = tmp_path / "day.json"
+    payload.write_bytes(TWO_HOURS)
+    assert run_cli("import", "--data", data, "--aggregation", "minutes", payload).code == 0
+
+    sealed = run_cli("seal", "--data", data, "--before", "2024-03-01T01:00:00Z", "--metric", "hr")
+    records = run_cli("seal", "--data", data, "--before", "2024-03-02", "--layer", "records")
+    wrong = run_cli("seal", "--data", data, "--before", "soon")
+
+    assert sealed.code == 0, sealed.err
+    assert "as delivery 2" in sealed.err
+    assert records.code == 0, records.err
+    assert wrong.code == 2
+    assert "not a timestamp" in wrong.err
+    with Store(data / "store.sqlite") as store:
+        assert flags(store) == {("hr", 0): True, ("hr", 1): False, ("steps", 0): False}
+        assert [outcome_of(store, n)[0] for n in (2, 3)] == ["parsed", "parsed"]
+    assert run_cli("verify", "--data", data).code == 0
+
+
+def test_the_stream_carries_the_flag_seal_8(journal: Journal, store: Store, epoch: int) -> None:
+    """SEAL-8: the replay stream's page shows a sealed object's state with its flag set."""
+    append(journal, delivery(TWO_HOURS))
+    append(journal, sealing(Seal(BASE_US + HOUR, "steps")))
+    run_pass(journal, store, epoch)
+
+    states = [
+        (event.payload["delivery_id"], state.sealed)
+        for event, state in store.replay_page(0, 100, 1 << 20)
+        if event.kind == "object.changed" and state is not None and state.key.metric == "steps"
+    ]
+
+    assert states == [(1, True), (2, True)]
