@@ -41,6 +41,9 @@ def test_short_run_holds_every_invariant_chaos_1() -> None:
     assert injected > 0
     assert deliveries > 0
     assert (lost, mismatched) == (0, 0)
+    sealed = re.search(r"^runs with a seal: (\d+)$", done.stdout, re.MULTILINE)
+    assert sealed is not None
+    assert int(sealed.group(1)) > 0
 
 
 @pytest.mark.parametrize(
@@ -90,3 +93,10 @@ def test_two_hundred_runs_plan_every_kind_chaos_5(tmp_path: Path) -> None:
         chosen.update(Run(7 * 100_000 + n, tmp_path).kinds)
     assert set(chosen) == set(KINDS)
     assert min(chosen.values()) >= 10
+
+
+def test_a_third_of_the_runs_seal_chaos_6(tmp_path: Path) -> None:
+    """CHAOS-6: about a third of the runs of ``--seed 7 --runs 200`` also seal the first hours
+    of their window while the workload is posted."""
+    sealed = sum(Run(7 * 100_000 + n, tmp_path).result.sealed for n in range(200))
+    assert 50 <= sealed <= 85

@@ -34,6 +34,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ from transport.follow import Endpoints, Follower
 KINDS = ("busy", "ioerror", "delay", "clock", "kill", "lock", "steal", "drop", "cancel")
 FOLD_POINTS = ("fold.begin", "fold.object_write", "fold.outcome_write", "fold.before_commit")
 KILL_POINTS = (*FOLD_POINTS, "fold.after_commit", "journal.append")
+# The share of runs that also seal the first hours of their window (specs/seal.md).
+SEALED_SHARE = 1 / 3
 START_TIMEOUT_S = 30.0
 QUIET_TIMEOUT_S = 60.0
 POST_ATTEMPTS = 8
@@ -75,6 +78,7 @@ class RunResult:
     lost: int = 0
     mismatched: int = 0
     reordered: int = 0
+    sealed: bool = False
     broken: list[str] = attrs.Factory(list)
 
 
@@ -157,6 +161,7 @@ class Run:
         self.log = root / f"run-{seed}.log"
         self.result = RunResult(seed)
         self.kinds = set(self.rng.sample(KINDS, self.rng.randint(1, 3)))
+        self.result.sealed = self.rng.random() < SEALED_SHARE
         self.accepted: dict[str, int] = {}
         self.keys: dict[str, str] = {}
         with self.data.open_tokens() as tokens:
@@ -187,6 +192,8 @@ class Run:
                     nursery.start_soon(self._hold_lock)
                 if "steal" in self.kinds:
                     nursery.start_soon(self._steal)
+                if self.result.sealed:
+                    nursery.start_soon(self._seal)
                 await self._post_workload(bodies)
                 await self._quiesce()
                 nursery.cancel_scope.cancel()
@@ -313,6 +320,16 @@ class Run:
         if done.returncode != 0:
             self.reindex_failure = done.stderr.decode(errors="replace")
 
+    async def _seal(self) -> None:
+        """Seal the first hours of the window with ``healthlog seal`` while the workload is
+        posted (it journals beside the service, as ``import`` does)."""
+        await trio.sleep(self.rng.uniform(0.1, 1.0))
+        before = workload.EPOCH + timedelta(hours=self.rng.randint(1, 3))
+        command = [*self._cli("seal"), "--before", before.isoformat(), "--no-wait"]
+        done = await trio.run_process(command, check=False, capture_stderr=True)
+        if done.returncode != 0:
+            self.result.broken.append("healthlog seal failed")
+
     async def _interrupted_follower(self) -> None:
         """A follower whose sessions end part-way and resume from its replica: dropped on a
         timer, or cancelled right after it applied its n-th event, before acknowledging it."""
@@ -415,9 +432,9 @@ class Run:
             )
             with trio.move_on_after(QUIET_TIMEOUT_S):
                 await follower.run()
-            mine = {o.key: o.hash for o in store.iter_objects()}
+            mine = {o.key: (o.hash, o.sealed) for o in store.iter_objects()}
         with self.data.open_store() as live:
-            theirs = {o.key: o.hash for o in live.iter_objects()}
+            theirs = {o.key: (o.hash, o.sealed) for o in live.iter_objects()}
         if mine != theirs:
             self.result.broken.append("the follower's replica differs from the server")
 
@@ -478,6 +495,7 @@ class Summary:
                 f"largest body per run: {min(largest) / 2**20:.1f} to"
                 f" {max(largest) / 2**20:.1f} MiB"
             )
+        lines.append(f"runs with a seal: {sum(r.sealed for r in self.runs)}")
         lines.append(
             f"chaos: runs {len(self.runs)}, faults injected {sum(by_kind.values())},"
             f" crashes {sum(r.crashes for r in self.runs)},"
@@ -504,4 +522,5 @@ async def run_chaos(seed: int, runs: int, minutes: float | None, keep: Path | No
 
 def _progress(result: RunResult) -> str:
     faults = ",".join(f"{k}={v}" for k, v in sorted(result.faults.items())) or "none"
-    return f"chaos: run {result.seed} {'ok' if not result.broken else 'BROKEN'} ({faults})"
+    sealed = ", sealed" if result.sealed else ""
+    return f"chaos: run {result.seed} {'ok' if not result.broken else 'BROKEN'} ({faults}{sealed})"
