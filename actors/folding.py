@@ -51,6 +51,35 @@ class Executor(enum.Enum):
     THREAD = "thread"
 
 
+# How long after its hour ended an object was changed: a minute to a month (S9).
+LATE_BOUNDS_S = (60.0, 300.0, 900.0, 1800.0, 3600.0, 21600.0, 86400.0, 604800.0, 2592000.0)
+
+
+@attrs.define
+class _Histogram:
+    """Observations counted in buckets by upper bound, with their number and sum."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = attrs.field(init=False)
+    observed: int = 0
+    total: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        self.counts = [0] * len(self.bounds)
+
+    def observe(self, value: float) -> None:
+        self.observed += 1
+        self.total += value
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                return
+
+    def cumulative(self) -> tuple[tuple[float, int], ...]:
+        """(bound, observations at most that) for every bound."""
+        return tuple((bound, sum(self.counts[: i + 1])) for i, bound in enumerate(self.bounds))
+
+
 @attrs.frozen
 class FoldingStatistics:
     epoch: int | None
@@ -63,6 +92,9 @@ class FoldingStatistics:
     duration_buckets: tuple[tuple[float, int], ...]
     folds_timed: int
     duration_sum_s: float
+    late_buckets: tuple[tuple[float, int], ...]
+    late_changes: int
+    late_sum_s: float
 
 
 class FoldingActor:
@@ -99,9 +131,8 @@ class FoldingActor:
         self._passes = 0
         self._stops: Counter[str] = Counter()
         self._classes: Counter[str] = Counter()
-        self._durations = [0] * len(DURATION_BOUNDS_S)
-        self._timed = 0
-        self._duration_sum = 0.0
+        self._durations = _Histogram(DURATION_BOUNDS_S)
+        self._late = _Histogram(LATE_BOUNDS_S)
 
     def statistics(self) -> FoldingStatistics:
         return FoldingStatistics(
@@ -112,11 +143,12 @@ class FoldingActor:
             folded=self._classes[OutcomeClass.DONE.value],
             running=self._pass_scope is not None,
             first_pass_completed=self._stops["empty"] + self._stops["unwritten"] > 0,
-            duration_buckets=tuple(
-                (bound, sum(self._durations[: i + 1])) for i, bound in enumerate(DURATION_BOUNDS_S)
-            ),
-            folds_timed=self._timed,
-            duration_sum_s=self._duration_sum,
+            duration_buckets=self._durations.cumulative(),
+            folds_timed=self._durations.observed,
+            duration_sum_s=self._durations.total,
+            late_buckets=self._late.cumulative(),
+            late_changes=self._late.observed,
+            late_sum_s=self._late.total,
         )
 
     async def run(self) -> None:
@@ -165,7 +197,9 @@ class FoldingActor:
                 reports = await self._fold(self._run(queue, folding.position), epoch)
                 each = (trio.current_time() - started) / len(reports)
                 for report in reports:
-                    self._time(each)
+                    self._durations.observe(each)
+                    for seconds in report.late_s:
+                        self._late.observe(seconds)
                     self._classes[report.outcome_class.value] += 1
                     folding.record(report)
         except trio.Cancelled:
@@ -177,14 +211,6 @@ class FoldingActor:
         await trio.to_thread.run_sync(
             write_marks, self._journal, self._store, folding, now_us, limiter=self._limiter
         )
-
-    def _time(self, seconds: float) -> None:
-        self._timed += 1
-        self._duration_sum += seconds
-        for i, bound in enumerate(DURATION_BOUNDS_S):
-            if seconds <= bound:
-                self._durations[i] += 1
-                return
 
     def _run(self, queue: list[DeliveryMeta], start: int) -> list[DeliveryMeta]:
         """The deliveries to fold in one call, from ``queue[start]`` on.

@@ -41,6 +41,9 @@ class FoldReport:
     status: str | None = None
     reason: str | None = None
     out_of_order: bool = False
+    # For each object the fold changed whose hour had ended when the delivery was received:
+    # how long after, in seconds (S9: how late hours still change).
+    late_s: tuple[float, ...] = ()
 
 
 class Queued(Protocol):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 from _bodies import BASE_US, append, body, delivery, point, rows
 
+from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal, SealError, decode
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
@@ -243,3 +244,18 @@ def test_the_stream_carries_the_flag_seal_8(journal: Journal, store: Store, epoc
     ]
 
     assert states == [(1, True), (2, True)]
+
+
+def test_how_late_hours_still_change_seal_9(journal: Journal, store: Store, epoch: int) -> None:
+    """SEAL-9: a fold reports, for each object it changed whose hour had ended when the
+    delivery was received, how long after; an hour not yet over, or an unchanged object, is
+    not reported."""
+    received = BASE_US + HOUR + 20 * 60 * 1_000_000
+    meta = append(journal, delivery(TWO_HOURS, received_at=received))
+    again = append(journal, delivery(TWO_HOURS, received_at=received + 1))
+
+    reports = [store.fold(journal, m, epoch) for m in (meta, again)]
+
+    assert [r.outcome_class for r in reports] == [OutcomeClass.DONE, OutcomeClass.DONE]
+    assert reports[0].late_s == (1200.0, 1200.0)
+    assert reports[1].late_s == ()

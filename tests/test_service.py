@@ -517,6 +517,10 @@ async def test_metrics_after_holding_erasing_and_failing(service: Service) -> No
     counts = [count for _, count in buckets]
     assert counts == sorted(counts)
     assert buckets[-1] == (float("inf"), 3)
+    # Both parsed deliveries changed the 10:00 hour of 2024, long over: later than a month.
+    assert value("healthlog_late_change_seconds_count") == 2
+    assert value("healthlog_late_change_seconds_bucket", le="2592000.0") == 0
+    assert value("healthlog_late_change_seconds_bucket", le="+Inf") == 2
 
 
 # -- read side ------------------------------------------------------------------------------

@@ -75,6 +75,14 @@ class _Snapshot(Collector):
             buckets=[*buckets, ("+Inf", folding.folds_timed)],
             sum_value=folding.duration_sum_s,
         )
+        late = [(str(bound), count) for bound, count in folding.late_buckets]
+        yield HistogramMetricFamily(
+            "healthlog_late_change_seconds",
+            "How long after its hour ended an object was changed, by the folds of this process"
+            " (objects of hours not yet over are not counted): the horizon for healthlog seal",
+            buckets=[*late, ("+Inf", folding.late_changes)],
+            sum_value=folding.late_sum_s,
+        )
         yield CounterMetricFamily(
             "healthlog_intake_accepted",
             "Deliveries journaled",

@@ -329,6 +329,7 @@ class Store(_objects.ObjectDatabase):
             if self._folded(meta.id):
                 return self._report_existing(meta.id)
             later = guard and self._later_folded(meta)
+            late: list[float] = []
             if seals.is_seal(meta.client, meta.content_type):
                 outcome = self._seal(meta, body)
             else:
@@ -345,6 +346,9 @@ class Store(_objects.ObjectDatabase):
                     self._write_object(written)
                     payload = _object_event(written.key, written.hash, written.count, meta.id)
                     self._event(f"{meta.id}.{n}", "object.changed", payload)
+                    after = meta.received_at - (written.key.hour + US_PER_HOUR)
+                    if after > 0:
+                        late.append(after / 1_000_000)
                 assert fold.outcome is not None
                 outcome = fold.outcome
             self._write_outcome(meta, outcome, epoch)
@@ -361,7 +365,9 @@ class Store(_objects.ObjectDatabase):
             faults.point("fold.after_commit")
         except Exception as exc:
             log.warning("delivery %d: fault after commit: %s", meta.id, type(exc).__name__)
-        return FoldReport(meta.id, OutcomeClass.DONE, outcome.status, outcome.reason, later)
+        return FoldReport(
+            meta.id, OutcomeClass.DONE, outcome.status, outcome.reason, later, tuple(late)
+        )
 
     def _seal(self, meta: DeliveryMeta, body: bytes) -> Outcome:
         """Fold a journaled seal: record it and mark the stored objects it covers, each with
