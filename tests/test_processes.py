@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import itertools
 import os
-import random
 import select
 import signal
 import sqlite3
@@ -468,8 +467,9 @@ def test_import_no_wait_returns_while_the_store_is_locked_fence_7(
 
 # -- kill -9 --------------------------------------------------------------------------------
 
-KILLS = ((0.1, "thread"), (0.3, "process"), (0.5, "thread"))
-"""(seconds after the round's first fold, executor) of each SIGKILL of FENCE-8."""
+KILLS = ((1, "thread"), (4, "process"), (9, "thread"))
+"""(folds of the round seen before it, executor) of each SIGKILL of FENCE-8: counted rather
+than timed, so that a faster fold cannot finish the round's 30 deliveries first."""
 
 
 def test_kill_9_while_folding_loses_nothing_and_folds_nothing_twice_fence_8(
@@ -480,16 +480,20 @@ def test_kill_9_while_folding_loses_nothing_and_folds_nothing_twice_fence_8(
     quiescence every journaled delivery has exactly one outcome and one `delivery.folded`
     event, in journal order, epochs never decrease along journal order, and `verify` exits 0."""
     lease = ("--ttl", "1", "--renew", "0.25")
-    jitter = random.Random(8)
     epochs = []
-    for round_, (delay_s, executor) in enumerate(KILLS):
+    for round_, (folds, executor) in enumerate(KILLS):
         journal(data, 30)
         before = state(data)
         victim = children.runtime(data, f"victim-{round_}", "--executor", executor, *lease)
         resumed = wait_state(
             data, "folding resumes", folded_more_than(len(before.epochs)), watch=[victim]
         )
-        time.sleep(delay_s + jitter.uniform(0, 0.05))
+        wait_state(
+            data,
+            "the round folds",
+            folded_more_than(len(before.epochs) + folds - 1),
+            watch=[victim],
+        )
         victim.crash()
         killed = state(data)
         assert killed.pending, "the queue was done before the kill"
