@@ -19,7 +19,7 @@ from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import run_pass
 from healthlog.storage.rebuild import rebuild_into, reindex, verify
 from healthlog.storage.store import Store
-from healthlog.storage.tokens import TokenError, Tokens
+from healthlog.storage.tokens import TokenError, Tokens, authenticate
 from healthlog.timestamps import US_PER_HOUR
 
 if TYPE_CHECKING:
@@ -147,10 +147,15 @@ def test_rebuilds_reproduce_the_seals_seal_3(
 def test_a_seal_cannot_be_forged_seal_4(
     journal: Journal, store: Store, epoch: int, tmp_path: Path
 ) -> None:
-    """SEAL-4: no token may be named `cli:...`; a seal body sent by a client is folded as a
-    delivery and seals nothing."""
-    with Tokens(tmp_path / "tokens.sqlite") as tokens, pytest.raises(TokenError, match="reserved"):
-        tokens.add(SEAL_CLIENT)
+    """SEAL-4: no token may be named `cli:...`, and one so named before that authenticates
+    nothing; a seal body sent by a client is folded as a delivery and seals nothing."""
+    with Tokens(tmp_path / "tokens.sqlite") as tokens:
+        with pytest.raises(TokenError, match="reserved"):
+            tokens.add(SEAL_CLIENT)
+        legacy = tokens.add("phone")
+        with closing(sqlite3.connect(tokens.path)) as conn, conn:
+            conn.execute("UPDATE tokens SET name = ? WHERE name = 'phone'", (SEAL_CLIENT,))
+        assert authenticate(legacy, tokens.hashes()) is None
     append(journal, delivery(TWO_HOURS))
     forged = Seal(BASE_US + 10 * HOUR).encode()
     append(journal, NewDelivery(forged, "phone", content_type=SEAL_CONTENT_TYPE))

@@ -85,10 +85,11 @@ class Tokens(Database):
         return [TokenInfo(*row) for row in rows]
 
     def hashes(self) -> dict[bytes, str]:
-        """Every live token hash with its client name."""
+        """Every live token hash with its client name; a token with a reserved name (one made
+        before names were reserved) authenticates nothing."""
         with self._lock:
             rows = self._conn.execute("SELECT hash, name FROM tokens").fetchall()
-        return {bytes(h): str(n) for h, n in rows}
+        return {bytes(h): str(n) for h, n in rows if not str(n).startswith(RESERVED_PREFIX)}
 
 
 def authenticate(presented: str, hashes: dict[bytes, str]) -> str | None:
