@@ -293,7 +293,7 @@ def _flat_slices(
 
     A slice holding one brace per point and no bracket but its own is flat; a brace or
     bracket inside a string only sends the slice the slow way, point by point. The slice is
-    decoded with the points' own decoder, so it decodes exactly when each point does.
+    decoded as each point is (plain JSON, no type), so it decodes exactly when each point does.
     """
     view = memoryview(raw_array)
     at = 1
@@ -340,7 +340,7 @@ class _Reading:
                         pass
                     else:
                         starts.append(start)
-                        if self.stamps is not None and self.spacing:
+                        if self.stamps is not None:
                             self.stamps.append(start)
                         continue
             self.point(element, element)
