@@ -124,16 +124,17 @@ def make_body(
 
 def dump(value: Any, rng: random.Random) -> bytes:
     """JSON bytes with every object's keys in a random order; UTF-8, nothing escaped."""
-    return json.dumps(_shuffled(value, rng), ensure_ascii=False).encode()
+    return json.dumps(shuffled(value, rng), ensure_ascii=False).encode()
 
 
-def _shuffled(value: Any, rng: random.Random) -> Any:
+def shuffled(value: Any, rng: random.Random) -> Any:
+    """``value`` with every object's keys in a random order, at every depth."""
     if isinstance(value, dict):
         items = list(value.items())
         rng.shuffle(items)
-        return {k: _shuffled(v, rng) for k, v in items}
+        return {k: shuffled(v, rng) for k, v in items}
     if isinstance(value, list):
-        return [_shuffled(v, rng) for v in value]
+        return [shuffled(v, rng) for v in value]
     return value
 
 

@@ -16,6 +16,7 @@ from typing import cast
 import attrs
 import orjson
 import pytest
+from fixtures import shuffled
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -341,16 +342,6 @@ def test_equivalent_json_of_any_shape_replays_journal_12(journal: Journal) -> No
         assert journal.append(delivery(resent, idempotency_key=key)) == attrs_replayed(original)
 
     replays()
-
-
-def shuffled(value: object, rng: random.Random) -> object:
-    if isinstance(value, dict):
-        items = list(value.items())
-        rng.shuffle(items)
-        return {k: shuffled(v, rng) for k, v in items}
-    if isinstance(value, list):
-        return [shuffled(v, rng) for v in value]
-    return value
 
 
 def attrs_replayed(receipt: Receipt) -> Receipt:

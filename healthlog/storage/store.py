@@ -331,7 +331,7 @@ class Store(_objects.ObjectDatabase):
             later = guard and self._later_folded(meta)
             late: list[float] = []
             if seals.is_seal(meta.client, meta.content_type):
-                outcome = self._seal(meta, body)
+                outcome = self._seal(meta, body, live=guard)
             else:
                 fold = DeliveryFold(
                     body,
@@ -369,10 +369,11 @@ class Store(_objects.ObjectDatabase):
             meta.id, OutcomeClass.DONE, outcome.status, outcome.reason, later, tuple(late)
         )
 
-    def _seal(self, meta: DeliveryMeta, body: bytes) -> Outcome:
+    def _seal(self, meta: DeliveryMeta, body: bytes, *, live: bool) -> Outcome:
         """Fold a journaled seal: record it and mark the stored objects it covers, each with
         an ``object.changed`` event. Its counters stay zero, whatever it marked, so that a
-        rebuild's outcome does not depend on which objects a partition had folded by then."""
+        rebuild's outcome does not depend on which objects a partition had folded by then.
+        The count marked is logged at INFO by the live folder, at DEBUG by a rebuild."""
         try:
             seal = seals.decode(body)
         except SealError as exc:
@@ -390,7 +391,8 @@ class Store(_objects.ObjectDatabase):
         for n, (metric, layer, hour, digest, count) in enumerate(sorted(marked), start=1):
             payload = _object_event(ObjectKey(metric, layer, hour), digest, count, meta.id)
             self._event(f"{meta.id}.{n}", "object.changed", payload)
-        log.info("seal %d folded: %d stored objects sealed", meta.id, len(marked))
+        level = logging.INFO if live else logging.DEBUG
+        log.log(level, "seal %d folded: %d stored objects sealed", meta.id, len(marked))
         return Outcome(PARSED, None, None, Counters())
 
     def seal_covered(self, epoch: int) -> None:
