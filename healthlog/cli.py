@@ -155,6 +155,8 @@ async def _import(args: argparse.Namespace, data: DataDir, bodies: list[bytes]) 
 
 
 def cmd_seal(args: argparse.Namespace, data: DataDir) -> int:
+    if args.metric == "":
+        raise CliError("--metric names a metric; leave it out to seal every metric")
     seal = Seal(args.before, args.metric, args.layer)
     return trio.run(_seal, args, data, seal)
 

@@ -224,15 +224,20 @@ def test_seal_from_the_command_line_seal_6(run_cli: RunCli, tmp_path: Path) -> N
     sealed = run_cli("seal", "--data", data, "--before", "2024-03-01T01:00:00Z", "--metric", "hr")
     records = run_cli("seal", "--data", data, "--before", "2024-03-02", "--layer", "records")
     wrong = run_cli("seal", "--data", data, "--before", "soon")
+    empty = run_cli("seal", "--data", data, "--before", "2024-03-02", "--metric", "")
 
     assert sealed.code == 0, sealed.err
     assert "as delivery 2" in sealed.err
     assert records.code == 0, records.err
     assert wrong.code == 2
     assert "not a timestamp" in wrong.err
+    assert empty.code == 2
+    assert "--metric" in empty.err
     with Store(data / "store.sqlite") as store:
         assert flags(store) == {("hr", 0): True, ("hr", 1): False, ("steps", 0): False}
         assert [outcome_of(store, n)[0] for n in (2, 3)] == ["parsed", "parsed"]
+    with Journal(data / "journal.sqlite") as journal:
+        assert len(journal.iter_order()) == 3
     assert run_cli("verify", "--data", data).code == 0
 
 

@@ -239,7 +239,7 @@ def rebuild(
         try:
             run = _Run(pool, Path(tmp) / "assumed", workers, len(queue), onwards, known=None)
             run.fold(journal, queue)
-            known = run.misassumed(queue)
+            known = run.misassumed()
             if known is not None:
                 log.debug("layers were not those assumed; folding again under the known layers")
                 run = _Run(pool, Path(tmp) / "known", workers, len(queue), onwards, known=known)
@@ -401,7 +401,7 @@ class _Run:
             self._last[automation] = layer
         return layer, measured
 
-    def misassumed(self, queue: list[DeliveryMeta]) -> dict[int, str | None] | None:
+    def misassumed(self) -> dict[int, str | None] | None:
         """None when every layer used is the one P5 gives in journal order, with the spacings
         the workers measured; otherwise the layers P5 gives, by delivery id."""
         inherited: dict[str, str] = {}
