@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import tempfile
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from _bodies import BASE_US, append, body, delivery, point, rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
@@ -269,3 +272,50 @@ def test_how_late_hours_still_change_seal_9(journal: Journal, store: Store, epoc
     assert [r.outcome_class for r in reports] == [OutcomeClass.DONE, OutcomeClass.DONE]
     assert reports[0].late_s == (1200.0, 1200.0)
     assert reports[1].late_s == ()
+
+
+_SEALS = st.tuples(
+    st.sampled_from([1, 2, 3]),
+    st.sampled_from([None, "hr", "steps"]),
+    st.sampled_from([None, "minutes", "hours"]),
+)
+_POINTS = st.lists(
+    st.tuples(st.sampled_from(["hr", "steps"]), st.sampled_from([0, 1, 60, 130]), st.booleans()),
+    min_size=1,
+    max_size=5,
+)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.one_of(_SEALS, _POINTS), min_size=2, max_size=7))
+def test_any_seals_among_any_deliveries_rebuild_the_same_seal_10(
+    steps: list[tuple[int, str | None, str | None] | list[tuple[str, int, bool]]],
+) -> None:
+    """SEAL-10 (property): random deliveries with random seals among them fold live to what
+    `verify` rebuilds, and rebuild the same in one process and partitioned."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Journal(Path(tmp) / "journal.sqlite") as journal,
+        Store(Path(tmp) / "store.sqlite") as store,
+    ):
+        for step in steps:
+            if isinstance(step, tuple):
+                hours, metric, layer = step
+                append(journal, sealing(Seal(BASE_US + hours * HOUR, metric, layer)))
+            else:
+                metrics: dict[str, list[dict[str, object]]] = {}
+                for name, minute, rich in step:
+                    extra = {"source": "Watch"} if rich else {}
+                    metrics.setdefault(name, []).append(point(minute, minute % 7, **extra))
+                append(journal, delivery(body(metrics)))
+        epoch = store.acquire_lease("folder", now=BASE_US, ttl=HOUR)
+        assert epoch is not None
+        assert run_pass(journal, store, epoch).reached_end
+        store.release_lease("folder", epoch)
+
+        assert verify(journal, store) == []
+        rebuild_into(journal, Path(tmp) / "one.sqlite", workers=1)
+        rebuild_into(journal, Path(tmp) / "two.sqlite", workers=2)
+        one, two = rows(Path(tmp) / "one.sqlite"), rows(Path(tmp) / "two.sqlite")
+        for table in ("objects", "outcomes", "seals", "checkpoint"):
+            assert one[table] == two[table]
