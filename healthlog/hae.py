@@ -291,9 +291,11 @@ def _flat_slices(
     """For each slice of ``_SLICE_POINTS`` points of a compact array, its points decoded if
     every one is a flat object (no object or array in it), else None.
 
-    A slice holding one brace per point and no bracket but its own is flat; a brace or
-    bracket inside a string only sends the slice the slow way, point by point. The slice is
-    decoded as each point is (plain JSON, no type), so it decodes exactly when each point does.
+    A slice of objects holding one brace per point and no bracket but its own is flat (an
+    element that is not an object could lend its brace count to a nested one, so every
+    element must decode to an object); a brace or bracket inside a string only sends the
+    slice the slow way, point by point. The slice is decoded as each point is (plain JSON, no
+    type), so it decodes exactly when each point does.
     """
     view = memoryview(raw_array)
     at = 1
@@ -306,9 +308,11 @@ def _flat_slices(
             yield None
             continue
         try:
-            yield _decoder.decode(text)
+            values = _decoder.decode(text)
         except (msgspec.DecodeError, RecursionError):
             yield None
+            continue
+        yield values if set(map(type, values)) <= {dict} else None
 
 
 @attrs.define

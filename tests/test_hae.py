@@ -371,6 +371,7 @@ _POINT_BYTES = [
     b'{"date":"%s","source":"Anna\xff Watch"}' % D2.encode(),
     b'{"date":"%s","note":"{[x]}"}' % D1.encode(),
     b'{"date":"%s","meta":{"a":[1]}}' % D0.encode(),
+    b'{"date":"%s","meta":{"a":1}}' % D1.encode(),
     b'{"date":"%s","date":"%s"}' % (D0.encode(), D2.encode()),
     b'"{"',
     b"7",
