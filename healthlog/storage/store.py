@@ -1,8 +1,10 @@
-"""The projection file ``store.sqlite``: hourly objects, fold outcomes, checkpoint, lease, events.
+"""The projection file ``store.sqlite``: hourly objects, fold outcomes, checkpoint, lease, events
+and the seals folded so far.
 
 Everything here can be rebuilt from the journal. A delivery folds in one write transaction
 (S10) that checks the lease epoch it was started under (L2), writes the objects the fold
-yields, the outcome, the checkpoint and the change events, and commits, or writes nothing.
+yields, the outcome, the checkpoint and the change events, and commits, or writes nothing; a
+journaled seal folds the same way, marking the objects it covers instead.
 """
 
 from __future__ import annotations
