@@ -81,17 +81,6 @@ def spacing_start(raw: bytes | msgspec.Raw) -> int | None:
     return _stamp_start(stamp)
 
 
-def spacing_starts(raw_array: bytes | msgspec.Raw) -> list[int]:
-    """``spacing_start`` of every point of a raw ``data`` array, in that order, leaving out the
-    points that bring none; one decode of the whole array when every point is an object."""
-    try:
-        stamps = msgspec.json.decode(raw_array, type=list[_Stamps])
-    except (msgspec.DecodeError, RecursionError):
-        elements = msgspec.json.decode(raw_array, type=list[msgspec.Raw])
-        return [start for start in map(spacing_start, elements) if start is not None]
-    return [start for start in map(_stamp_start, stamps) if start is not None]
-
-
 def _stamp_start(stamp: _Stamps) -> int | None:
     if stamp.start is not msgspec.UNSET:
         value = stamp.start

@@ -544,8 +544,6 @@ class _Run:
 
 
 def _spacing(group: hae.MetricGroup) -> int | None:
-    """The smallest gap between the starts the metric's points bring to its spacing."""
-    starts = []
-    for array in group.arrays:
-        starts.extend(layers.spacing_starts(array))
-    return layers.smallest_spacing(starts)
+    """The metric's spacing, read as the fold reads it (only the first delivery of each
+    automation is read here, so the reading need not be a cheaper one of its own)."""
+    return hae.read_series(group.arrays, spacing=True).spacing
