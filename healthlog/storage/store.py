@@ -384,12 +384,7 @@ class Store(_objects.ObjectDatabase):
             "INSERT INTO seals (delivery_id, before, metric, layer) VALUES (?, ?, ?, ?)",
             (meta.id, seal.before, seal.metric, seal.layer),
         )
-        marked = self._conn.execute(
-            "UPDATE objects SET sealed = 1 WHERE sealed = 0 AND hour + ? <= ?"
-            " AND coalesce(? = metric, 1) AND coalesce(? = layer, 1)"
-            " RETURNING metric, layer, hour, hash, points",
-            (US_PER_HOUR, seal.before, seal.metric, seal.layer),
-        ).fetchall()
+        marked = self._mark_sealed(seal)
         for n, (metric, layer, hour, digest, count) in enumerate(sorted(marked), start=1):
             payload = _object_event(ObjectKey(metric, layer, hour), digest, count, meta.id)
             self._event(f"{meta.id}.{n}", "object.changed", payload)
@@ -402,12 +397,18 @@ class Store(_objects.ObjectDatabase):
         partitions are gathered after the seals were folded)."""
         with self._lock, write_transaction(self._conn):
             self._check_epoch(epoch)
-            self._conn.execute(
-                "UPDATE objects SET sealed = 1 WHERE sealed = 0 AND EXISTS (SELECT 1 FROM seals s"
-                " WHERE objects.hour + ? <= s.before AND coalesce(s.metric = objects.metric, 1)"
-                " AND coalesce(s.layer = objects.layer, 1))",
-                (US_PER_HOUR,),
-            )
+            for seal in _seals(self._conn):
+                self._mark_sealed(seal)
+
+    def _mark_sealed(self, seal: Seal) -> list[tuple[str, str, int, bytes, int]]:
+        """Set ``sealed`` on the stored objects ``seal`` covers (``Seal.covers`` in SQL) that
+        lack it; their metric, layer, hour, hash and points."""
+        return self._conn.execute(
+            "UPDATE objects SET sealed = 1 WHERE sealed = 0 AND hour + ? <= ?"
+            " AND coalesce(? = metric, 1) AND coalesce(? = layer, 1)"
+            " RETURNING metric, layer, hour, hash, points",
+            (US_PER_HOUR, seal.before, seal.metric, seal.layer),
+        ).fetchall()
 
     def _fold_failed(self, meta: DeliveryMeta, epoch: int, reason: str) -> FoldReport:
         outcome = Outcome(status=FAILED, reason=reason, layer=None, counters=Counters())
