@@ -25,6 +25,7 @@ from healthlog.points import (
     content_point,
     coordinates,
     instant_of,
+    is_flat,
     point_object,
 )
 from healthlog.timestamps import US_PER_HOUR, TimestampError, hour_of
@@ -252,7 +253,6 @@ class Hour(NamedTuple):
 # An array of points that is compact already, or its points compacted one by one (empty for
 # a point that cannot be).
 _Source = msgspec.Raw | list[bytes]
-_NESTED = frozenset({dict, list})
 
 
 def read_series(arrays: list[msgspec.Raw], *, spacing: bool) -> Series:
@@ -359,7 +359,7 @@ class _Reading:
                 raise PointError("point is not valid JSON")
             value = point_object(element)
             start, end = coordinates(value)
-            if not _NESTED.isdisjoint(map(type, value.values())):
+            if not is_flat(value.values()):
                 self.decoded[index] = content_point(value, start, end, bytes(element))
         except PointError as exc:
             self.rejected[index] = str(exc)

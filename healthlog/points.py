@@ -7,6 +7,7 @@ form, which is what collisions are decided on, never the raw bytes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -189,10 +190,15 @@ def _lazy_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Poin
     """A flat point (no object or array values) counts its fields without normalising them
     and leaves its canonical form for later; a nested one is normalised now."""
     values = list(value.values())
-    if not _NESTED.isdisjoint(map(type, values)):
+    if not is_flat(values):
         return content_point(value, start, end, raw)
     # Flat fields normalise to nothing only when null or "" (rule 3: 0 and false count).
     return Point(start, end, raw, len(values) - values.count(None) - values.count(""), value, None)
+
+
+def is_flat(values: Iterable[object]) -> bool:
+    """Whether a point's field values hold no object and no array."""
+    return _NESTED.isdisjoint(map(type, values))
 
 
 def same_content(a: Point, b: Point) -> bool:
