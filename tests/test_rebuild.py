@@ -174,10 +174,30 @@ spec_delivery = st.tuples(
 )
 
 
+DeliverySpec = tuple[int | None, str | None, str, list[tuple[str, int, float, bool]]]
+
+
+def journal_specs(journal: Journal, specs: list[DeliverySpec]) -> None:
+    """Journal the deliveries ``spec_delivery`` drew: (offset of a backfill stamp, header,
+    automation, points as (metric, minute, qty, rich))."""
+    for offset, aggregation, automation, points in specs:
+        metrics: dict[str, list[dict[str, Any]]] = {}
+        for metric, minute, qty, rich in points:
+            extra = {"source": "Watch", "context": "run"} if rich else {}
+            metrics.setdefault(metric, []).append(point(minute, qty, **extra))
+        stamp = None if offset is None else BASE_US + offset
+        append(
+            journal,
+            delivery(
+                body(metrics), received_at=stamp, aggregation=aggregation, automation=automation
+            ),
+        )
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(spec_delivery, min_size=2, max_size=6))
 def test_any_deliveries_folded_in_journal_order_verify_clean_store_16(
-    specs: list[tuple[int | None, str | None, str, list[tuple[str, int, float, bool]]]],
+    specs: list[DeliverySpec],
 ) -> None:
     """STORE-16: random overlapping deliveries folded in journal order verify clean."""
     with (
@@ -185,18 +205,7 @@ def test_any_deliveries_folded_in_journal_order_verify_clean_store_16(
         Journal(Path(tmp) / "journal.sqlite") as journal,
         Store(Path(tmp) / "store.sqlite") as store,
     ):
-        for offset, aggregation, automation, points in specs:
-            metrics: dict[str, list[dict[str, Any]]] = {}
-            for metric, minute, qty, rich in points:
-                extra = {"source": "Watch", "context": "run"} if rich else {}
-                metrics.setdefault(metric, []).append(point(minute, qty, **extra))
-            stamp = None if offset is None else BASE_US + offset
-            append(
-                journal,
-                delivery(
-                    body(metrics), received_at=stamp, aggregation=aggregation, automation=automation
-                ),
-            )
+        journal_specs(journal, specs)
         held = store.acquire_lease("folder", now=NOW, ttl=TTL)
         assert held is not None
         assert run_pass(journal, store, held).stopped_because == "empty"
@@ -290,26 +299,12 @@ def test_partitioned_rebuild_equals_the_one_process_rebuild_store_18(
 @settings(max_examples=15, deadline=None)
 @given(st.lists(spec_delivery, min_size=2, max_size=6))
 def test_any_deliveries_rebuild_the_same_partitioned_store_18(
-    specs: list[tuple[int | None, str | None, str, list[tuple[str, int, float, bool]]]],
+    specs: list[DeliverySpec],
 ) -> None:
     """STORE-18 (property): random overlapping deliveries rebuild to the same objects and
     outcomes in one process and partitioned."""
     with tempfile.TemporaryDirectory() as tmp, Journal(Path(tmp) / "journal.sqlite") as journal:
-        for offset, aggregation, automation, points in specs:
-            metrics: dict[str, list[dict[str, Any]]] = {}
-            for metric, minute, qty, rich in points:
-                extra = {"source": "Watch", "context": "run"} if rich else {}
-                metrics.setdefault(metric, []).append(point(minute, qty, **extra))
-            stamp_at = None if offset is None else BASE_US + offset
-            append(
-                journal,
-                delivery(
-                    body(metrics),
-                    received_at=stamp_at,
-                    aggregation=aggregation,
-                    automation=automation,
-                ),
-            )
+        journal_specs(journal, specs)
 
         alone = rebuilt(journal, Path(tmp) / "one.sqlite", workers=1)
 
