@@ -78,7 +78,9 @@ class DeliveryFold:
     Collisions, unit mismatches and sealed writes are logged at WARNING, or at DEBUG when
     ``warn`` is off (a rebuild, which would only repeat what the live fold said). With
     ``measure`` on, :attr:`spacing` is the smallest spacing of the delivery's metrics even when
-    the layer did not need it (a partitioned rebuild checks the layers it assumed).
+    the layer did not need it (a partitioned rebuild checks the layers it assumed). With
+    ``plain`` on, the objects it loads and yields hold plain bodies (a partitioned rebuild's
+    scratch files, which compress each object once, at the end).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class DeliveryFold:
         *,
         warn: bool = True,
         measure: bool = False,
+        plain: bool = False,
     ) -> None:
         self._body = body
         self._warn_level = logging.WARNING if warn else logging.DEBUG
@@ -101,6 +104,7 @@ class DeliveryFold:
         self._layer: str | None = None
         self._failure: str | None = None
         self._measure = measure
+        self._plain = plain
         self.spacing: int | None = None
         self.outcome: Outcome | None = None
 
@@ -194,7 +198,7 @@ class DeliveryFold:
             points: dict[Coordinates, bytes] = {}
             created_by, object_units = self._info.id, units
         else:
-            points = objects.decode(stored.body)
+            points = objects.decode(stored.body, compressed=not self._plain)
             created_by, sealed = stored.created_by, sealed or stored.sealed
             object_units = stored.units if stored.units is not None else units
             if units is not None and units != object_units:
@@ -207,7 +211,9 @@ class DeliveryFold:
             self._counters.sealed_writes += 1
             self._warn("write to a sealed object", key.metric, key.layer, key.hour)
         self._counters.objects_written += 1
-        return objects.encode(key, object_units, points, created_by, sealed)
+        return objects.encode(
+            key, object_units, points, created_by, sealed, compressed=not self._plain
+        )
 
     def _warn(self, what: str, metric: str, layer: str, hour: int) -> None:
         if not log.isEnabledFor(self._warn_level):

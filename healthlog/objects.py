@@ -56,14 +56,17 @@ def encode(
     points: dict[Coordinates, bytes],
     created_by: int,
     sealed: bool = False,
+    *,
+    compressed: bool = True,
 ) -> HourlyObject:
-    """Encode points into an object body, sorted by (start, end)."""
+    """Encode points into an object body, sorted by (start, end); with ``compressed`` off the
+    body is left plain (a partitioned rebuild's scratch files, see :func:`compress`)."""
     ordered = sorted(points.items())
     plain = b"".join([b"%d\t%d\t%s\n" % (s, e, raw) for (s, e), raw in ordered])
     return HourlyObject(
         key=key,
         units=units,
-        body=gzip.compress(plain, compresslevel=GZIP_LEVEL, mtime=0),
+        body=compress(plain) if compressed else plain,
         hash=content_hash(units, plain),
         first=ordered[0][0][0],
         last=max(map(itemgetter(1), points)),
@@ -82,10 +85,24 @@ def content_hash(units: str | None, plain: bytes) -> bytes:
     return digest.digest()
 
 
-def decode(body: bytes) -> dict[Coordinates, bytes]:
-    """Points of an object body keyed by coordinates."""
+def compress(plain: bytes) -> bytes:
+    """The stored body of a plain one."""
+    return gzip.compress(plain, compresslevel=GZIP_LEVEL, mtime=0)
+
+
+def holds(body: bytes, plain: bytes) -> bool:
+    """Whether a stored body decompresses to exactly ``plain``, so that it can be kept instead
+    of compressing ``plain`` again."""
     try:
-        plain = gzip.decompress(body)
+        return gzip.decompress(body) == plain
+    except (OSError, EOFError, zlib.error):
+        return False
+
+
+def decode(body: bytes, *, compressed: bool = True) -> dict[Coordinates, bytes]:
+    """Points of an object body keyed by coordinates (a plain one with ``compressed`` off)."""
+    try:
+        plain = gzip.decompress(body) if compressed else body
         points: dict[Coordinates, bytes] = {}
         for line in plain.split(b"\n")[:-1]:
             start, end, raw = line.split(b"\t", 2)

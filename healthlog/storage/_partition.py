@@ -46,14 +46,14 @@ from pathlib import Path
 
 import attrs
 
-from healthlog import hae, layers
+from healthlog import hae, layers, objects
 from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo, Outcome
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.seals import Seal, SealError, covered, is_seal
 from healthlog.seals import decode as decode_seal
 from healthlog.storage import _objects
-from healthlog.storage._sqlite import StorageError, write_transaction
+from healthlog.storage._sqlite import StorageError, classify, connect, write_transaction
 from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
 from healthlog.storage.store import MIGRATIONS, Store, automation_of
@@ -111,6 +111,19 @@ def fold_chunk(
             raise PartitionFailed(type(exc).__name__) from exc
 
 
+def settle(scratch_path: str, reference: str | None) -> None:
+    """Compress the objects of a partition's scratch file, in a worker process, once all is
+    folded (they are kept plain while folding). An object that the ``reference`` store (the
+    live projection) holds with the same content keeps the reference's body instead: after a
+    rebuild most objects are unchanged, and compressing them again would be a quarter of the
+    rebuild's work."""
+    with _Scratch(scratch_path, durable=False) as scratch:
+        try:
+            scratch.settle(reference)
+        except sqlite3.Error as exc:
+            raise classify(exc) from exc
+
+
 def judge(journal_path: str, plan: Planned) -> tuple[str, str | None]:
     """Status and reason of a delivery, from its whole body against an empty projection."""
     with Journal(journal_path) as journal:
@@ -130,9 +143,16 @@ def judge(journal_path: str, plan: Planned) -> tuple[str, str | None]:
 
 
 class _Scratch(_objects.ObjectDatabase):
-    """A partition's scratch file: the store's schema, of which only ``objects`` is used."""
+    """A partition's scratch file: the store's schema, of which only ``objects`` is used.
+
+    Its objects' bodies stay plain until :func:`settle`; they are rewritten with every delivery
+    that touches them, so the file has large pages and no journal (a rebuild that fails throws
+    its scratch files away).
+    """
 
     MIGRATIONS = MIGRATIONS
+    PAGE_SIZE = 64 * 2**10
+    JOURNAL_MODE = "OFF"
 
     def fold(self, chunk: list[tuple[Planned, hae.Envelope]], seals: list[Seal]) -> Folded:
         folded = []
@@ -144,12 +164,40 @@ class _Scratch(_objects.ObjectDatabase):
                     _ScratchProjection(self._conn, plan.layer, seals[: plan.seals]),
                     warn=False,
                     measure=plan.measure,
+                    plain=True,
                 )
                 for written in fold.writes():
                     _objects.write(self._conn, written)
                 assert fold.outcome is not None
                 folded.append((plan.delivery_id, fold.outcome.counters, fold.spacing))
         return folded
+
+    def settle(self, reference: str | None) -> None:
+        live = None if reference is None else connect(reference, readonly=True)
+        try:
+            with self._lock, write_transaction(self._conn):
+                keys = self._conn.execute("SELECT metric, layer, hour, hash FROM objects")
+                for metric, layer, hour, digest in keys.fetchall():
+                    where = (metric, layer, hour)
+                    (plain,) = self._conn.execute(
+                        f"SELECT body FROM objects {_AT}", where
+                    ).fetchone()
+                    kept = None
+                    if live is not None:
+                        kept = live.execute(
+                            f"SELECT body FROM objects {_AT} AND hash = ?", (*where, digest)
+                        ).fetchone()
+                    body = kept[0] if kept and objects.holds(kept[0], plain) else None
+                    self._conn.execute(
+                        f"UPDATE objects SET body = ? {_AT}",
+                        (objects.compress(plain) if body is None else body, *where),
+                    )
+        finally:
+            if live is not None:
+                live.close()
+
+
+_AT = "WHERE metric = ? AND layer = ? AND hour = ?"
 
 
 class _ScratchProjection:
@@ -162,8 +210,7 @@ class _ScratchProjection:
 
     def load(self, key: ObjectKey) -> HourlyObject | None:
         row = self._conn.execute(
-            f"SELECT {_objects.COLUMNS} FROM objects WHERE metric = ? AND layer = ? AND hour = ?",
-            (key.metric, key.layer, key.hour),
+            f"SELECT {_objects.COLUMNS} FROM objects {_AT}", (key.metric, key.layer, key.hour)
         ).fetchone()
         return None if row is None else _objects.row_to_object(row)
 
@@ -215,8 +262,11 @@ def rebuild(
     workers: int,
     fold_alone: Callable[[DeliveryMeta], None],
     progress: Progress | None,
+    reference: str | None,
 ) -> None:
-    """Fold ``queue`` into the empty store ``target`` under ``epoch`` with ``workers`` processes.
+    """Fold ``queue`` into the empty store ``target`` under ``epoch`` with ``workers`` processes;
+    objects the store at ``reference`` holds with the same content take its bodies (see
+    :func:`settle`).
 
     ``fold_alone`` folds a delivery that writes no object into the target, in its place.
     Raises :class:`PartitionFailed` when a partition's fold broke (the caller rebuilds in one
@@ -244,6 +294,7 @@ def rebuild(
                 log.debug("layers were not those assumed; folding again under the known layers")
                 run = _Run(pool, Path(tmp) / "known", workers, len(queue), onwards, known=known)
                 run.fold(journal, queue)
+            run.settle(reference)
             outcomes = run.outcomes(journal.path, queue)
         finally:
             pool.shutdown(cancel_futures=True)
@@ -513,6 +564,16 @@ class _Run:
     def _report(self) -> None:
         oldest = [part.positions[0] for part in self.parts if part.positions]
         self._progress(min(oldest, default=self._read), self._total)
+
+    def settle(self, reference: str | None) -> None:
+        """Compress every partition's objects, in the workers (see :func:`settle`)."""
+        settling = [
+            self._pool.submit(settle, os.fspath(part.scratch), reference) for part in self.parts
+        ]
+        while concurrent.futures.wait(settling, POLL_S).not_done:
+            self._report()
+        for future in settling:
+            future.result()
 
     def outcomes(self, journal_path: str, queue: list[DeliveryMeta]) -> dict[int, Outcome]:
         """The outcomes of the deliveries the partitions folded; the workers judge the status

@@ -47,14 +47,16 @@ def connect(
     readonly: bool = False,
     busy_timeout_ms: int = 5000,
     page_size: int | None = None,
+    journal_mode: str = "WAL",
 ) -> sqlite3.Connection:
     """Open ``path`` with healthlog's settings.
 
     Autocommit mode, WAL, ``synchronous=FULL`` (every commit is fsync'd), foreign keys on, and a
     busy timeout. ``readonly`` opens the file through a ``mode=ro`` URI; a read-only connection
-    leaves the journal mode alone (WAL is a property of the file, set by its writers). The
-    connection may be used from any thread (``check_same_thread=False``): callers guard it with a
-    lock.
+    leaves the journal mode alone (WAL is a property of the file, set by its writers). Another
+    ``journal_mode`` is only for a file thrown away when anything fails (a rebuild's scratch
+    file). The connection may be used from any thread (``check_same_thread=False``): callers
+    guard it with a lock.
     """
     if busy_timeout_ms < 0:
         raise ValueError("busy_timeout_ms must not be negative")
@@ -83,9 +85,11 @@ def connect(
             # Only a new file takes it (before WAL is set); an existing file keeps its own.
             conn.execute(f"PRAGMA page_size = {int(page_size)}")
         if not readonly:
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise StorageError(f"cannot switch the database to WAL (journal_mode={mode})")
+            mode = conn.execute(f"PRAGMA journal_mode = {journal_mode}").fetchone()[0]
+            if str(mode).lower() != journal_mode.lower():
+                raise StorageError(
+                    f"cannot switch the database to {journal_mode} (journal_mode={mode})"
+                )
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
     except BaseException as exc:
@@ -234,12 +238,18 @@ class Database:
 
     MIGRATIONS: Sequence[str] = ()
     PAGE_SIZE: int | None = None
+    JOURNAL_MODE = "WAL"
 
     def __init__(
         self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 5000, durable: bool = True
     ) -> None:
         self.path = os.fspath(path)
-        self._conn = connect(path, busy_timeout_ms=busy_timeout_ms, page_size=self.PAGE_SIZE)
+        self._conn = connect(
+            path,
+            busy_timeout_ms=busy_timeout_ms,
+            page_size=self.PAGE_SIZE,
+            journal_mode=self.JOURNAL_MODE,
+        )
         self._lock = ConnectionGuard()
         try:
             if not durable:

@@ -57,8 +57,12 @@ def rebuild_into(
     only: set[int] | None = None,
     progress: Progress | None = None,
     workers: int | None = None,
+    reference: Path | None = None,
 ) -> None:
     """Fold the journal (or the deliveries in ``only``) in journal order into a new store.
+
+    An object that the store at ``reference`` (the live projection) holds with the same
+    content may take that store's body rather than a new compression of its own.
 
     ``workers`` processes fold disjoint sets of metrics side by side (see ``_partition``);
     by default one more than there are cores (at most ``MAX_WORKERS``), so that the scheduler
@@ -91,6 +95,7 @@ def rebuild_into(
                     workers=workers,
                     fold_alone=fold,
                     progress=progress,
+                    reference=None if reference is None else str(reference),
                 )
                 return
             except _partition.PartitionFailed as exc:
@@ -120,7 +125,14 @@ def verify(
     content (hash), or in whether a seal covers them."""
     folded, live = store.snapshot()
     with _scratch(Path(store.path)) as path:
-        rebuild_into(journal, path, only=folded, progress=progress, workers=workers)
+        rebuild_into(
+            journal,
+            path,
+            only=folded,
+            progress=progress,
+            workers=workers,
+            reference=Path(store.path),
+        )
         with Store(path, durable=False) as rebuilt:
             fresh = rebuilt.summaries()
     return [
@@ -163,7 +175,9 @@ def reindex(
 
     try:
         with _scratch(Path(store.path)) as path:
-            rebuild_into(journal, path, progress=renewing, workers=workers)
+            rebuild_into(
+                journal, path, progress=renewing, workers=workers, reference=Path(store.path)
+            )
             changed = store.swap_in(path, epoch)
     finally:
         store.release_lease(holder, epoch)
