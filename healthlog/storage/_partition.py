@@ -22,6 +22,10 @@ has the workers report the spacing of what they fold. Once all is folded, the la
 worked out again in journal order from the reported spacings; if any differs from the one
 assumed, everything is folded once more under the layers now known.
 
+A scratch file keeps its objects' bodies plain while the partition folds, since every
+delivery that touches an object rewrites it; once all is folded, the workers compress each
+object once, or, where the live store holds the same bytes, take the live body as it is.
+
 A delivery's counters are the sum over its partitions plus what its envelope says. One with
 nothing rejected is ``parsed`` without a reason; the status and reason of any other come
 from folding its whole body once more, in a worker, against an empty projection, since they
@@ -115,7 +119,7 @@ def settle(scratch_path: str, reference: str | None) -> None:
     """Compress the objects of a partition's scratch file, in a worker process, once all is
     folded (they are kept plain while folding). An object that the ``reference`` store (the
     live projection) holds with the same content keeps the reference's body instead: after a
-    rebuild most objects are unchanged, and compressing them again would be a quarter of the
+    rebuild most objects are unchanged, and compressing them again was about a fifth of the
     rebuild's work."""
     with _Scratch(scratch_path, durable=False) as scratch:
         try:
@@ -182,12 +186,12 @@ class _Scratch(_objects.ObjectDatabase):
                     (plain,) = self._conn.execute(
                         f"SELECT body FROM objects {_AT}", where
                     ).fetchone()
-                    kept = None
+                    same = None
                     if live is not None:
-                        kept = live.execute(
+                        same = live.execute(
                             f"SELECT body FROM objects {_AT} AND hash = ?", (*where, digest)
                         ).fetchone()
-                    body = kept[0] if kept and objects.holds(kept[0], plain) else None
+                    body = same[0] if same and objects.holds(same[0], plain) else None
                     self._conn.execute(
                         f"UPDATE objects SET body = ? {_AT}",
                         (objects.compress(plain) if body is None else body, *where),
