@@ -59,8 +59,36 @@ class HealthlogApp:
             await self.intake(scope, receive, send)
         elif scope["type"] == "websocket" and scope["path"] == STREAM_PATH:
             await self.stream(scope, receive, send)
+        elif scope["type"] == "http":
+            await self.http(scope, receive, _finishing(send))
         else:
             await self.http(scope, receive, send)
+
+
+def _finishing(send: Any) -> Any:
+    """``send`` for a quart-trio HTTP request, with the response's last body message shielded.
+
+    hypercorn 0.18 ends an HTTP/1.1 response inside the app's last ``http.response.body``
+    send: it puts ``http.disconnect`` on the app's queue (``HTTPStream.handle`` in
+    ``protocol/http_stream.py``), then marks a kept-alive connection idle (``Updated(idle=True)``
+    in ``H11Protocol._maybe_recycle``, ``protocol/h11.py``), which starts the connection's idle
+    task (``trio/tcp_server.py``): the keep-alive timer, and the close on shutdown. quart-trio
+    cancels the request as soon as its reader takes that ``http.disconnect``, so the send was
+    cancelled in between, at the lock of ``TrioSingleTask.restart``, and the idle task never
+    started: the connection outlived ``keep_alive_timeout_s`` and held a shutdown for
+    ``graceful_timeout_s`` (PROOF-8). The shield adds no wait: the socket write in that send is
+    shielded by hypercorn already, quart-trio's reader keeps the queue from filling, and the
+    rest only starts a task.
+    """
+
+    async def send_finishing(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            with trio.CancelScope(shield=True):
+                await send(message)
+        else:
+            await send(message)
+
+    return send_finishing
 
 
 def _header_bytes(scope: Any) -> int:

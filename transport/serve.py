@@ -2,7 +2,9 @@
 
 SIGINT or SIGTERM (or the ``shutdown`` event, for tests) stops accepting connections,
 lets requests in flight finish within the graceful timeout (an upload either gets its 200
-after the journal commit or fails before it), then stops the runtime.
+after the journal commit or fails before it), then stops the runtime. Idle keep-alive
+connections close at once (``transport.app``), and a connection whose peer stopped reading is
+dropped by the kernel after ``stream_send_timeout_s`` (``_HypercornConfig.create_sockets``).
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import sys
 
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 from hypercorn.trio import serve as hypercorn_serve
 
 from actors.runtime import RuntimeConfig, open_runtime
@@ -25,9 +30,39 @@ from transport.auth import TokenCache
 from transport.snapshots import SnapshotService
 
 
+class _HypercornConfig(HypercornConfig):
+    """hypercorn's configuration, whose TCP listeners bound how long a send may stall."""
+
+    stalled_send_s: float
+
+    def create_sockets(self) -> Sockets:
+        """The listening sockets, with a ``TCP_USER_TIMEOUT`` that accepted sockets inherit.
+
+        hypercorn's trio server writes to the socket inside a shielded cancel scope
+        (``TCPServer.protocol_send`` in ``hypercorn/trio/tcp_server.py``): a peer that stops
+        reading (its receive window at zero) holds that write, and the ASGI ``send`` that made
+        it, until the peer goes away. No deadline of ours can end it, and neither can the
+        graceful timeout: the connection's task waits for the shielded write, so a shutdown
+        would wait for it too. On Linux the kernel can end it: with ``TCP_USER_TIMEOUT`` it
+        drops a connection whose data has stayed unacknowledged, or unsent behind a zero
+        window, for ``stalled_send_s``. The write then fails, hypercorn handles the connection
+        as closed, and the app is told the client disconnected (STREAM-13). The timeout counts
+        only while data waits for the peer: an idle connection, a slow reader that keeps
+        taking data, or a client sending an upload are not affected.
+        """
+        sockets = super().create_sockets()
+        if sys.platform == "linux":
+            user_timeout_ms = max(1, round(self.stalled_send_s * 1000))
+            for sock in sockets.insecure_sockets:
+                if sock.family in (socket.AF_INET, socket.AF_INET6):
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms)
+        return sockets
+
+
 def hypercorn_config(config: ServeConfig) -> HypercornConfig:
     host = f"[{config.host}]" if ":" in config.host and "[" not in config.host else config.host
-    hc = HypercornConfig()
+    hc = _HypercornConfig()
+    hc.stalled_send_s = config.stream_send_timeout_s
     hc.bind = [f"{host}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout_s
     hc.keep_alive_timeout = config.keep_alive_timeout_s

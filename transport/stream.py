@@ -8,8 +8,13 @@ is handled in order, the close last.
 The sender never keeps more than one page of events per subscriber: it reads the events
 after its cursor from the store, with the current objects they name, in one query, sends
 them, and when it has caught up waits for the head to move. Replay and live are the same
-loop, so there is no switch-over to lose an event in. A subscriber that stops reading is
-closed (4408) once a send stalls past the timeout, and resumes from its acknowledged cursor.
+loop, so there is no switch-over to lose an event in. A subscriber that stops reading is cut
+off once a send stalls past ``send_timeout_s``, and resumes from its acknowledged cursor. A send
+still waiting inside hypercorn then (for its send lock) is given up and the subscriber closed
+with 4408. A send waiting on the socket itself cannot be interrupted: hypercorn's trio server
+shields its socket writes. There the kernel ends it: every accepted socket has
+``TCP_USER_TIMEOUT`` set to the same time (``transport/serve.py``), so a peer that has taken
+nothing for that long is dropped, the write fails, and the handler ends as for a client gone.
 
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized, 4408 too slow, 4410 cursor older than the online window (after an
