@@ -40,8 +40,10 @@ RUN_MAX = 32
 RUN_BYTES = 1 << 20
 """A run handed to one worker call holds at most ``RUN_MAX`` deliveries of ``RUN_BYTES`` raw
 bytes together (a larger delivery goes alone)."""
-WORKER_NICENESS = 5
-"""How much nicer than the service the fold worker processes run (folding is background work)."""
+WORKER_NICENESS = 10
+"""How much nicer than the service the fold worker processes run (folding is background work):
+under contention a worker gets about a tenth of a core beside one busy task of the service's,
+enough to fold a 62 MiB delivery well within its budget (F5); nice 19 would be a seventieth."""
 
 
 class Executor(enum.Enum):
