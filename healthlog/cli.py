@@ -302,7 +302,15 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         differences = verify(journal, store, progress=progress)
     for diff in differences:
-        what = "missing" if diff.live is None else "extra" if diff.rebuilt is None else "differs"
+        what = (
+            "missing"
+            if diff.live is None
+            else "extra"
+            if diff.rebuilt is None
+            else "corrupt"
+            if diff.corrupt
+            else "differs"
+        )
         print(f"{what}\t{diff.key.metric}\t{diff.key.layer}\t{format_instant(diff.key.hour)}")
     print(f"verify: {len(differences)} objects differ", file=sys.stderr)
     return 1 if differences else 0

@@ -90,24 +90,32 @@ def compress(plain: bytes) -> bytes:
     return gzip.compress(plain, compresslevel=GZIP_LEVEL, mtime=0)
 
 
+def decompress(body: bytes) -> bytes:
+    """The plain bytes of a stored body; :class:`ObjectCorrupt` if it does not decompress."""
+    try:
+        return gzip.decompress(body)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise ObjectCorrupt(f"object body cannot be decoded: {type(exc).__name__}") from None
+
+
 def holds(body: bytes, plain: bytes) -> bool:
     """Whether a stored body decompresses to exactly ``plain``, so that it can be kept instead
     of compressing ``plain`` again."""
     try:
-        return gzip.decompress(body) == plain
-    except (OSError, EOFError, zlib.error):
+        return decompress(body) == plain
+    except ObjectCorrupt:
         return False
 
 
 def decode(body: bytes, *, compressed: bool = True) -> dict[Coordinates, bytes]:
     """Points of an object body keyed by coordinates (a plain one with ``compressed`` off)."""
+    plain = decompress(body) if compressed else body
     try:
-        plain = gzip.decompress(body) if compressed else body
         points: dict[Coordinates, bytes] = {}
         for line in plain.split(b"\n")[:-1]:
             start, end, raw = line.split(b"\t", 2)
             points[(int(start), int(end))] = raw
-    except (OSError, EOFError, ValueError, zlib.error) as exc:
+    except ValueError as exc:
         raise ObjectCorrupt(f"object body cannot be decoded: {type(exc).__name__}") from None
     if not points:
         raise ObjectCorrupt("object body holds no point")

@@ -30,12 +30,13 @@ from healthlog.storage import _partition, rebuild
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery
 from healthlog.storage.passes import run_pass
-from healthlog.storage.rebuild import RebuildError, rebuild_into, reindex, verify
+from healthlog.storage.rebuild import Difference, RebuildError, rebuild_into, reindex, verify
 from healthlog.storage.store import Store
+from healthlog.timestamps import format_instant
 from healthlog.workload import encode, window
 
 if TYPE_CHECKING:
-    from conftest import RunCli
+    from conftest import Cli, RunCli
 
 HR = ObjectKey("hr", "minutes", BASE_US)
 
@@ -484,13 +485,20 @@ def set_body(path: str, key: ObjectKey, stored: bytes) -> None:
         )
 
 
-def test_rebuilt_objects_equal_to_the_live_ones_take_their_bodies_store_24(
-    journal: Journal, store: Store, epoch: int, tmp_path: Path
-) -> None:
-    """STORE-24: a partitioned reindex keeps a live body that decompresses to the rebuilt
-    object's bytes (here compressed at another level) and rewrites one that does not (not
-    gzip, or gzip of other bytes), with its hash intact in both cases; nothing is counted as
-    changed, and every other row is the fresh rebuild's."""
+@attrs.frozen
+class Damaged:
+    """Three live objects whose bodies were replaced behind the store's back, hashes intact:
+    ``kept`` by the same bytes compressed at level 1, ``junk`` by bytes that are not gzip,
+    ``other`` by gzip of other bytes; ``plains`` are their bytes as folded."""
+
+    kept: ObjectKey
+    junk: ObjectKey
+    other: ObjectKey
+    kept_body: bytes
+    plains: dict[ObjectKey, bytes]
+
+
+def damaged(journal: Journal, store: Store, epoch: int) -> Damaged:
     hours = {name: [point(m, m % 9) for m in range(0, 300, 7)] for name in ("hr", "steps")}
     append(journal, delivery(body(hours)))
     run_pass(journal, store, epoch)
@@ -504,6 +512,18 @@ def test_rebuilt_objects_equal_to_the_live_ones_take_their_bodies_store_24(
     set_body(store.path, kept, kept_body)
     set_body(store.path, junk, b"not gzip at all")
     set_body(store.path, other, gzip.compress(plains[other] + b"0\t0\t{}\n", mtime=0))
+    return Damaged(kept, junk, other, kept_body, plains)
+
+
+def test_rebuilt_objects_equal_to_the_live_ones_take_their_bodies_store_24(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path
+) -> None:
+    """STORE-24: a partitioned reindex keeps a live body that decompresses to the rebuilt
+    object's bytes (here compressed at another level) and rewrites one that does not (not
+    gzip, or gzip of other bytes), with its hash intact in both cases; nothing is counted as
+    changed, and every other row is the fresh rebuild's."""
+    d = damaged(journal, store, epoch)
+    kept, junk, other, kept_body, plains = d.kept, d.junk, d.other, d.kept_body, d.plains
     events = store.last_seq()
 
     assert reindex(journal, store, "reindex", workers=2) == 0
@@ -519,3 +539,38 @@ def test_rebuilt_objects_equal_to_the_live_ones_take_their_bodies_store_24(
         row for row in fresh if row[:3] != attrs.astuple(kept)
     ]
     assert verify(journal, store, workers=2) == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_verify_reports_a_live_body_that_does_not_hold_its_content_store_26(
+    journal: Journal, store: Store, epoch: int, workers: int
+) -> None:
+    """STORE-26: verify, in one process and partitioned, reports the two live bodies that do
+    not hold the bytes their hash names as corrupt, not the one compressed at another level;
+    after a reindex it reports nothing."""
+    d = damaged(journal, store, epoch)
+    hashes = {key: summary.hash for key, summary in store.summaries().items()}
+
+    differences = verify(journal, store, workers=workers)
+
+    assert differences == [
+        Difference(key, hashes[key], hashes[key], corrupt=True) for key in (d.junk, d.other)
+    ]
+    reindex(journal, store, "reindex", workers=workers)
+    assert verify(journal, store, workers=workers) == []
+
+
+def test_the_command_line_names_corrupt_objects_store_26(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path, cli: Cli
+) -> None:
+    """STORE-26: ``healthlog verify`` prints each corrupt object's key as ``corrupt`` and
+    exits 1."""
+    d = damaged(journal, store, epoch)
+
+    run = cli("verify", "--data", tmp_path)
+
+    assert run.code == 1
+    assert run.lines() == [
+        f"corrupt\t{key.metric}\t{key.layer}\t{format_instant(key.hour)}\n".encode()
+        for key in (d.junk, d.other)
+    ]

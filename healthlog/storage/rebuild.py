@@ -20,14 +20,14 @@ from pathlib import Path
 
 import attrs
 
-from healthlog import clock
+from healthlog import clock, objects
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage import _partition
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
-from healthlog.storage.store import Store
+from healthlog.storage.store import ObjectSummary, Store
 
 log = logging.getLogger("healthlog.rebuild")
 
@@ -43,11 +43,14 @@ class RebuildError(Exception):
 
 @attrs.frozen
 class Difference:
-    """One object that differs between the live store and a rebuild."""
+    """One object that differs between the live store and a rebuild: by its hashes (None
+    where the object is missing), by its seal, or, with ``corrupt``, by a live body that does
+    not hold the bytes its hash names."""
 
     key: ObjectKey
     live: bytes | None
     rebuilt: bytes | None
+    corrupt: bool = False
 
 
 def rebuild_into(
@@ -122,7 +125,8 @@ def verify(
     workers: int | None = None,
 ) -> list[Difference]:
     """Objects that differ between the live store and a rebuild of what it has folded: in
-    content (hash), or in whether a seal covers them."""
+    content (hash), in whether a seal covers them, or in a live body that does not decompress
+    to the rebuilt bytes (a corrupt body behind an intact hash)."""
     folded, live = store.snapshot()
     with _scratch(Path(store.path)) as path:
         rebuild_into(
@@ -135,15 +139,39 @@ def verify(
         )
         with Store(path, durable=False) as rebuilt:
             fresh = rebuilt.summaries()
+            agreeing = [
+                key
+                for key in live.keys() & fresh.keys()
+                if (live[key].hash, live[key].sealed) == (fresh[key].hash, fresh[key].sealed)
+            ]
+            corrupt = set(_corrupt(store, rebuilt, agreeing, live))
     return [
         Difference(
-            key, live[key].hash if key in live else None, fresh[key].hash if key in fresh else None
+            key,
+            live[key].hash if key in live else None,
+            fresh[key].hash if key in fresh else None,
+            key in corrupt,
         )
         for key in sorted(live.keys() | fresh.keys(), key=attrs.astuple)
         if key not in live
         or key not in fresh
         or (live[key].hash, live[key].sealed) != (fresh[key].hash, fresh[key].sealed)
+        or key in corrupt
     ]
+
+
+def _corrupt(
+    store: Store, rebuilt: Store, keys: list[ObjectKey], live: dict[ObjectKey, ObjectSummary]
+) -> Iterator[ObjectKey]:
+    """The keys whose live body does not hold the rebuilt object's bytes. An object that
+    changed since the snapshot ``live`` was read is not what the rebuild stands for, and is
+    passed over; a body equal to the rebuilt one (taken from the live store) is not read."""
+    for key in keys:
+        now, fresh = store.object(key), rebuilt.object(key)
+        if now is None or fresh is None or now.hash != live[key].hash:
+            continue
+        if now.body != fresh.body and not objects.holds(now.body, objects.decompress(fresh.body)):
+            yield key
 
 
 def reindex(
