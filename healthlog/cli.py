@@ -25,7 +25,7 @@ from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
-from healthlog.storage.rebuild import RebuildError, reindex, verify
+from healthlog.storage.rebuild import Difference, RebuildError, reindex, verify
 from healthlog.storage.replica import Replica
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
@@ -302,18 +302,20 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         differences = verify(journal, store, progress=progress)
     for diff in differences:
-        what = (
-            "missing"
-            if diff.live is None
-            else "extra"
-            if diff.rebuilt is None
-            else "corrupt"
-            if diff.corrupt
-            else "differs"
+        print(
+            f"{_what_differs(diff)}\t{diff.key.metric}\t{diff.key.layer}"
+            f"\t{format_instant(diff.key.hour)}"
         )
-        print(f"{what}\t{diff.key.metric}\t{diff.key.layer}\t{format_instant(diff.key.hour)}")
     print(f"verify: {len(differences)} objects differ", file=sys.stderr)
     return 1 if differences else 0
+
+
+def _what_differs(diff: Difference) -> str:
+    if diff.live is None:
+        return "missing"
+    if diff.rebuilt is None:
+        return "extra"
+    return "corrupt" if diff.corrupt else "differs"
 
 
 def cmd_status(args: argparse.Namespace, data: DataDir) -> int:

@@ -165,7 +165,8 @@ def _corrupt(
 ) -> Iterator[ObjectKey]:
     """The keys whose live body does not hold the rebuilt object's bytes. An object that
     changed since the snapshot ``live`` was read is not what the rebuild stands for, and is
-    passed over; a body equal to the rebuilt one (taken from the live store) is not read."""
+    passed over; a body equal to the rebuilt one (taken from the live store) is not
+    decompressed."""
     for key in keys:
         now, fresh = store.object(key), rebuilt.object(key)
         if now is None or fresh is None or now.hash != live[key].hash:
