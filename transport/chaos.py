@@ -191,8 +191,9 @@ class Run:
                 if "lock" in self.kinds:
                     nursery.start_soon(self._hold_lock)
                 # The concurrent reindex and seal are workload: quiescence is only judged once
-                # they are over (a reindex that swaps in after a quiet status would leave the
-                # deliveries folded since its rebuild began pending again).
+                # they are over. A seal journaled after a quiet status is unfolded when the
+                # check runs, and a reindex still running holds the fold lease, so what it
+                # fenced stays pending until it ends.
                 async with trio.open_nursery() as workload:
                     if "steal" in self.kinds:
                         workload.start_soon(self._steal)
