@@ -18,6 +18,15 @@ def row_to_object(row: Any) -> HourlyObject:
     return HourlyObject(ObjectKey(m, la, h), u, b, hs, f, ls, p, c, bool(s))
 
 
+def load(conn: sqlite3.Connection, key: ObjectKey) -> HourlyObject | None:
+    """The object at ``key``, if any."""
+    row = conn.execute(
+        f"SELECT {COLUMNS} FROM objects WHERE metric = ? AND layer = ? AND hour = ?",
+        (key.metric, key.layer, key.hour),
+    ).fetchone()
+    return None if row is None else row_to_object(row)
+
+
 def write(conn: sqlite3.Connection, obj: HourlyObject) -> None:
     """Insert or replace one object."""
     conn.execute(

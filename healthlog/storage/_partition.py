@@ -213,10 +213,7 @@ class _ScratchProjection:
         self._seals = seals
 
     def load(self, key: ObjectKey) -> HourlyObject | None:
-        row = self._conn.execute(
-            f"SELECT {_objects.COLUMNS} FROM objects {_AT}", (key.metric, key.layer, key.hour)
-        ).fetchone()
-        return None if row is None else _objects.row_to_object(row)
+        return _objects.load(self._conn, key)
 
     def inherited_layer(self) -> str | None:
         return self._layer

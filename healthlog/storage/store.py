@@ -171,18 +171,6 @@ def _seals(conn: sqlite3.Connection) -> list[Seal]:
     ]
 
 
-def _load(conn: sqlite3.Connection, key: ObjectKey) -> HourlyObject | None:
-    row = conn.execute(
-        "SELECT units, body, hash, first, last, points, created_by, sealed FROM objects"
-        " WHERE metric = ? AND layer = ? AND hour = ?",
-        (key.metric, key.layer, key.hour),
-    ).fetchone()
-    if row is None:
-        return None
-    units, body, digest, first, last, count, created_by, sealed = row
-    return HourlyObject(key, units, body, digest, first, last, count, created_by, bool(sealed))
-
-
 class _Projection:
     """The fold's read view of the store, inside the fold transaction."""
 
@@ -192,7 +180,7 @@ class _Projection:
         self._seals: list[Seal] | None = None
 
     def load(self, key: ObjectKey) -> HourlyObject | None:
-        return _load(self._conn, key)
+        return _objects.load(self._conn, key)
 
     def sealed(self, key: ObjectKey) -> bool:
         if self._seals is None:
@@ -796,7 +784,7 @@ class Store(_objects.ObjectDatabase):
 
     def object(self, key: ObjectKey) -> HourlyObject | None:
         with self._lock:
-            return _load(self._conn, key)
+            return _objects.load(self._conn, key)
 
     def snapshot_at_head(self) -> tuple[int, list[HourlyObject]]:
         """Every object and the head sequence they reflect, read in one transaction."""
