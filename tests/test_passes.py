@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 from contextlib import closing
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from healthlog.storage.passes import (
     pending,
     run_pass,
 )
+from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 
 
@@ -301,3 +303,37 @@ def test_selection_reads_past_the_checkpoint_and_behind_it_when_something_is_mis
         backfill.id,
         *(m.id for m in later),
     }
+
+
+def test_status_counts_each_delivery_once_while_folds_commit_fold_13(
+    tmp_path: Path, journal: Journal, store: Store, epoch: int
+) -> None:
+    """FOLD-13: read while another connection folds, pending plus parsed, partial and failed is
+    always the number journaled, and pending only goes down."""
+    journaled = [
+        append(
+            journal,
+            delivery(body({"hr": [point(n, n)]}) if n % 3 else b"{", received_at=BASE_US + n),
+        )
+        for n in range(150)
+    ]
+
+    def fold_elsewhere() -> None:
+        with (
+            Journal(tmp_path / "journal.sqlite") as theirs,
+            Store(tmp_path / "store.sqlite") as folder,
+        ):
+            run_pass(theirs, folder, epoch)
+
+    folding = threading.Thread(target=fold_elsewhere)
+    folding.start()
+    readings = []
+    while folding.is_alive() or not readings:
+        d = collect_status(journal, store).deliveries
+        readings.append((d.pending, d.pending + d.parsed + d.partial + d.failed))
+    folding.join()
+    final = collect_status(journal, store).deliveries
+    assert (final.pending, final.parsed, final.failed) == (0, 100, 50)
+    assert {total for _, total in readings} == {len(journaled)}
+    assert [p for p, _ in readings] == sorted((p for p, _ in readings), reverse=True)
+    assert len({p for p, _ in readings}) > 10, "the readings did not overlap the folds"

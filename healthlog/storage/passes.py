@@ -53,11 +53,23 @@ def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     new, not the whole journal. Otherwise (one left unwritten, a backfill journaled behind the
     checkpoint, a checkpoint moved back) the whole journal is read.
     """
-    position, folded_through, folded_after = store.folded_split()
-    if position is None or journal.span_through(position) != folded_through:
-        folded = store.folded_ids()
-        return [meta for meta in journal.iter_order() if meta.id not in folded]
-    return [meta for meta in journal.iter_order(after=position) if meta.id not in folded_after]
+    return outstanding(journal, store)[0]
+
+
+def outstanding(
+    journal: Journal, store: Store, *, counts: bool = False
+) -> tuple[list[DeliveryMeta], dict[str, int]]:
+    """:func:`pending`, and with ``counts`` the outcomes by status from the same snapshot of
+    the store: a delivery folded meanwhile is counted either as pending or by its status.
+
+    The journal is read after the store's snapshot, so a delivery it holds that the snapshot
+    has no outcome for is pending.
+    """
+    view = store.folded_view(
+        lambda position, through: journal.span_through(position) == through, counts=counts
+    )
+    journaled = journal.iter_order(after=view.after)
+    return [meta for meta in journaled if meta.id not in view.folded], view.counts
 
 
 def run_pass(

@@ -12,15 +12,18 @@ from healthlog.documents import (
     StreamInfo,
 )
 from healthlog.storage.journal import Journal
-from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, pending
+from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, outstanding
 from healthlog.storage.store import Store
 
 
 def collect_status(journal: Journal, store: Store, public_key: str | None = None) -> Status:
-    """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors."""
+    """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors.
+
+    The deliveries by status, pending included, come from one snapshot of the store, so each
+    journaled delivery is counted once; the journal's figures are read after it.
+    """
+    waiting, counts = outstanding(journal, store, counts=True)
     deliveries, size = journal.count()
-    counts = store.status_counts()
-    waiting = pending(journal, store)
     oldest = waiting[0] if waiting else None
     mark = store.mark(LAG_MARK) or {}
     lease = store.lease()

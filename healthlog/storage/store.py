@@ -136,6 +136,20 @@ class OutcomeRow:
 
 
 @attrs.frozen
+class FoldedView:
+    """The fold outcomes as one transaction saw them (:meth:`Store.folded_view`).
+
+    ``folded`` holds the ids of the deliveries with an outcome after the checkpoint position
+    ``after`` in journal order, or of every one when ``after`` is None; ``counts`` the outcomes
+    by status, when asked for.
+    """
+
+    after: tuple[int, int] | None
+    folded: frozenset[int]
+    counts: dict[str, int]
+
+
+@attrs.frozen
 class Event:
     """One change event of the replay stream."""
 
@@ -595,31 +609,46 @@ class Store(_objects.ObjectDatabase):
         with self._lock:
             return {row[0] for row in self._conn.execute("SELECT delivery_id FROM outcomes")}
 
-    def folded_split(self) -> tuple[tuple[int, int] | None, tuple[int, int], set[int]]:
-        """The checkpoint's position, (number, sum of ids) of the outcomes at or before it in
-        journal order, and the ids of those after it, read in one transaction."""
+    def folded_view(
+        self, agrees: Callable[[tuple[int, int], tuple[int, int]], bool], *, counts: bool = False
+    ) -> FoldedView:
+        """Which deliveries have an outcome, and with ``counts`` how many of each status, read
+        in one transaction.
+
+        ``agrees(position, through)`` says whether the journal holds exactly ``through``
+        (number, sum of ids) deliveries at or before the checkpoint's ``position``, as the
+        outcomes do. If it does, only the ids after the checkpoint are read; otherwise every id.
+        """
         with self._lock, read_transaction(self._conn):
             received_at, delivery_id = self._conn.execute(
                 "SELECT received_at, delivery_id FROM checkpoint WHERE id = 1"
             ).fetchone()
-            if received_at is None:
-                position = None
-                through = (0, 0)
-                rows = self._conn.execute("SELECT delivery_id FROM outcomes")
-            else:
-                position = (int(received_at), int(delivery_id))
+            after = None if received_at is None else (int(received_at), int(delivery_id))
+            if after is not None:
                 number, ids = self._conn.execute(
                     "SELECT count(*), coalesce(sum(delivery_id), 0) FROM outcomes"
                     " WHERE (received_at, delivery_id) <= (?, ?)",
-                    position,
+                    after,
                 ).fetchone()
-                through = (int(number), int(ids))
+                if not agrees(after, (int(number), int(ids))):
+                    after = None
+            if after is None:
+                rows = self._conn.execute("SELECT delivery_id FROM outcomes")
+            else:
                 rows = self._conn.execute(
                     "SELECT delivery_id FROM outcomes WHERE (received_at, delivery_id) > (?, ?)",
-                    position,
+                    after,
                 )
-            after = {row[0] for row in rows}
-        return position, through, after
+            folded = frozenset(row[0] for row in rows)
+            by_status = {}
+            if counts:
+                by_status = {
+                    str(status): int(n)
+                    for status, n in self._conn.execute(
+                        "SELECT status, count(*) FROM outcomes GROUP BY status"
+                    )
+                }
+        return FoldedView(after, folded, by_status)
 
     def outcome(self, delivery_id: int) -> OutcomeRow | None:
         with self._lock:
@@ -631,11 +660,6 @@ class Store(_objects.ObjectDatabase):
         if row is None:
             return None
         return OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5]))
-
-    def status_counts(self) -> dict[str, int]:
-        with self._lock:
-            rows = self._conn.execute("SELECT status, count(*) FROM outcomes GROUP BY status")
-            return {str(status): int(n) for status, n in rows}
 
     def snapshot(self) -> tuple[set[int], dict[ObjectKey, ObjectSummary]]:
         """The folded delivery ids and the object summaries, read in one transaction."""
