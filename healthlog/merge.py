@@ -26,10 +26,18 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from enum import Enum
+from typing import Any
 
 import attrs
 
-from healthlog.points import Point, point_at, points_at, same_content
+from healthlog.points import (
+    Point,
+    all_same_content,
+    decode_all,
+    point_at,
+    points_at,
+    same_content,
+)
 
 Coordinates = tuple[int, int]
 
@@ -83,11 +91,21 @@ class Incoming:
     raws: dict[Coordinates, bytes]
     decoded: dict[Coordinates, Point]
 
-    def points(self, keys: list[Coordinates]) -> list[Point]:
-        """The points at ``keys``, decoding together those not decoded yet."""
-        missing = [key for key in keys if key not in self.decoded]
+    def points(self, keys: list[Coordinates], values: list[Any] | None = None) -> list[Point]:
+        """The points at ``keys``, decoding together those not decoded yet, or taking them
+        from ``values``, the JSON values of the points at ``keys`` when decoded already."""
+        at = [n for n, key in enumerate(keys) if key not in self.decoded]
+        missing = [keys[n] for n in at]
         fresh = dict(
-            zip(missing, points_at([self.raws[key] for key in missing], missing), strict=True)
+            zip(
+                missing,
+                points_at(
+                    [self.raws[key] for key in missing],
+                    missing,
+                    None if values is None else [values[n] for n in at],
+                ),
+                strict=True,
+            )
         )
         return [self.decoded.get(key) or fresh[key] for key in keys]
 
@@ -162,8 +180,18 @@ def merge_points(
             meeting.append(key)
     if not meeting:
         return changed
-    olds = points_at([stored[key] for key in meeting], meeting)
-    for key, old, point in zip(meeting, olds, incoming.points(meeting), strict=True):
+    old_raws = [stored[key] for key in meeting]
+    old_values = decode_all(old_raws)
+    new_values = decode_all([incoming.raws[key] for key in meeting])
+    if (
+        old_values is not None
+        and new_values is not None
+        and all_same_content(old_values, new_values)
+    ):
+        counters.points_unchanged += len(meeting)
+        return changed
+    olds = points_at(old_raws, meeting, old_values)
+    for key, old, point in zip(meeting, olds, incoming.points(meeting, new_values), strict=True):
         if same_content(old, point):
             counters.points_unchanged += 1
             continue

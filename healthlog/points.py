@@ -156,15 +156,15 @@ def point_at(raw: bytes, start: int, end: int) -> Point:
     return _lazy_point(point_object(raw), start, end, raw)
 
 
-def points_at(raws: list[bytes], keys: list[tuple[int, int]]) -> list[Point]:
-    """:func:`point_at` of many points, decoded together as one JSON array (each point is one
-    JSON value, so the array decodes exactly when every point does); if any does not, each
-    is decoded on its own and the first that cannot be raises its :class:`PointError`."""
-    try:
-        values = _decoder.decode(b"[%s]" % b",".join(raws))
-    except (msgspec.DecodeError, RecursionError):
-        values = None
-    if values is None or len(values) != len(raws):
+def points_at(
+    raws: list[bytes], keys: list[tuple[int, int]], values: list[Any] | None = None
+) -> list[Point]:
+    """:func:`point_at` of many points, decoded together as one array (:func:`decode_all`),
+    or from their ``values`` so decoded already; if they do not decode so, each is decoded
+    on its own and the first that cannot be raises its :class:`PointError`."""
+    if values is None:
+        values = decode_all(raws)
+    if values is None:
         return [point_at(raw, *key) for raw, key in zip(raws, keys, strict=True)]
     points = []
     for value, raw, (start, end) in zip(values, raws, keys, strict=True):
@@ -172,6 +172,28 @@ def points_at(raws: list[bytes], keys: list[tuple[int, int]]) -> list[Point]:
             raise PointError(f"point is a JSON {type(value).__name__}, not an object")
         points.append(_lazy_point(value, start, end, raw))
     return points
+
+
+def decode_all(raws: list[bytes]) -> list[Any] | None:
+    """The JSON values of verbatim points, decoded together as one JSON array (each point is
+    one JSON value, so the array decodes exactly when every point does), or None when it
+    does not decode."""
+    try:
+        values = _decoder.decode(b"[%s]" % b",".join(raws))
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return values if len(values) == len(raws) else None
+
+
+def all_same_content(olds: list[Any], news: list[Any]) -> bool:
+    """Whether decoded points have, pair by pair, the same canonical form, settled for all
+    pairs at once: equal decoded values (keys sorted, every number and string as it came)
+    have equal canonical forms, as in :func:`same_content`. False says nothing of any one
+    pair. A re-sent window mostly holds the same points, in another key order."""
+    try:
+        return _sorted_encoder.encode(olds) == _sorted_encoder.encode(news)
+    except (msgspec.EncodeError, OverflowError, RecursionError):
+        return False
 
 
 def content_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Point:

@@ -201,3 +201,50 @@ def test_table_counters(stored: dict[str, Any], incoming: dict[str, Any], counte
     moved = {name for name, value in attrs.asdict(counters).items() if value} - {"overwrites"}
     assert moved == {counter}
     assert counters.overwrites == (0 if counter == "points_unchanged" else 1)
+
+
+def reordered(raw: bytes) -> bytes:
+    """The same JSON object with its keys in reverse order."""
+    return json.dumps(dict(reversed(json.loads(raw).items())), separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    ("changed", "counter"),
+    [
+        (None, None),
+        ({"qty": 5, "source": "A"}, "points_erased"),
+        ({"qty": 1, "source": "A", "context": "walk"}, "points_replaced"),
+        ({"qty": 1}, "points_held"),
+    ],
+)
+def test_resent_hour_in_another_key_order_merge_24(
+    changed: dict[str, Any] | None, counter: str | None
+) -> None:
+    """MERGE-24: the same points in another key order change nothing; one changed among them
+    moves its own counter and the rest are unchanged."""
+    stored = {
+        (AT + minute * 60_000_000,) * 2: json.dumps(
+            {"date": DATE, "qty": minute, "source": "A"}, separators=(",", ":")
+        ).encode()
+        for minute in range(1, 6)
+    }
+    raws = {key: reordered(raw) for key, raw in stored.items()}
+    first = next(iter(raws))
+    if changed is not None:
+        raws[first] = json.dumps({"date": DATE, **changed}).encode()
+    before = dict(stored)
+    counters, recorder = Counters(), Recorder()
+    wrote = merge_points(stored, Incoming(raws, {}), counters, recorder)
+    moved = {name: value for name, value in attrs.asdict(counters).items() if value}
+    if counter is None:
+        assert (wrote, stored, moved, recorder.seen) == (False, before, {"points_unchanged": 5}, [])
+        return
+    assert moved == {"points_unchanged": 4, counter: 1, "overwrites": 1}
+    assert [kind for _, kind in recorder.seen] == [
+        Collision[counter.removeprefix("points_").upper()]
+    ]
+    assert wrote == (counter != "points_held")
+    assert stored[first] == (before[first] if counter == "points_held" else raws[first])
+    assert {key: stored[key] for key in raws if key != first} == {
+        key: before[key] for key in raws if key != first
+    }

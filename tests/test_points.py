@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from healthlog.points import (
     PointError,
+    all_same_content,
     canonical_form,
     completeness,
     coordinates,
+    decode_all,
     decode_point,
     point_at,
     same_content,
@@ -263,3 +265,26 @@ def test_meeting_decided_as_canonical_forms_decide(
         assert first.completeness == completeness(a)
         assert same_content(first, second) == (canonical_form(a) == canonical_form(b))
         assert first.canonical == canonical_form(a)
+
+
+@given(st.lists(st.tuples(_FIELDS, _FIELDS, st.booleans()), min_size=1, max_size=4))
+def test_meetings_settled_at_once_only_when_every_pair_is_the_same_merge_24(
+    pairs: list[tuple[dict[str, Any], dict[str, Any], bool]],
+) -> None:
+    """MERGE-24: a whole object's meetings are settled at once exactly when the decoded
+    values agree, and then every pair's canonical forms are equal."""
+    lefts, rights = [], []
+    for left, right, same in pairs:
+        lefts.append(left)
+        rights.append(dict(reversed(left.items())) if same else right)
+    olds = decode_all([json.dumps(value).encode() for value in lefts])
+    news = decode_all([json.dumps(value).encode() for value in rights])
+    assert olds == lefts
+    assert news == rights
+    settled = all_same_content(olds, news)
+    if settled:
+        assert all(
+            canonical_form(a) == canonical_form(b) for a, b in zip(lefts, rights, strict=True)
+        )
+    if all(same for _, _, same in pairs):
+        assert settled
