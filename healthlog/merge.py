@@ -181,15 +181,19 @@ def merge_points(
     if not meeting:
         return changed
     old_raws = [stored[key] for key in meeting]
-    old_values = decode_all(old_raws)
-    new_values = decode_all([incoming.raws[key] for key in meeting])
-    if (
-        old_values is not None
-        and new_values is not None
-        and all_same_content(old_values, new_values)
-    ):
-        counters.points_unchanged += len(meeting)
-        return changed
+    new_raws = [incoming.raws[key] for key in meeting]
+    old_values = new_values = None
+    # The same points with their keys in another order have, pair by pair, the same length:
+    # only then are the meetings worth settling at once.
+    if list(map(len, old_raws)) == list(map(len, new_raws)):
+        old_values, new_values = decode_all(old_raws), decode_all(new_raws)
+        if (
+            old_values is not None
+            and new_values is not None
+            and all_same_content(old_values, new_values)
+        ):
+            counters.points_unchanged += len(meeting)
+            return changed
     olds = points_at(old_raws, meeting, old_values)
     for key, old, point in zip(meeting, olds, incoming.points(meeting, new_values), strict=True):
         if same_content(old, point):

@@ -221,7 +221,8 @@ def test_resent_hour_in_another_key_order_merge_24(
     changed: dict[str, Any] | None, counter: str | None
 ) -> None:
     """MERGE-24: the same points in another key order change nothing; one changed among them
-    moves its own counter and the rest are unchanged."""
+    moves its own counter and the rest are unchanged, whether it kept its length (erased) or
+    not."""
     stored = {
         (AT + minute * 60_000_000,) * 2: json.dumps(
             {"date": DATE, "qty": minute, "source": "A"}, separators=(",", ":")
@@ -231,7 +232,7 @@ def test_resent_hour_in_another_key_order_merge_24(
     raws = {key: reordered(raw) for key, raw in stored.items()}
     first = next(iter(raws))
     if changed is not None:
-        raws[first] = json.dumps({"date": DATE, **changed}).encode()
+        raws[first] = json.dumps({"date": DATE, **changed}, separators=(",", ":")).encode()
     before = dict(stored)
     counters, recorder = Counters(), Recorder()
     wrote = merge_points(stored, Incoming(raws, {}), counters, recorder)
