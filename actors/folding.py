@@ -40,6 +40,10 @@ RUN_MAX = 32
 RUN_BYTES = 1 << 20
 """A run handed to one worker call holds at most ``RUN_MAX`` deliveries of ``RUN_BYTES`` raw
 bytes together (a larger delivery goes alone)."""
+WORKER_DEATHS = 2
+"""A delivery whose fold loses this many worker processes in a row (killed by the kernel's
+out-of-memory killer, say) is recorded ``failed``, so that it does not hold the queue for ever;
+one death alone may have another cause, and the delivery is folded again."""
 WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
 under contention a worker gets about a tenth of a core beside one busy task of the service's,
@@ -97,6 +101,7 @@ class FoldingStatistics:
     late_buckets: tuple[tuple[float, int], ...]
     late_changes: int
     late_sum_s: float
+    workers_lost: int
 
 
 class FoldingActor:
@@ -135,6 +140,8 @@ class FoldingActor:
         self._classes: Counter[str] = Counter()
         self._durations = _Histogram(DURATION_BOUNDS_S)
         self._late = _Histogram(LATE_BOUNDS_S)
+        self._deaths: Counter[int] = Counter()
+        self._workers_lost = 0
 
     def statistics(self) -> FoldingStatistics:
         return FoldingStatistics(
@@ -151,6 +158,7 @@ class FoldingActor:
             late_buckets=self._late.cumulative(),
             late_changes=self._late.observed,
             late_sum_s=self._late.total,
+            workers_lost=self._workers_lost,
         )
 
     async def run(self) -> None:
@@ -168,10 +176,12 @@ class FoldingActor:
                 epoch = self._epoch
                 if epoch is None:
                     continue
-                with trio.CancelScope() as scope:
-                    self._pass_scope = scope
-                    await self._pass(epoch)
-                self._pass_scope = None
+                try:
+                    with trio.CancelScope() as scope:
+                        self._pass_scope = scope
+                        await self._pass(epoch)
+                finally:
+                    self._pass_scope = None
 
     async def _follow_lease(self) -> None:
         async for epoch in self._lease_updates:
@@ -232,15 +242,18 @@ class FoldingActor:
     async def _fold(self, run: list[DeliveryMeta], epoch: int) -> list[FoldReport]:
         """Reports for a prefix of ``run``, in order: the worker stops after one not DONE."""
         if self._executor is Executor.PROCESS:
-            reports: list[FoldReport] = await trio_parallel.run_sync(
-                fold_run,
-                str(self._data_dir),
-                [meta.id for meta in run],
-                epoch,
-                self._budget,
-                self._busy_timeout_ms,
-                kill_on_cancel=True,
-            )
+            try:
+                reports: list[FoldReport] = await trio_parallel.run_sync(
+                    fold_run,
+                    str(self._data_dir),
+                    [meta.id for meta in run],
+                    epoch,
+                    self._budget,
+                    self._busy_timeout_ms,
+                    kill_on_cancel=True,
+                )
+            except trio_parallel.BrokenWorkerError:
+                return await self._worker_lost(run, epoch)
             return reports
         [meta] = run
         check = self._budget.checker(meta.bytes)
@@ -249,3 +262,38 @@ class FoldingActor:
             limiter=self._limiter,
         )
         return [report]
+
+    async def _worker_lost(self, run: list[DeliveryMeta], epoch: int) -> list[FoldReport]:
+        """Reports for ``run`` after its worker process died: the deliveries it committed
+        stand, and the first without an outcome is the one it was folding. That one is
+        deferred (the pass stops there, the next pass folds it again in a new worker) until
+        it has lost ``WORKER_DEATHS`` workers, and then recorded ``failed``."""
+        self._workers_lost += 1
+        outcomes = await trio.to_thread.run_sync(
+            lambda: [self._store.outcome(meta.id) for meta in run], limiter=self._limiter
+        )
+        reports = []
+        for meta, outcome in zip(run, outcomes, strict=True):
+            if outcome is None:
+                reports.append(await self._fold_killed(meta, epoch))
+                break
+            reports.append(FoldReport(meta.id, OutcomeClass.DONE, outcome.status, outcome.reason))
+        return reports
+
+    async def _fold_killed(self, meta: DeliveryMeta, epoch: int) -> FoldReport:
+        self._deaths[meta.id] += 1
+        if self._deaths[meta.id] < WORKER_DEATHS:
+            log.warning("delivery %d: its fold worker died; folding it again", meta.id)
+            return FoldReport(meta.id, OutcomeClass.DEFERRED, reason=WORKER_DIED)
+        del self._deaths[meta.id]
+        log.error(
+            "delivery %d: its fold worker died %d times in a row; recorded failed",
+            meta.id,
+            WORKER_DEATHS,
+        )
+        return await trio.to_thread.run_sync(
+            self._store.fail, meta, epoch, WORKER_DIED, limiter=self._limiter
+        )
+
+
+WORKER_DIED = "fold worker died"

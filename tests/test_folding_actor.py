@@ -16,6 +16,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import trio
 import trio_parallel
@@ -40,12 +41,13 @@ from _runtime_helpers import (
     wait_folded,
 )
 
-from actors.folding import WORKER_NICENESS, Executor
+from actors.folding import WORKER_DEATHS, WORKER_DIED, WORKER_NICENESS, Executor
 from actors.runtime import open_runtime
 from healthlog import faults
 from healthlog.folding import OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
 from healthlog.storage.rebuild import verify
@@ -509,3 +511,64 @@ def test_fold_workers_start_without_the_web_stack_run_29() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
     assert done.stdout.strip() == "[]"
+
+
+def kill_worker_at(*hits: int) -> str:
+    """A fault plan whose fold worker kills itself at those hits of ``fold.begin`` (no serving
+    process is named, so the SIGKILL takes the worker alone, as the OOM killer would)."""
+    return orjson.dumps({"fold.begin": {"hits": list(hits), "do": "kill"}}).decode()
+
+
+async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-30: a run's worker killed at its second fold: the first delivery stands, the second
+    is folded again in a new worker, whose own second fold dies too; every delivery folds in
+    journal order, nothing is failed and the actor never crashes."""
+    monkeypatch.delenv(SERVE_PID_ENV, raising=False)
+    monkeypatch.setenv(PLAN_ENV, kill_worker_at(2))
+    ids = journal_directly(
+        tmp_path, [new_delivery(n, received_at=HISTORY_US + n) for n in range(3)]
+    )
+    settings = {"executor": Executor.PROCESS, "wake_period_s": 0.2}
+    async with open_runtime(config(tmp_path, **settings)) as runtime:
+        await wait_folded(tmp_path, ids, timeout=60)
+        stats = runtime.statistics()
+
+    assert folded_in_order(tmp_path) == ids
+    statuses = table(DataDir(tmp_path).store_path, "SELECT status FROM outcomes")
+    assert statuses == [("parsed",)] * 3
+    assert (stats.folding.workers_lost, stats.crashes) == (2, ())
+    assert logged(caplog, logging.WARNING) == [
+        f"delivery {ids[1]}: its fold worker died; folding it again",
+        f"delivery {ids[2]}: its fold worker died; folding it again",
+    ]
+    assert logged(caplog, logging.ERROR) == []
+
+
+async def test_a_delivery_that_kills_every_worker_is_failed_and_the_queue_moves_on_run_30(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-30: a delivery whose fold kills WORKER_DEATHS workers in a row is recorded failed
+    with one ERROR, and the delivery after it folds."""
+    monkeypatch.delenv(SERVE_PID_ENV, raising=False)
+    monkeypatch.setenv(PLAN_ENV, kill_worker_at(1))
+    [poison] = journal_directly(tmp_path, [new_delivery(0, received_at=HISTORY_US)])
+    settings = {"executor": Executor.PROCESS, "wake_period_s": 0.2}
+    async with open_runtime(config(tmp_path, **settings)) as runtime:
+        await wait_folded(tmp_path, [poison], timeout=60)
+        monkeypatch.delenv(PLAN_ENV)
+        later = await runtime.submit(new_delivery(1))
+        await wait_folded(tmp_path, [later.delivery_id], timeout=60)
+        stats = runtime.statistics()
+        failed = await runtime.read_store(lambda store: store.outcome(poison))
+        parsed = await runtime.read_store(lambda store: store.outcome(later.delivery_id))
+
+    assert failed is not None
+    assert (failed.status, failed.reason) == ("failed", WORKER_DIED)
+    assert parsed is not None
+    assert parsed.status == "parsed"
+    assert (stats.folding.workers_lost, stats.crashes) == (WORKER_DEATHS, ())
+    assert logged(caplog, logging.ERROR) == [
+        f"delivery {poison}: its fold worker died {WORKER_DEATHS} times in a row; recorded failed"
+    ]

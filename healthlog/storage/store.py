@@ -297,7 +297,7 @@ class Store(_objects.ObjectDatabase):
             return FoldReport(meta.id, OutcomeClass.DEFERRED)
         except CorruptBody:
             log.error("delivery %d: body does not match its sha256", meta.id)
-            return self._fold_failed(meta, epoch, "body does not match its sha256")
+            return self.fail(meta, epoch, "body does not match its sha256")
         except StorageError as exc:
             log.warning("delivery %d: body not readable: %s", meta.id, type(exc).__name__)
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
@@ -310,13 +310,13 @@ class Store(_objects.ObjectDatabase):
             log.warning("delivery %d: fold fenced, lease epoch %d lost", meta.id, epoch)
             return FoldReport(meta.id, OutcomeClass.FENCED)
         except BudgetExceeded:
-            return self._fold_failed(meta, epoch, "fold over its time budget")
+            return self.fail(meta, epoch, "fold over its time budget")
         except StorageError as exc:
             log.warning("delivery %d: fold not written: %s", meta.id, type(exc).__name__)
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
         except Exception as exc:
             log.error("delivery %d: fold failed: %s", meta.id, type(exc).__name__)
-            return self._fold_failed(meta, epoch, f"internal error: {type(exc).__name__}")
+            return self.fail(meta, epoch, f"internal error: {type(exc).__name__}")
 
     def _fold_locked(
         self,
@@ -412,7 +412,9 @@ class Store(_objects.ObjectDatabase):
             (US_PER_HOUR, seal.before, seal.metric, seal.layer),
         ).fetchall()
 
-    def _fold_failed(self, meta: DeliveryMeta, epoch: int, reason: str) -> FoldReport:
+    def fail(self, meta: DeliveryMeta, epoch: int, reason: str) -> FoldReport:
+        """Record ``meta`` failed with ``reason`` and no points, under lease epoch ``epoch``,
+        unless it has an outcome already; reported as a fold attempt is."""
         outcome = Outcome(status=FAILED, reason=reason, layer=None, counters=Counters())
         try:
             with self._lock, write_transaction(self._conn):
