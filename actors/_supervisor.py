@@ -34,10 +34,16 @@ async def supervise(
         except Exception as exc:
             if trio.current_time() - started > backoff:
                 backoff = backoff_start_s
-            log.error(
-                "actor %s crashed (%s); restarting in %.1f s", name, type(exc).__name__, backoff
-            )
+            log.error("actor %s crashed (%s); restarting in %.1f s", name, _kinds(exc), backoff)
             log.debug("actor %s crash", name, exc_info=True)
             crashes.append(name)
         await trio.sleep(backoff)
         backoff = min(backoff * 2, backoff_max_s)
+
+
+def _kinds(exc: BaseException) -> str:
+    """The type name of an exception; for a group (an actor's own nursery wraps what its
+    tasks raise), the names of the exceptions in it, however deeply nested."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return type(exc).__name__
+    return ", ".join(sorted({_kinds(inner) for inner in exc.exceptions}))

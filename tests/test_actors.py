@@ -162,6 +162,32 @@ async def test_a_crashing_actor_restarts_with_doubling_backoff_up_to_the_cap_run
     ]
 
 
+async def test_a_crash_inside_the_actors_nursery_names_the_exception_run_5(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-5: a crash raised by a task of the actor's own nursery (an exception group) is named
+    by the types of the exceptions in the group, not as a group."""
+    runs = 0
+
+    async def boom(error: Exception) -> None:
+        raise error
+
+    async def run() -> None:
+        nonlocal runs
+        runs += 1
+        if runs > 1:
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(boom, KeyError("k"))
+            nursery.start_soon(boom, ValueError("v"))
+
+    await supervise("worker", run, [], backoff_start_s=1)
+
+    assert logged(caplog, logging.ERROR) == [
+        "actor worker crashed (KeyError, ValueError); restarting in 1.0 s"
+    ]
+
+
 async def long_third_run(starts: list[float]) -> None:
     """Three supervised runs that crash, the third after 10 s, and a fourth that returns."""
     starts.append(trio.current_time())
