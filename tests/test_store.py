@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -448,3 +449,32 @@ def test_out_of_order_guard_stays_silent_fold_11(
 
     assert not report.out_of_order
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_event_window_is_read_in_one_snapshot_store_27(
+    tmp_path: Path, journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-27: the window through folding and pruning, and, read while another connection
+    folds into an empty store, never pruned up to a head committed between two reads."""
+    assert store.event_window() == (0, 0)
+    metas = [append(journal, delivery(body({"hr": [point(n, n)]}))) for n in range(60)]
+
+    def fold_elsewhere() -> None:
+        with Store(tmp_path / "store.sqlite") as folder:
+            for meta in metas:
+                folder.fold(journal, meta, epoch)
+
+    folding = threading.Thread(target=fold_elsewhere)
+    folding.start()
+    starts = set()
+    while folding.is_alive():
+        starts.add(store.event_window()[0])
+    folding.join()
+    assert starts == {0}
+    head = store.event_window()[1]
+    assert head == 2 * len(metas)
+    assert store.event_window() == (0, head)
+    store.prune_events(keep=2, older_than_us=2**62)
+    assert store.event_window() == (head - 2, head)
+    store.prune_events(keep=0, older_than_us=2**62)
+    assert store.event_window() == (head, head)

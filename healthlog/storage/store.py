@@ -774,15 +774,19 @@ class Store(_objects.ObjectDatabase):
         ]
 
     def event_window(self) -> tuple[int, int]:
-        """(oldest retained seq - 1, head seq): a cursor in that range can be replayed."""
+        """(oldest retained seq - 1, head seq): a cursor in that range can be replayed.
+
+        One statement, so one snapshot: with no events left (all pruned) the head is the last
+        sequence handed out, and an event committed meanwhile cannot make the window look
+        pruned up to it.
+        """
         with self._lock:
-            oldest, head = self._conn.execute("SELECT min(seq), max(seq) FROM events").fetchone()
-            if head is None:
-                head = self._conn.execute(
-                    "SELECT seq FROM sqlite_sequence WHERE name = 'events'"
-                ).fetchone()
-                head = 0 if head is None else head[0]
-                return head, head
+            oldest, head, issued = self._conn.execute(
+                "SELECT min(seq), max(seq),"
+                " (SELECT seq FROM sqlite_sequence WHERE name = 'events') FROM events"
+            ).fetchone()
+        if head is None:
+            return int(issued or 0), int(issued or 0)
         return int(oldest) - 1, int(head)
 
     def prune_events(self, *, keep: int, older_than_us: int) -> int:
