@@ -1,5 +1,5 @@
-"""``WS /v1/stream`` against a real ``healthlog serve`` (specs/stream.md, STREAM-1 to STREAM-15),
-and the page of events the endpoint reads from a real store file (STREAM-25).
+"""``WS /v1/stream`` against a real ``healthlog serve`` (specs/stream.md, STREAM-1 to STREAM-15
+and STREAM-28), and the page of events the endpoint reads from a real store file (STREAM-25).
 
 Every service test starts :func:`transport.serve.serve` on a free port in its own trio run and
 talks to it through real websocket clients: trio-websocket on a TCP stream the test owns, a raw
@@ -22,9 +22,10 @@ import pytest
 import trio
 from _bodies import append, delivery, point, rows
 from _bodies import body as storage_body
-from _service_helpers import POLL_S, Service, serving
+from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
+    MINUTES,
     SECONDS,
     acked,
     bearer,
@@ -47,7 +48,7 @@ from _stream_helpers import (
     stream_handlers,
     subscribe,
 )
-from trio_websocket import ConnectionClosed
+from trio_websocket import ConnectionClosed, WebSocketConnection
 from websockets.sync.client import connect as websockets_connect
 
 from healthlog import snapshots
@@ -55,6 +56,7 @@ from healthlog.documents import converter
 from healthlog.export import export_lines
 from healthlog.objects import ObjectKey
 from healthlog.snapshots import Manifest
+from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 from healthlog.timestamps import parse_instant
@@ -65,6 +67,8 @@ NOISY_POINTS = 2000
 NOISY_ADDITIONS = 36
 GRACE_S = 3.0
 REFUSAL_LIMIT_S = 3.0
+REVOKE_LIMIT_S = 10.0
+UNAUTHORIZED = {"type": "error", "code": "UNAUTHORIZED"}
 
 
 async def refused_beside_witness(
@@ -474,6 +478,71 @@ async def test_independent_client_library(tmp_path: Path) -> None:
     assert consecutive(frames, 0)
     assert [f["kind"] for f in frames] == ["object.changed"] * 2000 + ["delivery.folded"]
     assert frames[-1]["counters"]["objects_written"] == 2000
+
+
+def add_token(data: DataDir, name: str) -> str:
+    with data.open_tokens() as tokens:
+        return tokens.add(name)
+
+
+def revoke_token(data: DataDir, name: str) -> None:
+    with data.open_tokens() as tokens:
+        tokens.revoke(name)
+
+
+async def until_closed(
+    ws: WebSocketConnection, limit_s: float = REFUSAL_LIMIT_S
+) -> tuple[list[dict[str, Any]], int]:
+    """Every frame the server sends until it closes, within ``limit_s``, and the close code."""
+    frames: list[dict[str, Any]] = []
+    with trio.fail_after(limit_s), contextlib.suppress(ConnectionClosed):
+        while True:
+            frames.append(orjson.loads(await ws.get_message()))
+    assert ws.closed is not None
+    return frames, ws.closed.code
+
+
+async def test_revoked_token_ends_its_stream_stream_28(tmp_path: Path) -> None:
+    """STREAM-28: a token revoked while its streams are open: once a request with it is
+    refused, an ACK on its stream is refused (UNAUTHORIZED, 4401) and not stored, and the next
+    events end its other stream the same way, with no event past the head at revocation;
+    a stream with another token gets those events."""
+    async with serving(tmp_path) as service:
+        other = await trio.to_thread.run_sync(add_token, service.data, "other")
+        other_auth = {"Authorization": f"Bearer {other}"}
+        start = await post_small(service, 0)
+        async with (
+            subscribe(service, subscriber="idle") as idle,
+            subscribe(service, subscriber="live") as live,
+            connect(service.port, resource(0), bearer(other)) as witness,
+        ):
+            for ws in (idle, live, witness):
+                assert consecutive(await receive(ws, start), 0)
+            await send_ack(idle, 1)
+            await send_ack(live, start)
+            await acked(service, "idle", 1)
+            await acked(service, "live", start)
+
+            await trio.to_thread.run_sync(revoke_token, service.data, TOKEN_NAME)
+            # The HTTP API and the stream share one token cache: once a request with the token
+            # is refused, every later check on its streams refuses it too.
+            with trio.fail_after(REVOKE_LIMIT_S):
+                while (await service.get("/v1/status")).status_code != 401:
+                    await trio.sleep(POLL_S)
+
+            await send_ack(idle, start)
+            assert await until_closed(idle) == ([UNAUTHORIZED], 4401)
+
+            response = await service.client.post(
+                "/v1/deliveries", content=small(60), headers={**other_auth, **MINUTES}
+            )
+            assert response.status_code == 200, response.text
+            # Events beyond the head at revocation exist and are being sent: the witness,
+            # woken with the revoked stream, gets them.
+            assert consecutive(await receive(witness, 2), start)
+            assert await until_closed(live) == ([UNAUTHORIZED], 4401)
+        status = await service.client.get("/v1/status", headers=other_auth)
+        assert status.json()["subscribers"] == {"idle": 1, "live": start}
 
 
 async def test_shutdown_closes_subscribers_with_1001(tmp_path: Path) -> None:

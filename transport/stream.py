@@ -16,9 +16,15 @@ shields its socket writes. There the kernel ends it: every accepted socket has
 ``TCP_USER_TIMEOUT`` set to the same time (``transport/serve.py``), so a peer that has taken
 nothing for that long is dropped, the write fails, and the handler ends as for a client gone.
 
+The token is checked at the handshake and again before each page is sent and before an ACK is
+stored (cheap: the token cache answers without a thread between its reloads), so a token
+revoked while its stream is open ends the stream with the same refusal as at the handshake
+once the cache has reloaded.
+
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
-4401 unauthorized, 4408 too slow, 4410 cursor older than the online window (after an
-error frame with a signed snapshot reference), 1001 server going away (on shutdown).
+4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
+older than the online window (after an error frame with a signed snapshot reference), 1001
+server going away (on shutdown).
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ class ClientGone(Exception):
 
 @attrs.define
 class _Subscription:
+    token: str = attrs.field(repr=False)
     name: str | None
     cursor: int
     sent: int
@@ -129,8 +136,8 @@ class StreamEndpoint:
         headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope["headers"]}
         try:
             async with trio.open_nursery() as nursery:
-                await self._authenticate(headers, query)
-                sub = await self._open(query)
+                token = await self._authenticate(headers, query)
+                sub = await self._open(query, token)
                 nursery.start_soon(self._send_loop, sub, send)
                 nursery.start_soon(self._going_away)
                 await self._receive_loop(sub, receive)
@@ -144,21 +151,31 @@ class StreamEndpoint:
                 frame = {"type": "error", "code": refused.code, **refused.extra}
                 with trio.move_on_after(self.send_timeout_s):
                     await send({"type": "websocket.send", "text": orjson.dumps(frame).decode()})
-            await send({"type": "websocket.close", "code": refused.close, "reason": refused.code})
+            with trio.move_on_after(self.send_timeout_s):
+                await send(
+                    {"type": "websocket.close", "code": refused.close, "reason": refused.code}
+                )
 
     async def _going_away(self) -> None:
         await self.closing.wait()
         raise StreamRefused("GOING_AWAY", CLOSE_GOING_AWAY, frame=False)
 
-    async def _authenticate(self, headers: dict[str, str], query: dict[str, str]) -> None:
+    async def _authenticate(self, headers: dict[str, str], query: dict[str, str]) -> str:
+        """The presented token, once it is known to be live."""
         presented = headers.get("api-key") or query.get("token")
         authorization = headers.get("authorization", "")
         if authorization[:7].lower() == "bearer ":
             presented = authorization[7:].strip()
         if not presented or await self.authenticate(presented) is None:
             raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
+        return presented
 
-    async def _open(self, query: dict[str, str]) -> _Subscription:
+    async def _still_authorized(self, sub: _Subscription) -> None:
+        """Refuse the subscription once its token has been revoked."""
+        if await self.authenticate(sub.token) is None:
+            raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
+
+    async def _open(self, query: dict[str, str], token: str) -> _Subscription:
         name = query.get("subscriber")
         if name is not None and not (0 < len(name) <= MAX_SUBSCRIBER and name.isprintable()):
             raise StreamRefused("BAD_SUBSCRIBER", CLOSE_BAD_REQUEST)
@@ -171,7 +188,7 @@ class StreamEndpoint:
             raise StreamRefused("CURSOR_IN_FUTURE", CLOSE_BAD_REQUEST, {"head": head})
         if after < window_start:
             await self._too_old(after)
-        return _Subscription(name, after, after)
+        return _Subscription(token, name, after, after)
 
     async def _too_old(self, after: int) -> None:
         manifest = await self.snapshot_for(after)
@@ -190,6 +207,7 @@ class StreamEndpoint:
             if not page:
                 await self.hub.wait_beyond(sub.cursor)
                 continue
+            await self._still_authorized(sub)
             if page[0][0].seq != sub.cursor + 1:
                 await self._too_old(sub.cursor)
             # One timer for the page, its deadline moved before each send: cheaper than a
@@ -226,6 +244,7 @@ class StreamEndpoint:
         if seq > sub.sent:
             raise StreamRefused("ACK_BEYOND_SENT", CLOSE_BAD_REQUEST, {"sent": sub.sent})
         if sub.name is not None and seq > sub.acked:
+            await self._still_authorized(sub)
             with trio.CancelScope(shield=True):
                 sub.acked = await self.runtime.read_store(
                     functools.partial(Store.ack, subscriber=sub.name, seq=seq)
