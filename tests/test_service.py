@@ -1,4 +1,4 @@
-"""``healthlog serve`` over real HTTP (specs/service.md, SERVE-1 to SERVE-26).
+"""``healthlog serve`` over real HTTP (specs/service.md, SERVE-1 to SERVE-34).
 
 Every test talks to :func:`transport.serve.serve` listening on a free port, started in the
 test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw socket.
@@ -6,14 +6,16 @@ test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import re
+import socket
 import sqlite3
 import sys
 from collections.abc import AsyncIterator
-from contextlib import closing
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,9 @@ from _cli_bodies import body, compact, metric, point
 from _service_helpers import (
     CLIENT_TIMEOUT_S,
     POLL_S,
+    STOP_LIMIT_S,
     TOKEN_NAME,
+    WAKE_PERIOD_S,
     Drip,
     Service,
     post_stream,
@@ -36,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.storage.datadir import DataDir
 from healthlog.timestamps import format_instant
+from transport.serve import serve
 
 MiB = 2**20
 HEART_RATE = body(
@@ -64,6 +69,8 @@ STALL_LIMIT_S = 10.0
 CLIENT_ERROR = re.compile(rb"HTTP/1\.1 4\d\d ")
 CLOSE = {"Connection": "close"}
 MINUTES = {"automation-aggregation": "minutes"}
+RESPONSE_TIMEOUT_S = 0.5
+SMALL_RECEIVE_BUFFER = 16 * 1024
 
 
 def sha256(content: bytes) -> str:
@@ -733,3 +740,116 @@ def test_configuration_error_names_a_refused_choice(tmp_path: Path) -> None:
     """SERVE-26: `HEALTHLOG_LOG_FORMAT=xml` is an error naming `log_format`."""
     with pytest.raises(ConfigError, match="log_format"):
         load_serve_config(tmp_path / "absent.toml", {}, {"HEALTHLOG_LOG_FORMAT": "xml"})
+
+
+# -- errors and slow readers ------------------------------------------------------------------
+
+
+def errors_logged(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+async def test_unknown_things_are_json_not_found_serve_31(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-31: an id beyond SQLite's integers, a negative or non-numeric id, and an unknown
+    route are 404 `NOT_FOUND` in JSON; nothing is logged at ERROR."""
+    paths = (
+        "/v1/deliveries/99999999999999999999",
+        "/v1/deliveries/9223372036854775808",
+        "/v1/deliveries/-1",
+        "/v1/deliveries/abc",
+        "/v1/snapshots/99999999999999999999",
+        "/v1/nothing-here",
+    )
+    for path in paths:
+        response = await service.get(path)
+        assert response.status_code == 404, path
+        assert response.headers["content-type"] == "application/json", path
+        assert response.json() == {"error": "NOT_FOUND"}, path
+    assert errors_logged(caplog) == []
+    assert (await service.get("/v1/status")).status_code == 200
+
+
+async def test_other_methods_on_read_routes_are_json_405_serve_32(service: Service) -> None:
+    """SERVE-32: POST on `/v1/status` and DELETE on `/v1/points` are 405 `METHOD_NOT_ALLOWED` in
+    JSON, with an `Allow` header naming GET."""
+    for method, path in (("POST", "/v1/status"), ("DELETE", "/v1/points")):
+        response = await service.client.request(method, path, headers=service.auth)
+        assert response.status_code == 405, path
+        assert response.json() == {"error": "METHOD_NOT_ALLOWED"}, path
+        assert "GET" in response.headers["Allow"].split(", "), path
+    assert await service.journal() == []
+
+
+async def test_unhandled_exception_is_json_500_logged_by_type_serve_33(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-33: a snapshot file that is a directory makes its route fail unhandled: the answer
+    is 500 `INTERNAL` in JSON, one ERROR record names the exception type without its message,
+    path or traceback, and the service goes on serving."""
+    stream = (await service.status())["stream"]["id"]
+    seq = 7
+    (service.data.snapshot_dir / f"snapshot-{stream}-{seq}.snap").mkdir(parents=True)
+    response = await service.get(f"/v1/snapshots/{seq}")
+    assert response.status_code == 500
+    assert response.headers["content-type"] == "application/json"
+    assert response.json() == {"error": "INTERNAL"}
+    [record] = errors_logged(caplog)
+    message = record.getMessage()
+    assert "IsADirectoryError" in message
+    assert stream not in message
+    assert "snapshot-" not in message
+    assert (record.exc_info, record.exc_text) == (None, None)
+    assert (await service.get("/v1/status")).status_code == 200
+
+
+@asynccontextmanager
+async def serving_with_response_timeout(
+    path: Path, response_timeout_s: float
+) -> AsyncIterator[Service]:
+    """``serving(path)`` with quart's response timeout set to ``response_timeout_s``."""
+    data = DataDir(path)
+    with data.open_tokens() as tokens:
+        token = tokens.add(TOKEN_NAME)
+    config = ServeConfig(port=0, wake_period_s=WAKE_PERIOD_S)
+    stop = trio.Event()
+    start = functools.partial(
+        serve, data, config, shutdown=stop, response_timeout_s=response_timeout_s
+    )
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(start)
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+                yield Service(url, data, token, client, stop)
+        finally:
+            stop.set()
+            nursery.cancel_scope.deadline = trio.current_time() + STOP_LIMIT_S
+    assert not nursery.cancel_scope.cancelled_caught, "the service did not stop in time"
+
+
+async def test_slowly_read_export_is_not_cut_by_the_response_timeout_serve_34(
+    tmp_path: Path,
+) -> None:
+    """SERVE-34: with a 0.5 s response timeout, an export of over 8 MiB (more than the socket
+    buffers hold) that a client with a small receive buffer starts reading only after 2 s
+    arrives whole, ending as a complete chunked body."""
+    content = tmp_path / "minutes.json"
+    write_minute_body(content, metrics=2, points=25_000)
+    async with serving_with_response_timeout(tmp_path / "data", RESPONSE_TIMEOUT_S) as service:
+        assert (await service.post(content.read_bytes(), MINUTES)).status_code == 200
+        await service.wait_folded()
+        whole = (await service.get("/v1/points")).content
+        assert len(whole) > 8 * MiB
+        small_buffer = (socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_RECEIVE_BUFFER)
+        transport = httpx.AsyncHTTPTransport(socket_options=[small_buffer])
+        async with (
+            httpx.AsyncClient(
+                base_url=service.url, transport=transport, timeout=CLIENT_TIMEOUT_S
+            ) as slow,
+            slow.stream("GET", "/v1/points", headers=service.auth) as response,
+        ):
+            assert response.status_code == 200
+            await trio.sleep(4 * RESPONSE_TIMEOUT_S)
+            received = await response.aread()
+    assert received == whole

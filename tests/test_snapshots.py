@@ -1,10 +1,11 @@
-"""Signed snapshots built from a real store, and every check ``validate`` makes (specs/stream.md,
-STREAM-16 and STREAM-17)."""
+"""Signed snapshots built from a real store, every check ``validate`` makes, and the files a
+running service keeps and serves (specs/stream.md, STREAM-16, STREAM-17 and STREAM-34)."""
 
 from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +13,8 @@ import attrs
 import orjson
 import pytest
 from _bodies import body, delivery, point
+from _service_helpers import Service, serving
+from _stream_helpers import post_small, prune
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import snapshots
@@ -180,3 +183,37 @@ def test_tampered_snapshot_refused(
     attempt, _ = store_objects
     with pytest.raises(SnapshotError, match=check):
         tamper(attempt).validate()
+
+
+async def newer_snapshot(service: Service, *minutes: int) -> dict[str, str | int]:
+    """Fold more deliveries, prune the events so the kept snapshot no longer covers the window,
+    and return the manifest of the snapshot the service builds then."""
+    await post_small(service, *minutes)
+    await prune(service.data, keep=2)
+    response = await service.get("/v1/snapshots")
+    assert response.status_code == 200, response.text
+    manifest: dict[str, str | int] = response.json()
+    return manifest
+
+
+async def test_previous_snapshot_stays_fetchable_stream_34(tmp_path: Path) -> None:
+    """STREAM-34: a snapshot reference handed out before a newer snapshot was built still answers
+    200 with its file; once two newer ones exist its file is gone and it answers 404 `NOT_FOUND`
+    in JSON; the service keeps two files."""
+    async with serving(tmp_path / "data") as service:
+        first = await newer_snapshot(service, 0, 20, 40)
+        second = await newer_snapshot(service, 60, 80)
+        assert int(second["seq"]) > int(first["seq"])
+        for manifest in (first, second):
+            response = await service.get(str(manifest["url"]))
+            assert response.status_code == 200
+            assert hashlib.sha256(response.content).hexdigest() == manifest["sha256"]
+        third = await newer_snapshot(service, 100, 120)
+        gone = await service.get(str(first["url"]))
+        assert gone.status_code == 404
+        assert gone.json() == {"error": "NOT_FOUND"}
+        for manifest in (second, third):
+            assert (await service.get(str(manifest["url"]))).status_code == 200
+        kept = {path.name for path in service.data.snapshot_dir.iterdir()}
+    stream = third["stream"]
+    assert kept == {f"snapshot-{stream}-{m['seq']}.snap" for m in (second, third)}

@@ -7,14 +7,17 @@ Only HTTP lives here: every decision is made by the runtime and the storage behi
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Any
 
 import attrs
 import orjson
 import trio
-from quart import Response, request
+from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
+from werkzeug.exceptions import InternalServerError, MethodNotAllowed, NotFound
 
 from actors.runtime import Runtime
 from healthlog import documents
@@ -33,6 +36,10 @@ from transport.stream import EventHub, StreamEndpoint
 JSONL = "application/x-ndjson"
 STREAM_PATH = "/v1/stream"
 MAX_HEADER_BYTES = 64 * 1024
+SQLITE_MAX_INTEGER = 2**63 - 1
+RESPONSE_TIMEOUT_S = 60.0
+
+log = logging.getLogger("healthlog.http")
 
 
 def _json(document: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -42,6 +49,31 @@ def _json(document: Any, status: int = 200, headers: dict[str, str] | None = Non
 
 def _error(code: str, status: int, headers: dict[str, str] | None = None) -> Response:
     return _json({"error": code}, status, headers)
+
+
+def _streamed(response: Response) -> Response:
+    """``response`` sent however long its reader takes: quart-trio otherwise cancels sending a
+    body after ``RESPONSE_TIMEOUT`` and the reader gets it cut short, without its end. A reader
+    that stops taking data is dropped by the kernel after ``stream_send_timeout_s``
+    (``transport.serve``)."""
+    response.timeout = None
+    return response
+
+
+class _Http(QuartTrio):
+    """The quart-trio app, logging an unhandled exception as one line naming its type only: its
+    message and traceback may hold values."""
+
+    def log_exception(
+        self,
+        exception_info: tuple[type, BaseException, TracebackType] | tuple[None, None, None],
+    ) -> None:
+        kind = exception_info[0]
+        name = "exception" if kind is None else kind.__name__
+        if has_request_context() and request.url_rule is not None:
+            log.error("unhandled %s in %s %s", name, request.method, request.url_rule.rule)
+        else:
+            log.error("unhandled %s", name)
 
 
 class HealthlogApp:
@@ -117,10 +149,29 @@ def create_app(
     config: ServeConfig,
     snapshots: SnapshotService,
     closing: trio.Event,
+    *,
+    response_timeout_s: float = RESPONSE_TIMEOUT_S,
 ) -> HealthlogApp:
-    """The application bound to a running runtime; ``closing`` is set when shutdown begins."""
-    app = QuartTrio("healthlog")
+    """The application bound to a running runtime; ``closing`` is set when shutdown begins.
+
+    ``response_timeout_s`` is quart's ``RESPONSE_TIMEOUT``, the time allowed to send a response
+    whose body is whole; streamed bodies (``/v1/points``, snapshot files) have no such limit.
+    """
+    app = _Http("healthlog")
+    app.config["RESPONSE_TIMEOUT"] = response_timeout_s
     hub = EventHub(runtime)
+
+    @app.errorhandler(NotFound)
+    async def not_found(_exc: NotFound) -> Response:
+        return _error("NOT_FOUND", 404)
+
+    @app.errorhandler(MethodNotAllowed)
+    async def method_not_allowed(error: MethodNotAllowed) -> Response:
+        return _error("METHOD_NOT_ALLOWED", 405, {"Allow": ", ".join(error.valid_methods or ())})
+
+    @app.errorhandler(InternalServerError)
+    async def internal(_exc: InternalServerError) -> Response:
+        return _error("INTERNAL", 500)
 
     @app.before_serving
     async def start_hub() -> None:
@@ -148,6 +199,8 @@ def create_app(
     async def get_delivery(delivery_id: int) -> Response:
         if await client() is None:
             return unauthorized()
+        if delivery_id > SQLITE_MAX_INTEGER:
+            return _error("NOT_FOUND", 404)
         outcome = await runtime.read_store(
             functools.partial(Store.outcome, delivery_id=delivery_id)
         )
@@ -192,7 +245,7 @@ def create_app(
                 for line in object_lines(obj, start_from=start_from, start_to=start_to, fmt=fmt):
                     yield line
 
-        return Response(lines(), content_type=JSONL if fmt == "jsonl" else "text/csv")
+        return _streamed(Response(lines(), content_type=JSONL if fmt == "jsonl" else "text/csv"))
 
     @app.get("/v1/snapshots/key")
     async def snapshot_key() -> Response:
@@ -208,10 +261,10 @@ def create_app(
     async def snapshot_file(seq: int) -> Response:
         if await client() is None:
             return unauthorized()
-        data = await snapshots.read(seq)
+        data = None if seq > SQLITE_MAX_INTEGER else await snapshots.read(seq)
         if data is None:
             return _error("NOT_FOUND", 404)
-        return Response(data, content_type="application/octet-stream")
+        return _streamed(Response(data, content_type="application/octet-stream"))
 
     @app.get("/healthz")
     async def healthz() -> Response:

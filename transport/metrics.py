@@ -17,7 +17,9 @@ from prometheus_client.registry import Collector
 
 from actors.runtime import Runtime, RuntimeStatistics
 from healthlog.documents import Status
+from healthlog.storage.journal import Journal
 from healthlog.storage.status import collect_status
+from healthlog.storage.store import Store
 
 COUNTERS = ("points_held", "points_erased", "overwrites", "points_rejected")
 
@@ -93,10 +95,13 @@ class _Snapshot(Collector):
         )
 
 
+def _read(journal: Journal, store: Store) -> tuple[Status, dict[str, int]]:
+    return collect_status(journal, store), store.counter_totals(COUNTERS)
+
+
 async def render_metrics(runtime: Runtime) -> bytes:
-    """The exposition text, from one consistent read of status and counters."""
-    status = await runtime.read_store(functools.partial(collect_status, runtime.journal))
-    totals = await runtime.read_store(lambda s: s.counter_totals(COUNTERS))
+    """The exposition text, from one read of status and counters in the store's worker thread."""
+    status, totals = await runtime.read_store(functools.partial(_read, runtime.journal))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(status, runtime.statistics(), totals))
     return generate_latest(registry)

@@ -25,7 +25,7 @@ from healthlog.config import ServeConfig
 from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.passes import Budget
-from transport.app import MAX_HEADER_BYTES, create_app
+from transport.app import MAX_HEADER_BYTES, RESPONSE_TIMEOUT_S, create_app
 from transport.auth import TokenCache
 from transport.snapshots import SnapshotService
 
@@ -77,9 +77,13 @@ async def serve(
     config: ServeConfig,
     *,
     shutdown: trio.Event | None = None,
+    response_timeout_s: float = RESPONSE_TIMEOUT_S,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve until a signal or ``shutdown``; report the base URL once listening."""
+    """Serve until a signal or ``shutdown``; report the base URL once listening.
+
+    ``response_timeout_s`` bounds sending a response whose body is whole (``create_app``).
+    """
     stop = shutdown if shutdown is not None else trio.Event()
     if faultplan.load_environment() is not None:
         os.environ[faultplan.SERVE_PID_ENV] = str(os.getpid())
@@ -95,7 +99,14 @@ async def serve(
     with data.open_tokens() as tokens:
         async with open_runtime(runtime_config) as runtime, trio.open_nursery() as nursery:
             snapshots = SnapshotService(runtime, data.snapshot_dir, data.signing_key())
-            app = create_app(runtime, TokenCache(tokens), config, snapshots, stop)
+            app = create_app(
+                runtime,
+                TokenCache(tokens),
+                config,
+                snapshots,
+                stop,
+                response_timeout_s=response_timeout_s,
+            )
 
             async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                 await hypercorn_serve(

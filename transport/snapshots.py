@@ -49,8 +49,7 @@ class SnapshotService:
         )
 
     async def read(self, seq: int) -> bytes | None:
+        """The snapshot file at ``seq`` of the current stream, or None if it is not kept (a
+        build running meanwhile may remove it)."""
         stream = await self._runtime.read_store(Store.stream_id)
-        path = snapshot_files.find(self._directory, stream, seq)
-        if path is None:
-            return None
-        return await trio.to_thread.run_sync(path.read_bytes)
+        return await trio.to_thread.run_sync(snapshot_files.read, self._directory, stream, seq)

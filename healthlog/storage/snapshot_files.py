@@ -1,5 +1,5 @@
-"""Snapshot files in the data directory: built from one read of the store, signed, kept
-until a newer one replaces them. Reading the store is the only SQLite work here."""
+"""Snapshot files in the data directory: built from one read of the store, signed, kept until
+two newer ones replace them. Reading the store is the only SQLite work here."""
 
 from __future__ import annotations
 
@@ -15,12 +15,17 @@ from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 
 _NAME = re.compile(r"snapshot-([0-9a-f]+)-([0-9]+)\.snap")
+KEPT = 2
 
 
 def build(
     directory: Path, journal: Journal, store: Store, key: Ed25519PrivateKey, url_base: str
 ) -> Manifest:
-    """Write a snapshot of every object at the current head and remove older ones."""
+    """Write a snapshot of every object at the current head and remove older ones.
+
+    The previous snapshot of the stream stays (``KEPT`` files in all), so a reference handed
+    out just before this build can still be fetched; files of other streams go.
+    """
     faults.point("snapshot.build")
     stream = store.stream_id()
     seq, objects = store.snapshot_at_head()
@@ -33,8 +38,10 @@ def build(
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
+    kept = sorted(_seqs(directory, stream), reverse=True)[:KEPT]
     for old in directory.glob("snapshot-*.snap"):
-        if old != path:
+        m = _NAME.fullmatch(old.name)
+        if m is None or m.group(1) != stream or int(m.group(2)) not in kept:
             old.unlink(missing_ok=True)
     return snapshots.sign(
         key, data, url=f"{url_base}/{seq}", instance=journal.instance_id(), stream=stream, seq=seq
@@ -47,11 +54,24 @@ def find(directory: Path, stream: str, seq: int) -> Path | None:
     return path if path.exists() else None
 
 
+def read(directory: Path, stream: str, seq: int) -> bytes | None:
+    """The bytes of the snapshot file of ``stream`` at ``seq``, or None if it is not (or no
+    longer) kept: a newer build may remove it at any time."""
+    try:
+        with open(directory / f"snapshot-{stream}-{seq}.snap", "rb") as file:
+            return file.read()
+    except FileNotFoundError:
+        return None
+
+
 def latest(directory: Path, stream: str) -> int | None:
     """The sequence of the newest kept snapshot of ``stream``."""
-    seqs = [
+    return max(_seqs(directory, stream), default=None)
+
+
+def _seqs(directory: Path, stream: str) -> list[int]:
+    return [
         int(m.group(2))
         for p in directory.glob("snapshot-*.snap")
         if (m := _NAME.fullmatch(p.name)) and m.group(1) == stream
     ]
-    return max(seqs, default=None)
