@@ -1,6 +1,7 @@
 """``healthlog follow`` and its replica against a real service (specs/stream.md, STREAM-19 to
-STREAM-24), its websocket client against a scripted server (STREAM-26) and the replica file's
-pages (STREAM-27).
+STREAM-24), its websocket client against a scripted server (STREAM-26), the replica file's
+pages (STREAM-27), and the follower behind a front (STREAM-30 to STREAM-33): TLS, a snapshot
+reference gone stale, a reverse proxy answering 502, a close for being too slow.
 
 The command runs as a real process where its exit code and output matter; elsewhere
 :func:`transport.follow.follow` runs in the test's trio run, so it can be cancelled at any
@@ -9,15 +10,22 @@ moment and pointed at a restarted service.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import random
 import sqlite3
+import ssl
+from collections.abc import AsyncIterator
 from contextlib import closing
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 import trio
+import trustme
 from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
@@ -46,7 +54,15 @@ from wsproto.events import (
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import SIGNING_KEY_FILE, DataDir
 from healthlog.storage.replica import Binding, Replica
-from transport.follow import ConnectionLost, FollowError, StreamSocket, follow
+from transport.follow import (
+    BACKOFF_START_S,
+    ConnectionLost,
+    Endpoints,
+    Follower,
+    FollowError,
+    StreamSocket,
+    follow,
+)
 
 GRACE_S = 1.0
 ACK_WAIT_S = 3.0
@@ -371,3 +387,268 @@ def test_replica_file_pages(tmp_path: Path) -> None:
     assert page_size(older / "replica.sqlite") == 4096
     with Replica(older) as replica:
         assert replica.binding().cursor == 7
+
+
+HEAD_END = b"\r\n\r\n"
+TOO_OLD = b'"CURSOR_TOO_OLD"'
+BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+REFUSED_S = 1.0
+
+
+class Tap(trio.abc.Stream):
+    """A client's TCP stream whose incoming bytes are recorded as they arrive, before TLS."""
+
+    def __init__(self, stream: trio.SocketStream, seen: bytearray) -> None:
+        self._stream = stream
+        self._seen = seen
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        data = await self._stream.receive_some(max_bytes)
+        self._seen += data
+        return data
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+async def read_head(stream: trio.abc.Stream) -> bytes:
+    """The bytes of a connection up to the end of its first request head (or its end)."""
+    head = b""
+    while HEAD_END not in head:
+        data = await stream.receive_some(2**16)
+        if not data:
+            break
+        head += data
+    return head
+
+
+class Front:
+    """What stands in front of the service on 127.0.0.1, as a TLS terminator or a reverse proxy
+    would: it forwards each connection's bytes to the service, after terminating TLS when given
+    a server context. Scripted faults come first: ``bad_gateway`` connections answered 502,
+    ``too_slow`` websocket connections refused with a ``TOO_SLOW`` frame and close 4408, and with
+    ``stale`` (a snapshot directory) the snapshot files removed as the first ``CURSOR_TOO_OLD``
+    frame passes, before the follower can fetch the file it names. ``received`` is every byte
+    clients sent, as it came off the wire."""
+
+    def __init__(
+        self,
+        upstream: int,
+        *,
+        tls: ssl.SSLContext | None = None,
+        bad_gateway: int = 0,
+        too_slow: int = 0,
+        stale: Path | None = None,
+    ) -> None:
+        self.upstream = upstream
+        self.tls = tls
+        self.bad_gateway = bad_gateway
+        self.too_slow = too_slow
+        self.stale = stale
+        self.port = 0
+        self.received = bytearray()
+        self.connections = 0
+        self.forwarded = 0
+        self.upgrades: list[float] = []
+        self.too_old_frames = 0
+
+    def url(self, scheme: str) -> str:
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    async def handle(self, tcp: trio.SocketStream) -> None:
+        self.connections += 1
+        client: trio.abc.Stream = Tap(tcp, self.received)
+        if self.tls is not None:
+            client = trio.SSLStream(client, self.tls, server_side=True, https_compatible=True)
+        async with client:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                head = await read_head(client)
+                if not head:
+                    return
+                if self.bad_gateway:
+                    self.bad_gateway -= 1
+                    await client.send_all(BAD_GATEWAY)
+                elif b"upgrade: websocket" not in head.lower():
+                    await self._forward(client, head)
+                else:
+                    self.upgrades.append(trio.current_time())
+                    if self.too_slow:
+                        self.too_slow -= 1
+                        await too_slow(client, head)
+                    else:
+                        await self._forward(client, head)
+
+    async def _forward(self, client: trio.abc.Stream, head: bytes) -> None:
+        self.forwarded += 1
+        async with await trio.open_tcp_stream("127.0.0.1", self.upstream) as server:
+            await server.send_all(head)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pipe, client, server, nursery.cancel_scope, False)
+                nursery.start_soon(self._pipe, server, client, nursery.cancel_scope, True)
+
+    async def _pipe(
+        self, source: trio.abc.Stream, sink: trio.abc.Stream, scope: trio.CancelScope, watch: bool
+    ) -> None:
+        tail = b""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := bytes(await source.receive_some(2**16)):
+                if watch and TOO_OLD in tail + data:
+                    await self._too_old()
+                tail = data[-len(TOO_OLD) :]
+                await sink.send_all(data)
+        scope.cancel()
+
+    async def _too_old(self) -> None:
+        self.too_old_frames += 1
+        if self.stale is not None and self.too_old_frames == 1:
+            files = list(self.stale.glob("*.snap"))
+            assert files
+            for path in files:
+                await trio.to_thread.run_sync(path.unlink)
+
+
+async def too_slow(client: trio.abc.Stream, head: bytes) -> None:
+    """Accept the upgrade, then refuse as the service does a subscriber too slow to keep up."""
+    ws = WSConnection(ConnectionType.SERVER)
+    ws.receive_data(head)
+    assert any(isinstance(e, Request) for e in ws.events())
+    frame = orjson.dumps({"type": "error", "code": "TOO_SLOW"}).decode()
+    await client.send_all(
+        ws.send(AcceptConnection())
+        + ws.send(TextMessage(frame))
+        + ws.send(CloseConnection(code=4408, reason="TOO_SLOW"))
+    )
+    with trio.move_on_after(FRAME_LIMIT_S):
+        while await client.receive_some(2**16):
+            pass
+
+
+@contextlib.asynccontextmanager
+async def fronting(service: Service, **options: Any) -> AsyncIterator[Front]:
+    """A :class:`Front` for ``service`` on a free port of 127.0.0.1."""
+    front = Front(service.port, **options)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, front.handle, 0, host="127.0.0.1")
+        )
+        front.port = listeners[0].socket.getsockname()[1]
+        yield front
+        nursery.cancel_scope.cancel()
+
+
+def certificates() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a certificate for 127.0.0.1 from a fresh test CA, and a client
+    context that trusts that CA."""
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    client = ssl.create_default_context()
+    ca.configure_trust(client)
+    return server, client
+
+
+async def test_follow_over_tls_stream_30(tmp_path: Path) -> None:
+    """STREAM-30: through a TLS front the follower catches up with a context that trusts the
+    front's CA; with the default context it refuses the handshake, the HTTP calls' and the
+    websocket's alike, and nothing reaches the service: the token never crosses in clear."""
+    server_tls, trusting = certificates()
+    with Replica(tmp_path / "replica") as replica:
+        async with (
+            serving(tmp_path / "server") as service,
+            fronting(service, tls=server_tls) as front,
+        ):
+            total = await post_small(service, 0, 60)
+
+            with trio.move_on_after(REFUSED_S):
+                await follow(front.url("https"), service.token, replica, until_caught_up=True)
+            # The websocket's own connection, which the refused HTTP calls above never reach.
+            follower = Follower(Endpoints.parse(front.url("wss")), service.token, replica)
+            with trio.fail_after(FRAME_LIMIT_S), pytest.raises(ConnectionLost, match="TLS"):
+                await follower._stream(service.client, ssl.create_default_context(), 0, "s")
+            assert front.connections >= 2
+            assert front.received.startswith(b"\x16\x03")  # a TLS ClientHello
+            assert (front.forwarded, front.upgrades) == (0, [])
+            assert service.token.encode() not in front.received
+
+            with trio.fail_after(FRAME_LIMIT_S):
+                await follow(
+                    f"{front.url('wss')}/v1/stream",
+                    service.token,
+                    replica,
+                    subscriber="nas",
+                    until_caught_up=True,
+                    ssl_context=trusting,
+                )
+            assert (await binding(replica)).cursor == total
+            assert await replica_export(replica) == await server_export(service)
+            await acked(service, "nas", total)
+            assert len(front.upgrades) == 1
+            assert service.token.encode() not in front.received
+
+
+async def test_follow_refetches_a_stale_snapshot_stream_31(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-31: a snapshot file removed between the reference and its fetch (404) is a lost
+    connection: the follower reconnects, gets a fresh reference and restores."""
+    with Replica(tmp_path / "replica") as replica:
+        async with (
+            serving(tmp_path / "server") as service,
+            fronting(service, stale=service.data.snapshot_dir) as front,
+        ):
+            await post_small(service, 0, 60)
+            await follow(front.url("http"), service.token, replica, until_caught_up=True)
+            total = await post_small(service, 61, 180, 240)
+            assert await prune(service.data, keep=2) == total - 2
+
+            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(FRAME_LIMIT_S):
+                await follow(front.url("http"), service.token, replica, until_caught_up=True)
+            assert "snapshot fetch answered 404" in caplog.text
+            assert front.too_old_frames == 2
+            assert (await binding(replica)).cursor == total
+            assert await replica_export(replica) == await server_export(service)
+
+
+async def test_follow_retries_a_bad_gateway_stream_32(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-32: a reverse proxy answering 502 while the service restarts is retried with
+    backoff; a refused token (401) still stops the follower for good."""
+    with Replica(tmp_path / "replica") as replica:
+        async with (
+            serving(tmp_path / "server") as service,
+            fronting(service, bad_gateway=2) as front,
+        ):
+            total = await post_small(service, 0, 60)
+            started = trio.current_time()
+            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(FRAME_LIMIT_S):
+                await follow(front.url("http"), service.token, replica, until_caught_up=True)
+            assert trio.current_time() - started >= 3 * BACKOFF_START_S
+            assert front.bad_gateway == 0
+            assert "/v1/status answered 502" in caplog.text
+            assert (await binding(replica)).cursor == total
+            assert await replica_export(replica) == await server_export(service)
+
+            with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="token"):
+                await follow(front.url("http"), "hl_wrong", replica, until_caught_up=True)
+
+
+async def test_follow_backs_off_when_too_slow_stream_33(tmp_path: Path) -> None:
+    """STREAM-33: after a close for being too slow (4408) the follower reconnects only after
+    its backoff, doubling while it makes no progress, then catches up."""
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service, fronting(service, too_slow=2) as front:
+            total = await post_small(service, 0, 60)
+            with trio.fail_after(FRAME_LIMIT_S):
+                await follow(front.url("ws"), service.token, replica, until_caught_up=True)
+            first, second, third = front.upgrades
+            assert second - first >= BACKOFF_START_S
+            assert third - second >= 2 * BACKOFF_START_S
+            assert (await binding(replica)).cursor == total
+            assert await replica_export(replica) == await server_export(service)

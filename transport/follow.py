@@ -5,7 +5,12 @@ while the previous batch of events is applied and the cursor advanced in one rep
 transaction; the ACK sent is the highest contiguous durable sequence. On ``CURSOR_TOO_OLD``
 (or when the server's stream changed) it fetches the signed snapshot, validates schema,
 sha256, signature, instance and stream binding and sequence, restores, and resumes strictly
-after the snapshot. It reconnects with backoff.
+after the snapshot. It reconnects with backoff after a broken or refused connection, a close for
+being too slow, an HTTP 5xx, and a snapshot reference gone stale (404) before its fetch.
+
+For ``https://`` and ``wss://`` URLs both the HTTP calls and the websocket go over TLS, verified
+with one ``ssl.SSLContext`` (by default the system's trust store, checking the host name), and
+the websocket's TLS handshake completes before the upgrade request (with the token) is sent.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import collections
 import contextlib
 import functools
 import logging
+import ssl
 import urllib.parse
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +62,7 @@ BATCH = 512
 # Frames decoded ahead while a batch is applied: READ_AHEAD pieces of at most READ_SIZE.
 READ_AHEAD = 8
 READ_SIZE = 64
-# Errors after which reconnecting from the acknowledged cursor is the remedy.
+# Error frames after which reconnecting, with backoff, from the acknowledged cursor is the remedy.
 RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY"})
 
 
@@ -100,29 +106,34 @@ class Follower:
     until_caught_up: bool = False
     on_event: Callable[[int], None] | None = None
     _target: int | None = None
+    # Trust for https:// and wss:// (None: the system's trust store, host names checked).
+    ssl_context: ssl.SSLContext | None = attrs.field(default=None, kw_only=True)
+    # The wait before the next reconnect; back to the start once a connection made progress.
+    _backoff: float = attrs.field(default=BACKOFF_START_S, init=False)
 
     async def run(self) -> None:
         """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks."""
-        backoff = BACKOFF_START_S
+        context = ssl.create_default_context() if self.ssl_context is None else self.ssl_context
         async with httpx.AsyncClient(
-            base_url=self.endpoints.http, headers={"Authorization": f"Bearer {self.token}"}
+            base_url=self.endpoints.http,
+            headers={"Authorization": f"Bearer {self.token}"},
+            verify=context,
         ) as http:
             while True:
                 done, lost = False, False
                 try:
-                    done = await self._session(http)
-                except* (OSError, httpx.TransportError, ConnectionLost):
+                    done = await self._session(http, context)
+                except* (OSError, httpx.TransportError, ConnectionLost) as group:
                     lost = True
+                    log.info("follow: connection lost (%s)", _reason(group))
                 if done:
                     return
                 if lost:
-                    log.info("follow: connection lost, retrying in %.1f s", backoff)
-                    await trio.sleep(backoff)
-                    backoff = min(backoff * 2, BACKOFF_MAX_S)
-                else:
-                    backoff = BACKOFF_START_S
+                    log.info("follow: retrying in %.1f s", self._backoff)
+                    await trio.sleep(self._backoff)
+                    self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
 
-    async def _session(self, http: httpx.AsyncClient) -> bool:
+    async def _session(self, http: httpx.AsyncClient, context: ssl.SSLContext) -> bool:
         """One connection; True when done (caught up)."""
         status = await _get_json(http, "/v1/status")
         key = await _get_json(http, "/v1/snapshots/key")
@@ -142,15 +153,27 @@ class Follower:
             self._target = int(stream["head"])
         if self.until_caught_up and self.subscriber is None and binding.cursor >= self._target:
             return True
-        return await self._stream(http, binding.cursor, str(stream["id"]))
+        return await self._stream(http, context, binding.cursor, str(stream["id"]))
 
-    async def _stream(self, http: httpx.AsyncClient, after: int, stream: str) -> bool:
+    async def _stream(
+        self, http: httpx.AsyncClient, context: ssl.SSLContext, after: int, stream: str
+    ) -> bool:
         query = {"after": str(after)}
         if self.subscriber is not None:
             query["subscriber"] = self.subscriber
         resource = f"{self.endpoints.ws_path}?{urllib.parse.urlencode(query)}"
-        tcp = await trio.open_tcp_stream(self.endpoints.ws_host, self.endpoints.ws_port)
+        tcp: trio.abc.Stream = await trio.open_tcp_stream(
+            self.endpoints.ws_host, self.endpoints.ws_port
+        )
         try:
+            if self.endpoints.tls:
+                tcp = trio.SSLStream(
+                    tcp, context, server_hostname=self.endpoints.ws_host, https_compatible=True
+                )
+                try:
+                    await tcp.do_handshake()
+                except trio.BrokenResourceError as exc:
+                    raise ConnectionLost(f"TLS handshake failed: {exc.__cause__}") from None
             ws = StreamSocket(tcp)
             await ws.open(
                 self.endpoints.ws_host,
@@ -218,6 +241,7 @@ class Follower:
                 await trio.to_thread.run_sync(
                     self.replica.apply, stream, batch.changes, batch.seqs[-1]
                 )
+                self._backoff = BACKOFF_START_S
                 for seq in batch.seqs:
                     acks.durable(seq)
                     if self.on_event is not None:
@@ -228,7 +252,7 @@ class Follower:
                     await self._restore(http, manifest, after=acks.contiguous, stream=stream)
                     return False
                 if error.get("code") in RETRYABLE:
-                    return False
+                    raise ConnectionLost(f"the server closed the stream: {error.get('code')}")
                 raise FollowError(f"the server refused the stream: {error.get('code')}")
 
     def _caught_up(self, cursor: int) -> bool:
@@ -241,6 +265,10 @@ class Follower:
         assert binding.instance is not None
         assert binding.public_key is not None
         response = await http.get(manifest.url)
+        # A fresh reference, from a new connection, cures both: the server removed the file this
+        # one named (404), or it is restarting, possibly behind a proxy (5xx).
+        if response.status_code == 404 or response.status_code >= 500:
+            raise ConnectionLost(f"snapshot fetch answered {response.status_code}")
         if response.status_code != 200:
             raise FollowError(f"snapshot fetch answered {response.status_code}")
         try:
@@ -255,11 +283,12 @@ class Follower:
         except SnapshotError as exc:
             raise FollowError(f"snapshot refused: {exc}") from None
         await trio.to_thread.run_sync(self.replica.restore, manifest.stream, manifest.seq, objects)
+        self._backoff = BACKOFF_START_S
         log.info("follow: restored snapshot at seq %d (%d objects)", manifest.seq, len(objects))
 
 
 class StreamSocket:
-    """The client side of one stream connection, on wsproto over a trio TCP stream.
+    """The client side of one stream connection, on wsproto over a trio TCP (or TLS) stream.
 
     A read of up to ``RECEIVE_BYTES`` hands over every message it completes at once. A
     general client (trio-websocket) reads 4 KiB at a time and passes messages on one per
@@ -267,7 +296,7 @@ class StreamSocket:
     frames per second.
     """
 
-    def __init__(self, tcp: trio.SocketStream) -> None:
+    def __init__(self, tcp: trio.abc.Stream) -> None:
         self._tcp = tcp
         self._ws = WSConnection(ConnectionType.CLIENT)
         self._ready: collections.deque[str] = collections.deque()
@@ -318,7 +347,7 @@ class StreamSocket:
         if not data and not self._accepted:
             raise ConnectionLost("the server closed the connection during the handshake")
         try:
-            self._ws.receive_data(data or None)
+            self._ws.receive_data(bytes(data) if data else None)
             self._handle_events()
         except RemoteProtocolError as exc:
             raise ConnectionLost(f"not a websocket answer: {exc}") from None
@@ -410,11 +439,24 @@ def _change(frame: dict[str, Any]) -> Change:
 
 
 async def _get_json(http: httpx.AsyncClient, path: str) -> Any:
+    """The JSON answer of ``path``; a 5xx (a restarting server, or a proxy in front of one)
+    is a lost connection, 401 and any other refusal are for good."""
     response = await http.get(path)
     if response.status_code == 401:
         raise FollowError("the server refused the token")
-    response.raise_for_status()
+    if response.status_code >= 500:
+        raise ConnectionLost(f"{path} answered {response.status_code}")
+    if response.status_code != 200:
+        raise FollowError(f"{path} answered {response.status_code}")
     return response.json()
+
+
+def _reason(group: BaseExceptionGroup[BaseException]) -> str:
+    """The first of the errors that ended a connection, for the log (never a token or data)."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return f"{type(first).__name__}: {first}"
 
 
 async def follow(
@@ -424,9 +466,18 @@ async def follow(
     *,
     subscriber: str | None = None,
     until_caught_up: bool = False,
+    ssl_context: ssl.SSLContext | None = None,
 ) -> None:
-    """Run a follower; raises FollowError for conditions that retrying cannot fix."""
+    """Run a follower; raises FollowError for conditions that retrying cannot fix.
+    ``ssl_context`` is the trust for https:// and wss:// URLs (default: the system's)."""
     try:
-        await Follower(Endpoints.parse(url), token, replica, subscriber, until_caught_up).run()
+        await Follower(
+            Endpoints.parse(url),
+            token,
+            replica,
+            subscriber,
+            until_caught_up,
+            ssl_context=ssl_context,
+        ).run()
     except (ReplicaMismatch, StorageError) as exc:
         raise FollowError(str(exc)) from None
