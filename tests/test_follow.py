@@ -432,10 +432,10 @@ class Front:
     """What stands in front of the service on 127.0.0.1, as a TLS terminator or a reverse proxy
     would: it forwards each connection's bytes to the service, after terminating TLS when given
     a server context. Scripted faults come first: ``bad_gateway`` connections answered 502,
-    ``too_slow`` websocket connections refused with a ``TOO_SLOW`` frame and close 4408, and with
-    ``stale`` (a snapshot directory) the snapshot files removed as the first ``CURSOR_TOO_OLD``
-    frame passes, before the follower can fetch the file it names. ``received`` is every byte
-    clients sent, as it came off the wire."""
+    ``too_slow`` websocket connections refused with a ``TOO_SLOW`` frame and close 4408,
+    ``silent`` ones never answered, and with ``stale`` (a snapshot directory) the snapshot files
+    removed as the first ``CURSOR_TOO_OLD`` frame passes, before the follower can fetch the file
+    it names. ``received`` is every byte clients sent, as it came off the wire."""
 
     def __init__(
         self,
@@ -444,12 +444,15 @@ class Front:
         tls: ssl.SSLContext | None = None,
         bad_gateway: int = 0,
         too_slow: int = 0,
+        silent: int = 0,
         stale: Path | None = None,
     ) -> None:
         self.upstream = upstream
         self.tls = tls
         self.bad_gateway = bad_gateway
         self.too_slow = too_slow
+        self.silent = silent
+        self.upgrade_heads: list[bytes] = []
         self.stale = stale
         self.port = 0
         self.received = bytearray()
@@ -478,7 +481,11 @@ class Front:
                     await self._forward(client, head)
                 else:
                     self.upgrades.append(trio.current_time())
-                    if self.too_slow:
+                    self.upgrade_heads.append(head)
+                    if self.silent:
+                        self.silent -= 1
+                        await trio.sleep_forever()
+                    elif self.too_slow:
                         self.too_slow -= 1
                         await too_slow(client, head)
                     else:
@@ -652,3 +659,27 @@ async def test_follow_backs_off_when_too_slow_stream_33(tmp_path: Path) -> None:
             assert third - second >= 2 * BACKOFF_START_S
             assert (await binding(replica)).cursor == total
             assert await replica_export(replica) == await server_export(service)
+
+
+async def test_follow_gives_up_a_handshake_left_unanswered_stream_35(tmp_path: Path) -> None:
+    """STREAM-35: a websocket connection whose upgrade is never answered is given up after the
+    connect timeout and retried with backoff; the request names the host and its port."""
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service, fronting(service, silent=1) as front:
+            total = await post_small(service, 0, 60)
+            follower = Follower(
+                Endpoints.parse(front.url("ws")),
+                service.token,
+                replica,
+                until_caught_up=True,
+                connect_timeout_s=0.5,
+            )
+            with trio.fail_after(FRAME_LIMIT_S):
+                await follower.run()
+            first, second = front.upgrades
+            assert second - first >= 0.5 + BACKOFF_START_S
+            assert all(
+                f"host: 127.0.0.1:{front.port}\r\n".encode() in head.lower()
+                for head in front.upgrade_heads
+            )
+            assert (await binding(replica)).cursor == total

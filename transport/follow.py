@@ -62,6 +62,7 @@ BATCH = 512
 # Frames decoded ahead while a batch is applied: READ_AHEAD pieces of at most READ_SIZE.
 READ_AHEAD = 8
 READ_SIZE = 64
+CONNECT_TIMEOUT_S = 30.0
 # Error frames after which reconnecting, with backoff, from the acknowledged cursor is the remedy.
 RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY"})
 
@@ -81,6 +82,12 @@ class Endpoints:
     ws_port: int
     ws_path: str
     tls: bool
+
+    @property
+    def authority(self) -> str:
+        """The websocket request's ``Host``: the host, and the port unless it is the scheme's."""
+        host = f"[{self.ws_host}]" if ":" in self.ws_host else self.ws_host
+        return host if self.ws_port == (443 if self.tls else 80) else f"{host}:{self.ws_port}"
 
     @classmethod
     def parse(cls, url: str) -> Endpoints:
@@ -108,6 +115,8 @@ class Follower:
     _target: int | None = None
     # Trust for https:// and wss:// (None: the system's trust store, host names checked).
     ssl_context: ssl.SSLContext | None = attrs.field(default=None, kw_only=True)
+    # How long connecting, the TLS handshake and the websocket handshake may take together.
+    connect_timeout_s: float = attrs.field(default=CONNECT_TIMEOUT_S, kw_only=True)
     # The wait before the next reconnect; back to the start once a connection made progress.
     _backoff: float = attrs.field(default=BACKOFF_START_S, init=False)
 
@@ -162,24 +171,32 @@ class Follower:
         if self.subscriber is not None:
             query["subscriber"] = self.subscriber
         resource = f"{self.endpoints.ws_path}?{urllib.parse.urlencode(query)}"
-        tcp: trio.abc.Stream = await trio.open_tcp_stream(
-            self.endpoints.ws_host, self.endpoints.ws_port
-        )
-        try:
-            if self.endpoints.tls:
-                tcp = trio.SSLStream(
-                    tcp, context, server_hostname=self.endpoints.ws_host, https_compatible=True
-                )
-                try:
-                    await tcp.do_handshake()
-                except trio.BrokenResourceError as exc:
-                    raise ConnectionLost(f"TLS handshake failed: {exc.__cause__}") from None
-            ws = StreamSocket(tcp)
-            await ws.open(
-                self.endpoints.ws_host,
-                resource,
-                [(b"authorization", f"Bearer {self.token}".encode())],
+        # A server (or a proxy) that takes the connection and never answers is a lost one.
+        deadline = trio.current_time() + self.connect_timeout_s
+        with trio.move_on_at(deadline) as connecting:
+            tcp: trio.abc.Stream = await trio.open_tcp_stream(
+                self.endpoints.ws_host, self.endpoints.ws_port
             )
+        if connecting.cancelled_caught:
+            raise ConnectionLost(f"no connection within {self.connect_timeout_s} s")
+        try:
+            with trio.move_on_at(deadline) as opening:
+                if self.endpoints.tls:
+                    tcp = trio.SSLStream(
+                        tcp, context, server_hostname=self.endpoints.ws_host, https_compatible=True
+                    )
+                    try:
+                        await tcp.do_handshake()
+                    except trio.BrokenResourceError as exc:
+                        raise ConnectionLost(f"TLS handshake failed: {exc.__cause__}") from None
+                ws = StreamSocket(tcp)
+                await ws.open(
+                    self.endpoints.authority,
+                    resource,
+                    [(b"authorization", f"Bearer {self.token}".encode())],
+                )
+            if opening.cancelled_caught:
+                raise ConnectionLost(f"no websocket handshake within {self.connect_timeout_s} s")
             return await self._receive(http, ws, after, stream)
         finally:
             await tcp.aclose()
