@@ -30,7 +30,7 @@ def test_short_run_holds_every_invariant_chaos_1() -> None:
         [sys.executable, "-m", "healthlog.cli", "chaos", "--seed", "11", "--runs", "20"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:]

@@ -105,14 +105,16 @@ async def test_a_busy_store_holds_the_queue_at_its_head_run_15(
     """RUN-15: while another connection holds store.sqlite's write lock, every pass defers at
     the head of the queue and folds none of its successors; after the lock is released, the
     next wake folds them all in journal order."""
-    async with open_runtime(config(tmp_path, busy_timeout_ms=50)) as runtime:
+    # A short period: a pass a wake started before the count below was read is followed by
+    # another soon, so waiting for one more pass to end never waits on the 60 s default.
+    async with open_runtime(config(tmp_path, busy_timeout_ms=50, wake_period_s=0.2)) as runtime:
         first = await runtime.submit(new_delivery(0))
         await wait_folded(tmp_path, [first.delivery_id])
         store_path = DataDir(tmp_path).store_path
         with closing(sqlite3.connect(store_path, isolation_level=None)) as holder:
             holder.execute("BEGIN EXCLUSIVE")
             held = [(await runtime.submit(new_delivery(n))).delivery_id for n in (1, 2, 3)]
-            # The last submit's wake starts a pass that selects all three.
+            # A pass starting after the last submit selects all three.
             await passes_ended(runtime, runtime.statistics().folding.passes + 1)
             during = runtime.statistics().folding
             assert folded_ids(tmp_path) == {first.delivery_id}

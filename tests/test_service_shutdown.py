@@ -26,7 +26,7 @@ STOP_AFTER_S = 0.15
 GRACEFUL_S = 1.0
 PROCESS_GRACEFUL_S = 2.0
 PROCESS_START_LIMIT_S = 30.0
-EXIT_MARGIN_S = 3.0
+EXIT_MARGIN_S = 30.0
 SOURCE = "Anna\u2019s distinctive Watch"
 URL_LINE = re.compile(rb"healthlog serving on (http://\S+) ")
 LOG_LINE = re.compile(r'time=\S+ level=[A-Z]+ logger=\S+ msg=".*"')
