@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+import hypothesis
 import pytest
 from _bodies import NOW, TTL
 
@@ -24,6 +25,11 @@ from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 
 PROCESS_TIMEOUT_S = 60
+
+# Property tests check what is computed, not how fast: on a loaded machine one example can take
+# longer than hypothesis's default 200 ms deadline without anything being wrong.
+hypothesis.settings.register_profile("healthlog", deadline=None)
+hypothesis.settings.load_profile("healthlog")
 
 
 @attrs.frozen
