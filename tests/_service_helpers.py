@@ -28,6 +28,7 @@ import trio
 from healthlog.config import ServeConfig
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import DeliveryMeta
+from transport.app import RESPONSE_TIMEOUT_S
 from transport.serve import serve
 
 TOKEN_NAME = "phone"
@@ -92,15 +93,22 @@ def read_journal(data: DataDir) -> list[DeliveryMeta]:
 
 
 @asynccontextmanager
-async def serving(path: Path, **settings: Any) -> AsyncIterator[Service]:
-    """Serve ``path`` with ``ServeConfig(port=0, wake_period_s=0.2, **settings)``."""
+async def serving(
+    path: Path, *, response_timeout_s: float = RESPONSE_TIMEOUT_S, **settings: Any
+) -> AsyncIterator[Service]:
+    """Serve ``path`` with ``ServeConfig(port=0, wake_period_s=0.2, **settings)`` and quart's
+    response timeout ``response_timeout_s``."""
     data = DataDir(path)
     with data.open_tokens() as tokens:
         token = tokens.add(TOKEN_NAME)
     config = ServeConfig(**{"port": 0, "wake_period_s": WAKE_PERIOD_S, **settings})
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(functools.partial(serve, data, config, shutdown=stop))
+        url = await nursery.start(
+            functools.partial(
+                serve, data, config, shutdown=stop, response_timeout_s=response_timeout_s
+            )
+        )
         try:
             async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
                 yield Service(url, data, token, client, stop)

@@ -6,7 +6,6 @@ test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -15,7 +14,7 @@ import socket
 import sqlite3
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, closing
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,7 @@ from _service_helpers import (
     CLIENT_TIMEOUT_S,
     FOLD_LIMIT_S,
     POLL_S,
-    STOP_LIMIT_S,
     TOKEN_NAME,
-    WAKE_PERIOD_S,
     Drip,
     Service,
     post_stream,
@@ -41,7 +38,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.storage.datadir import DataDir
 from healthlog.timestamps import format_instant
-from transport.serve import serve
 
 MiB = 2**20
 HEART_RATE = body(
@@ -70,7 +66,7 @@ STALL_LIMIT_S = 10.0
 CLIENT_ERROR = re.compile(rb"HTTP/1\.1 4\d\d ")
 CLOSE = {"Connection": "close"}
 MINUTES = {"automation-aggregation": "minutes"}
-RESPONSE_TIMEOUT_S = 0.5
+SHORT_RESPONSE_TIMEOUT_S = 0.5
 SMALL_RECEIVE_BUFFER = 16 * 1024
 
 
@@ -816,30 +812,6 @@ async def test_unhandled_exception_is_json_500_logged_by_type_serve_33(
     assert (await service.get("/v1/status")).status_code == 200
 
 
-@asynccontextmanager
-async def serving_with_response_timeout(
-    path: Path, response_timeout_s: float
-) -> AsyncIterator[Service]:
-    """``serving(path)`` with quart's response timeout set to ``response_timeout_s``."""
-    data = DataDir(path)
-    with data.open_tokens() as tokens:
-        token = tokens.add(TOKEN_NAME)
-    config = ServeConfig(port=0, wake_period_s=WAKE_PERIOD_S)
-    stop = trio.Event()
-    start = functools.partial(
-        serve, data, config, shutdown=stop, response_timeout_s=response_timeout_s
-    )
-    async with trio.open_nursery() as nursery:
-        url = await nursery.start(start)
-        try:
-            async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
-                yield Service(url, data, token, client, stop)
-        finally:
-            stop.set()
-            nursery.cancel_scope.deadline = trio.current_time() + STOP_LIMIT_S
-    assert not nursery.cancel_scope.cancelled_caught, "the service did not stop in time"
-
-
 async def test_slowly_read_export_is_not_cut_by_the_response_timeout_serve_34(
     tmp_path: Path,
 ) -> None:
@@ -848,7 +820,7 @@ async def test_slowly_read_export_is_not_cut_by_the_response_timeout_serve_34(
     arrives whole, ending as a complete chunked body."""
     content = tmp_path / "minutes.json"
     write_minute_body(content, metrics=2, points=25_000)
-    async with serving_with_response_timeout(tmp_path / "data", RESPONSE_TIMEOUT_S) as service:
+    async with serving(tmp_path / "data", response_timeout_s=SHORT_RESPONSE_TIMEOUT_S) as service:
         assert (await service.post(content.read_bytes(), MINUTES)).status_code == 200
         await service.wait_folded()
         whole = (await service.get("/v1/points")).content
@@ -862,6 +834,6 @@ async def test_slowly_read_export_is_not_cut_by_the_response_timeout_serve_34(
             slow.stream("GET", "/v1/points", headers=service.auth) as response,
         ):
             assert response.status_code == 200
-            await trio.sleep(4 * RESPONSE_TIMEOUT_S)
+            await trio.sleep(4 * SHORT_RESPONSE_TIMEOUT_S)
             received = await response.aread()
     assert received == whole
