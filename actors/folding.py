@@ -44,6 +44,8 @@ WORKER_DEATHS = 2
 """A delivery whose fold loses this many worker processes in a row (killed by the kernel's
 out-of-memory killer, say) is recorded ``failed``, so that it does not hold the queue for ever;
 one death alone may have another cause, and the delivery is folded again."""
+WORKER_DIED = "fold worker died"
+"""The reason recorded for a delivery failed after ``WORKER_DEATHS`` lost workers."""
 WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
 under contention a worker gets about a tenth of a core beside one busy task of the service's,
@@ -294,6 +296,3 @@ class FoldingActor:
         return await trio.to_thread.run_sync(
             self._store.fail, meta, epoch, WORKER_DIED, limiter=self._limiter
         )
-
-
-WORKER_DIED = "fold worker died"
