@@ -166,13 +166,14 @@ class StreamEndpoint:
         authorization = headers.get("authorization", "")
         if authorization[:7].lower() == "bearer ":
             presented = authorization[7:].strip()
-        if not presented or await self.authenticate(presented) is None:
+        if not presented:
             raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
+        await self._still_authorized(presented)
         return presented
 
-    async def _still_authorized(self, sub: _Subscription) -> None:
-        """Refuse the subscription once its token has been revoked."""
-        if await self.authenticate(sub.token) is None:
+    async def _still_authorized(self, token: str) -> None:
+        """Refuse the connection unless ``token`` is live (it may be revoked at any time)."""
+        if await self.authenticate(token) is None:
             raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
 
     async def _open(self, query: dict[str, str], token: str) -> _Subscription:
@@ -207,7 +208,7 @@ class StreamEndpoint:
             if not page:
                 await self.hub.wait_beyond(sub.cursor)
                 continue
-            await self._still_authorized(sub)
+            await self._still_authorized(sub.token)
             if page[0][0].seq != sub.cursor + 1:
                 await self._too_old(sub.cursor)
             # One timer for the page, its deadline moved before each send: cheaper than a
@@ -244,7 +245,7 @@ class StreamEndpoint:
         if seq > sub.sent:
             raise StreamRefused("ACK_BEYOND_SENT", CLOSE_BAD_REQUEST, {"sent": sub.sent})
         if sub.name is not None and seq > sub.acked:
-            await self._still_authorized(sub)
+            await self._still_authorized(sub.token)
             with trio.CancelScope(shield=True):
                 sub.acked = await self.runtime.read_store(
                     functools.partial(Store.ack, subscriber=sub.name, seq=seq)

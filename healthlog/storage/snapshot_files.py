@@ -31,7 +31,7 @@ def build(
     seq, objects = store.snapshot_at_head()
     data = snapshots.encode(objects, instance=journal.instance_id(), stream=stream, seq=seq)
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"snapshot-{stream}-{seq}.snap"
+    path = _path(directory, stream, seq)
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as out:
         out.write(data)
@@ -50,7 +50,7 @@ def build(
 
 def find(directory: Path, stream: str, seq: int) -> Path | None:
     """The snapshot file of ``stream`` at ``seq``, if it is still kept."""
-    path = directory / f"snapshot-{stream}-{seq}.snap"
+    path = _path(directory, stream, seq)
     return path if path.exists() else None
 
 
@@ -58,7 +58,7 @@ def read(directory: Path, stream: str, seq: int) -> bytes | None:
     """The bytes of the snapshot file of ``stream`` at ``seq``, or None if it is not (or no
     longer) kept: a newer build may remove it at any time."""
     try:
-        with open(directory / f"snapshot-{stream}-{seq}.snap", "rb") as file:
+        with open(_path(directory, stream, seq), "rb") as file:
             return file.read()
     except FileNotFoundError:
         return None
@@ -67,6 +67,10 @@ def read(directory: Path, stream: str, seq: int) -> bytes | None:
 def latest(directory: Path, stream: str) -> int | None:
     """The sequence of the newest kept snapshot of ``stream``."""
     return max(_seqs(directory, stream), default=None)
+
+
+def _path(directory: Path, stream: str, seq: int) -> Path:
+    return directory / f"snapshot-{stream}-{seq}.snap"
 
 
 def _seqs(directory: Path, stream: str) -> list[int]:
