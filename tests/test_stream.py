@@ -545,6 +545,24 @@ async def test_revoked_token_ends_its_stream_stream_28(tmp_path: Path) -> None:
         assert status.json()["subscribers"] == {"idle": 1, "live": start}
 
 
+async def test_revoked_token_ends_its_idle_stream_stream_36(tmp_path: Path) -> None:
+    """STREAM-36: a token revoked while its stream waits at the head, with no event to send and
+    no ACK from the client: the stream is closed with UNAUTHORIZED and 4401 all the same,
+    within a few seconds; a stream with another token stays open."""
+    async with serving(tmp_path) as service:
+        other = await trio.to_thread.run_sync(add_token, service.data, "other")
+        start = await post_small(service, 0)
+        async with (
+            subscribe(service, subscriber="idle") as idle,
+            connect(service.port, resource(0), bearer(other)) as witness,
+        ):
+            for ws in (idle, witness):
+                assert consecutive(await receive(ws, start), 0)
+            await trio.to_thread.run_sync(revoke_token, service.data, TOKEN_NAME)
+            assert await until_closed(idle, REVOKE_LIMIT_S) == ([UNAUTHORIZED], 4401)
+            assert witness.closed is None
+
+
 async def test_shutdown_closes_subscribers_with_1001(tmp_path: Path) -> None:
     """STREAM-15: on shutdown a connected subscriber is closed with 1001, promptly."""
     async with serving(tmp_path, graceful_timeout_s=GRACE_S) as service:

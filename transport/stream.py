@@ -16,10 +16,11 @@ shields its socket writes. There the kernel ends it: every accepted socket has
 ``TCP_USER_TIMEOUT`` set to the same time (``transport/serve.py``), so a peer that has taken
 nothing for that long is dropped, the write fails, and the handler ends as for a client gone.
 
-The token is checked at the handshake and again before each page is sent and before an ACK is
-stored (cheap: the token cache answers without a thread between its reloads), so a token
-revoked while its stream is open ends the stream with the same refusal as at the handshake
-once the cache has reloaded.
+The token is checked at the handshake, again before each page is sent and before an ACK is
+stored, and every ``IDLE_RECHECK_S`` while the stream waits for events (cheap: the token cache
+answers without a thread between its reloads), so a token revoked while its stream is open,
+busy or idle, ends the stream with the same refusal as at the handshake once the cache has
+reloaded.
 
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
@@ -55,6 +56,9 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_TOO_SLOW = 4408
 CLOSE_CURSOR_TOO_OLD = 4410
 CLOSE_GOING_AWAY = 1001
+# How often a stream waiting for events checks that its token is still live: the token
+# cache's reload period, so a revocation ends an idle stream within about twice that.
+IDLE_RECHECK_S = 2.0
 
 
 class EventHub:
@@ -122,6 +126,7 @@ class StreamEndpoint:
     snapshot_for: SnapshotFor
     send_timeout_s: float
     closing: trio.Event
+    idle_recheck_s: float = IDLE_RECHECK_S
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if (await receive())["type"] != "websocket.connect":
@@ -206,7 +211,10 @@ class StreamEndpoint:
                 )
             )
             if not page:
-                await self.hub.wait_beyond(sub.cursor)
+                with trio.move_on_after(self.idle_recheck_s) as idle:
+                    await self.hub.wait_beyond(sub.cursor)
+                if idle.cancelled_caught:
+                    await self._still_authorized(sub.token)
                 continue
             await self._still_authorized(sub.token)
             if page[0][0].seq != sub.cursor + 1:
