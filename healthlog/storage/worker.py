@@ -2,10 +2,15 @@
 
 A worker keeps its journal and store connections open between calls; killing the worker in
 the middle of a fold rolls its transaction back, as any interrupted SQLite writer does.
+
+A worker also remembers the process that started it (the service). When the service is killed
+outright, its workers are orphaned and handed to another parent; a worker that finds its parent
+changed stops its run before the next delivery instead of folding the rest of it for nobody.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 
@@ -17,13 +22,19 @@ from healthlog.storage.journal import Journal
 from healthlog.storage.passes import Budget
 from healthlog.storage.store import Store
 
+log = logging.getLogger("healthlog.worker")
+
 _handles: dict[str, tuple[Journal, Store]] = {}
+_service_pid: int | None = None
+"""The parent of this worker when it first opened its handles: the service that started it."""
 
 
 def _open(data_dir: str, busy_timeout_ms: int) -> tuple[Journal, Store]:
+    global _service_pid
     handles = _handles.get(data_dir)
     if handles is None:
         if not _handles:
+            _service_pid = os.getppid()
             setup_logging(
                 os.environ.get(LOG_FORMAT_ENV, "kv"), os.environ.get(LOG_LEVEL_ENV, "info")
             )
@@ -48,11 +59,27 @@ def fold_run(
     It stops after the first report that is not DONE, which the pass has to judge first; so a
     run of small deliveries costs one round trip to the worker instead of one each, and one
     read of their metadata.
+
+    Before each delivery it checks that the service which started this worker is still its
+    parent. If it is not, the service is gone (killed, and the worker orphaned), so nobody is
+    waiting for the reports: it stops there and returns the reports so far, a prefix of the run
+    like any other, leaving the rest for the next holder of the lease.
     """
     journal, store = _open(data_dir, busy_timeout_ms)
     metas = journal.get_metas(delivery_ids)
     reports: list[FoldReport] = []
-    for delivery_id in delivery_ids:
+    for position, delivery_id in enumerate(delivery_ids):
+        if os.getppid() != _service_pid:
+            left = delivery_ids[position:]
+            log.warning(
+                "service process %s is gone: worker stops its run, %d of %d deliveries left"
+                " unfolded (ids %s)",
+                _service_pid,
+                len(left),
+                len(delivery_ids),
+                ",".join(map(str, left)),
+            )
+            break
         meta = metas.get(delivery_id)
         if meta is None:
             reports.append(
