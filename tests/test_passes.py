@@ -337,3 +337,29 @@ def test_status_counts_each_delivery_once_while_folds_commit_fold_13(
     assert {total for _, total in readings} == {len(journaled)}
     assert [p for p, _ in readings] == sorted((p for p, _ in readings), reverse=True)
     assert len({p for p, _ in readings}) > 10, "the readings did not overlap the folds"
+
+
+def test_status_journal_figures_count_the_same_deliveries_fold_14(
+    tmp_path: Path, journal: Journal, store: Store, epoch: int
+) -> None:
+    """FOLD-14: read while another connection journals deliveries, the journal's number of
+    deliveries is always pending plus parsed, partial and failed."""
+    for n in range(20):
+        append(journal, delivery(body({"hr": [point(n, n)]}), received_at=BASE_US + n))
+    run_pass(journal, store, epoch)
+
+    def journal_elsewhere() -> None:
+        with Journal(tmp_path / "journal.sqlite") as theirs:
+            for n in range(20, 220):
+                append(theirs, delivery(body({"hr": [point(n, n)]}), received_at=BASE_US + n))
+
+    journaling = threading.Thread(target=journal_elsewhere)
+    journaling.start()
+    readings = []
+    while journaling.is_alive() or not readings:
+        status = collect_status(journal, store)
+        d = status.deliveries
+        readings.append((status.journal.deliveries, d.pending + d.parsed + d.partial + d.failed))
+    journaling.join()
+    assert [journaled for journaled, total in readings if journaled != total] == []
+    assert len({journaled for journaled, _ in readings}) > 10, "the readings did not overlap"

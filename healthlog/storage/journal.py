@@ -34,6 +34,7 @@ from healthlog.storage._sqlite import (
     classify,
     connect,
     migrate,
+    read_transaction,
     write_transaction,
 )
 
@@ -282,6 +283,31 @@ def _content_digest(body: bytes, raw_sha256: bytes) -> bytes:
     return hashlib.sha256(canonical).digest()
 
 
+def _order(
+    conn: sqlite3.Connection, after: tuple[int, int] | None, limit: int
+) -> list[DeliveryMeta]:
+    """Deliveries in journal order strictly after ``after``, at most ``limit`` (-1: all)."""
+    if after is None:
+        cursor = conn.execute(
+            f"SELECT {_META_COLUMNS} FROM deliveries ORDER BY received_at, id LIMIT ?", (limit,)
+        )
+    else:
+        cursor = conn.execute(
+            f"SELECT {_META_COLUMNS} FROM deliveries WHERE (received_at, id) > (?, ?)"
+            " ORDER BY received_at, id LIMIT ?",
+            (*after, limit),
+        )
+    return [_meta(row) for row in cursor.fetchall()]
+
+
+def _count(conn: sqlite3.Connection) -> tuple[int, int]:
+    """(number of deliveries, total raw bytes)."""
+    deliveries, total = conn.execute(
+        "SELECT count(*), coalesce(sum(bytes), 0) FROM deliveries"
+    ).fetchone()
+    return int(deliveries), int(total)
+
+
 def _meta(row: Any) -> DeliveryMeta:
     return DeliveryMeta(
         id=row[0],
@@ -445,21 +471,16 @@ class Journal:
         """Deliveries in journal order ``(received_at, id)``, strictly after ``after``."""
         if limit is not None and limit < 0:
             raise ValueError("limit must not be negative")
-        sql_limit = -1 if limit is None else limit
         with self._reading() as conn:
-            if after is None:
-                cursor = conn.execute(
-                    f"SELECT {_META_COLUMNS} FROM deliveries ORDER BY received_at, id LIMIT ?",
-                    (sql_limit,),
-                )
-            else:
-                cursor = conn.execute(
-                    f"SELECT {_META_COLUMNS} FROM deliveries WHERE (received_at, id) > (?, ?)"
-                    " ORDER BY received_at, id LIMIT ?",
-                    (*after, sql_limit),
-                )
-            rows = cursor.fetchall()
-        return [_meta(row) for row in rows]
+            return _order(conn, after, -1 if limit is None else limit)
+
+    def tail_and_count(
+        self, *, after: tuple[int, int] | None = None
+    ) -> tuple[list[DeliveryMeta], tuple[int, int]]:
+        """``iter_order(after=after)`` and :meth:`count`, read in one transaction: a delivery
+        journaled meanwhile is in both or in neither."""
+        with self._reading() as conn, read_transaction(conn):
+            return _order(conn, after, -1), _count(conn)
 
     def span_through(self, position: tuple[int, int]) -> tuple[int, int]:
         """(number, sum of ids) of the deliveries at or before ``position`` in journal order.
@@ -478,10 +499,7 @@ class Journal:
     def count(self) -> tuple[int, int]:
         """(number of deliveries, total raw bytes)."""
         with self._reading() as conn:
-            deliveries, total = conn.execute(
-                "SELECT count(*), coalesce(sum(bytes), 0) FROM deliveries"
-            ).fetchone()
-        return int(deliveries), int(total)
+            return _count(conn)
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:

@@ -52,24 +52,38 @@ def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     sum of ids on both sides), and only the journal past it is read: a pass then costs what is
     new, not the whole journal. Otherwise (one left unwritten, a backfill journaled behind the
     checkpoint, a checkpoint moved back) the whole journal is read.
-    """
-    return outstanding(journal, store)[0]
-
-
-def outstanding(
-    journal: Journal, store: Store, *, counts: bool = False
-) -> tuple[list[DeliveryMeta], dict[str, int]]:
-    """:func:`pending`, and with ``counts`` the outcomes by status from the same snapshot of
-    the store: a delivery folded meanwhile is counted either as pending or by its status.
 
     The journal is read after the store's snapshot, so a delivery it holds that the snapshot
     has no outcome for is pending.
     """
-    view = store.folded_view(
-        lambda position, through: journal.span_through(position) == through, counts=counts
-    )
-    journaled = journal.iter_order(after=view.after)
-    return [meta for meta in journaled if meta.id not in view.folded], view.counts
+    view = store.folded_view(_agrees(journal))
+    return [meta for meta in journal.iter_order(after=view.after) if meta.id not in view.folded]
+
+
+@attrs.frozen
+class Counted:
+    """The pending deliveries in journal order, the outcomes by status, and the journal's
+    (number of deliveries, raw bytes), as :func:`counted` read them."""
+
+    pending: list[DeliveryMeta]
+    counts: dict[str, int]
+    journal: tuple[int, int]
+
+
+def counted(journal: Journal, store: Store) -> Counted:
+    """:func:`pending`, with the outcomes by status from the same snapshot of the store (a
+    delivery folded meanwhile is counted either as pending or by its status), and the
+    journal's figures from the same read as the pending deliveries (a delivery journaled
+    meanwhile is in both or in neither)."""
+    view = store.folded_view(_agrees(journal), counts=True)
+    journaled, figures = journal.tail_and_count(after=view.after)
+    return Counted([meta for meta in journaled if meta.id not in view.folded], view.counts, figures)
+
+
+def _agrees(journal: Journal) -> Callable[[tuple[int, int], tuple[int, int]], bool]:
+    """Whether the journal holds exactly ``through`` (number, sum of ids) deliveries at or
+    before ``position``, as the store's outcomes do."""
+    return lambda position, through: journal.span_through(position) == through
 
 
 def run_pass(

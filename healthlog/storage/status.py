@@ -12,7 +12,7 @@ from healthlog.documents import (
     StreamInfo,
 )
 from healthlog.storage.journal import Journal
-from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, outstanding
+from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted
 from healthlog.storage.store import Store
 
 
@@ -20,10 +20,11 @@ def collect_status(journal: Journal, store: Store, public_key: str | None = None
     """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors.
 
     The deliveries by status, pending included, come from one snapshot of the store, so each
-    journaled delivery is counted once; the journal's figures are read after it.
+    journaled delivery is counted once; the journal's figures are read with the pending ones,
+    so they count the same deliveries.
     """
-    waiting, counts = outstanding(journal, store, counts=True)
-    deliveries, size = journal.count()
+    read = counted(journal, store)
+    waiting, counts, (deliveries, size) = read.pending, read.counts, read.journal
     oldest = waiting[0] if waiting else None
     mark = store.mark(LAG_MARK) or {}
     lease = store.lease()
