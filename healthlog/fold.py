@@ -204,7 +204,8 @@ class DeliveryFold:
             if units is not None and units != object_units:
                 self._counters.unit_mismatches += 1
                 self._warn("unit mismatch, stored units kept", key.metric, key.layer, key.hour)
-        if not merge_points(points, incoming, self._counters, on_collision):
+        changed = merge_points(points, incoming, self._counters, on_collision)
+        if not changed and (stored is None or stored.units == object_units):
             self._counters.objects_unchanged += 1
             return None
         if sealed:

@@ -286,6 +286,26 @@ def test_units_missing_on_the_stored_object() -> None:
     assert [obj.units for obj in written] == ["count"]
 
 
+def test_units_brought_by_a_resend_of_the_same_points_merge_25() -> None:
+    """MERGE-25: an object created without units takes the units a later delivery brings for
+    the same points, with no point changed: the object is written with them, and then, sent
+    once more, left alone."""
+    projection = MemoryProjection()
+    points = [{"date": at(0), "qty": 1}]
+    fold(body(points, "step_count", ""), projection, aggregation="minutes")
+    written, outcome = fold(
+        body(points, "step_count", "count"), projection, delivery_id=2, aggregation="minutes"
+    )
+    assert [obj.units for obj in written] == ["count"]
+    assert (outcome.counters.objects_written, outcome.counters.unit_mismatches) == (1, 0)
+    assert {obj.units for obj in projection.objects.values()} == {"count"}
+    written, outcome = fold(
+        body(points, "step_count", "count"), projection, delivery_id=3, aggregation="minutes"
+    )
+    assert written == []
+    assert outcome.counters.objects_unchanged == 1
+
+
 def test_sealed_object(caplog: pytest.LogCaptureFixture) -> None:
     """MERGE-13: a change to a sealed object is written, counted and warned; no change, no write."""
     key = ObjectKey("heart_rate", "minutes", HOUR_15Z)
