@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import functools
 import logging
+import math
 import os
 import signal
 import sys
@@ -26,13 +27,15 @@ from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.rebuild import Difference, RebuildError, reindex, verify
-from healthlog.storage.replica import Replica
+from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import TokenError
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
 
 IMPORT_CLIENT = "cli:import"
+INTERRUPTED = 128 + signal.SIGINT
+"""The exit status of a command stopped by Ctrl-C, as a shell reports it."""
 
 log = logging.getLogger("healthlog.cli")
 
@@ -99,6 +102,26 @@ def _layer(value: str) -> str:
     if layer is None:
         raise argparse.ArgumentTypeError(f"choose one of {', '.join(layers.LAYERS)}")
     return layer
+
+
+def _at_least_one(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return number
+
+
+def _duration(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value}") from None
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError("must be a finite number above zero")
+    return number
 
 
 def _stored_layer(value: str) -> str:
@@ -270,6 +293,8 @@ def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
+    if args.replica is not None and not (args.replica / REPLICA_FILE).is_file():
+        raise CliError(f"no follow replica in {args.replica}")
     source: Store | Replica = (
         Replica(args.replica) if args.replica is not None else data.open_store()
     )
@@ -301,11 +326,15 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         differences = verify(journal, store, progress=progress)
-    for diff in differences:
-        print(
-            f"{_what_differs(diff)}\t{diff.key.metric}\t{diff.key.layer}"
-            f"\t{format_instant(diff.key.hour)}"
-        )
+    try:
+        for diff in differences:
+            print(
+                f"{_what_differs(diff)}\t{diff.key.metric}\t{diff.key.layer}"
+                f"\t{format_instant(diff.key.hour)}"
+            )
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
     print(f"verify: {len(differences)} objects differ", file=sys.stderr)
     return 1 if differences else 0
 
@@ -419,8 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("chaos", cmd_chaos, "the fault-injection harness against real serve processes")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--minutes", type=float, default=None, help="stop starting runs after this")
+    p.add_argument("--runs", type=_at_least_one, default=20)
+    p.add_argument("--minutes", type=_duration, default=None, help="stop starting runs after this")
 
     command("reindex", cmd_reindex, "rebuild the projection from the journal", needs_data=True)
     command(
@@ -452,15 +481,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CliError(f"{data.path} is not a directory")
         return func(args, data)
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _quiet_stdout()
         return 0
     except BaseException as exc:
+        if _interrupted(exc):
+            print("healthlog: interrupted", file=sys.stderr)
+            return INTERRUPTED
         error = _user_error(exc)
         if error is None:
             raise
         print(f"healthlog: {error}", file=sys.stderr)
         return 2 if isinstance(error, CliError) else 3
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null once its reader has gone, so that nothing written later (the
+    interpreter's flush at exit) fails again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def _interrupted(exc: BaseException) -> bool:
+    """Whether the command was stopped by Ctrl-C (SIGINT), also from inside a trio nursery."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(KeyboardInterrupt)[0] is not None
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def _user_error(exc: BaseException) -> Exception | None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -21,26 +22,39 @@ class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the setting."""
 
 
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    """A finite number above zero."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a finite number above zero")
+
+
+_PORT = attrs.validators.and_(attrs.validators.ge(0), attrs.validators.le(65535))
+
+
 @attrs.frozen
 class ServeConfig:
     """Everything ``healthlog serve`` can be told."""
 
     host: str = "127.0.0.1"
-    port: int = 8787
-    max_body_mib: float = 256.0
+    port: int = attrs.field(default=8787, validator=_PORT)
+    max_body_mib: float = attrs.field(default=256.0, validator=_positive)
     log_format: str = attrs.field(default="kv", validator=attrs.validators.in_(LOG_FORMATS))
     log_level: str = "info"
-    wake_period_s: float = 60.0
-    lease_ttl_s: float = 15.0
-    lease_renew_s: float = 5.0
-    fold_budget_s: float = 60.0
-    fold_budget_per_mib_s: float = 1.0
-    body_timeout_s: float = 60.0
-    graceful_timeout_s: float = 20.0
-    keep_alive_timeout_s: float = 30.0
-    stream_send_timeout_s: float = 30.0
-    stream_window_events: int = 100_000
-    stream_window_days: float = 30.0
+    wake_period_s: float = attrs.field(default=60.0, validator=_positive)
+    lease_ttl_s: float = attrs.field(default=15.0, validator=_positive)
+    lease_renew_s: float = attrs.field(default=5.0, validator=_positive)
+    fold_budget_s: float = attrs.field(default=60.0, validator=_positive)
+    fold_budget_per_mib_s: float = attrs.field(default=1.0, validator=_positive)
+    body_timeout_s: float = attrs.field(default=60.0, validator=_positive)
+    graceful_timeout_s: float = attrs.field(default=20.0, validator=_positive)
+    keep_alive_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    stream_send_timeout_s: float = attrs.field(default=30.0, validator=_positive)
+    stream_window_events: int = attrs.field(default=100_000, validator=_positive)
+    stream_window_days: float = attrs.field(default=30.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.lease_renew_s >= self.lease_ttl_s:
+            raise ValueError("lease_renew_s must be shorter than lease_ttl_s")
 
     @property
     def max_body_bytes(self) -> int:
@@ -57,6 +71,8 @@ def load_serve_config(
             table = tomllib.loads(config_file.read_text()).get("serve", {})
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{config_file}: {exc}") from None
+        if not isinstance(table, dict):
+            raise ConfigError(f"{config_file}: serve must be a table ([serve])")
         unknown = set(table) - set(attrs.fields_dict(ServeConfig))
         if unknown:
             raise ConfigError(f"{config_file}: unknown settings {sorted(unknown)}")
@@ -77,4 +93,7 @@ def load_serve_config(
                 field.validator(None, field, values[name])
         except (cattrs.BaseValidationError, ValueError, TypeError):
             raise ConfigError(f"invalid {name}: {value!r}") from None
-    return ServeConfig(**values)
+    try:
+        return ServeConfig(**values)
+    except ValueError as exc:
+        raise ConfigError(f"invalid settings: {exc}") from None

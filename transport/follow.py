@@ -92,11 +92,15 @@ class Endpoints:
     @classmethod
     def parse(cls, url: str) -> Endpoints:
         """From the service's base URL (``http://host:8787``) or its stream URL (``ws://...``)."""
-        parts = urllib.parse.urlsplit(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+            given_port = parts.port
+        except ValueError:
+            raise FollowError(f"not a service or stream URL: {url}") from None
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
             raise FollowError(f"not a service or stream URL: {url}")
         tls = parts.scheme in ("https", "wss")
-        port = parts.port or (443 if tls else 80)
+        port = given_port or (443 if tls else 80)
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         http = f"{'https' if tls else 'http'}://{host}:{port}"
         return cls(http, parts.hostname, port, "/v1/stream", tls)

@@ -1,0 +1,153 @@
+"""The command line at its edges: a closed pipe, Ctrl-C, and settings out of range
+(specs/cli.md, CLI-25 to CLI-30). Every command runs as a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from _cli_bodies import body, metric, point, write
+
+from healthlog.storage.datadir import DataDir
+
+if TYPE_CHECKING:
+    from conftest import Cli, RunCli
+
+HR = "heart_rate"
+BPM = "count/min"
+LIMIT_S = 60.0
+
+
+def healthlog(*args: str | os.PathLike[str]) -> list[str]:
+    return [sys.executable, "-m", "healthlog.cli", *map(os.fspath, args)]
+
+
+def one_line_error(err: str, says: str) -> None:
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert says in lines[0], err
+
+
+def test_verify_with_differences_exits_1_when_its_reader_goes_cli_25(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-25: `verify` whose stdout reader closed before the differences are printed still
+    exits 1 (objects differ), with no traceback."""
+    data = tmp_path / "data"
+    at = "2024-02-06 07:00:00 -0800"
+    live = write(tmp_path / "live.json", body(metric(HR, BPM, point(at, qty=1.5, source="a"))))
+    backfill = write(
+        tmp_path / "backfill.json", body(metric(HR, BPM, point(at, qty=99.5, source="b")))
+    )
+    args = ("import", "--aggregation", "minutes", "--data", data)
+    assert run_cli(*args, live).code == 0
+    assert run_cli(*args, "--received-at", "2024-01-01T00:00:00Z", backfill).code == 0
+    assert run_cli("verify", "--data", data).code == 1
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with subprocess.Popen(
+        healthlog("verify", "--data", data), stdout=write_end, stderr=subprocess.PIPE
+    ) as verify:
+        os.close(write_end)
+        _, err = verify.communicate(timeout=LIMIT_S)
+    assert verify.returncode == 1
+    assert "Traceback" not in err.decode()
+    assert "verify: 1 objects differ" in err.decode()
+
+
+def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_26(
+    tmp_path: Path,
+) -> None:
+    """CLI-26: Ctrl-C (SIGINT) while `import` waits for the fold: exit 130, one line saying so
+    after the one that names the journaled delivery, and no traceback; the delivery stays
+    journaled."""
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    with DataDir(data).open_store() as store:
+        epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        assert epoch is not None
+    with subprocess.Popen(
+        healthlog("import", "--aggregation", "minutes", "--data", data, file),
+        stderr=subprocess.PIPE,
+    ) as importing:
+        deadline = time.monotonic() + LIMIT_S
+        with DataDir(data).open_journal() as journal:
+            while journal.count()[0] == 0:
+                assert time.monotonic() < deadline, "the import journaled nothing"
+                time.sleep(0.05)
+        importing.send_signal(signal.SIGINT)
+        _, err = importing.communicate(timeout=LIMIT_S)
+    assert importing.returncode == 130
+    lines = err.decode().splitlines()
+    assert "Traceback" not in err.decode()
+    assert lines[0].startswith(f"journaled {file} as delivery 1")
+    assert lines[1:] == ["healthlog: interrupted"]
+    with DataDir(data).open_journal() as journal:
+        assert journal.count()[0] == 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "toml", "says"),
+    [
+        (["--port", "99999"], None, "invalid port"),
+        (["--port", "-1"], None, "invalid port"),
+        (["--max-body-mib", "-3"], None, "invalid max_body_mib"),
+        (["--max-body-mib", "nan"], None, "invalid max_body_mib"),
+        (["--max-body-mib", "inf"], None, "invalid max_body_mib"),
+        ([], "serve = 1\n", "serve must be a table"),
+        ([], "[serve]\nwake_period_s = 0\n", "invalid wake_period_s"),
+        ([], "[serve]\nlease_ttl_s = 4\n", "lease_renew_s must be shorter than lease_ttl_s"),
+    ],
+)
+def test_serve_refuses_settings_out_of_range_with_exit_2_cli_27(
+    run_cli: RunCli, tmp_path: Path, flags: list[str], toml: str | None, says: str
+) -> None:
+    """CLI-27: `serve` with a port outside 0 to 65535, a size or duration that is not a finite
+    number above zero, a renewal not shorter than the lease, or a `serve` that is not a table
+    in `healthlog.toml`: exit 2 with one line naming the setting, before it listens."""
+    data = tmp_path / "data"
+    data.mkdir()
+    if toml is not None:
+        (data / "healthlog.toml").write_text(toml)
+    run = run_cli("serve", "--data", data, *flags)
+    assert run.code == 2
+    one_line_error(run.err, says)
+    assert b"serving" not in run.out
+
+
+def test_export_from_a_directory_without_a_replica_exits_2_cli_28(cli: Cli, tmp_path: Path) -> None:
+    """CLI-28: `export --replica DIR` where DIR holds no replica exits 2 and creates nothing."""
+    missing = tmp_path / "typo"
+    run = cli("export", "--replica", missing)
+    assert run.code == 2
+    one_line_error(run.err, f"no follow replica in {missing}")
+    assert not missing.exists()
+
+
+@pytest.mark.parametrize(
+    "flags", [["--runs", "0"], ["--runs", "-5"], ["--minutes", "-1"], ["--minutes", "nan"]]
+)
+def test_chaos_refuses_runs_or_minutes_that_would_check_nothing_cli_29(
+    cli: Cli, flags: list[str]
+) -> None:
+    """CLI-29: `chaos` with fewer than one run or minutes that are not a finite number above
+    zero is a usage error (exit 2): it never reports a proof that checked nothing."""
+    run = cli("chaos", *flags)
+    assert run.code == 2
+    assert "chaos: runs" not in run.out.decode()
+
+
+def test_follow_with_a_port_out_of_range_exits_2_cli_30(cli: Cli, tmp_path: Path) -> None:
+    """CLI-30: `follow --url` with a port outside 0 to 65535 exits 2 with one line."""
+    url = "http://127.0.0.1:99999"
+    run = cli("follow", "--url", url, "--token", "t", "--replica", tmp_path / "replica")
+    assert run.code == 2
+    one_line_error(run.err, f"not a service or stream URL: {url}")
