@@ -14,6 +14,7 @@ import attrs
 import cattrs
 
 from healthlog.documents import converter
+from healthlog.logs import LEVELS
 
 LOG_FORMATS = ("kv", "json")
 
@@ -28,6 +29,8 @@ def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -
         raise ValueError(f"{attribute.name} must be a finite number above zero")
 
 
+# Settings whose values are words, taken in any case (``INFO``, ``Json``).
+_ANY_CASE = frozenset({"log_format", "log_level"})
 _PORT = attrs.validators.and_(attrs.validators.ge(0), attrs.validators.le(65535))
 
 
@@ -39,7 +42,7 @@ class ServeConfig:
     port: int = attrs.field(default=8787, validator=_PORT)
     max_body_mib: float = attrs.field(default=256.0, validator=_positive)
     log_format: str = attrs.field(default="kv", validator=attrs.validators.in_(LOG_FORMATS))
-    log_level: str = "info"
+    log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))
     wake_period_s: float = attrs.field(default=60.0, validator=_positive)
     lease_ttl_s: float = attrs.field(default=15.0, validator=_positive)
     lease_renew_s: float = attrs.field(default=5.0, validator=_positive)
@@ -89,6 +92,8 @@ def load_serve_config(
         assert field.type is not None
         try:
             values[name] = converter.structure(value, field.type)
+            if name in _ANY_CASE:
+                values[name] = values[name].lower()
             if field.validator is not None:
                 field.validator(None, field, values[name])
         except (cattrs.BaseValidationError, ValueError, TypeError):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 from _cli_bodies import body, metric, point, write
 
+from healthlog.config import load_serve_config
 from healthlog.storage.datadir import DataDir
 
 if TYPE_CHECKING:
@@ -97,6 +98,7 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
 @pytest.mark.parametrize(
     ("flags", "toml", "says"),
     [
+        ([], '[serve]\nlog_level = "loud"\n', "invalid log_level"),
         (["--port", "99999"], None, "invalid port"),
         (["--port", "-1"], None, "invalid port"),
         (["--max-body-mib", "-3"], None, "invalid max_body_mib"),
@@ -121,6 +123,14 @@ def test_serve_refuses_settings_out_of_range_with_exit_2_cli_27(
     assert run.code == 2
     one_line_error(run.err, says)
     assert b"serving" not in run.out
+
+
+def test_serve_takes_log_level_and_format_in_any_case_cli_27(tmp_path: Path) -> None:
+    """CLI-27: `HEALTHLOG_LOG_LEVEL=INFO` and `HEALTHLOG_LOG_FORMAT=JSON` are the settings
+    `info` and `json`, not errors."""
+    environ = {"HEALTHLOG_LOG_LEVEL": "INFO", "HEALTHLOG_LOG_FORMAT": "JSON"}
+    config = load_serve_config(tmp_path / "absent.toml", {}, environ)
+    assert (config.log_level, config.log_format) == ("info", "json")
 
 
 def test_export_from_a_directory_without_a_replica_exits_2_cli_28(cli: Cli, tmp_path: Path) -> None:
