@@ -6,9 +6,11 @@ test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
 import socket
 import sqlite3
@@ -18,6 +20,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import h2.config
+import h2.connection
 import httpx
 import pytest
 import trio
@@ -837,3 +841,67 @@ async def test_slowly_read_export_is_not_cut_by_the_response_timeout_serve_34(
             await trio.sleep(4 * SHORT_RESPONSE_TIMEOUT_S)
             received = await response.aread()
     assert received == whole
+
+
+async def h2c_post_then_leave(port: int, token: str, content: bytes, *, end: bool) -> None:
+    """Over HTTP/2 without TLS (h2c): POST a delivery, its body whole (``end``) or not, and
+    close the connection without reading the answer."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        stream_id = connection.get_next_available_stream_id()
+        connection.send_headers(
+            stream_id,
+            [
+                (":method", "POST"),
+                (":path", "/v1/deliveries"),
+                (":scheme", "http"),
+                (":authority", "healthlog"),
+                ("authorization", f"Bearer {token}"),
+            ],
+        )
+        connection.send_data(stream_id, content, end_stream=end)
+        await stream.send_all(connection.data_to_send())
+        await trio.sleep(H2_LINGER_S)
+
+
+H2_LINGER_S = 0.1
+"""How long an h2c client that leaves stays connected after its request."""
+H2_GRACE_S = 10.0
+
+
+def open_sockets() -> int:
+    """The sockets this process (the service and the test) has open."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+async def test_http2_clients_gone_before_their_answer_leave_nothing_open_serve_35(
+    tmp_path: Path,
+) -> None:
+    """SERVE-35: over h2c, clients that leave before their answer (a refused token with half a
+    body, or a whole delivery whose journal commit waits on a lock) leave no connection open
+    behind them; the deliveries are journaled once each, and the service stops promptly."""
+    leavers = 20
+    async with serving(tmp_path / "data", graceful_timeout_s=H2_GRACE_S) as service:
+        assert (await service.post(small(0))).status_code == 200
+        before = open_sockets()
+        for _ in range(leavers):
+            await h2c_post_then_leave(service.port, "wrong", b'{"partial":', end=False)
+        with closing(sqlite3.connect(service.data.journal_path, isolation_level=None)) as lock:
+            lock.execute("BEGIN IMMEDIATE")
+            for n in range(1, 4):
+                await h2c_post_then_leave(service.port, service.token, small(n), end=True)
+            lock.execute("ROLLBACK")
+        with trio.fail_after(H2_GRACE_S):
+            while open_sockets() > before:
+                await trio.sleep(POLL_S)
+            while len(await journaled(service)) < 4:
+                await trio.sleep(POLL_S)
+        assert sorted(await journaled(service)) == sorted(sha256(small(n)) for n in range(4))
+        stopping = trio.current_time()
+    assert trio.current_time() - stopping < H2_GRACE_S / 2

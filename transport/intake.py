@@ -74,13 +74,15 @@ class _Body:
         self._idle_s = idle_s
         self.done = False
         """The body ended, the client left, or it stalled: nothing more will be read."""
+        self.gone = False
+        """The client left: no answer can reach it."""
 
     async def next(self) -> dict[str, Any]:
         """The next body message; :class:`_Disconnected`, or 408 after ``idle_s`` without one."""
         with trio.move_on_after(self._idle_s):
             message: dict[str, Any] = await self._receive()
             if message["type"] == "http.disconnect":
-                self.done = True
+                self.done = self.gone = True
                 raise _Disconnected
             self.done = not message.get("more_body", False)
             return message
@@ -120,24 +122,14 @@ class IntakeEndpoint:
         if answer is None:
             return
         await body.drain()
-        status, content, headers = answer
-        try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": status,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", b"%d" % len(content)),
-                        *headers,
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": content})
-        except trio.BusyResourceError:
-            # hypercorn's trio server half-closes a connection whose client went away without
-            # taking its send lock, so an answer sent at that moment collides with it.
+        if body.gone:
             log.debug("intake: the client went away before its answer")
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            with trio.move_on_after(self._idle_s):
+                await _send_answer(send, *answer)
+            nursery.cancel_scope.cancel()
 
     async def _handle(self, scope: Any, body: _Body) -> _Answer | None:
         """The answer to give, or None when the client left."""
@@ -277,6 +269,36 @@ def _receipt(receipt: Receipt) -> bytes:
 
 def _replayed(receipt: Receipt) -> Headers:
     return ((b"idempotent-replayed", b"true"),) if receipt.replayed else ()
+
+
+async def _cancel_on_disconnect(receive: Any, scope: trio.CancelScope) -> None:
+    """Cancel the answer once the client leaves: the body is all read, so the next message is
+    the disconnect. Over HTTP/2, hypercorn stops sending when the connection closes, and an
+    answer sent after that would wait forever, holding its connection open."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    log.debug("intake: the client went away before its answer")
+    scope.cancel()
+
+
+async def _send_answer(send: Any, status: int, content: bytes, headers: Headers) -> None:
+    try:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", b"%d" % len(content)),
+                    *headers,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": content})
+    except trio.BusyResourceError:
+        # hypercorn's trio server half-closes a connection whose client went away without
+        # taking its send lock, so an answer sent at that moment collides with it.
+        log.debug("intake: the client went away before its answer")
 
 
 def _answer(status: int, body: bytes, headers: Headers = ()) -> _Answer:
