@@ -8,8 +8,10 @@ import hashlib
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 
@@ -57,7 +59,8 @@ def journal_and_lease(data: DataDir) -> tuple[set[str], str | None]:
 
 
 async def test_shutdown_with_uploads_in_flight(tmp_path: Path) -> None:
-    """SERVE-27: each upload is answered 200 and journaled, or fails and is not journaled."""
+    """SERVE-27: each upload is answered 200 and journaled, or fails (503 `SHUTTING_DOWN`, or
+    the connection closed) and is not journaled."""
     uploads = [upload(n, pause_s) for n, pause_s in enumerate((0.03, 0.05, 0.3, 0.5, 0.8))]
     outcomes: dict[int, tuple[int | None, float]] = {}
 
@@ -69,6 +72,9 @@ async def test_shutdown_with_uploads_in_flight(tmp_path: Path) -> None:
         else:
             if response.status_code == 200:
                 assert response.json()["sha256"] == sha256(uploads[n].body)
+            if response.status_code == 503:
+                assert response.json() == {"error": "SHUTTING_DOWN"}
+                assert response.headers["retry-after"] == "5"
             outcomes[n] = (response.status_code, trio.current_time())
 
     data = DataDir(tmp_path / "data")
@@ -84,7 +90,7 @@ async def test_shutdown_with_uploads_in_flight(tmp_path: Path) -> None:
     journaled, holder = journal_and_lease(data)
     print({n: status for n, (status, _) in sorted(outcomes.items())})
     for n, (status, _) in outcomes.items():
-        assert status in (200, None), (n, status)
+        assert status in (200, 503, None), (n, status)
         assert (sha256(uploads[n].body) in journaled) == (status == 200), n
     answered = [done for status, done in outcomes.values() if status == 200]
     assert len(outcomes) == len(uploads)
@@ -93,6 +99,32 @@ async def test_shutdown_with_uploads_in_flight(tmp_path: Path) -> None:
     assert len(answered) < len(uploads)
     assert len(journaled) == len(answered)
     assert holder is None
+
+
+async def test_a_delivery_committed_after_the_graceful_timeout_is_answered_serve_36(
+    tmp_path: Path,
+) -> None:
+    """SERVE-36: a whole delivery waits for the write-locked journal while the service shuts
+    down with a 1 s graceful timeout; the lock goes 2 s later, before the journal's busy
+    timeout: the delivery is journaled once and its client gets the 200."""
+    data = DataDir(tmp_path / "data")
+    content = upload(0, 0.0).body
+    answers: list[int] = []
+    async with serving(data.path, graceful_timeout_s=GRACEFUL_S) as service:
+        with closing(sqlite3.connect(data.journal_path, isolation_level=None)) as lock:
+            lock.execute("BEGIN IMMEDIATE")
+            async with trio.open_nursery() as nursery:
+
+                async def post() -> None:
+                    answers.append((await service.post(content)).status_code)
+
+                nursery.start_soon(post)
+                await trio.sleep(GRACEFUL_S)
+                service.stop.set()
+                await trio.sleep(2 * GRACEFUL_S)
+                lock.execute("ROLLBACK")
+    assert answers == [200]
+    assert [meta.sha256 for meta in read_journal(data)] == [sha256(content)]
 
 
 async def read_url(stdout: trio.abc.ReceiveStream) -> tuple[str, bytes]:
@@ -173,7 +205,7 @@ async def test_serve_process_stops_on_sigterm(tmp_path: Path) -> None:
                 exited_after = trio.current_time() - signalled_at
     print(f"serve exited {exited_after:.2f} s after SIGTERM; uploads {answers}")
     assert process.returncode == 0, err.decode()
-    assert answers == {"quick": 200, "slow": None}
+    assert answers == {"quick": 200, "slow": 503}
     journaled, holder = journal_and_lease(DataDir(data))
     assert journaled == {sha256(under_flag), sha256(quick.body)}
     assert holder is None

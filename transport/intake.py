@@ -115,6 +115,19 @@ class IntakeEndpoint:
         self._limit = config.max_body_bytes
         self._idle_s = config.body_timeout_s
         self._in_flight: set[tuple[str, str]] = set()
+        self._uploads: set[trio.CancelScope] = set()
+        self._uploads_cut = False
+
+    async def cut_uploads(self, closing: trio.Event, grace_s: float) -> None:
+        """``grace_s`` after ``closing`` is set (shutdown began), refuse the uploads still
+        streaming with 503 ``SHUTTING_DOWN``, and any later one: what the journal was handed
+        by then is still committed and answered, within hypercorn's longer graceful timeout,
+        so that no delivery is journaled without its client hearing of it."""
+        await closing.wait()
+        await trio.sleep(grace_s)
+        self._uploads_cut = True
+        for upload in self._uploads:
+            upload.cancel()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         body = _Body(receive, self._idle_s)
@@ -157,12 +170,15 @@ class IntakeEndpoint:
         self, name: str, key: str | None, headers: dict[str, str], body: _Body
     ) -> _Answer | None:
         try:
-            encoded = await self._read_body(body)
+            encoded = await self._read_upload(body)
         except _Refused as refused:
             return _answer(refused.status, _error(refused.code), CLOSE)
         except _Disconnected:
             log.debug("intake: the client went away before its body was complete")
             return None
+        if encoded is None:
+            body.done = True
+            return _answer(503, _error("SHUTTING_DOWN"), ((b"retry-after", RETRY_AFTER_S), *CLOSE))
         try:
             receipt = await self._runtime.submit(
                 NewDelivery(
@@ -183,6 +199,18 @@ class IntakeEndpoint:
             log.warning("intake: journal could not commit: %s", type(exc).__name__)
             return _answer(503, _error("JOURNAL_UNAVAILABLE"), ((b"retry-after", RETRY_AFTER_S),))
         return _answer(200, _receipt(receipt), _replayed(receipt))
+
+    async def _read_upload(self, body: _Body) -> EncodedBody | None:
+        """:meth:`_read_body`, or None when the upload is cut at shutdown (:meth:`cut_uploads`)."""
+        with trio.CancelScope() as upload:
+            if self._uploads_cut:
+                upload.cancel()
+            self._uploads.add(upload)
+            try:
+                return await self._read_body(body)
+            finally:
+                self._uploads.discard(upload)
+        return None
 
     async def _read_body(self, body: _Body) -> EncodedBody:
         """The whole body, encoded; large bodies are encoded in a thread while they arrive.

@@ -1,8 +1,10 @@
 """``healthlog serve``: the runtime and the HTTP app on hypercorn's trio worker.
 
 SIGINT or SIGTERM (or the ``shutdown`` event, for tests) stops accepting connections,
-lets requests in flight finish within the graceful timeout (an upload either gets its 200
-after the journal commit or fails before it), then stops the runtime. Idle keep-alive
+lets requests in flight finish within the graceful timeout, then stops the runtime. Uploads
+still streaming at the graceful timeout are refused (503); a delivery handed to the journal by
+then has ``COMMIT_GRACE_S`` more to be committed and answered, so an upload either gets its 200
+after the journal commit or fails before it, never journaled unanswered. Idle keep-alive
 connections close at once (``transport.app``), and a connection whose peer stopped reading is
 dropped by the kernel after ``stream_send_timeout_s`` (``_HypercornConfig.create_sockets``).
 """
@@ -28,6 +30,10 @@ from healthlog.storage.passes import Budget
 from transport.app import MAX_HEADER_BYTES, RESPONSE_TIMEOUT_S, create_app
 from transport.auth import TokenCache
 from transport.snapshots import SnapshotService
+
+COMMIT_GRACE_S = 10.0
+"""After the graceful timeout, the time a delivery already handed to the journal has to be
+committed and answered: the journal's busy timeout (5 s) and as much again."""
 
 
 class _HypercornConfig(HypercornConfig):
@@ -64,7 +70,7 @@ def hypercorn_config(config: ServeConfig) -> HypercornConfig:
     hc = _HypercornConfig()
     hc.stalled_send_s = config.stream_send_timeout_s
     hc.bind = [f"{host}:{config.port}"]
-    hc.graceful_timeout = config.graceful_timeout_s
+    hc.graceful_timeout = config.graceful_timeout_s + COMMIT_GRACE_S
     hc.keep_alive_timeout = config.keep_alive_timeout_s
     hc.h11_max_incomplete_size = MAX_HEADER_BYTES
     hc.accesslog = None
@@ -118,6 +124,7 @@ async def serve(
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(_on_signals, stop)
+            nursery.start_soon(app.intake.cut_uploads, stop, config.graceful_timeout_s)
             binds = await nursery.start(http)
             task_status.started(binds[0])
 
