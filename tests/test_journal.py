@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.journal import (
+    CANONICAL_MAX_BYTES,
     CorruptBody,
     IdempotencyCollision,
     Journal,
@@ -436,6 +437,30 @@ def test_stored_content_digest_journal_17(path: Path, journal: Journal) -> None:
         "raw": hashlib.sha256(raw_body).digest(),
     }
     assert journal.append(delivery(canonical, idempotency_key="json")).replayed
+
+
+def test_a_large_body_is_compared_by_its_raw_bytes_journal_31(path: Path, journal: Journal) -> None:
+    """JOURNAL-31: a body with a key over CANONICAL_MAX_BYTES is not decoded: its receipt holds
+    its raw sha256, the same bytes again replay, and the same JSON in another key order is a
+    collision; one byte under the limit is still canonicalised."""
+    filler = "x" * (CANONICAL_MAX_BYTES - 20)
+    under = orjson.dumps({"b": 1, "a": filler})
+    over = orjson.dumps({"b": 1, "a": filler + "x" * 100})
+    assert len(under) <= CANONICAL_MAX_BYTES < len(over)
+    reordered = orjson.dumps({"a": filler + "x" * 100, "b": 1})
+    journal.append(delivery(over, idempotency_key="over"))
+    journal.append(delivery(under, idempotency_key="under"))
+    with raw(path) as conn:
+        digests = dict(conn.execute("SELECT idempotency_key, content_digest FROM receipts"))
+    canonical = orjson.dumps(orjson.loads(under), option=orjson.OPT_SORT_KEYS)
+    assert digests == {
+        "over": hashlib.sha256(over).digest(),
+        "under": hashlib.sha256(canonical).digest(),
+    }
+    assert journal.append(delivery(over, idempotency_key="over")).replayed
+    with pytest.raises(IdempotencyCollision):
+        journal.append(delivery(reordered, idempotency_key="over"))
+    assert journal.append(delivery(canonical, idempotency_key="under")).replayed
 
 
 def test_busy_database_defers_journal_18(path: Path) -> None:
