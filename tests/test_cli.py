@@ -521,7 +521,8 @@ def test_plain_status_prints_the_same_figures_as_lines_cli_14(
 
 
 def test_storage_error_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) -> None:
-    """CLI-23: a store file that is not a database: exit 3, a message, no traceback."""
+    """CLI-23: a store file that is not a database: exit 3, a message naming the file, no
+    traceback."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "store.sqlite").write_bytes(b"this is not an SQLite file" * 200)
@@ -529,6 +530,7 @@ def test_storage_error_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) ->
     assert run.code == 3
     assert run.err.startswith("healthlog: ")
     assert len(run.err.splitlines()) == 1
+    assert f"({data / 'store.sqlite'})" in run.err
     assert run.out == b""
 
 

@@ -78,7 +78,7 @@ def connect(
                 check_same_thread=False,
             )
     except sqlite3.Error as exc:
-        raise classify(exc) from exc
+        raise _opening(classify(exc), path) from exc
     try:
         conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
         if not readonly and page_size is not None:
@@ -95,9 +95,14 @@ def connect(
     except BaseException as exc:
         conn.close()
         if isinstance(exc, sqlite3.Error):
-            raise classify(exc) from exc
+            raise _opening(classify(exc), path) from exc
         raise
     return conn
+
+
+def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
+    """``error``, naming the file that could not be opened (a data directory has several)."""
+    return type(error)(f"{error} ({os.fspath(path)})")
 
 
 def classify(exc: sqlite3.Error) -> StorageError:
