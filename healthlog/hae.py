@@ -20,12 +20,14 @@ import msgspec
 
 from healthlog import layers
 from healthlog.points import (
+    MAX_NESTING,
     Point,
     PointError,
     content_point,
     coordinates,
     instant_of,
     is_flat,
+    nesting,
     point_object,
 )
 from healthlog.timestamps import US_PER_HOUR, TimestampError, hour_of
@@ -357,6 +359,8 @@ class _Reading:
         try:
             if not element:
                 raise PointError("point is not valid JSON")
+            if nesting(bytes(element)) > MAX_NESTING:
+                raise PointError(f"point nested deeper than {MAX_NESTING} levels")
             value = point_object(element)
             start, end = coordinates(value)
             if not is_flat(value.values()):

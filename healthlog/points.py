@@ -7,6 +7,7 @@ form, which is what collisions are decided on, never the raw bytes.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,6 +21,24 @@ TIMESTAMP_KEYS = frozenset({"date", "start", "end", "startDate", "endDate"})
 _decoder = msgspec.json.Decoder()
 _sorted_encoder = msgspec.json.Encoder(order="sorted")
 _NESTED = frozenset({dict, list})
+
+
+MAX_NESTING = 64
+"""The deepest a point may nest objects and arrays (its own object is level 1). A deeper one is
+rejected by :func:`nesting`, which uses no recursion, before anything recursive reads it: so
+whether a point is taken never depends on how deep the call stack reading it is (a fold
+worker's, a rebuild's), which decides where recursion runs out."""
+
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
+_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+
+
+def nesting(raw: bytes) -> int:
+    """How deep the JSON text ``raw`` nests arrays and objects, counted without recursion;
+    brackets inside strings do not count."""
+    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
+    outside = b"".join(plain.split(b'"')[::2])
+    return max(itertools.accumulate(map(_STEP.__getitem__, outside)), default=0)
 
 
 class PointError(ValueError):

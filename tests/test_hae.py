@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from healthlog import hae, objects
 from healthlog.fold import FAILED, PARSED, PARTIAL
 from healthlog.objects import ObjectKey
-from healthlog.points import decode_point
+from healthlog.points import MAX_NESTING, decode_point
 from healthlog.timestamps import hour_of, parse_instant
 
 D0 = "2024-02-06 07:00:00 -0800"
@@ -485,19 +485,52 @@ def test_numbers_verbatim() -> None:
     assert b"1180591620717411303424" in decode_point(stored_raw).canonical
 
 
-@pytest.mark.parametrize("depth", [500, 10_000])
-def test_deep_nesting(depth: int) -> None:
-    """PARSE-18: a deeply nested point is rejected or fails the delivery; never an exception."""
-    deep = b'{"date":"%s","x":%s%s}' % (D2.encode(), b"[" * depth, b"]" * depth)
+def nested_body(depth: int) -> bytes:
+    """Two good points and one nested ``depth`` levels (its own object is level 1)."""
+    deep = b'{"date":"%s","x":%s%s}' % (D2.encode(), b"[" * (depth - 1), b"]" * (depth - 1))
     good = b",".join(compact(p) for p in GOOD)
-    body = b'{"data":{"metrics":[{"name":"n","data":[%s,%s]}]}}' % (good, deep)
-    projection, outcome = folded(body, aggregation="minutes")
-    if outcome.status == FAILED:
+    return b'{"data":{"metrics":[{"name":"n","data":[%s,%s]}]}}' % (good, deep)
+
+
+@pytest.mark.parametrize("depth", [65, 500, 10_000])
+def test_deep_nesting(depth: int) -> None:
+    """PARSE-18: a point nested deeper than 64 levels is rejected (500), or, nested beyond what
+    the body decoder takes (10,000), fails the delivery; never an exception."""
+    projection, outcome = folded(nested_body(depth), aggregation="minutes")
+    if depth > 1000:
+        assert outcome.status == FAILED
         assert projection.objects == {}
     else:
         assert outcome.status == PARTIAL
         assert outcome.counters.points_rejected == 1
+        assert (
+            outcome.reason == f"point rejected: point nested deeper than {MAX_NESTING} levels (x1)"
+        )
         assert len(stored(projection)[("n", "minutes")]) == 2
+
+
+def folded_from_deeper(body: bytes, frames: int) -> tuple[MemoryProjection, Any]:
+    """:func:`folded`, called ``frames`` Python frames deeper."""
+    if frames:
+        return folded_from_deeper(body, frames - 1)
+    return folded(body, aggregation="minutes")
+
+
+@pytest.mark.parametrize("depth", [MAX_NESTING, MAX_NESTING + 1, 300])
+def test_nesting_decides_the_same_on_any_stack_parse_37(depth: int) -> None:
+    """PARSE-37: a point nested up to 64 levels is taken, a deeper one rejected, the same when
+    the fold runs 300 frames deeper (as a worker thread's fold does, against a rebuild's)."""
+    outcomes = set()
+    for frames in (0, 300):
+        projection, outcome = folded_from_deeper(nested_body(depth), frames)
+        outcomes.add(
+            (
+                outcome.status,
+                outcome.counters.points_rejected,
+                len(stored(projection)["n", "minutes"]),
+            )
+        )
+    assert outcomes == {(PARSED, 0, 3) if depth <= MAX_NESTING else (PARTIAL, 1, 2)}
 
 
 def test_invalid_utf8_in_a_point() -> None:
