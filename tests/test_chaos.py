@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
+import sqlite3
 import subprocess
 import sys
 from collections import Counter
@@ -15,8 +17,9 @@ import pytest
 from healthlog import faults
 from healthlog.storage import faultplan
 from healthlog.storage._sqlite import Deferred
+from healthlog.storage.journal import NewDelivery
 from healthlog.workload import LEAK_MARKER
-from transport.chaos import KINDS, Run
+from transport.chaos import CLIENT, KINDS, Run, _Accepted, _plan
 
 SUMMARY = re.compile(
     r"^chaos: runs (\d+), faults injected (\d+), crashes (\d+), deliveries (\d+),"
@@ -61,6 +64,30 @@ def test_leaks_and_errors_break_the_run_chaos_2(tmp_path: Path, line: str) -> No
     assert run.result.broken
 
 
+def test_point_values_and_the_tools_output_are_checked_chaos_2(tmp_path: Path) -> None:
+    """CHAOS-2: a point value of a posted body in the service's log above DEBUG, or an ERROR in
+    the concurrent reindex's output, breaks the run; a number that is no point value, or a
+    value logged at DEBUG, does not."""
+    body = b'{"data":{"metrics":[{"name":"step_count","data":[{"qty":75.48654,"date":"x"}]}]}}'
+    quiet = [
+        'time=x level=INFO logger=healthlog.lease msg="fold lease expires 12.3456 s ahead"',
+        'time=x level=DEBUG logger=healthlog.fold msg="qty 75.48654"',
+    ]
+    loud = 'time=x level=WARNING logger=healthlog.fold msg="first point 75.48654"'
+    cases = [
+        (quiet, [], False),
+        ([*quiet, loud], [], True),
+        (quiet, ["2025 level=ERROR logger=healthlog.rebuild boom"], True),
+    ]
+    for n, (lines, tools, broken) in enumerate(cases):
+        run = Run(5, tmp_path / str(n))
+        run.bodies = [body]
+        run.tool_output = tools
+        run.log.write_text("\n".join(lines) + "\n")
+        run._check_logs()
+        assert bool(run.result.broken) == broken, (lines, tools, run.result.broken)
+
+
 def test_plan_from_the_environment_fires_and_logs_chaos_3(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -93,6 +120,54 @@ def test_two_hundred_runs_plan_every_kind_chaos_5(tmp_path: Path) -> None:
         chosen.update(Run(7 * 100_000 + n, tmp_path).kinds)
     assert set(chosen) == set(KINDS)
     assert min(chosen.values()) >= 10
+
+
+def test_every_kind_chosen_is_planned_chaos_7(tmp_path: Path) -> None:
+    """CHAOS-7: in each run of ``--seed 7 --runs 200``, every kind chosen that a plan carries
+    (busy, ioerror, delay, kill, clock) is in the plan, each at a point of its own."""
+    planned_kinds = {"busy", "ioerror", "delay", "kill", "clock"}
+    for n in range(200):
+        run = Run(7 * 100_000 + n, tmp_path)
+        plan = _plan(run.rng, run.kinds)
+        assert sorted(entry["do"] for entry in plan.values()) == sorted(run.kinds & planned_kinds)
+
+
+def test_the_journal_is_checked_against_what_was_posted_chaos_8(tmp_path: Path) -> None:
+    """CHAOS-8: a receipt whose journal row holds other bytes than those posted counts as lost;
+    an idempotency key journaled twice, or at another id than its receipts name, breaks the
+    run; a receipt naming the row of the bytes posted is neither."""
+    run = Run(5, tmp_path)
+    posted = [b'{"n":1}', b'{"n":2}', b'{"n":3}']
+    with run.data.open_journal() as journal:
+        ids = [
+            journal.append(NewDelivery(body=body, client=CLIENT, idempotency_key=key)).delivery_id
+            for body, key in zip(posted, ["a", None, "b"], strict=True)
+        ]
+        journal.append(NewDelivery(body=b'{"n":4}', client=CLIENT, idempotency_key="b2"))
+    sha = [hashlib.sha256(body).hexdigest() for body in posted]
+    run.accepted = [_Accepted(sha[0], ids[0], "a"), _Accepted(sha[1], ids[1], None)]
+    run.check_journal()
+    assert (run.result.lost, run.result.broken) == (0, [])
+
+    run.accepted.append(_Accepted(sha[0], ids[2], None))
+    run.check_journal()
+    assert run.result.lost == 1
+
+    run = Run(6, tmp_path)
+    with run.data.open_journal() as journal:
+        first = journal.append(NewDelivery(body=posted[0], client=CLIENT, idempotency_key="k"))
+    with sqlite3.connect(run.data.journal_path) as conn:
+        conn.execute("DROP TABLE receipts")
+        conn.execute(
+            "CREATE TABLE receipts (client TEXT, idempotency_key TEXT, delivery_id INTEGER,"
+            " content_digest BLOB, PRIMARY KEY (client, idempotency_key))"
+        )
+    with run.data.open_journal() as journal:
+        journal.append(NewDelivery(body=posted[0], client=CLIENT, idempotency_key="k"))
+    run.accepted = [_Accepted(sha[0], first.delivery_id, "k")]
+    run.check_journal()
+    assert run.result.lost == 0
+    assert any("idempotency key k journaled" in broken for broken in run.result.broken)
 
 
 def test_a_third_of_the_runs_seal_chaos_6(tmp_path: Path) -> None:

@@ -502,6 +502,15 @@ class Journal:
             ).fetchone()
         return int(number), int(ids)
 
+    def keyed(self) -> list[tuple[str, str, int]]:
+        """(client, idempotency key, delivery id) of every delivery journaled with a key."""
+        with self._reading() as conn:
+            rows = conn.execute(
+                "SELECT client, idempotency_key, id FROM deliveries"
+                " WHERE idempotency_key IS NOT NULL ORDER BY id"
+            ).fetchall()
+        return [(str(client), str(key), int(delivery_id)) for client, key, delivery_id in rows]
+
     def count(self) -> tuple[int, int]:
         """(number of deliveries, total raw bytes)."""
         with self._reading() as conn:
