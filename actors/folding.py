@@ -222,6 +222,10 @@ class FoldingActor:
             raise
         assert folding.stopped_because is not None
         self._stops[folding.stopped_because] += 1
+        if folding.stopped_because == "fenced" and self._epoch == epoch:
+            # The epoch is lost: wait for the lease actor to report one again rather than fold
+            # under it on every wake, each time fenced again after reading a body.
+            self._epoch = None
         await trio.to_thread.run_sync(
             write_marks, self._journal, self._store, folding, now_us, limiter=self._limiter
         )

@@ -409,6 +409,32 @@ async def test_a_takeover_mid_pass_fences_the_folder_until_it_holds_the_lease_ag
     assert f"delivery {ids[1]}: fold fenced, lease epoch 1 lost" in logged(caplog, logging.WARNING)
 
 
+async def test_a_fenced_folder_waits_for_its_lease_actor_run_32(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-32: after a fold is fenced, the folder forgets its epoch: deliveries submitted before
+    its lease actor renews wake no pass under the lost epoch, so one fold is fenced, not one per
+    wake."""
+    settings = config(tmp_path, lease_renew_s=10, lease_ttl_s=30)
+    async with open_runtime(settings) as runtime:
+        first = await runtime.submit(new_delivery(0))
+        await wait_folded(tmp_path, [first.delivery_id])
+        with Store(DataDir(tmp_path).store_path) as other:
+            taken = other.acquire_lease(
+                "other", now=time.time_ns() // 1000, ttl=HOUR_US, force=True
+            )
+            assert taken == 2
+            for n in range(1, 4):
+                await runtime.submit(new_delivery(n))
+                await trio.sleep(0.3)
+            stats = runtime.statistics()
+    assert stats.folding.epoch is None
+    assert stats.folding.outcomes_by_class == {"done": 1, "fenced": 1}
+    assert stats.folding.passes_by_stop["fenced"] == 1
+    fenced = [r for r in logged(caplog, logging.WARNING) if "fold fenced" in r]
+    assert len(fenced) == 1
+
+
 async def test_folds_run_in_worker_processes_end_to_end_run_26(tmp_path: Path) -> None:
     """RUN-26: with the process executor, journaled and submitted deliveries fold in journal
     order in worker processes, each commit checkpointed under the runtime's lease epoch."""
