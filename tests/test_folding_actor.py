@@ -435,6 +435,23 @@ async def test_a_fenced_folder_waits_for_its_lease_actor_run_32(
     assert len(fenced) == 1
 
 
+async def test_a_fold_holding_the_store_past_the_lease_ttl_is_not_fenced_fence_12(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FENCE-12: a fold that takes longer than the lease's TTL (renewals wait for it) leaves
+    the runtime at its epoch: nothing is fenced, every delivery folds under epoch 1."""
+    ids = journal_directly(tmp_path, [new_delivery(n) for n in range(3)])
+    slow = faults.Plan(actions={"fold.begin": action({1}, lambda _: time.sleep(2.5))})
+    with faults.loaded(slow):
+        async with open_runtime(config(tmp_path, lease_ttl_s=2, lease_renew_s=0.5)) as runtime:
+            await wait_folded(tmp_path, ids)
+            stats = runtime.statistics()
+    assert outcome_epochs(tmp_path) == dict.fromkeys(ids, 1)
+    assert stats.folding.outcomes_by_class == {"done": 3}
+    assert stats.lease.acquisitions == 1
+    assert [r for r in logged(caplog, logging.WARNING) if "fenced" in r] == []
+
+
 async def test_folds_run_in_worker_processes_end_to_end_run_26(tmp_path: Path) -> None:
     """RUN-26: with the process executor, journaled and submitted deliveries fold in journal
     order in worker processes, each commit checkpointed under the runtime's lease epoch."""

@@ -170,6 +170,17 @@ def test_takeover_fences_the_first_holder_store_4(
     assert epochs == {first.id: epoch, second.id: taken}
 
 
+def test_a_holder_renews_its_own_expired_lease_at_the_same_epoch_fence_12(store: Store) -> None:
+    """FENCE-12: a holder whose lease expired with nobody taking it renews at the same epoch;
+    once another has taken it, the holder is refused, and takes it back only at a new epoch."""
+    assert store.acquire_lease("a", now=100, ttl=10) == 1
+    assert store.acquire_lease("a", now=150, ttl=10) == 1
+    assert store.lease() == Lease("a", 1, 160)
+    assert store.acquire_lease("b", now=170, ttl=10) == 2
+    assert store.acquire_lease("a", now=175, ttl=10) is None
+    assert store.acquire_lease("a", now=181, ttl=10) == 3
+
+
 def test_lease_acquire_renew_refuse_takeover_release_force_store_5(store: Store) -> None:
     """STORE-5: the lease row through its life; every takeover increments the epoch."""
     assert store.lease() == Lease(None, 0, 0)

@@ -224,16 +224,20 @@ class Store(_objects.ObjectDatabase):
     def acquire_lease(self, holder: str, *, now: int, ttl: int, force: bool = False) -> int | None:
         """Take or renew the fold lease; return the epoch held, or None if someone else holds it.
 
-        A takeover (a new holder, an expired lease, or ``force``) increments the epoch. An
-        expiry further ahead than one term (the holder's or ours, whichever is longer) was
-        written by a clock that has since jumped back: it is cut to one term from now, so a
-        dead holder's lease frees within a term, while a live holder keeps it by renewing.
+        A takeover (a new holder, a lease another let expire, or ``force``) increments the
+        epoch. The holder renews its own lease at the same epoch even once it has expired, as
+        long as nobody took it meanwhile (the row still names it): no other writer can have
+        folded in between, and a fold that held the write lock past the expiry is not fenced
+        for it. An expiry further ahead than one term (the holder's or ours, whichever is
+        longer) was written by a clock that has since jumped back: it is cut to one term from
+        now, so a dead holder's lease frees within a term, while a live holder keeps it by
+        renewing.
         """
         with self._lock, write_transaction(self._conn):
             current, epoch, expires_at, term = self._conn.execute(
                 "SELECT holder, epoch, expires_at, term FROM lease WHERE name = ?", (FOLD_LEASE,)
             ).fetchone()
-            if current == holder and expires_at > now and not force:
+            if current == holder and not force:
                 self._conn.execute(
                     "UPDATE lease SET expires_at = ?, term = ? WHERE name = ?",
                     (now + ttl, ttl, FOLD_LEASE),
