@@ -8,6 +8,7 @@ work runs in worker threads, one CapacityLimiter per connection.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -35,8 +36,10 @@ WAIT_POLL_S = 0.05
 
 
 def default_holder() -> str:
-    """A lease holder name unique to this process."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """A lease holder name unique to this runtime: the host and process, and a random part,
+    since a process id comes back (a restarted container's service often has the same one),
+    and a holder renews a lease that names it at the same epoch."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 class Actor(Protocol):

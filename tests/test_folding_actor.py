@@ -8,6 +8,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from _runtime_helpers import (
 )
 
 from actors.folding import WORKER_DEATHS, WORKER_DIED, WORKER_NICENESS, Executor
-from actors.runtime import open_runtime
+from actors.runtime import default_holder, open_runtime
 from healthlog import faults
 from healthlog.folding import OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
@@ -450,6 +451,14 @@ async def test_a_fold_holding_the_store_past_the_lease_ttl_is_not_fenced_fence_1
     assert stats.folding.outcomes_by_class == {"done": 3}
     assert stats.lease.acquisitions == 1
     assert [r for r in logged(caplog, logging.WARNING) if "fenced" in r] == []
+
+
+def test_each_runtime_has_a_holder_name_of_its_own_fence_12() -> None:
+    """FENCE-12: default holder names are the host and process with a random part, different
+    for each runtime even in one process (a process id comes back after a restart)."""
+    first, second = default_holder(), default_holder()
+    assert first != second
+    assert first.startswith(f"{socket.gethostname()}:{os.getpid()}:")
 
 
 async def test_folds_run_in_worker_processes_end_to_end_run_26(tmp_path: Path) -> None:
