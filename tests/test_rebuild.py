@@ -560,6 +560,38 @@ def test_verify_reports_a_live_body_that_does_not_hold_its_content_store_26(
     assert verify(journal, store, workers=workers) == []
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_verify_reports_a_live_row_whose_columns_are_not_the_rebuilds_store_28(
+    journal: Journal, store: Store, epoch: int, workers: int
+) -> None:
+    """STORE-28: a live object whose units, or whose point count, was changed on disk behind
+    its intact hash is reported corrupt, in one process and partitioned; after a reindex
+    nothing is."""
+    append(journal, delivery(body({"hr": [point(n, n) for n in range(3)]}, units="count/min")))
+    append(journal, delivery(body({"steps": [point(n, n) for n in range(2)]}, units="count")))
+    run_pass(journal, store, epoch)
+    units_damaged, count_damaged = sorted(store.summaries(), key=attrs.astuple)[:2]
+    with sqlite3.connect(store.path) as conn:
+        conn.execute(
+            "UPDATE objects SET units = 'kg' WHERE metric = ? AND layer = ? AND hour = ?",
+            attrs.astuple(units_damaged),
+        )
+        conn.execute(
+            "UPDATE objects SET points = points + 1 WHERE metric = ? AND layer = ? AND hour = ?",
+            attrs.astuple(count_damaged),
+        )
+    hashes = {key: summary.hash for key, summary in store.summaries().items()}
+
+    differences = verify(journal, store, workers=workers)
+
+    assert differences == [
+        Difference(key, hashes[key], hashes[key], corrupt=True)
+        for key in sorted((units_damaged, count_damaged), key=attrs.astuple)
+    ]
+    reindex(journal, store, "reindex", workers=workers)
+    assert verify(journal, store, workers=workers) == []
+
+
 def test_the_command_line_names_corrupt_objects_store_26(
     journal: Journal, store: Store, epoch: int, tmp_path: Path, cli: Cli
 ) -> None:

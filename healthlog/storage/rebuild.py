@@ -125,8 +125,9 @@ def verify(
     workers: int | None = None,
 ) -> list[Difference]:
     """Objects that differ between the live store and a rebuild of what it has folded: in
-    content (hash), in whether a seal covers them, or in a live body that does not decompress
-    to the rebuilt bytes (a corrupt body behind an intact hash)."""
+    content (hash), in whether a seal covers them, or in a live row damaged behind an intact
+    hash: a body that does not decompress to the rebuilt bytes, or units, a point count or a
+    creating delivery that are not the rebuild's."""
     folded, live = store.snapshot()
     with _scratch(Path(store.path)) as path:
         rebuild_into(
@@ -144,7 +145,10 @@ def verify(
                 for key in live.keys() & fresh.keys()
                 if (live[key].hash, live[key].sealed) == (fresh[key].hash, fresh[key].sealed)
             ]
-            corrupt = set(_corrupt(store, rebuilt, agreeing, live))
+            # Columns the hash stands for (units) or that follow from the same points, wrong
+            # behind an intact hash: a damaged row, as a damaged body is.
+            corrupt = {key for key in agreeing if _columns(live[key]) != _columns(fresh[key])}
+            corrupt.update(_corrupt(store, rebuilt, agreeing, live))
     return [
         Difference(
             key,
@@ -158,6 +162,10 @@ def verify(
         or (live[key].hash, live[key].sealed) != (fresh[key].hash, fresh[key].sealed)
         or key in corrupt
     ]
+
+
+def _columns(summary: ObjectSummary) -> tuple[str | None, int, int]:
+    return summary.units, summary.points, summary.created_by
 
 
 def _corrupt(
