@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import logging
 import sqlite3
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +36,7 @@ from healthlog.storage.passes import run_pass
 from healthlog.storage.rebuild import Difference, RebuildError, rebuild_into, reindex, verify
 from healthlog.storage.store import Store
 from healthlog.timestamps import format_instant
-from healthlog.workload import encode, window
+from healthlog.workload import big_body, encode, window
 
 if TYPE_CHECKING:
     from conftest import Cli, RunCli
@@ -606,3 +609,53 @@ def test_the_command_line_names_corrupt_objects_store_26(
         f"corrupt\t{key.metric}\t{key.layer}\t{format_instant(key.hour)}\n".encode()
         for key in (d.junk, d.other)
     ]
+
+
+def children_of(pid: int) -> set[int]:
+    """The processes whose parent is ``pid``."""
+    found = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            if f"\nPPid:\t{pid}\n" in status.read_text():
+                found.add(int(status.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet has ended)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_a_killed_rebuild_leaves_no_worker_and_its_scratch_goes_store_29(tmp_path: Path) -> None:
+    """STORE-29: `healthlog reindex` killed with SIGKILL while its worker processes fold: the
+    workers exit within seconds; its scratch directory is left, and the next reindex removes
+    it, but not the scratch directory of a rebuild still running (its lock is held)."""
+    data = DataDir(tmp_path / "data")
+    with data.open_journal() as journal:
+        journal.append_many(
+            [NewDelivery(body=big_body(n, target_bytes=12 * 2**20), client="t") for n in range(3)]
+        )
+    command = [sys.executable, "-m", "healthlog.cli", "reindex", "--data", str(data.path)]
+    with subprocess.Popen(command, stderr=subprocess.DEVNULL) as killed:
+        deadline = time.monotonic() + 60
+        while not (workers := children_of(killed.pid)):
+            assert killed.poll() is None, "the reindex ended before its workers were seen"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        killed.kill()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived the killed reindex"
+        time.sleep(0.05)
+    left = list(data.path.glob(".rebuild-*"))
+    assert len(left) == 1
+    busy = data.path / ".rebuild-busy"
+    busy.mkdir()
+    with open(busy / "owner.lock", "wb") as owner:
+        fcntl.flock(owner, fcntl.LOCK_EX)
+        done = subprocess.run(command, capture_output=True, check=False, timeout=120)
+        assert done.returncode == 0, done.stderr
+    assert list(data.path.glob(".rebuild-*")) == [busy]

@@ -41,9 +41,13 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
+import signal
 import sqlite3
 import sys
 import tempfile
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -77,6 +81,8 @@ AHEAD_BYTES = 32 * 2**20
 TASK_BYTES = 4 * 2**20
 # How often this process wakes while it waits for workers: progress, and the lease renewal.
 POLL_S = 1.0
+# How often a worker checks that the rebuilding process is still its parent.
+ORPHAN_POLL_S = 0.5
 
 _ENVELOPE_COUNTERS = ("metrics", "sections", "unknown_sections", "entries_rejected")
 _SUMMED_COUNTERS = tuple(
@@ -254,6 +260,23 @@ def _context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
 
 
+def _worker_started(parent: int) -> None:
+    """In each worker process: SIGTERM ends it (a forked worker would inherit the command's
+    handler, which only notes a stop), SIGINT is left to the rebuilding process (a terminal's
+    Ctrl-C reaches the whole group), and it exits once ``parent`` is gone (a rebuild killed
+    with SIGKILL would otherwise leave its workers waiting forever)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch = threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True)
+    watch.start()
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_POLL_S)
+    os._exit(1)
+
+
 def rebuild(
     journal: Journal,
     queue: list[DeliveryMeta],
@@ -285,7 +308,9 @@ def rebuild(
 
     with (
         tempfile.TemporaryDirectory(prefix=".partitions-", dir=Path(target.path).parent) as tmp,
-        concurrent.futures.ProcessPoolExecutor(workers, mp_context=_context()) as pool,
+        concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=_context(), initializer=_worker_started, initargs=(os.getpid(),)
+        ) as pool,
     ):
         try:
             run = _Run(pool, Path(tmp) / "assumed", workers, len(queue), onwards, known=None)
@@ -293,6 +318,7 @@ def rebuild(
             known = run.misassumed()
             if known is not None:
                 log.debug("layers were not those assumed; folding again under the known layers")
+                shutil.rmtree(Path(tmp) / "assumed")
                 run = _Run(pool, Path(tmp) / "known", workers, len(queue), onwards, known=known)
                 run.fold(journal, queue)
             run.settle(reference)

@@ -11,7 +11,9 @@ temporary file, and compares the two object by object.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,6 +36,10 @@ log = logging.getLogger("healthlog.rebuild")
 LEASE_TTL_US = 300 * 1_000_000
 LEASE_RENEW_S = 30.0
 MAX_WORKERS = 4
+SCRATCH_PREFIX = ".rebuild-"
+SCRATCH_OWNER = "owner.lock"
+# A scratch directory without its lock file this long is left over, not being set up.
+UNLOCKED_STALE_S = 3600.0
 PARALLEL_MIN_BYTES = 4 * 2**20
 
 
@@ -113,8 +119,38 @@ def rebuild_into(
 
 @contextlib.contextmanager
 def _scratch(near: Path) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix=".rebuild-", dir=near.parent) as tmp:
+    """A scratch store in a directory of its own next to ``near``, locked while in use; what
+    killed rebuilds left there is removed first."""
+    _remove_stale_scratch(near.parent)
+    with (
+        tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=near.parent) as tmp,
+        open(Path(tmp) / SCRATCH_OWNER, "wb") as owner,
+    ):
+        fcntl.flock(owner, fcntl.LOCK_EX)
         yield Path(tmp) / "store.sqlite"
+
+
+def _remove_stale_scratch(directory: Path) -> None:
+    """Remove the scratch directories of rebuilds that were killed: their lock died with their
+    process. One without a lock file is another's only for a moment after it is made."""
+    for scratch in directory.glob(f"{SCRATCH_PREFIX}*"):
+        if not _in_use(scratch):
+            shutil.rmtree(scratch, ignore_errors=True)
+            log.info("removed %s, left by a rebuild that was stopped", scratch.name)
+
+
+def _in_use(scratch: Path) -> bool:
+    try:
+        with open(scratch / SCRATCH_OWNER, "rb") as owner:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        try:
+            return time.time() - scratch.stat().st_mtime < UNLOCKED_STALE_S
+        except OSError:
+            return True
+    except OSError:
+        return True
+    return False
 
 
 def verify(
