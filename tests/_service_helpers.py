@@ -130,6 +130,8 @@ class Drip(httpx.AsyncByteStream):
         self._pause_s = pause_s
         self._gate = gate
         self._sent = 0
+        self.held = trio.Event()
+        """Set once the first chunk is out and the rest waits for the gate."""
 
     def __aiter__(self) -> Drip:  # type: ignore[override]
         return self
@@ -139,6 +141,7 @@ class Drip(httpx.AsyncByteStream):
             raise StopAsyncIteration
         if self._sent:
             if self._gate is not None:
+                self.held.set()
                 await self._gate.wait()
             await trio.sleep(self._pause_s)
         chunk = self._chunks[self._sent]

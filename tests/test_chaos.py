@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import sqlite3
 import subprocess
@@ -47,6 +48,11 @@ def test_short_run_holds_every_invariant_chaos_1() -> None:
     sealed = re.search(r"^runs with a seal: (\d+)$", done.stdout, re.MULTILINE)
     assert sealed is not None
     assert int(sealed.group(1)) > 0
+    by_kind = re.search(r"^faults by kind: (.*)$", done.stdout, re.MULTILINE)
+    assert by_kind is not None
+    counts = dict(item.rsplit(" ", 1) for item in by_kind.group(1).split(", "))
+    assert list(counts) == list(KINDS)
+    assert sum(map(int, counts.values())) == injected
 
 
 @pytest.mark.parametrize(
@@ -110,6 +116,28 @@ def test_plan_from_the_environment_fires_and_logs_chaos_3(
         faults.install(faultplan.from_spec({"nowhere": {"hits": [1], "do": "busy"}}))
     with pytest.raises(ValueError, match="unknown fault kind"):
         faultplan.from_spec({"fold.begin": {"hits": [1], "do": "explode"}})
+
+
+def test_a_plan_in_the_environment_fires_in_another_process_chaos_3() -> None:
+    """CHAOS-3: a plan handed to a child process in ``HEALTHLOG_FAULT_PLAN`` fires there, on
+    the named hit only, and the child logs it."""
+    plan = {"fold.begin": {"hits": [2], "do": "delay", "seconds": 0}}
+    script = (
+        "import logging, sys\n"
+        "from healthlog import faults\n"
+        "from healthlog.storage import faultplan\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "assert faultplan.load_environment() is not None\n"
+        "for _ in range(3):\n"
+        "    faults.point('fold.begin')\n"
+    )
+    env = {**os.environ, faultplan.PLAN_ENV: orjson.dumps(plan).decode()}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert re.findall(r"fault injected at \S+ \(hit \d+\)", done.stderr) == [
+        "fault injected at fold.begin (hit 2)"
+    ]
 
 
 def test_two_hundred_runs_plan_every_kind_chaos_5(tmp_path: Path) -> None:

@@ -421,11 +421,11 @@ async def test_a_fenced_folder_waits_for_its_lease_actor_run_32(
         first = await runtime.submit(new_delivery(0))
         await wait_folded(tmp_path, [first.delivery_id])
         with Store(DataDir(tmp_path).store_path) as other:
-            taken = other.acquire_lease(
-                "other", now=time.time_ns() // 1000, ttl=HOUR_US, force=True
-            )
-            assert taken == 2
-            for n in range(1, 4):
+            now = time.time_ns() // 1000
+            assert other.acquire_lease("other", now=now, ttl=HOUR_US, force=True) == 2
+            await runtime.submit(new_delivery(1))
+            await until(lambda: runtime.statistics().folding.outcomes_by_class.get("fenced") == 1)
+            for n in range(2, 4):
                 await runtime.submit(new_delivery(n))
                 await trio.sleep(0.3)
             stats = runtime.statistics()

@@ -290,6 +290,7 @@ async def test_kill_at_every_step_recovers(tmp_path: Path, fault_point: str) -> 
     else:
         pytest.fail(f"{fault_point} still killed the service at hit {MAX_STEP}")
     print(f"{fault_point}: killed at hits 1..{k - 1}, completed at step {k}")
+    assert k > 1, f"{fault_point} never fired: no kill was proven"
     assert recovered == [lines] * (k - 1)
 
 

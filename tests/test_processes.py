@@ -321,6 +321,8 @@ def test_two_runtimes_one_folds_and_the_other_takes_over_after_a_crash_fence_1_f
             assert not set(later) & sample.epochs.keys(), "folded with nobody holding the lease"
         assert time.monotonic() < deadline, sample.describe()
         time.sleep(POLL_S)
+    # The takeover came before this moment: if it is before the expiry, so was the takeover.
+    assert wall_us() >= dead.expires_at, "taken over before the lease expired"
     assert sample.epoch == held.epoch + 1
 
     final = wait_state(data, "beta folds what was journaled meanwhile", quiescent, watch=[beta])

@@ -403,8 +403,12 @@ async def test_same_key_while_the_first_body_uploads_is_409(service: Service) ->
     async def first() -> None:
         answers["first"] = await post_stream(service.client, slow, {**service.auth, **key})
 
+    # A request loads the token cache, so that neither request waits for a thread in its
+    # check; the second is sent once the first's headers and first bytes are out.
+    assert (await service.get("/v1/status")).status_code == 200
     async with trio.open_nursery() as nursery:
         nursery.start_soon(first)
+        await slow.held.wait()
         await trio.sleep(HEAD_START_S)
         try:
             answers["second"] = await service.post(HEART_RATE, key)

@@ -447,9 +447,10 @@ async def test_never_reading_subscriber_is_closed(tmp_path: Path) -> None:
     async with serving(tmp_path, stream_send_timeout_s=SEND_TIMEOUT_S) as service:
         await fill(service)
         async with stalled(service) as tcp:
-            with trio.move_on_after(SEND_TIMEOUT_S + 4):
+            with trio.fail_after(SEND_TIMEOUT_S + 4):
                 while not stream_handlers():
                     await trio.sleep(POLL_S)
+            with trio.move_on_after(SEND_TIMEOUT_S + 4):
                 while stream_handlers():
                     await trio.sleep(POLL_S)
             assert stream_handlers() == 0, "the stalled subscriber is still being served"
