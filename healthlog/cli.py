@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import trio
@@ -263,24 +263,36 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
     from transport.follow import FollowError, follow
 
     with Replica(args.replica) as replica:
+        following = functools.partial(
+            follow,
+            args.url,
+            args.token,
+            replica,
+            subscriber=args.subscriber,
+            until_caught_up=args.until_caught_up,
+        )
         try:
-            trio.run(
-                functools.partial(
-                    follow,
-                    args.url,
-                    args.token,
-                    replica,
-                    subscriber=args.subscriber,
-                    until_caught_up=args.until_caught_up,
-                )
-            )
+            trio.run(_until_stopped, following)
         except FollowError as exc:
             raise CliError(str(exc)) from None
-        except KeyboardInterrupt:
-            return 0
         cursor = replica.binding().cursor
     print(f"follow: replica at seq {cursor}", file=sys.stderr)
     return 0
+
+
+async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
+    """``run``, until it returns or SIGINT or SIGTERM stops it (cancelled: a follower's replica
+    is consistent after every event)."""
+    async with trio.open_nursery() as nursery:
+
+        async def stop_on_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+        nursery.start_soon(stop_on_signals)
+        await run()
+        nursery.cancel_scope.cancel()
 
 
 def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:

@@ -15,9 +15,11 @@ import functools
 import logging
 import os
 import random
+import signal
 import sqlite3
 import ssl
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,7 @@ from wsproto.events import (
 
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import SIGNING_KEY_FILE, DataDir
-from healthlog.storage.replica import Binding, Replica
+from healthlog.storage.replica import REPLICA_FILE, Binding, Replica
 from transport.follow import (
     BACKOFF_START_S,
     ConnectionLost,
@@ -433,7 +435,8 @@ class Front:
     would: it forwards each connection's bytes to the service, after terminating TLS when given
     a server context. Scripted faults come first: ``bad_gateway`` connections answered 502,
     ``too_slow`` websocket connections refused with a ``TOO_SLOW`` frame and close 4408,
-    ``silent`` ones never answered, and with ``stale`` (a snapshot directory) the snapshot files
+    ``silent`` ones never answered, websocket upgrades answered with the statuses in ``refuse``
+    (one each, in order), and with ``stale`` (a snapshot directory) the snapshot files
     removed as the first ``CURSOR_TOO_OLD`` frame passes, before the follower can fetch the file
     it names. ``received`` is every byte clients sent, as it came off the wire."""
 
@@ -445,6 +448,7 @@ class Front:
         bad_gateway: int = 0,
         too_slow: int = 0,
         silent: int = 0,
+        refuse: Sequence[int] = (),
         stale: Path | None = None,
     ) -> None:
         self.upstream = upstream
@@ -452,6 +456,7 @@ class Front:
         self.bad_gateway = bad_gateway
         self.too_slow = too_slow
         self.silent = silent
+        self.refuse = list(refuse)
         self.upgrade_heads: list[bytes] = []
         self.stale = stale
         self.port = 0
@@ -485,6 +490,11 @@ class Front:
                     if self.silent:
                         self.silent -= 1
                         await trio.sleep_forever()
+                    elif self.refuse:
+                        await client.send_all(
+                            b"HTTP/1.1 %d Refused\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                            % self.refuse.pop(0)
+                        )
                     elif self.too_slow:
                         self.too_slow -= 1
                         await too_slow(client, head)
@@ -646,6 +656,24 @@ async def test_follow_retries_a_bad_gateway_stream_32(
                 await follow(front.url("http"), "hl_wrong", replica, until_caught_up=True)
 
 
+@pytest.mark.parametrize(("status", "says"), [(403, r"refused the stream \(403\)"), (401, "token")])
+async def test_follow_stops_when_the_stream_upgrade_is_refused_stream_37(
+    tmp_path: Path, status: int, says: str
+) -> None:
+    """STREAM-37: a front refusing the websocket upgrade with 502 is retried; with 401 or
+    another 4xx (a proxy not set up for websockets, or one that strips the token) the follower
+    stops for good, as for the HTTP requests."""
+    with Replica(tmp_path / "replica") as replica:
+        async with (
+            serving(tmp_path / "server") as service,
+            fronting(service, refuse=[502, status]) as front,
+        ):
+            await post_small(service, 0, 5)
+            with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match=says):
+                await follow(front.url("http"), service.token, replica, until_caught_up=True)
+            assert (front.refuse, len(front.upgrades)) == ([], 2)
+
+
 async def test_follow_backs_off_when_too_slow_stream_33(tmp_path: Path) -> None:
     """STREAM-33: after a close for being too slow (4408) the follower reconnects only after
     its backoff, doubling while it makes no progress, then catches up."""
@@ -683,3 +711,33 @@ async def test_follow_gives_up_a_handshake_left_unanswered_stream_35(tmp_path: P
                 for head in front.upgrade_heads
             )
             assert (await binding(replica)).cursor == total
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_follow_stops_cleanly_on_a_signal_cli_31(tmp_path: Path, signum: int) -> None:
+    """CLI-31: `healthlog follow`, a real process following live, stops on SIGINT or SIGTERM
+    with exit 0, naming the sequence its replica holds, which is the server's head."""
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0, 5)
+        replica = tmp_path / "replica"
+        command = [
+            *(sys.executable, "-m", "healthlog.cli", "follow", "--url", service.url),
+            *("--token", service.token, "--replica", str(replica)),
+        ]
+        with open(tmp_path / "stderr", "wb") as stderr:
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(
+                    functools.partial(trio.run_process, command, stderr=stderr, check=False)
+                )
+                with trio.fail_after(FRAME_LIMIT_S):
+                    while not (replica / REPLICA_FILE).exists():
+                        await trio.sleep(POLL_S)
+                    with Replica(replica) as reading:
+                        while (await binding(reading)).cursor < total:
+                            await trio.sleep(POLL_S)
+                    process.send_signal(signum)
+                    await process.wait()
+    assert process.returncode == 0
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    assert lines[-1] == f"follow: replica at seq {total}"
+    assert "Traceback" not in "\n".join(lines)

@@ -403,6 +403,12 @@ class StreamSocket:
             elif isinstance(event, AcceptConnection):
                 self._accepted = True
             elif isinstance(event, RejectConnection):
+                # As for the HTTP requests: a 5xx (a restarting server, or a proxy in front of
+                # one) is a lost connection; 401 and any other refusal are for good.
+                if event.status_code == 401:
+                    raise FollowError("the server refused the token")
+                if event.status_code < 500:
+                    raise FollowError(f"the server refused the stream ({event.status_code})")
                 raise ConnectionLost(f"the server refused the stream ({event.status_code})")
 
 
