@@ -26,6 +26,7 @@ from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
+from healthlog.storage.passes import pending
 from healthlog.storage.rebuild import Difference, RebuildError, reindex, verify
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.storage.status import collect_status
@@ -338,6 +339,13 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         differences = verify(journal, store, progress=progress)
+        unfolded = len(pending(journal, store))
+    if unfolded:
+        print(
+            f"verify: {unfolded} journaled deliveries are not folded yet; only what is folded"
+            " was compared",
+            file=sys.stderr,
+        )
     try:
         for diff in differences:
             print(

@@ -161,3 +161,18 @@ def test_follow_with_a_port_out_of_range_exits_2_cli_30(cli: Cli, tmp_path: Path
     run = cli("follow", "--url", url, "--token", "t", "--replica", tmp_path / "replica")
     assert run.code == 2
     one_line_error(run.err, f"not a service or stream URL: {url}")
+
+
+def test_verify_says_what_is_not_folded_yet_cli_32(cli: Cli, tmp_path: Path) -> None:
+    """CLI-32: `verify` on a data directory with journaled deliveries not folded yet (another
+    process holds the fold lease) exits 0 for what is folded and says how many are not."""
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    with DataDir(data).open_store() as store:
+        epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        assert epoch is not None
+    assert cli("import", "--no-wait", "--aggregation", "minutes", "--data", data, file).code == 0
+    run = cli("verify", "--data", data)
+    assert run.code == 0
+    assert "verify: 1 journaled deliveries are not folded yet" in run.err
+    assert run.err.splitlines()[-1] == "verify: 0 objects differ"
