@@ -283,7 +283,8 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
 
 async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
     """``run``, until it returns or SIGINT or SIGTERM stops it (cancelled: a follower's replica
-    is consistent after every event)."""
+    is consistent after every event). What ``run`` raises is raised as it is, not in a group."""
+    failure: Exception | None = None
     async with trio.open_nursery() as nursery:
 
         async def stop_on_signals() -> None:
@@ -292,8 +293,13 @@ async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
                     nursery.cancel_scope.cancel()
 
         nursery.start_soon(stop_on_signals)
-        await run()
+        try:
+            await run()
+        except Exception as exc:
+            failure = exc
         nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
 
 
 def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:

@@ -361,7 +361,7 @@ async def test_stream_socket_against_a_scripted_server() -> None:
         port = listeners[0].socket.getsockname()[1]
         with trio.fail_after(FRAME_LIMIT_S):
             async with await trio.open_tcp_stream("127.0.0.1", port) as tcp:
-                with pytest.raises(ConnectionLost, match="403"):
+                with pytest.raises(FollowError, match="403"):
                     await StreamSocket(tcp).open("127.0.0.1", "/v1/stream", [])
         nursery.cancel_scope.cancel()
 
