@@ -456,8 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-body-mib", type=float, default=None, help="body limit (default 256, or env)"
     )
-    p.add_argument("--log-format", choices=LOG_FORMATS, default=None)
-    p.add_argument("--log-level", choices=LEVELS, default=None)
+    p.add_argument("--log-format", type=str.lower, choices=LOG_FORMATS, default=None)
+    p.add_argument("--log-level", type=str.lower, choices=LEVELS, default=None)
 
     token = sub.add_parser("token", help="manage client tokens", description="client tokens")
     token_sub = token.add_subparsers(dest="action", required=True, metavar="ACTION")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 from _cli_bodies import body, metric, point, write
 
+from healthlog.cli import build_parser
 from healthlog.config import load_serve_config
 from healthlog.storage.datadir import DataDir
 
@@ -126,11 +127,13 @@ def test_serve_refuses_settings_out_of_range_with_exit_2_cli_27(
 
 
 def test_serve_takes_log_level_and_format_in_any_case_cli_27(tmp_path: Path) -> None:
-    """CLI-27: `HEALTHLOG_LOG_LEVEL=INFO` and `HEALTHLOG_LOG_FORMAT=JSON` are the settings
-    `info` and `json`, not errors."""
+    """CLI-27: `HEALTHLOG_LOG_LEVEL=INFO` and `HEALTHLOG_LOG_FORMAT=JSON`, and the flags
+    `--log-level DEBUG --log-format Json`, are the settings in lower case, not errors."""
     environ = {"HEALTHLOG_LOG_LEVEL": "INFO", "HEALTHLOG_LOG_FORMAT": "JSON"}
     config = load_serve_config(tmp_path / "absent.toml", {}, environ)
     assert (config.log_level, config.log_format) == ("info", "json")
+    flags = build_parser().parse_args(["serve", "--log-level", "DEBUG", "--log-format", "Json"])
+    assert (flags.log_level, flags.log_format) == ("debug", "json")
 
 
 def test_export_from_a_directory_without_a_replica_exits_2_cli_28(cli: Cli, tmp_path: Path) -> None:

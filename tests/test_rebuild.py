@@ -6,6 +6,8 @@ import contextlib
 import fcntl
 import gzip
 import logging
+import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -659,3 +661,31 @@ def test_a_killed_rebuild_leaves_no_worker_and_its_scratch_goes_store_29(tmp_pat
         done = subprocess.run(command, capture_output=True, check=False, timeout=120)
         assert done.returncode == 0, done.stderr
     assert list(data.path.glob(".rebuild-*")) == [busy]
+
+
+def test_a_rebuild_stopped_with_its_process_group_exits_143_store_30(tmp_path: Path) -> None:
+    """STORE-30: SIGTERM to the whole process group of `healthlog reindex` once its workers
+    fold into their scratch files (as a service manager's stop sends it): the command stops at
+    its next report with exit 143, no error, and its workers are gone."""
+    data = DataDir(tmp_path / "data")
+    with data.open_journal() as journal:
+        journal.append_many(
+            [NewDelivery(body=big_body(n, target_bytes=12 * 2**20), client="t") for n in range(3)]
+        )
+    command = [sys.executable, "-m", "healthlog.cli", "reindex", "--data", str(data.path)]
+    with subprocess.Popen(command, stderr=subprocess.PIPE, start_new_session=True) as stopped:
+        deadline = time.monotonic() + 60
+        while not (workers := children_of(stopped.pid)) or not any(
+            data.path.glob(".rebuild-*/.partitions-*/*/part-*.sqlite")
+        ):
+            assert stopped.poll() is None, "the reindex ended before its workers folded"
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        os.killpg(stopped.pid, signal.SIGTERM)
+        _, err = stopped.communicate(timeout=60)
+    assert stopped.returncode == 143, err.decode()
+    assert "healthlog:" not in err.decode()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a worker outlived the stopped reindex"
+        time.sleep(0.05)

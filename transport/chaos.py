@@ -112,6 +112,9 @@ class _Service:
             "HEALTHLOG_LEASE_TTL_S": "1.5",
             "HEALTHLOG_LEASE_RENEW_S": "0.3",
             "HEALTHLOG_GRACEFUL_TIMEOUT_S": "2",
+            # The checks read the service's log as key=value lines, whatever the caller's is.
+            "HEALTHLOG_LOG_FORMAT": "kv",
+            "HEALTHLOG_LOG_LEVEL": "info",
         }
         env.pop(PLAN_ENV, None)
         if plan is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -124,9 +125,11 @@ def _scratch(near: Path) -> Iterator[Path]:
     _remove_stale_scratch(near.parent)
     with (
         tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=near.parent) as tmp,
-        open(Path(tmp) / SCRATCH_OWNER, "wb") as owner,
+        open(Path(tmp) / f"{SCRATCH_OWNER}.new", "wb") as owner,
     ):
+        # Locked before it takes its name, so that no rebuild ever finds it unlocked.
         fcntl.flock(owner, fcntl.LOCK_EX)
+        os.replace(Path(tmp) / f"{SCRATCH_OWNER}.new", Path(tmp) / SCRATCH_OWNER)
         yield Path(tmp) / "store.sqlite"
 
 
