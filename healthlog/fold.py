@@ -71,6 +71,23 @@ class Projection(Protocol):
         """Whether a seal folded before this delivery covers the object's hour (S9)."""
 
 
+class Unstored:
+    """A projection with nothing stored, under a given inherited layer: what a fold decides,
+    and writes, from the body alone."""
+
+    def __init__(self, layer: str | None) -> None:
+        self._layer = layer
+
+    def load(self, key: ObjectKey) -> HourlyObject | None:
+        return None
+
+    def inherited_layer(self) -> str | None:
+        return self._layer
+
+    def sealed(self, key: ObjectKey) -> bool:
+        return False
+
+
 class DeliveryFold:
     """Fold one delivery (its body, or its envelope already read): iterate :meth:`writes`,
     then read :attr:`outcome`.

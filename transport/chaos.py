@@ -52,8 +52,8 @@ import orjson
 import trio
 
 from healthlog import workload
-from healthlog.fold import DeliveryFold, DeliveryInfo
-from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.fold import DeliveryFold, DeliveryInfo, Unstored
+from healthlog.objects import ObjectKey
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV
 from healthlog.storage.rebuild import verify
@@ -522,7 +522,7 @@ class Run:
                 fold = DeliveryFold(
                     journal.read_body(delivery_id),
                     DeliveryInfo(delivery_id, meta.received_at, outcome.layer),
-                    _Nothing(outcome.layer),
+                    Unstored(outcome.layer),
                     warn=False,
                 )
                 touched.update(written.key for written in fold.writes())
@@ -570,22 +570,6 @@ class Run:
             for number in _DECIMAL.findall(line)
             for body in self.bodies
         )
-
-
-class _Nothing:
-    """A projection with nothing stored: what a delivery writes from its body alone."""
-
-    def __init__(self, layer: str | None) -> None:
-        self._layer = layer
-
-    def load(self, key: ObjectKey) -> HourlyObject | None:
-        return None
-
-    def inherited_layer(self) -> str | None:
-        return self._layer
-
-    def sealed(self, key: ObjectKey) -> bool:
-        return False
 
 
 CLIENT = "chaos"

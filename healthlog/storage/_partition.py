@@ -55,7 +55,7 @@ from pathlib import Path
 import attrs
 
 from healthlog import hae, layers, objects
-from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo, Outcome
+from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo, Outcome, Unstored
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.seals import Seal, SealError, covered, is_seal
@@ -140,7 +140,7 @@ def judge(journal_path: str, plan: Planned) -> tuple[str, str | None]:
         fold = DeliveryFold(
             journal.read_body(plan.delivery_id),
             DeliveryInfo(plan.delivery_id, plan.received_at, plan.layer),
-            _Unstored(plan.layer),
+            Unstored(plan.layer),
             warn=False,
         )
         try:
@@ -226,22 +226,6 @@ class _ScratchProjection:
 
     def sealed(self, key: ObjectKey) -> bool:
         return covered(self._seals, key)
-
-
-class _Unstored:
-    """An empty projection: what a fold decides from the body alone."""
-
-    def __init__(self, layer: str | None) -> None:
-        self._layer = layer
-
-    def load(self, key: ObjectKey) -> HourlyObject | None:
-        return None
-
-    def inherited_layer(self) -> str | None:
-        return self._layer
-
-    def sealed(self, key: ObjectKey) -> bool:
-        return False
 
 
 def available_cores() -> int:
