@@ -56,6 +56,7 @@ from healthlog.fold import DeliveryFold, DeliveryInfo, Unstored
 from healthlog.objects import ObjectKey
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV
+from healthlog.storage.journal import DeliveryMeta
 from healthlog.storage.rebuild import verify
 from healthlog.storage.replica import Replica
 from transport.follow import Endpoints, Follower
@@ -433,31 +434,30 @@ class Run:
         self.result.broken.append("deliveries still pending after the quiet timeout")
 
     async def _check(self) -> None:
-        self.check_journal()
-        with self.data.open_journal() as journal:
-            metas = journal.iter_order()
-            with self.data.open_store() as store:
-                folded = store.folded_ids()
-                if any(m.id not in folded for m in metas):
-                    self.result.broken.append("journaled deliveries left unfolded")
-                order = [
-                    e.payload["delivery_id"]
-                    for e in _all_events(store)
-                    if e.kind == "delivery.folded" and not e.id.startswith(REINDEX_EVENT)
-                ]
+        metas = self.check_journal()
+        with self.data.open_store() as store:
+            folded = store.folded_ids()
+            if any(m.id not in folded for m in metas):
+                self.result.broken.append("journaled deliveries left unfolded")
+            order = [
+                e.payload["delivery_id"]
+                for e in _all_events(store)
+                if e.kind == "delivery.folded" and not e.id.startswith(REINDEX_EVENT)
+            ]
         position = {m.id: i for i, m in enumerate(metas)}
         if any(position[a] > position[b] for a, b in itertools.pairwise(order)):
             self.result.reordered += 1
         await self._compare_projection()
         await self._compare_replica()
 
-    def check_journal(self) -> None:
+    def check_journal(self) -> list[DeliveryMeta]:
         """Every post answered 200 is journaled at the id its receipt names with the bytes
         posted; every idempotency key journaled exactly one delivery, the one its receipts
-        name; journal stamps never go back in append order."""
+        name; journal stamps never go back in append order. Returns the journal, in order."""
         with self.data.open_journal() as journal:
-            metas = {m.id: m for m in journal.iter_order()}
+            ordered = journal.iter_order()
             keyed = journal.keyed()
+        metas = {m.id: m for m in ordered}
         stamps = [metas[n].received_at for n in sorted(metas)]
         if any(a > b for a, b in itertools.pairwise(stamps)):
             self.result.broken.append("journal stamps went back in append order")
@@ -479,6 +479,7 @@ class Run:
                     f"idempotency key {accepted.key} journaled {journaled.get(accepted.key, [])}"
                     f" for a receipt naming {accepted.delivery_id}"
                 )
+        return ordered
 
     async def _compare_projection(self) -> None:
         logged = self.log.read_text(errors="replace")
