@@ -254,7 +254,7 @@ def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
                 print(f"revoked {args.name}", file=sys.stderr)
             else:
                 for info in tokens.list():
-                    print(f"{info.name}\tcreated {format_instant(info.created_at)}")
+                    print(info.name)
         except TokenError as exc:
             raise CliError(str(exc)) from None
     return 0
@@ -460,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", type=str.lower, choices=LEVELS, default=None)
 
     token = sub.add_parser("token", help="manage client tokens", description="client tokens")
+    token.add_argument("--data", type=Path, default=None, help="data directory")
     token_sub = token.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, help_text in (
         ("add", "create a token and print it (only now)"),
@@ -469,7 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = token_sub.add_parser(action, help=help_text, description=help_text)
         if action != "list":
             p.add_argument("name", metavar="NAME")
-        p.add_argument("--data", type=Path, default=None, help="data directory")
+        # Absent here, the value given after ``token`` (or None) stands.
+        p.add_argument("--data", type=Path, default=argparse.SUPPRESS, help="data directory")
         p.set_defaults(func=cmd_token, needs_data=False)
 
     p = command("chaos", cmd_chaos, "the fault-injection harness against real serve processes")

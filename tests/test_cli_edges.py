@@ -19,7 +19,7 @@ from healthlog.config import load_serve_config
 from healthlog.storage.datadir import DataDir
 
 if TYPE_CHECKING:
-    from conftest import Cli, RunCli
+    from conftest import Cli, CliRun, RunCli
 
 HR = "heart_rate"
 BPM = "count/min"
@@ -179,3 +179,27 @@ def test_verify_says_what_is_not_folded_yet_cli_32(cli: Cli, tmp_path: Path) -> 
     assert run.code == 0
     assert "verify: 1 journaled deliveries are not folded yet" in run.err
     assert run.err.splitlines()[-1] == "verify: 0 objects differ"
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_token_takes_data_after_its_own_name_and_lists_names_alone_cli_33(
+    cli: Cli, tmp_path: Path, before: bool
+) -> None:
+    """CLI-33: `token` takes `--data DIR` after its own name and after the action alike, and
+    `token list` prints one name per line and nothing else (never a secret)."""
+    data = tmp_path / "data"
+
+    def token(action: str, *args: str) -> CliRun:
+        if before:
+            return cli("token", "--data", data, action, *args)
+        return cli("token", action, *args, "--data", data)
+
+    added = [token("add", name) for name in ("phone", "watch")]
+    assert [run.code for run in added] == [0, 0]
+    listed = token("list")
+    assert listed.code == 0, listed.err
+    assert listed.out.decode().splitlines() == ["phone", "watch"]
+    assert not any(run.out.strip() in listed.out for run in added)
+    assert token("revoke", "phone").code == 0
+    assert token("list").out.decode().splitlines() == ["watch"]
+    assert not (tmp_path / "var").exists()
