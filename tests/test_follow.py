@@ -394,6 +394,7 @@ def test_replica_file_pages(tmp_path: Path) -> None:
 HEAD_END = b"\r\n\r\n"
 TOO_OLD = b'"CURSOR_TOO_OLD"'
 BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 REFUSED_S = 1.0
 
 
@@ -438,7 +439,11 @@ class Front:
     ``silent`` ones never answered, websocket upgrades answered with the statuses in ``refuse``
     (one each, in order), and with ``stale`` (a snapshot directory) the snapshot files
     removed as the first ``CURSOR_TOO_OLD`` frame passes, before the follower can fetch the file
-    it names. ``received`` is every byte clients sent, as it came off the wire."""
+    it names. With ``prefix`` it serves the service under that path, as a proxy's location
+    would: each connection's request has the prefix taken off its path (and closes the
+    connection after its answer, so that every request passes here), and one outside it is
+    answered 404 and counted in ``outside``. ``received`` is every byte clients sent, as it came
+    off the wire."""
 
     def __init__(
         self,
@@ -450,8 +455,11 @@ class Front:
         silent: int = 0,
         refuse: Sequence[int] = (),
         stale: Path | None = None,
+        prefix: str = "",
     ) -> None:
         self.upstream = upstream
+        self.prefix = prefix.encode()
+        self.outside = 0
         self.tls = tls
         self.bad_gateway = bad_gateway
         self.too_slow = too_slow
@@ -479,6 +487,16 @@ class Front:
                 head = await read_head(client)
                 if not head:
                     return
+                if self.prefix:
+                    method, path, rest = head.split(b" ", 2)
+                    if not path.startswith(self.prefix + b"/"):
+                        self.outside += 1
+                        await client.send_all(NOT_FOUND)
+                        return
+                    head = b" ".join((method, path.removeprefix(self.prefix), rest))
+                    if b"upgrade: websocket" not in head.lower():
+                        top, _, after = head.partition(HEAD_END)
+                        head = top + b"\r\nConnection: close" + HEAD_END + after
                 if self.bad_gateway:
                     self.bad_gateway -= 1
                     await client.send_all(BAD_GATEWAY)
@@ -672,6 +690,31 @@ async def test_follow_stops_when_the_stream_upgrade_is_refused_stream_37(
             with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match=says):
                 await follow(front.url("http"), service.token, replica, until_caught_up=True)
             assert (front.refuse, len(front.upgrades)) == ([], 2)
+
+
+async def test_follow_under_a_path_prefix_stream_38(tmp_path: Path) -> None:
+    """STREAM-38: behind a proxy serving the service under a path, given the base URL or the
+    stream URL with that path, the follower makes every request under it (status, key, stream
+    and the snapshot it restores) and catches up."""
+    with Replica(tmp_path / "replica") as replica:
+        async with (
+            serving(tmp_path / "server") as service,
+            fronting(service, prefix="/health/log") as front,
+        ):
+            await post_small(service, 0, 60)
+            with trio.fail_after(FRAME_LIMIT_S):
+                base = f"{front.url('http')}/health/log/"
+                await follow(base, service.token, replica, until_caught_up=True)
+            total = await post_small(service, 61, 180, 240)
+            assert await prune(service.data, keep=2) == total - 2
+
+            with trio.fail_after(FRAME_LIMIT_S):
+                stream = f"{front.url('ws')}/health/log/v1/stream"
+                await follow(stream, service.token, replica, until_caught_up=True)
+            assert (front.too_old_frames, front.outside) == (1, 0)
+            assert front.forwarded > len(front.upgrades) == 2
+            assert (await binding(replica)).cursor == total
+            assert await replica_export(replica) == await server_export(service)
 
 
 async def test_follow_backs_off_when_too_slow_stream_33(tmp_path: Path) -> None:

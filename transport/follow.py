@@ -65,6 +65,7 @@ READ_SIZE = 64
 CONNECT_TIMEOUT_S = 30.0
 # Error frames after which reconnecting, with backoff, from the acknowledged cursor is the remedy.
 RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY"})
+STREAM_PATH = "/v1/stream"
 
 
 class FollowError(Exception):
@@ -91,7 +92,8 @@ class Endpoints:
 
     @classmethod
     def parse(cls, url: str) -> Endpoints:
-        """From the service's base URL (``http://host:8787``) or its stream URL (``ws://...``)."""
+        """From the service's base URL (``http://host:8787``, or ``https://nas/healthlog`` behind
+        a proxy) or its stream URL (``ws://host:8787/v1/stream``)."""
         try:
             parts = urllib.parse.urlsplit(url)
             given_port = parts.port
@@ -102,8 +104,10 @@ class Endpoints:
         tls = parts.scheme in ("https", "wss")
         port = given_port or (443 if tls else 80)
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-        http = f"{'https' if tls else 'http'}://{host}:{port}"
-        return cls(http, parts.hostname, port, "/v1/stream", tls)
+        # A path is where a reverse proxy serves the service: every request goes under it.
+        prefix = parts.path.rstrip("/").removesuffix(STREAM_PATH)
+        http = f"{'https' if tls else 'http'}://{host}:{port}{prefix}"
+        return cls(http, parts.hostname, port, prefix + STREAM_PATH, tls)
 
 
 @attrs.define
