@@ -442,8 +442,9 @@ class Front:
     it names. With ``prefix`` it serves the service under that path, as a proxy's location
     would: each connection's request has the prefix taken off its path (and closes the
     connection after its answer, so that every request passes here), and one outside it is
-    answered 404 and counted in ``outside``. ``received`` is every byte clients sent, as it came
-    off the wire."""
+    answered 404 and counted in ``outside``. With ``drop``, the first websocket frame from the
+    service holding those bytes is left out, as a server skipping an event would. ``received``
+    is every byte clients sent, as it came off the wire."""
 
     def __init__(
         self,
@@ -456,10 +457,12 @@ class Front:
         refuse: Sequence[int] = (),
         stale: Path | None = None,
         prefix: str = "",
+        drop: bytes | None = None,
     ) -> None:
         self.upstream = upstream
         self.prefix = prefix.encode()
         self.outside = 0
+        self.drop = drop
         self.tls = tls
         self.bad_gateway = bad_gateway
         self.too_slow = too_slow
@@ -517,25 +520,39 @@ class Front:
                         self.too_slow -= 1
                         await too_slow(client, head)
                     else:
-                        await self._forward(client, head)
+                        await self._forward(client, head, websocket=True)
 
-    async def _forward(self, client: trio.abc.Stream, head: bytes) -> None:
+    async def _forward(
+        self, client: trio.abc.Stream, head: bytes, *, websocket: bool = False
+    ) -> None:
         self.forwarded += 1
+        dropping = websocket and self.drop is not None
         async with await trio.open_tcp_stream("127.0.0.1", self.upstream) as server:
             await server.send_all(head)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pipe, client, server, nursery.cancel_scope, False)
-                nursery.start_soon(self._pipe, server, client, nursery.cancel_scope, True)
+                nursery.start_soon(self._pipe, client, server, nursery.cancel_scope, False, False)
+                nursery.start_soon(self._pipe, server, client, nursery.cancel_scope, True, dropping)
 
     async def _pipe(
-        self, source: trio.abc.Stream, sink: trio.abc.Stream, scope: trio.CancelScope, watch: bool
+        self,
+        source: trio.abc.Stream,
+        sink: trio.abc.Stream,
+        scope: trio.CancelScope,
+        watch: bool,
+        dropping: bool,
     ) -> None:
         tail = b""
+        frames = FrameFilter()
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             while data := bytes(await source.receive_some(2**16)):
                 if watch and TOO_OLD in tail + data:
                     await self._too_old()
                 tail = data[-len(TOO_OLD) :]
+                if dropping and self.drop is not None:
+                    data = frames.without(data, self.drop)
+                    if frames.dropped:
+                        self.drop, dropping = None, False
+                        data += frames.pending
                 await sink.send_all(data)
         scope.cancel()
 
@@ -546,6 +563,39 @@ class Front:
             assert files
             for path in files:
                 await trio.to_thread.run_sync(path.unlink)
+
+
+class FrameFilter:
+    """Cuts a server's side of a websocket connection (the handshake answer, then unmasked
+    frames) into whole frames and leaves out the first one holding given bytes; ``pending`` is
+    what has not made a whole frame yet."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+        self.opened = False
+        self.dropped = False
+
+    def without(self, data: bytes, needle: bytes) -> bytes:
+        self.pending += data
+        out = b""
+        if not self.opened:
+            if HEAD_END not in self.pending:
+                return out
+            answer, _, self.pending = self.pending.partition(HEAD_END)
+            out, self.opened = answer + HEAD_END, True
+        while not self.dropped and len(self.pending) >= 2:
+            size, at = self.pending[1] & 0x7F, 2
+            if size >= 126:
+                at = 4 if size == 126 else 10
+                size = int.from_bytes(self.pending[2:at], "big")
+            if len(self.pending) < at + size:
+                break
+            frame, self.pending = self.pending[: at + size], self.pending[at + size :]
+            if needle in frame[at:]:
+                self.dropped = True
+            else:
+                out += frame
+        return out
 
 
 async def too_slow(client: trio.abc.Stream, head: bytes) -> None:
@@ -713,6 +763,28 @@ async def test_follow_under_a_path_prefix_stream_38(tmp_path: Path) -> None:
                 await follow(stream, service.token, replica, until_caught_up=True)
             assert (front.too_old_frames, front.outside) == (1, 0)
             assert front.forwarded > len(front.upgrades) == 2
+            assert (await binding(replica)).cursor == total
+            assert await replica_export(replica) == await server_export(service)
+
+
+async def test_follow_never_moves_past_a_skipped_event_stream_42(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-42: when the stream skips an event (a front leaves out the frame of event 5) the
+    follower applies what came before it, keeps its cursor at 4, reconnects from there, gets
+    the event on the next connection and catches up equal to the server."""
+    with Replica(tmp_path / "replica") as replica:
+        async with (
+            serving(tmp_path / "server") as service,
+            fronting(service, drop=b'"seq":5,') as front,
+        ):
+            total = await post_small(service, *range(0, 360, 60))
+            assert total > 5
+            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(FRAME_LIMIT_S):
+                await follow(front.url("http"), service.token, replica, until_caught_up=True)
+            assert front.drop is None
+            assert "the stream skipped from seq 4 to 6" in caplog.text
+            assert len(front.upgrades) == 2
             assert (await binding(replica)).cursor == total
             assert await replica_export(replica) == await server_export(service)
 

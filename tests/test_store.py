@@ -16,7 +16,7 @@ import attrs
 import pytest
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 
-from healthlog import faults
+from healthlog import clock, faults
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal
@@ -460,6 +460,35 @@ def test_out_of_order_guard_stays_silent_fold_11(
 
     assert not report.out_of_order
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_pruning_keeps_one_run_of_sequences_after_a_clock_step_stream_39(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STREAM-39: events stamped after the wall clock stepped back two hours look older than
+    the ones before them; pruning drops only the oldest sequences, so what is left is one
+    run, from just after the window's start to the head."""
+    first = [append(journal, delivery(body({"hr": [point(n, n)]}))) for n in range(3)]
+    for meta in first:
+        store.fold(journal, meta, epoch)
+    clock.jump(-7200)
+    try:
+        later = [append(journal, delivery(body({"hr": [point(n, n)]}))) for n in range(3, 6)]
+        for meta in later:
+            store.fold(journal, meta, epoch)
+    finally:
+        clock.jump(7200)
+    an_hour_ago = clock.now_us() - 3600 * 10**6
+
+    def left() -> list[int]:
+        with closing(sqlite3.connect(store.path)) as conn:
+            return [seq for (seq,) in conn.execute("SELECT seq FROM events ORDER BY seq")]
+
+    assert store.prune_events(keep=2, older_than_us=an_hour_ago) == 0
+    assert left() == list(range(1, 13))
+    assert store.prune_events(keep=2, older_than_us=clock.now_us() + 1) == 10
+    assert left() == [11, 12]
+    assert store.event_window() == (10, 12)
 
 
 def test_event_window_is_read_in_one_snapshot_store_27(

@@ -12,7 +12,9 @@ import base64
 import contextlib
 import gzip
 import itertools
+import logging
 import random
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,8 @@ NOISY_ADDITIONS = 36
 GRACE_S = 3.0
 REFUSAL_LIMIT_S = 3.0
 REVOKE_LIMIT_S = 10.0
+# Longer than the service's store busy timeout (5 s).
+BUSY_HOLD_S = 6.5
 UNAUTHORIZED = {"type": "error", "code": "UNAUTHORIZED"}
 
 
@@ -408,6 +412,54 @@ async def test_cursor_older_than_window(tmp_path: Path) -> None:
             await post(service, small(400))
             assert consecutive(await receive(ws, 2), manifest.seq)
         assert rows(service.data.journal_path)["deliveries"] != journal_before["deliveries"]
+
+
+async def test_a_hole_in_the_events_is_never_skipped_stream_40(tmp_path: Path) -> None:
+    """STREAM-40: in a store whose events have a hole in the middle (pruned so by an earlier
+    version after a clock step), a subscriber gets the events before the hole and then
+    CURSOR_TOO_OLD with a snapshot, never the events after it as if they followed."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, *range(0, 360, 60))
+        assert total == 12
+
+        def punch() -> None:
+            with contextlib.closing(sqlite3.connect(service.data.store_path)) as conn, conn:
+                conn.execute("DELETE FROM events WHERE seq BETWEEN 7 AND 10")
+
+        await trio.to_thread.run_sync(punch)
+        async with subscribe(service, after=0) as ws:
+            sent = await receive(ws, 6)
+            frame, code = await refusal(ws)
+        assert consecutive(sent, 0)
+        assert (frame["code"], code, frame["snapshot"]["seq"]) == ("CURSOR_TOO_OLD", 4410, 12)
+        async with subscribe(service, after=10) as ws:
+            assert consecutive(await receive(ws, 2), 10)
+
+
+async def test_an_ack_waits_for_a_busy_store_stream_41(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-41: a named subscriber's ACK sent while another connection holds the store's
+    write lock longer than the busy timeout (5 s) is stored once the lock is free, the stream
+    goes on, and nothing is logged above WARNING (at most one WARNING says the ACK waits)."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0, 60)
+        async with subscribe(service, after=0, subscriber="nas") as ws:
+            await receive_through(ws, total)
+            other = sqlite3.connect(service.data.store_path, check_same_thread=False)
+            with contextlib.closing(other), caplog.at_level(logging.WARNING):
+                await trio.to_thread.run_sync(other.execute, "BEGIN IMMEDIATE")
+                await send_ack(ws, total)
+                await trio.sleep(BUSY_HOLD_S)
+                assert (await service.status())["subscribers"].get("nas") is None
+                other.execute("COMMIT")
+                await acked(service, "nas", total)
+                await post(service, small(400))
+                assert consecutive(await receive(ws, 2), total)
+    waits = [r for r in caplog.records if "an ACK waits" in r.getMessage()]
+    assert {r.levelno for r in waits} <= {logging.WARNING}
+    assert len(waits) <= 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def fill(service: Service) -> int:

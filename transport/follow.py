@@ -262,6 +262,9 @@ class Follower:
                     batch = batch.joined(batches.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
+            skipped = batch.gap(acks.contiguous)
+            if skipped is not None:
+                batch = batch.before(skipped)
             if batch.seqs:
                 await trio.to_thread.run_sync(
                     self.replica.apply, stream, batch.changes, batch.seqs[-1]
@@ -271,6 +274,10 @@ class Follower:
                     acks.durable(seq)
                     if self.on_event is not None:
                         self.on_event(seq)
+            if skipped is not None:
+                # Never past a gap (R3): from the cursor, the server sends the event or a
+                # snapshot.
+                raise ConnectionLost(f"the stream skipped from seq {acks.contiguous} to {skipped}")
             for error in batch.errors:
                 if error.get("code") == "CURSOR_TOO_OLD":
                     manifest = converter.structure(error["snapshot"], Manifest)
@@ -436,6 +443,21 @@ class _Batch:
             elif frame.get("type") == "error":
                 errors.append(frame)
         return cls(seqs, changes, errors)
+
+    def gap(self, cursor: int) -> int | None:
+        """The first sequence that does not follow the ones before it from ``cursor`` (a
+        repeated one does), or None."""
+        for seq in self.seqs:
+            if seq > cursor + 1:
+                return seq
+            cursor = max(cursor, seq)
+        return None
+
+    def before(self, seq: int) -> _Batch:
+        """The events before ``seq``, the first of a gap, without the error frames after it."""
+        return _Batch(
+            self.seqs[: self.seqs.index(seq)], [c for c in self.changes if c.seq < seq], []
+        )
 
     def joined(self, other: _Batch) -> _Batch:
         return _Batch(

@@ -44,6 +44,7 @@ from actors.runtime import Runtime
 from healthlog import faults
 from healthlog.objects import HourlyObject, to_wire
 from healthlog.snapshots import Manifest
+from healthlog.storage._sqlite import Deferred
 from healthlog.storage.store import Event, Store
 
 log = logging.getLogger("healthlog.stream")
@@ -59,6 +60,10 @@ CLOSE_GOING_AWAY = 1001
 # How often a stream waiting for events checks that its token is still live: the token
 # cache's reload period, so a revocation ends an idle stream within about twice that.
 IDLE_RECHECK_S = 2.0
+# How long an ACK waits before it is stored again when the store was busy, and how long it
+# waits in all before a WARNING says so (a long fold holds the store for a while).
+ACK_RETRY_S = 1.0
+ACK_WARN_S = 5.0
 
 
 class EventHub:
@@ -217,12 +222,12 @@ class StreamEndpoint:
                     await self._still_authorized(sub.token)
                 continue
             await self._still_authorized(sub.token)
-            if page[0][0].seq != sub.cursor + 1:
-                await self._too_old(sub.cursor)
             # One timer for the page, its deadline moved before each send: cheaper than a
             # cancel scope per frame, and still a limit on each send alone.
             with trio.CancelScope() as timer:
                 for event, current in page:
+                    if event.seq != sub.cursor + 1:
+                        break
                     frame = _frame(stream, event, current)
                     timer.deadline = trio.current_time() + self.send_timeout_s
                     faults.point("stream.send")
@@ -230,6 +235,9 @@ class StreamEndpoint:
                     sub.cursor = sub.sent = event.seq
             if timer.cancelled_caught:
                 raise StreamRefused("TOO_SLOW", CLOSE_TOO_SLOW)
+            if sub.cursor != page[-1][0].seq:
+                # The event after the cursor is gone (pruned under this replay): never skip it.
+                await self._too_old(sub.cursor)
 
     async def _receive_loop(self, sub: _Subscription, receive: Receive) -> None:
         while True:
@@ -254,10 +262,22 @@ class StreamEndpoint:
             raise StreamRefused("ACK_BEYOND_SENT", CLOSE_BAD_REQUEST, {"sent": sub.sent})
         if sub.name is not None and seq > sub.acked:
             await self._still_authorized(sub.token)
-            with trio.CancelScope(shield=True):
-                sub.acked = await self.runtime.read_store(
-                    functools.partial(Store.ack, subscriber=sub.name, seq=seq)
-                )
+            since = trio.current_time()
+            warned = False
+            while True:
+                try:
+                    with trio.CancelScope(shield=True):
+                        sub.acked = await self.runtime.read_store(
+                            functools.partial(Store.ack, subscriber=sub.name, seq=seq)
+                        )
+                    return
+                except Deferred:
+                    # Another connection holds the store's write lock (a fold, a reindex's
+                    # swap): a normal condition. The ACK is stored once the lock is free.
+                    if not warned and trio.current_time() - since >= ACK_WARN_S:
+                        log.warning("stream: the store is busy; an ACK waits until it is free")
+                        warned = True
+                await trio.sleep(ACK_RETRY_S)
 
 
 def _frame(stream: str, event: Event, current: HourlyObject | None) -> str:

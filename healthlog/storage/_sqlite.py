@@ -249,6 +249,7 @@ class Database:
         self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 5000, durable: bool = True
     ) -> None:
         self.path = os.fspath(path)
+        self._busy_timeout_ms = busy_timeout_ms
         self._conn = connect(
             path,
             busy_timeout_ms=busy_timeout_ms,
@@ -267,6 +268,17 @@ class Database:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+    @contextlib.contextmanager
+    def _waiting_at_most(self, busy_timeout_ms: int) -> Iterator[None]:
+        """Under ``_lock``: a write lock held elsewhere is :class:`Deferred` after
+        ``busy_timeout_ms`` rather than the connection's busy timeout, for a write whose caller
+        would rather try again than hold the connection (and every read waiting for it)."""
+        self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_ms)}")
+        try:
+            yield
+        finally:
+            self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
 
     def __enter__(self) -> Self:
         return self

@@ -37,6 +37,8 @@ from healthlog.timestamps import US_PER_HOUR, format_instant
 log = logging.getLogger("healthlog.store")
 
 FOLD_LEASE = "fold"
+# How long a subscriber's ACK waits for the write lock before it is deferred.
+ACK_BUSY_TIMEOUT_MS = 250
 
 MIGRATIONS = (
     """
@@ -795,16 +797,24 @@ class Store(_objects.ObjectDatabase):
 
     def prune_events(self, *, keep: int, older_than_us: int) -> int:
         """Drop events outside the online window: beyond the newest ``keep`` and older than
-        the given instant. The journal is never touched. Returns how many were dropped."""
+        the given instant, and only ever the oldest ones: an event stamped after a clock
+        stepped back can look older than one before it, and what is left must stay one run of
+        sequences (a replay never skips). The journal is never touched. Returns how many were
+        dropped."""
         with self._lock, write_transaction(self._conn):
             return self._conn.execute(
-                "DELETE FROM events WHERE seq <= (SELECT max(seq) FROM events) - ? AND at < ?",
+                "DELETE FROM events WHERE seq <= (SELECT max(seq) FROM events) - ?"
+                " AND seq < coalesce((SELECT min(seq) FROM events WHERE at >= ?), 1 << 62)",
                 (keep, older_than_us),
             ).rowcount
 
     def ack(self, subscriber: str, seq: int) -> int:
-        """Store a subscriber's durable cursor, only ever moving forward; returns the stored one."""
-        with self._lock, write_transaction(self._conn):
+        """Store a subscriber's durable cursor, only ever moving forward; returns the stored one.
+
+        It waits for the write lock at most ``ACK_BUSY_TIMEOUT_MS`` (longer than a fold's
+        commit), then raises :class:`Deferred`: the stream tries again later, rather than hold
+        every read of the store behind it."""
+        with self._lock, self._waiting_at_most(ACK_BUSY_TIMEOUT_MS), write_transaction(self._conn):
             self._conn.execute(
                 "INSERT INTO subscribers (name, acked) VALUES (?, ?)"
                 " ON CONFLICT (name) DO UPDATE SET acked = max(acked, excluded.acked)",
