@@ -346,6 +346,13 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         differences = verify(journal, store, progress=progress)
         unfolded = len(pending(journal, store))
+        over_budget = len(store.over_budget())
+    if over_budget:
+        print(
+            f"verify: {over_budget} deliveries failed over their fold's time budget and were"
+            " compared as failed; `healthlog reindex` folds them",
+            file=sys.stderr,
+        )
     if unfolded:
         print(
             f"verify: {unfolded} journaled deliveries are not folded yet; only what is folded"

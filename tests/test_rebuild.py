@@ -34,7 +34,7 @@ from healthlog.objects import ObjectKey
 from healthlog.storage import _partition, rebuild
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery
-from healthlog.storage.passes import run_pass
+from healthlog.storage.passes import Budget, run_pass
 from healthlog.storage.rebuild import Difference, RebuildError, rebuild_into, reindex, verify
 from healthlog.storage.store import Store
 from healthlog.timestamps import format_instant
@@ -70,6 +70,37 @@ def test_verify_finds_nothing_after_folding_in_journal_order_store_12(
     run_pass(journal, store, epoch)
 
     assert verify(journal, store) == []
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_fold_over_its_budget_verifies_as_failed_and_reindex_folds_it_store_31(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path, cli: Cli, workers: int
+) -> None:
+    """STORE-31: a delivery failed live over its fold budget (and its successor, which found
+    no layer to inherit) verifies clean: the rebuild keeps it failed, as the live fold decided,
+    and the command says so; reindex folds both, and verifies clean after."""
+    heavy = append(journal, delivery(body({"hr": [point(1, 60), point(2, 61)]})))
+    run_pass(journal, store, epoch, budget=Budget(base_s=0, per_mib_s=0))
+    inheriting = append(journal, delivery(body({"hr": [point(61, 70)]}), aggregation=None))
+    run_pass(journal, store, epoch)
+    statuses = [store.outcome(meta.id) for meta in (heavy, inheriting)]
+    assert [(o.status, o.reason) for o in statuses if o is not None] == [
+        ("failed", "fold over its time budget"),
+        ("failed", "layer not derivable: no header, no dense metric, no history"),
+    ]
+    assert store.summaries() == {}
+
+    assert verify(journal, store, workers=workers) == []
+    store.release_lease("folder", epoch)
+    run = cli("verify", "--data", tmp_path)
+    assert run.code == 0, run.err
+    assert "verify: 1 deliveries failed over their fold's time budget" in run.err
+
+    reindex(journal, store, "reindex", workers=workers)
+    folded = [store.outcome(meta.id) for meta in (heavy, inheriting)]
+    assert [(o.status, o.layer) for o in folded if o is not None] == [("parsed", "minutes")] * 2
+    assert {key.hour for key in store.summaries()} == {BASE_US, BASE_US + 3600 * 10**6}
+    assert verify(journal, store, workers=workers) == []
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -271,6 +271,7 @@ def rebuild(
     *,
     workers: int,
     fold_alone: Callable[[DeliveryMeta], None],
+    alone: frozenset[int] = frozenset(),
     progress: Progress | None,
     reference: str | None,
 ) -> None:
@@ -278,7 +279,8 @@ def rebuild(
     objects the store at ``reference`` holds with the same content take its bodies (see
     :func:`settle`).
 
-    ``fold_alone`` folds a delivery that writes no object into the target, in its place.
+    ``fold_alone`` folds a delivery that writes no object into the target, in its place, and
+    every delivery in ``alone``, which is not read here.
     Raises :class:`PartitionFailed` when a partition's fold broke (the caller rebuilds in one
     process, where the live fold's handling of a broken delivery applies), and
     :class:`StorageError` when the journal could not be read or a scratch file written.
@@ -299,13 +301,15 @@ def rebuild(
         ) as pool,
     ):
         try:
-            run = _Run(pool, Path(tmp) / "assumed", workers, len(queue), onwards, known=None)
+            run = _Run(pool, Path(tmp) / "assumed", workers, len(queue), onwards, alone, known=None)
             run.fold(journal, queue)
             known = run.misassumed()
             if known is not None:
                 log.debug("layers were not those assumed; folding again under the known layers")
                 shutil.rmtree(Path(tmp) / "assumed")
-                run = _Run(pool, Path(tmp) / "known", workers, len(queue), onwards, known=known)
+                run = _Run(
+                    pool, Path(tmp) / "known", workers, len(queue), onwards, alone, known=known
+                )
                 run.fold(journal, queue)
             run.settle(reference)
             outcomes = run.outcomes(journal.path, queue)
@@ -376,6 +380,7 @@ class _Run:
         workers: int,
         total: int,
         progress: Progress,
+        alone: frozenset[int],
         *,
         known: dict[int, str | None] | None,
     ) -> None:
@@ -393,7 +398,7 @@ class _Run:
         self._seals: list[Seal] = []
         self._owner: dict[Unit, _Part] = {}
         self.parts: list[_Part] = []
-        self.alone: set[int] = set()
+        self.alone: set[int] = set(alone)
         self._deliveries: dict[int, _Delivery] = {}
         self._folded: dict[int, list[Counters]] = {}
 
@@ -406,6 +411,8 @@ class _Run:
     def read(self, journal: Journal, meta: DeliveryMeta, position: int) -> None:
         """Decide a delivery's layer and hand its shares to the partitions."""
         self._read = position + 1
+        if meta.id in self.alone:
+            return
         if is_seal(meta.client, meta.content_type):
             self.alone.add(meta.id)
             # One that cannot be read fails in the target, as it does live, and seals nothing.

@@ -30,7 +30,7 @@ from healthlog.storage import _partition
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
-from healthlog.storage.store import ObjectSummary, Store
+from healthlog.storage.store import OVER_BUDGET, ObjectSummary, Store
 
 log = logging.getLogger("healthlog.rebuild")
 
@@ -68,11 +68,14 @@ def rebuild_into(
     progress: Progress | None = None,
     workers: int | None = None,
     reference: Path | None = None,
+    over_budget: frozenset[int] = frozenset(),
 ) -> None:
     """Fold the journal (or the deliveries in ``only``) in journal order into a new store.
 
     An object that the store at ``reference`` (the live projection) holds with the same
-    content may take that store's body rather than a new compression of its own.
+    content may take that store's body rather than a new compression of its own. The
+    deliveries in ``over_budget`` are recorded failed over their time budget, as the live fold
+    decided, instead of folded (a rebuild has no budget of its own).
 
     ``workers`` processes fold disjoint sets of metrics side by side (see ``_partition``);
     by default one more than there are cores (at most ``MAX_WORKERS``), so that the scheduler
@@ -89,7 +92,10 @@ def rebuild_into(
         assert epoch is not None
 
         def fold(meta: DeliveryMeta) -> None:
-            report = target.fold(journal, meta, epoch, guard=False)
+            if meta.id in over_budget:
+                report = target.fail(meta, epoch, OVER_BUDGET)
+            else:
+                report = target.fold(journal, meta, epoch, guard=False)
             if report.outcome_class is not OutcomeClass.DONE:
                 raise RebuildError(
                     f"delivery {meta.id} could not be rebuilt ({report.outcome_class.value})"
@@ -104,6 +110,7 @@ def rebuild_into(
                     epoch,
                     workers=workers,
                     fold_alone=fold,
+                    alone=over_budget,
                     progress=progress,
                     reference=None if reference is None else str(reference),
                 )
@@ -167,7 +174,7 @@ def verify(
     content (hash), in whether a seal covers them, or in a live row damaged behind an intact
     hash: a body that does not decompress to the rebuilt bytes, or units, a point count or a
     creating delivery that are not the rebuild's."""
-    folded, live = store.snapshot()
+    folded, over_budget, live = store.snapshot()
     with _scratch(Path(store.path)) as path:
         rebuild_into(
             journal,
@@ -176,6 +183,7 @@ def verify(
             progress=progress,
             workers=workers,
             reference=Path(store.path),
+            over_budget=frozenset(over_budget),
         )
         with Store(path, durable=False) as rebuilt:
             fresh = rebuilt.summaries()

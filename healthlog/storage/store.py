@@ -37,6 +37,8 @@ from healthlog.timestamps import US_PER_HOUR, format_instant
 log = logging.getLogger("healthlog.store")
 
 FOLD_LEASE = "fold"
+# The reason of a delivery failed because its fold ran over its time budget (F5).
+OVER_BUDGET = "fold over its time budget"
 # How long a subscriber's ACK waits for the write lock before it is deferred.
 ACK_BUSY_TIMEOUT_MS = 250
 
@@ -316,7 +318,7 @@ class Store(_objects.ObjectDatabase):
             log.warning("delivery %d: fold fenced, lease epoch %d lost", meta.id, epoch)
             return FoldReport(meta.id, OutcomeClass.FENCED)
         except BudgetExceeded:
-            return self.fail(meta, epoch, "fold over its time budget")
+            return self.fail(meta, epoch, OVER_BUDGET)
         except StorageError as exc:
             log.warning("delivery %d: fold not written: %s", meta.id, type(exc).__name__)
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
@@ -669,12 +671,26 @@ class Store(_objects.ObjectDatabase):
             return None
         return OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5]))
 
-    def snapshot(self) -> tuple[set[int], dict[ObjectKey, ObjectSummary]]:
-        """The folded delivery ids and the object summaries, read in one transaction."""
+    def snapshot(self) -> tuple[set[int], set[int], dict[ObjectKey, ObjectSummary]]:
+        """The folded delivery ids, those of them failed over their time budget, and the object
+        summaries, read in one transaction."""
         with self._lock, read_transaction(self._conn):
             folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
+            over_budget = self._over_budget_locked()
             summaries = self._summaries_locked()
-        return folded, summaries
+        return folded, over_budget, summaries
+
+    def over_budget(self) -> set[int]:
+        """The deliveries failed because their fold ran over its time budget (F5)."""
+        with self._lock:
+            return self._over_budget_locked()
+
+    def _over_budget_locked(self) -> set[int]:
+        rows = self._conn.execute(
+            "SELECT delivery_id FROM outcomes WHERE status = ? AND reason = ?",
+            (FAILED, OVER_BUDGET),
+        )
+        return {row[0] for row in rows}
 
     def counter_totals(self, names: Sequence[str]) -> dict[str, int]:
         """Fold counters summed over every recorded outcome."""
