@@ -270,7 +270,7 @@ def _numbers_differ(a: dict[str, Any], b: dict[str, Any]) -> bool:
             type(left) in _NUMBERS
             and type(right) in _NUMBERS
             and left != right
-            and _number(left) != _number(right)
+            and _number_text(left) != _number_text(right)
         ):
             return True
     return False
@@ -300,10 +300,7 @@ def canonical_form(value: dict[str, Any]) -> bytes:
 
 
 def _encode(normal: dict[str, object]) -> bytes:
-    try:
-        encoded = orjson.dumps(normal, option=orjson.OPT_SORT_KEYS)
-    except orjson.JSONEncodeError:
-        return _encode_slow(normal)
+    encoded = orjson.dumps(normal, option=orjson.OPT_SORT_KEYS)
     # orjson may hand back a buffer of several KiB for a short result; a point keeps its
     # canonical form for the whole fold, so keep a right-sized copy.
     return bytes(memoryview(encoded))
@@ -312,13 +309,19 @@ def _encode(normal: dict[str, object]) -> bytes:
 _TWELVE_DIGITS = 10**12
 
 
-def _number(value: int | float) -> int | float:
+def _number(value: int | float) -> orjson.Fragment:
+    """A number as the canonical form writes it (:func:`_number_text`)."""
+    return orjson.Fragment(_number_text(value))
+
+
+def _number_text(value: int | float) -> bytes:
+    """A number printed as a double with 12 significant digits (``%.12g``: ``46``, ``0.3``,
+    ``5e-05``, ``1e+12``); an integer of 13 digits or more keeps every digit. Zero is ``0``
+    whatever its sign: a JSON decoder keeps no sign on an integer zero, so ``-0`` and ``-0.0``
+    would otherwise differ."""
     if type(value) is int and abs(value) >= _TWELVE_DIGITS:
-        return value
-    rounded = float(f"{value:.12g}")
-    if rounded.is_integer() and abs(rounded) < _TWELVE_DIGITS:
-        return int(rounded)
-    return rounded
+        return b"%d" % value
+    return b"%.12g" % value if value else b"0"
 
 
 def _normalise_object(value: dict[str, Any]) -> dict[str, object]:
@@ -360,15 +363,3 @@ def _normalise_item(item: object) -> object:
     if isinstance(item, list):
         return [_normalise_item(i) for i in item]
     return item
-
-
-def _encode_slow(value: object) -> bytes:
-    """Canonical encoding for what orjson refuses: integers beyond 64 bits."""
-    if isinstance(value, dict):
-        items = sorted(value.items())
-        return b"{" + b",".join(orjson.dumps(k) + b":" + _encode_slow(v) for k, v in items) + b"}"
-    if isinstance(value, list):
-        return b"[" + b",".join(_encode_slow(v) for v in value) + b"]"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value).encode()
-    return orjson.dumps(value)

@@ -159,6 +159,17 @@ def test_reduction_tie_takes_greater_canonical_form() -> None:
         assert winner == greatest.raw
 
 
+def test_reduction_tie_compares_numbers_as_printed_by_percent_12g() -> None:
+    """MERGE-10: the greater canonical form is the greater `%.12g` text: `5e-05` beats
+    `0.0001`, `1.5e-10` beats `1.5e-07`, whatever the array order."""
+    for kept, other in [(0.00005, 0.0001), (1.5e-10, 1.5e-7)]:
+        candidates = [point(qty=kept, source="A"), point(qty=other, source="A")]
+        for order in itertools.permutations(candidates):
+            winner, counters, _ = reduced(list(order))
+            assert winner == candidates[0].raw
+            assert counters.overwrites == 1
+
+
 def test_reduction_same_canonical_form_is_no_collision() -> None:
     """MERGE-10: copies with the same canonical form reduce to one raw choice, no overwrite."""
     copies = [

@@ -181,6 +181,25 @@ def test_canonical_numbers_differ(left: float, right: float) -> None:
     assert canonical_form({"qty": left}) != canonical_form({"qty": right})
 
 
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (0.00005, b"5e-05"),
+        (1.5e-7, b"1.5e-07"),
+        (0.0001, b"0.0001"),
+        (123456.7890123456, b"123456.789012"),
+        (1e12, b"1e+12"),
+        (-2.5e21, b"-2.5e+21"),
+        (-0.0, b"0"),
+        (0, b"0"),
+    ],
+)
+def test_canonical_numbers_print_as_twelve_digit_doubles(value: float, text: bytes) -> None:
+    """MERGE-3: a number is printed as C's `%.12g` prints the double (exponents with two
+    digits at least), zero without a sign."""
+    assert canonical_form({"qty": value}) == b'{"qty":%s}' % text
+
+
 def test_canonical_integer_forms() -> None:
     """MERGE-3: whole doubles print as integers; 13-digit integers keep every digit."""
     assert canonical_form({"qty": 46.0}) == b'{"qty":46}'
