@@ -19,6 +19,7 @@ import trio
 from actors.runtime import Runtime
 from healthlog import documents
 from healthlog.config import ServeConfig
+from healthlog.content import content_digest
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import (
     BodyEncoder,
@@ -64,6 +65,10 @@ class _Refused(Exception):
 
 class _Disconnected(Exception):
     """The client went away before its body was complete."""
+
+
+def _digest(encoded: EncodedBody) -> bytes:
+    return content_digest(encoded.raw(), encoded.sha256)
 
 
 class _Body:
@@ -117,6 +122,8 @@ class IntakeEndpoint:
         self._in_flight: set[tuple[str, str]] = set()
         self._uploads: set[trio.CancelScope] = set()
         self._uploads_cut = False
+        # One body's content digest at a time: it holds the raw body besides the encoded one.
+        self._digests = trio.CapacityLimiter(1)
 
     async def cut_uploads(self, closing: trio.Event, grace_s: float) -> None:
         """``grace_s`` after ``closing`` is set (shutdown began), refuse the uploads still
@@ -179,6 +186,10 @@ class IntakeEndpoint:
         if encoded is None:
             body.done = True
             return _answer(503, _error("SHUTTING_DOWN"), ((b"retry-after", RETRY_AFTER_S), *CLOSE))
+        digest = None
+        if key is not None:
+            # Here rather than in the journal's thread, which journals every delivery.
+            digest = await trio.to_thread.run_sync(_digest, encoded, limiter=self._digests)
         try:
             receipt = await self._runtime.submit(
                 NewDelivery(
@@ -191,6 +202,7 @@ class IntakeEndpoint:
                     automation_aggregation=headers.get("automation-aggregation"),
                     automation_period=headers.get("automation-period"),
                     session_id=headers.get("session-id"),
+                    content_digest=digest,
                 )
             )
         except IdempotencyCollision:

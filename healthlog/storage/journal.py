@@ -25,10 +25,9 @@ from types import TracebackType
 from typing import Any, Final
 
 import attrs
-import msgspec
-import orjson
 
 from healthlog.clock import now_us
+from healthlog.content import content_digest
 from healthlog.storage._sqlite import (
     StorageError,
     classify,
@@ -205,6 +204,10 @@ class NewDelivery:
     idempotency_key: str | None = None
     received_at: int | None = None
     """Historical stamp (µs UTC) for backfill; ``None`` stamps the delivery when it is journaled."""
+    content_digest: bytes | None = None
+    """With an idempotency key, :func:`healthlog.content.content_digest` of the body when the
+    caller computed it already (intake does, outside the thread that journals every delivery);
+    None has the journal compute it."""
 
 
 @attrs.frozen
@@ -272,21 +275,6 @@ class _Prepared:
     delivery: NewDelivery
     body: EncodedBody
     content_digest: bytes | None
-
-
-CANONICAL_MAX_BYTES = 8 * 2**20
-"""The largest body with an idempotency key that is canonicalised: decoding a body whole takes
-about six times its size in memory, in the one thread every delivery is journaled by. A larger
-body is compared by its raw bytes only."""
-
-
-def _content_digest(body: bytes, raw_sha256: bytes) -> bytes:
-    """sha256 of the JSON canonical form (sorted keys, compact), or the raw sha256 for non-JSON."""
-    try:
-        canonical = orjson.dumps(msgspec.json.decode(body), option=orjson.OPT_SORT_KEYS)
-    except (msgspec.DecodeError, orjson.JSONEncodeError, RecursionError):
-        return raw_sha256
-    return hashlib.sha256(canonical).digest()
 
 
 def _order(
@@ -532,12 +520,11 @@ class Journal:
             encoder = self.encoder()
             encoder.feed(body)
             encoded = encoder.finish()
-        digest = None
-        if delivery.idempotency_key is not None and encoded.length > CANONICAL_MAX_BYTES:
-            digest = encoded.sha256
-        elif delivery.idempotency_key is not None:
-            raw = body if isinstance(body, bytes) else encoded.raw()
-            digest = _content_digest(raw, encoded.sha256)
+        digest = delivery.content_digest
+        if delivery.idempotency_key is not None and digest is None:
+            digest = content_digest(
+                body if isinstance(body, bytes) else encoded.raw(), encoded.sha256
+            )
         return _Prepared(delivery, encoded, digest)
 
     def _append_locked(
