@@ -41,6 +41,8 @@ from _service_helpers import (
 )
 from fixtures import shuffled
 from prometheus_client.parser import text_string_to_metric_families
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import CloseConnection, Request, TextMessage
 
 from healthlog import workload
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
@@ -929,3 +931,57 @@ async def test_http2_clients_gone_before_their_answer_leave_nothing_open_serve_3
         assert sorted(await journaled(service)) == sorted(sha256(small(n)) for n in range(4))
         stopping = trio.current_time()
     assert trio.current_time() - stopping < H2_GRACE_S / 2
+
+
+UPGRADE_WITH_TRAILING_BYTES = (
+    b"GET /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: bKdPyn3u98cTfZJSh4TNeQ==\r\n\r\nx\n"
+)
+# Refused subscribers closing as the service closes them: spaced out past the token cache's
+# reload period, which is when the race between the two closes showed.
+REFUSED_CLOSERS = 4
+REFUSED_SPACING_S = 2.1
+
+
+async def refused_then_closed(port: int) -> bytes:
+    """A subscriber with a wrong token that closes its side as soon as it is refused; what the
+    service sent it."""
+    ws = WSConnection(ConnectionType.CLIENT)
+    async with await trio.open_tcp_stream("127.0.0.1", port) as tcp:
+        request = Request(
+            host="127.0.0.1",
+            target="/v1/stream?after=0",
+            extra_headers=[(b"authorization", b"Bearer hl_wrong")],
+        )
+        await tcp.send_all(ws.send(request))
+        received = b""
+        with trio.fail_after(CLIENT_TIMEOUT_S):
+            while data := await tcp.receive_some(2**16):
+                received += data
+                ws.receive_data(data)
+                if any(isinstance(event, TextMessage) for event in ws.events()):
+                    await tcp.send_all(ws.send(CloseConnection(code=1000)))
+        return received
+
+
+async def test_a_connection_failing_inside_hypercorn_stays_with_it_serve_37(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-37: an upgrade request followed by trailing bytes, and refused subscribers that
+    close their side as the service closes it, each end their own connection only: the service
+    answers deliveries after them, and says so at WARNING naming the exception's type alone."""
+    async with serving(tmp_path / "data") as service:
+        with caplog.at_level(logging.WARNING, "healthlog.http"):
+            async with await trio.open_tcp_stream("127.0.0.1", service.port) as tcp:
+                await tcp.send_all(UPGRADE_WITH_TRAILING_BYTES)
+                with trio.fail_after(CLIENT_TIMEOUT_S):
+                    answer = await tcp.receive_some(2**16)
+            assert answer.startswith(b"HTTP/1.1 400")
+            for _ in range(REFUSED_CLOSERS):
+                await trio.sleep(REFUSED_SPACING_S)
+                assert b'"UNAUTHORIZED"' in await refused_then_closed(service.port)
+            assert (await service.post(small(1))).status_code == 200
+    contained = [r for r in caplog.records if "failed inside hypercorn" in r.getMessage()]
+    assert contained
+    assert {r.levelno for r in contained} == {logging.WARNING}
+    assert "LocalProtocolError" in contained[0].getMessage()

@@ -7,6 +7,11 @@ then has ``COMMIT_GRACE_S`` more to be committed and answered, so an upload eith
 after the journal commit or fails before it, never journaled unanswered. Idle keep-alive
 connections close at once (``transport.app``), and a connection whose peer stopped reading is
 dropped by the kernel after ``stream_send_timeout_s`` (``_HypercornConfig.create_sockets``).
+
+A fault inside hypercorn's handling of one connection stays with that connection
+(``_ContainedTCPServer``): hypercorn lets such an exception end the whole server, and a peer can
+cause one on purpose (closing a websocket while the server closes it, trailing bytes after an
+upgrade request).
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import signal
 import socket
 import sys
 
+import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.tcp_server import TCPServer
 
 from actors.runtime import RuntimeConfig, open_runtime
 from healthlog.config import ServeConfig
@@ -31,9 +38,39 @@ from transport.app import MAX_HEADER_BYTES, RESPONSE_TIMEOUT_S, create_app
 from transport.auth import TokenCache
 from transport.snapshots import SnapshotService
 
+log = logging.getLogger("healthlog.http")
+
 COMMIT_GRACE_S = 10.0
 """After the graceful timeout, the time a delivery already handed to the journal has to be
 committed and answered: the journal's busy timeout (5 s) and as much again."""
+
+
+class _ContainedTCPServer(TCPServer):
+    """hypercorn's handler of one connection, which closes the connection (as it does anyway)
+    when the handling fails, and ends there. Left to hypercorn, such a failure ends the whole
+    server: two of its tasks writing to one socket when a websocket client closes as the
+    server does (``trio.BusyResourceError``), or an upgrade request followed by trailing bytes
+    (h11's ``LocalProtocolError``) took ``healthlog serve`` down, without a token."""
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        except* Exception as group:
+            kinds = ", ".join(sorted({type(exc).__name__ for exc in _leaves(group)}))
+            log.warning("http: a connection failed inside hypercorn and was closed: %s", kinds)
+
+
+def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]
+
+
+# hypercorn's trio worker hands each connection to the ``TCPServer`` its module imported (a name
+# it does not export, hence the ignore).
+hypercorn.trio.run.TCPServer = _ContainedTCPServer  # type: ignore[attr-defined]
 
 
 class _HypercornConfig(HypercornConfig):
