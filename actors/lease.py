@@ -11,6 +11,7 @@ renewal. On shutdown it releases.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import attrs
@@ -96,7 +97,10 @@ class LeaseActor:
             return
         except StorageError as exc:
             self._failures += 1
-            log.warning("lease renewal failed: %s", type(exc).__name__)
+            # SQLite's reason names no value; with the file, it tells an operator what to fix
+            # (a store the service's user cannot write, a full disk).
+            where = os.path.basename(self._store.path)
+            log.warning("lease renewal failed: %s: %s (%s)", type(exc).__name__, exc, where)
             if self._epoch is not None and trio.current_time() >= self._valid_until:
                 await self._publish(None)
             return

@@ -17,6 +17,7 @@ import trio
 from _runtime_helpers import (
     HOLDER,
     HOUR_US,
+    action,
     config,
     folded_ids,
     hold_at,
@@ -35,7 +36,7 @@ from _runtime_helpers import (
 from actors._supervisor import supervise
 from actors.runtime import Runtime, open_runtime
 from healthlog import faults
-from healthlog.storage._sqlite import Deferred
+from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Receipt
 from healthlog.storage.store import Store
@@ -299,6 +300,23 @@ async def test_the_lease_is_held_renewed_yielded_retaken_and_released_run_8_run_
         assert (await runtime.read_store(Store.checkpoint))[1:] == (receipt.delivery_id, 3)
 
     assert lease_row(tmp_path) == (None, 3)
+
+
+async def test_a_failed_renewal_says_why_and_where_run_33(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-33: a lease renewal that fails with a storage error other than a busy store logs a
+    WARNING with SQLite's reason and the store's file name (an operator's only clue to a store
+    the service's user cannot write), and the next renewal succeeds."""
+    readonly = StorageError("database error: attempt to write a readonly database")
+    plan = faults.Plan(actions={"lease.renew": action({2}, faults.raise_fault(lambda _: readonly))})
+    with faults.loaded(plan), caplog.at_level(logging.WARNING, "healthlog.lease"):
+        async with open_runtime(config(tmp_path, lease_renew_s=0.2)) as runtime:
+            await until(lambda: runtime.statistics().lease.renewals >= 1)
+    assert logged(caplog, logging.WARNING) == [
+        "lease renewal failed: StorageError: database error: attempt to write a readonly"
+        " database (store.sqlite)"
+    ]
 
 
 # -- statistics -----------------------------------------------------------------------------------
