@@ -10,7 +10,9 @@ import csv
 import io
 import json
 import re
+import sqlite3
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -532,6 +534,26 @@ def test_storage_error_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) ->
     assert len(run.err.splitlines()) == 1
     assert f"({data / 'store.sqlite'})" in run.err
     assert run.out == b""
+
+
+@pytest.mark.parametrize("name", ["journal.sqlite", "store.sqlite", "tokens.sqlite"])
+def test_a_newer_schema_is_refused_naming_its_file_cli_23(
+    cli: Cli, tmp_path: Path, name: str
+) -> None:
+    """CLI-23: a database of a newer healthlog (a restore after a downgrade): exit 3, one line
+    naming the file."""
+    data = tmp_path / "data"
+    assert cli("token", "add", "phone", "--data", data).code == 0
+    assert cli("status", "--data", data).code == 0
+    with closing(sqlite3.connect(data / name)) as conn:
+        conn.execute("PRAGMA user_version = 99")
+    run = (
+        cli("status", "--data", data)
+        if name != "tokens.sqlite"
+        else cli("token", "list", "--data", data)
+    )
+    assert run.code == 3
+    assert run.err == f"healthlog: database schema is newer than this healthlog ({data / name})\n"
 
 
 def test_journal_refusing_an_import_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) -> None:

@@ -193,12 +193,12 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[str]) -> None:
             version = _user_version(conn)
         except sqlite3.Error as exc:
             raise classify(exc) from exc
-        _refuse_newer(version, target)
+        _refuse_newer(conn, version, target)
         if version == target:
             return
         with write_transaction(conn):
             version = _user_version(conn)
-            _refuse_newer(version, target)
+            _refuse_newer(conn, version, target)
             if version == target:
                 return
             for statement in _statements(migrations[version]):
@@ -211,9 +211,10 @@ def _user_version(conn: sqlite3.Connection) -> int:
     return int(conn.execute("PRAGMA user_version").fetchone()[0])
 
 
-def _refuse_newer(version: int, target: int) -> None:
+def _refuse_newer(conn: sqlite3.Connection, version: int, target: int) -> None:
     if version > target:
-        raise StorageError("database schema is newer than this healthlog")
+        path = conn.execute("PRAGMA database_list").fetchone()[2]
+        raise StorageError(f"database schema is newer than this healthlog ({path})")
 
 
 def _statements(script: str) -> Iterator[str]:
