@@ -71,7 +71,7 @@ GRACE_S = 3.0
 REFUSAL_LIMIT_S = 3.0
 REVOKE_LIMIT_S = 10.0
 # Longer than the service's store busy timeout (5 s).
-BUSY_HOLD_S = 6.5
+BUSY_HOLD_S = 7.5
 UNAUTHORIZED = {"type": "error", "code": "UNAUTHORIZED"}
 
 
@@ -441,7 +441,7 @@ async def test_an_ack_waits_for_a_busy_store_stream_41(
 ) -> None:
     """STREAM-41: a named subscriber's ACK sent while another connection holds the store's
     write lock longer than the busy timeout (5 s) is stored once the lock is free, the stream
-    goes on, and nothing is logged above WARNING (at most one WARNING says the ACK waits)."""
+    goes on, one WARNING says the ACK waits, and nothing is logged above WARNING."""
     async with serving(tmp_path) as service:
         total = await post_small(service, 0, 60)
         async with subscribe(service, after=0, subscriber="nas") as ws:
@@ -457,8 +457,7 @@ async def test_an_ack_waits_for_a_busy_store_stream_41(
                 await post(service, small(400))
                 assert consecutive(await receive(ws, 2), total)
     waits = [r for r in caplog.records if "an ACK waits" in r.getMessage()]
-    assert {r.levelno for r in waits} <= {logging.WARNING}
-    assert len(waits) <= 1
+    assert [r.levelno for r in waits] == [logging.WARNING]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 

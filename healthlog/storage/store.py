@@ -39,8 +39,9 @@ log = logging.getLogger("healthlog.store")
 FOLD_LEASE = "fold"
 # The reason of a delivery failed because its fold ran over its time budget (F5).
 OVER_BUDGET = "fold over its time budget"
-# How long a subscriber's ACK waits for the write lock before it is deferred.
-ACK_BUSY_TIMEOUT_MS = 250
+# How long a write that is tried again later anyway (a subscriber's ACK, a mark) waits for the
+# write lock before it is deferred, rather than hold the store's reads behind it.
+BRIEF_WAIT_MS = 250
 
 MIGRATIONS = (
     """
@@ -725,7 +726,9 @@ class Store(_objects.ObjectDatabase):
         return None if row is None else orjson.loads(row[0])
 
     def set_mark(self, key: str, value: Any) -> None:
-        with self._lock, write_transaction(self._conn):
+        """Write a mark, waiting at most ``BRIEF_WAIT_MS`` for the write lock (:class:`Deferred`
+        then): marks are written again at every pass's end."""
+        with self._lock, self._waiting_at_most(BRIEF_WAIT_MS), write_transaction(self._conn):
             self._conn.execute(
                 "INSERT INTO marks (key, value) VALUES (?, ?)"
                 " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -827,10 +830,9 @@ class Store(_objects.ObjectDatabase):
     def ack(self, subscriber: str, seq: int) -> int:
         """Store a subscriber's durable cursor, only ever moving forward; returns the stored one.
 
-        It waits for the write lock at most ``ACK_BUSY_TIMEOUT_MS`` (longer than a fold's
-        commit), then raises :class:`Deferred`: the stream tries again later, rather than hold
-        every read of the store behind it."""
-        with self._lock, self._waiting_at_most(ACK_BUSY_TIMEOUT_MS), write_transaction(self._conn):
+        It waits for the write lock at most ``BRIEF_WAIT_MS`` (longer than a fold's commit),
+        then raises :class:`Deferred`: the stream tries again later."""
+        with self._lock, self._waiting_at_most(BRIEF_WAIT_MS), write_transaction(self._conn):
             self._conn.execute(
                 "INSERT INTO subscribers (name, acked) VALUES (?, ?)"
                 " ON CONFLICT (name) DO UPDATE SET acked = max(acked, excluded.acked)",
