@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import gzip
 import hashlib
+import zlib
 from collections.abc import Iterable
 
 import attrs
@@ -148,7 +149,16 @@ def _decode(data: bytes, manifest: Manifest) -> list[HourlyObject]:
             from_wire(ObjectKey(o["metric"], o["layer"], o["hour"]), o)
             for o in map(orjson.loads, lines[1:])
         ]
-    except (OSError, EOFError, ValueError, KeyError, IndexError, TypeError) as exc:
+    except (
+        OSError,
+        EOFError,
+        zlib.error,
+        ValueError,
+        KeyError,
+        IndexError,
+        TypeError,
+        AttributeError,
+    ) as exc:
         if isinstance(exc, SnapshotError):
             raise
         raise SnapshotError(f"snapshot cannot be decoded: {type(exc).__name__}") from None

@@ -440,11 +440,13 @@ class Front:
     (one each, in order), and with ``stale`` (a snapshot directory) the snapshot files
     removed as the first ``CURSOR_TOO_OLD`` frame passes, before the follower can fetch the file
     it names. With ``prefix`` it serves the service under that path, as a proxy's location
-    would: each connection's request has the prefix taken off its path (and closes the
-    connection after its answer, so that every request passes here), and one outside it is
+    would: each connection's request has the prefix taken off its path, and one outside it is
     answered 404 and counted in ``outside``. With ``drop``, the first websocket frame from the
-    service holding those bytes is left out, as a server skipping an event would. ``received``
-    is every byte clients sent, as it came off the wire."""
+    service holding those bytes is left out, as a server skipping an event would, or, with
+    ``garble``, replaced by a text frame of those bytes. ``answers`` are whole HTTP answers given
+    instead of the service's, by request path. With a prefix or answers, each forwarded request
+    closes its connection after its answer, so that every request passes here. ``received`` is
+    every byte clients sent, as it came off the wire."""
 
     def __init__(
         self,
@@ -458,11 +460,15 @@ class Front:
         stale: Path | None = None,
         prefix: str = "",
         drop: bytes | None = None,
+        garble: bytes | None = None,
+        answers: dict[bytes, bytes] | None = None,
     ) -> None:
         self.upstream = upstream
         self.prefix = prefix.encode()
         self.outside = 0
         self.drop = drop
+        self.garble = garble
+        self.answers = answers or {}
         self.tls = tls
         self.bad_gateway = bad_gateway
         self.too_slow = too_slow
@@ -490,6 +496,10 @@ class Front:
                 head = await read_head(client)
                 if not head:
                     return
+                answer = self.answers.get(head.split(b" ", 2)[1].split(b"?")[0])
+                if answer is not None:
+                    await client.send_all(answer)
+                    return
                 if self.prefix:
                     method, path, rest = head.split(b" ", 2)
                     if not path.startswith(self.prefix + b"/"):
@@ -497,9 +507,10 @@ class Front:
                         await client.send_all(NOT_FOUND)
                         return
                     head = b" ".join((method, path.removeprefix(self.prefix), rest))
-                    if b"upgrade: websocket" not in head.lower():
-                        top, _, after = head.partition(HEAD_END)
-                        head = top + b"\r\nConnection: close" + HEAD_END + after
+                if (self.prefix or self.answers) and b"upgrade: websocket" not in head.lower():
+                    # Every request on a connection of its own, so that each passes here.
+                    top, _, after = head.partition(HEAD_END)
+                    head = top + b"\r\nConnection: close" + HEAD_END + after
                 if self.bad_gateway:
                     self.bad_gateway -= 1
                     await client.send_all(BAD_GATEWAY)
@@ -549,7 +560,7 @@ class Front:
                     await self._too_old()
                 tail = data[-len(TOO_OLD) :]
                 if dropping and self.drop is not None:
-                    data = frames.without(data, self.drop)
+                    data = frames.without(data, self.drop, self.garble)
                     if frames.dropped:
                         self.drop, dropping = None, False
                         data += frames.pending
@@ -575,7 +586,7 @@ class FrameFilter:
         self.opened = False
         self.dropped = False
 
-    def without(self, data: bytes, needle: bytes) -> bytes:
+    def without(self, data: bytes, needle: bytes, instead: bytes | None = None) -> bytes:
         self.pending += data
         out = b""
         if not self.opened:
@@ -593,6 +604,8 @@ class FrameFilter:
             frame, self.pending = self.pending[: at + size], self.pending[at + size :]
             if needle in frame[at:]:
                 self.dropped = True
+                if instead is not None:
+                    out += bytes([0x81, len(instead)]) + instead
             else:
                 out += frame
         return out
@@ -787,6 +800,50 @@ async def test_follow_never_moves_past_a_skipped_event_stream_42(
             assert len(front.upgrades) == 2
             assert (await binding(replica)).cursor == total
             assert await replica_export(replica) == await server_export(service)
+
+
+def json_answer(content: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (len(content), content)
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"answers": {b"/v1/status": json_answer(b"[]")}}, "the server's status is not"),
+        (
+            {"answers": {b"/v1/status": json_answer(b'{"stream": {"id": 1}}')}},
+            "the server's status is not",
+        ),
+        ({"answers": {b"/v1/snapshots/key": json_answer(b"{}")}}, "the snapshot key is not"),
+        (
+            {"drop": b'"seq":3,', "garble": b"this is not json"},
+            "a frame that is not healthlog's: JSONDecodeError",
+        ),
+        (
+            {"drop": b'"seq":3,', "garble": b'{"type":"event","seq":"three"}'},
+            "a frame that is not healthlog's: ValueError",
+        ),
+    ],
+)
+async def test_follow_refuses_answers_that_are_not_healthlogs_stream_43(
+    tmp_path: Path, options: dict[str, Any], says: str
+) -> None:
+    """STREAM-43: a status, snapshot key or frame that is not of healthlog's shape (a proxy
+    answering for the service, another program on the port) stops the follower for good with
+    a FollowError saying which; what it applied before stays applied."""
+    with Replica(tmp_path / "replica") as replica:
+        async with (
+            serving(tmp_path / "server") as service,
+            fronting(service, **options) as front,
+        ):
+            await post_small(service, 0, 60, 120)
+            with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match=says):
+                await follow(front.url("http"), service.token, replica, until_caught_up=True)
+            if "garble" in options:
+                assert (await binding(replica)).cursor == 2
 
 
 async def test_follow_backs_off_when_too_slow_stream_33(tmp_path: Path) -> None:

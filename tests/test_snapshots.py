@@ -168,7 +168,30 @@ TAMPERED: list[tuple[str, Callable[[Attempt], Attempt], str]] = [
         "header does not match",
     ),
     ("not-a-snapshot", lambda a: a.resigned(b"plain text"), "cannot be decoded"),
+    (
+        "broken-deflate",
+        lambda a: a.resigned(gzip.compress(b"")[:10] + b"\xff" * 20),
+        "cannot be decoded",
+    ),
+    (
+        "deflate-byte-flipped",
+        lambda a: a.resigned(a.data[:12] + bytes([a.data[12] ^ 0xFF]) + a.data[13:]),
+        "cannot be decoded",
+    ),
+    ("header-not-an-object", lambda a: a.resigned(gzip.compress(b"[]\n")), "cannot be decoded"),
+    (
+        "object-line-not-an-object",
+        lambda a: a.resigned(with_objects(a.data, b"5")),
+        "cannot be decoded",
+    ),
 ]
+
+
+def with_objects(data: bytes, *lines: bytes) -> bytes:
+    """The same snapshot file with its object lines replaced by ``lines``."""
+    header = orjson.loads(gzip.decompress(data).split(b"\n", 1)[0])
+    header["objects"] = len(lines)
+    return gzip.compress(b"\n".join([orjson.dumps(header), *lines]) + b"\n", mtime=0)
 
 
 @pytest.mark.parametrize(
@@ -179,7 +202,9 @@ def test_tampered_snapshot_refused(
     tamper: Callable[[Attempt], Attempt],
     check: str,
 ) -> None:
-    """STREAM-17: each tampering is refused with a SnapshotError naming the failed check."""
+    """STREAM-17: each tampering, and content that is not a snapshot (a broken deflate stream,
+    a header or object line that is not an object), is refused with a SnapshotError naming
+    the failed check."""
     attempt, _ = store_objects
     with pytest.raises(SnapshotError, match=check):
         tamper(attempt).validate()

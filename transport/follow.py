@@ -22,9 +22,10 @@ import logging
 import ssl
 import urllib.parse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+import cattrs
 import httpx
 import orjson
 import trio
@@ -42,7 +43,7 @@ from wsproto.utilities import RemoteProtocolError
 
 from healthlog import snapshots
 from healthlog.acks import AckTracker
-from healthlog.documents import converter
+from healthlog.documents import StreamInfo, converter
 from healthlog.objects import ObjectKey, from_wire
 from healthlog.snapshots import Manifest, SnapshotError
 from healthlog.storage._sqlite import StorageError
@@ -50,6 +51,7 @@ from healthlog.storage.replica import Change, Replica, ReplicaMismatch
 from healthlog.timestamps import parse_instant
 
 log = logging.getLogger("healthlog.follow")
+_T = TypeVar("_T")
 
 MAX_MESSAGE_BYTES = 256 * 2**20
 RECEIVE_BYTES = 256 * 2**10
@@ -153,24 +155,27 @@ class Follower:
     async def _session(self, http: httpx.AsyncClient, context: ssl.SSLContext) -> bool:
         """One connection; True when done (caught up)."""
         status = await _get_json(http, "/v1/status")
-        key = await _get_json(http, "/v1/snapshots/key")
-        stream = status["stream"]
-        await trio.to_thread.run_sync(
-            self.replica.bind, str(stream["instance"]), str(key["public_key"])
+        key = _structured(await _get_json(http, "/v1/snapshots/key"), _Key, "the snapshot key")
+        stream = _structured(
+            status.get("stream") if isinstance(status, dict) else None,
+            StreamInfo,
+            "the server's status",
         )
+        await trio.to_thread.run_sync(self.replica.bind, stream.instance, key.public_key)
         binding = await trio.to_thread.run_sync(self.replica.binding)
-        if binding.stream is None and stream["oldest_cursor"] == 0:
-            await trio.to_thread.run_sync(self.replica.restore, str(stream["id"]), 0, [])
+        if binding.stream is None and stream.oldest_cursor == 0:
+            await trio.to_thread.run_sync(self.replica.restore, stream.id, 0, [])
             binding = await trio.to_thread.run_sync(self.replica.binding)
-        elif binding.stream != stream["id"]:
-            manifest = converter.structure(await _get_json(http, "/v1/snapshots"), Manifest)
+        elif binding.stream != stream.id:
+            document = await _get_json(http, "/v1/snapshots")
+            manifest = _structured(document, Manifest, "the snapshot reference")
             await self._restore(http, manifest, after=0, stream=None)
             binding = await trio.to_thread.run_sync(self.replica.binding)
         if self._target is None:
-            self._target = int(stream["head"])
+            self._target = stream.head
         if self.until_caught_up and self.subscriber is None and binding.cursor >= self._target:
             return True
-        return await self._stream(http, context, binding.cursor, str(stream["id"]))
+        return await self._stream(http, context, binding.cursor, stream.id)
 
     async def _stream(
         self, http: httpx.AsyncClient, context: ssl.SSLContext, after: int, stream: str
@@ -257,7 +262,11 @@ class Follower:
                     await ws.send(_ack_frame(acks.contiguous))
                     acked = acks.contiguous
                 continue
-            while len(batch.seqs) <= BATCH - READ_SIZE and not batch.errors:
+            while (
+                len(batch.seqs) <= BATCH - READ_SIZE
+                and not batch.errors
+                and batch.malformed is None
+            ):
                 try:
                     batch = batch.joined(batches.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
@@ -278,9 +287,15 @@ class Follower:
                 # Never past a gap (R3): from the cursor, the server sends the event or a
                 # snapshot.
                 raise ConnectionLost(f"the stream skipped from seq {acks.contiguous} to {skipped}")
+            if batch.malformed is not None:
+                raise FollowError(
+                    f"the server sent a frame that is not healthlog's: {batch.malformed}"
+                )
             for error in batch.errors:
                 if error.get("code") == "CURSOR_TOO_OLD":
-                    manifest = converter.structure(error["snapshot"], Manifest)
+                    manifest = _structured(
+                        error.get("snapshot"), Manifest, "the snapshot reference"
+                    )
                     await self._restore(http, manifest, after=acks.contiguous, stream=stream)
                     return False
                 if error.get("code") in RETRYABLE:
@@ -425,22 +440,33 @@ class StreamSocket:
 
 @attrs.frozen
 class _Batch:
-    """Decoded frames: the events' sequences and object changes, then any error frames."""
+    """Decoded frames: the events' sequences and object changes, then any error frames; with
+    ``malformed``, the reason the next frame could not be read (nothing after it is)."""
 
     seqs: list[int]
     changes: list[Change]
     errors: list[dict[str, Any]]
+    malformed: str | None = None
 
     @classmethod
     def decode(cls, messages: list[str]) -> _Batch:
-        seqs, changes, errors = [], [], []
+        seqs: list[int] = []
+        changes: list[Change] = []
+        errors: list[dict[str, Any]] = []
         for message in messages:
-            frame = orjson.loads(message)
-            if frame.get("type") == "event":
-                seqs.append(int(frame["seq"]))
-                if frame.get("kind") == "object.changed":
-                    changes.append(_change(frame))
-            elif frame.get("type") == "error":
+            try:
+                frame = orjson.loads(message)
+                kind = frame.get("type")
+                if kind == "event":
+                    seq = int(frame["seq"])
+                    change = _change(frame) if frame.get("kind") == "object.changed" else None
+            except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+                return cls(seqs, changes, errors, type(exc).__name__)
+            if kind == "event":
+                seqs.append(seq)
+                if change is not None:
+                    changes.append(change)
+            elif kind == "error":
                 errors.append(frame)
         return cls(seqs, changes, errors)
 
@@ -461,7 +487,10 @@ class _Batch:
 
     def joined(self, other: _Batch) -> _Batch:
         return _Batch(
-            self.seqs + other.seqs, self.changes + other.changes, self.errors + other.errors
+            self.seqs + other.seqs,
+            self.changes + other.changes,
+            self.errors + other.errors,
+            other.malformed,
         )
 
 
@@ -487,8 +516,23 @@ def _change(frame: dict[str, Any]) -> Change:
     state = frame.get("object")
     if state is None:
         return Change(int(frame["seq"]), key, None)
-    assert isinstance(state, dict)
+    if not isinstance(state, dict):
+        raise TypeError("an object state that is not a JSON object")
     return Change(int(frame["seq"]), key, from_wire(key, state))
+
+
+@attrs.frozen
+class _Key:
+    public_key: str
+
+
+def _structured(document: Any, kind: type[_T], what: str) -> _T:
+    """``document`` as ``kind``; :class:`FollowError` when the server's answer is not of that
+    shape (a proxy answering for it, another program on the port)."""
+    try:
+        return converter.structure(document, kind)
+    except (cattrs.BaseValidationError, KeyError, TypeError, ValueError, AttributeError):
+        raise FollowError(f"{what} is not healthlog's") from None
 
 
 async def _get_json(http: httpx.AsyncClient, path: str) -> Any:
