@@ -21,6 +21,7 @@ from healthlog import documents, layers
 from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
 from healthlog.export import FORMATS, export_lines
 from healthlog.logs import LEVELS, setup_logging
+from healthlog.objects import ObjectCorrupt
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError
@@ -547,7 +548,7 @@ def _user_error(exc: BaseException) -> Exception | None:
     """The error to tell the user in one line, also from inside a trio nursery's group."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, CliError | StorageError | RebuildError | OSError):
+    if isinstance(exc, CliError | StorageError | RebuildError | OSError | ObjectCorrupt):
         return exc
     return None
 

@@ -43,9 +43,19 @@ def header(fmt: str) -> Iterator[bytes]:
 def object_lines(
     obj: HourlyObject, *, start_from: int | None, start_to: int | None, fmt: str
 ) -> Iterator[bytes]:
-    """The lines of one object's points in the window, sorted by start and end."""
+    """The lines of one object's points in the window, sorted by start and end; a body that
+    does not decode raises :class:`objects.ObjectCorrupt` naming the object."""
     line = _jsonl if fmt == "jsonl" else _csv
-    for (start, end), raw in sorted(objects.decode(obj.body).items()):
+    try:
+        points = objects.decode(obj.body)
+    except objects.ObjectCorrupt as exc:
+        key = obj.key
+        where = f"{key.metric} {key.layer} {format_instant(key.hour)}"
+        raise objects.ObjectCorrupt(
+            f"{exc} ({where}); `healthlog verify` lists such objects, `healthlog reindex`"
+            " rebuilds them"
+        ) from None
+    for (start, end), raw in sorted(points.items()):
         if start_from is not None and start < start_from:
             continue
         if start_to is not None and start >= start_to:

@@ -22,7 +22,7 @@ from _cli_bodies import body, compact, metric, point, raw_point, write
 from healthlog import faults
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir
-from healthlog.timestamps import parse_instant
+from healthlog.timestamps import format_instant, hour_of, parse_instant
 
 if TYPE_CHECKING:
     from conftest import Cli, Outcomes, RunCli
@@ -520,6 +520,27 @@ def test_plain_status_prints_the_same_figures_as_lines_cli_14(
     assert lines[4].split()[-1] == "completed"
     assert "not" not in lines[4]
     assert not text.lstrip().startswith("{")
+
+
+def test_export_of_a_damaged_object_exits_3_naming_it_cli_34(cli: Cli, tmp_path: Path) -> None:
+    """CLI-34: `export` reaching an object whose body does not decode exits 3 with one line
+    naming the object and the remedy, after the lines of the objects before it."""
+    data = tmp_path / "data"
+    sent = write(
+        tmp_path / "a.json",
+        body(metric(HR, BPM, point(minute(0), qty=61)), metric("steps", "count", point(minute(1)))),
+    )
+    import_ok(cli, data, "--aggregation", "minutes", sent)
+    with closing(sqlite3.connect(data / "store.sqlite")) as conn, conn:
+        conn.execute("UPDATE objects SET body = x'00112233' WHERE metric = 'steps'")
+    run = cli("export", "--data", data)
+    assert run.code == 3
+    assert [json.loads(line)["metric"] for line in run.lines()] == [HR]
+    assert run.err.splitlines() == [
+        "healthlog: object body cannot be decoded: BadGzipFile (steps minutes"
+        f" {format_instant(hour_of(parse_instant(minute(1))))}); `healthlog verify` lists such"
+        " objects, `healthlog reindex` rebuilds them"
+    ]
 
 
 def test_storage_error_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) -> None:
