@@ -150,6 +150,11 @@ def _read_metrics(raw: msgspec.Raw, envelope: Envelope) -> None:
             envelope.problems.append("metric without a name")
             envelope.rejected_entries += 1
             continue
+        if "\x00" in name:
+            # SQLite's JSON functions end a string at U+0000: the stream could not name it.
+            envelope.problems.append("metric name holds U+0000")
+            envelope.rejected_entries += 1
+            continue
         units = _decode(entry["units"], str) if "units" in entry else None
         data = entry.get("data", msgspec.Raw(b"[]"))
         points = _decode(data, list[msgspec.Raw])
