@@ -82,10 +82,13 @@ async def outcome_of(
         into[name] = response.json()
 
 
-async def test_hostile_corpus(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_hostile_corpus(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
     """PROOF-4, PROOF-5, PROOF-6: every hostile body is journaled (200, its sha256) and gets
     the outcome its case names, with a reason unless parsed; the server keeps answering and logs
-    no ERROR; the baseline exports byte for byte as before, each case adds exactly the points it
+    no ERROR, in its own process or in the fold workers (whose records go to their stderr); the
+    baseline exports byte for byte as before, each case adds exactly the points it
     sent that are valid (HTML characters included, byte for byte), and ``verify`` finds nothing."""
     cases = corpus()
     assert len(cases) >= 200
@@ -120,6 +123,8 @@ async def test_hostile_corpus(tmp_path: Path, caplog: pytest.LogCaptureFixture) 
         assert (outcome["reason"] is None) is (case.status == "parsed"), case.name
         assert "internal error" not in (outcome["reason"] or ""), case.name
     assert errors(caplog) == []
+    workers_said = capfd.readouterr().err
+    assert [line for line in workers_said.splitlines() if "level=ERROR" in line] == []
     assert {key: after[key] for key in before} == before
     added: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
     for key, line in after.items():
