@@ -39,8 +39,6 @@ IMPORT_CLIENT = "cli:import"
 INTERRUPTED = 128 + signal.SIGINT
 """The exit status of a command stopped by Ctrl-C, as a shell reports it."""
 
-log = logging.getLogger("healthlog.cli")
-
 
 class CliError(Exception):
     """A user-facing error: printed without a traceback, exit status 2."""

@@ -119,7 +119,6 @@ class DeliveryFold:
         self._counters = Counters()
         self._rejections: Counter[str] = Counter()
         self._layer: str | None = None
-        self._failure: str | None = None
         self._measure = measure
         self._plain = plain
         self.spacing: int | None = None

@@ -279,11 +279,6 @@ def _numbers_differ(a: dict[str, Any], b: dict[str, Any]) -> bool:
 _NUMBERS = frozenset({int, float})
 
 
-def is_empty(value: object) -> bool:
-    """Empty in the sense of S4: null, "", [] or {}."""
-    return value is None or (isinstance(value, str | list | dict) and len(value) == 0)
-
-
 def completeness(value: dict[str, Any]) -> int:
     """Number of significant fields: those left in the canonical form."""
     return len(_normalise_object(value))

@@ -133,6 +133,7 @@ class Drip(httpx.AsyncByteStream):
         self.held = trio.Event()
         """Set once the first chunk is out and the rest waits for the gate."""
 
+    # httpx declares an AsyncIterator return; this stream is its own iterator.
     def __aiter__(self) -> Drip:  # type: ignore[override]
         return self
 

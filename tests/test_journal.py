@@ -55,6 +55,7 @@ def clock_of(*readings: int) -> Callable[[], int]:
 
 
 def delivery(body: bytes = b"{}", client: str = "phone", **fields: object) -> NewDelivery:
+    # ``fields`` are NewDelivery's own keyword arguments, which ``object`` cannot say.
     return NewDelivery(body, client, **fields)  # type: ignore[arg-type]
 
 

@@ -59,6 +59,7 @@ from healthlog.storage.faultplan import PLAN_ENV
 from healthlog.storage.journal import DeliveryMeta
 from healthlog.storage.rebuild import verify
 from healthlog.storage.replica import Replica
+from healthlog.storage.store import Event, Store
 from transport.follow import Endpoints, Follower
 
 KINDS = ("busy", "ioerror", "delay", "clock", "kill", "lock", "steal", "drop", "cancel")
@@ -584,8 +585,9 @@ _OUT_OF_ORDER = re.compile(
 )
 
 
-def _all_events(store: Any) -> list[Any]:
-    events, after = [], 0
+def _all_events(store: Store) -> list[Event]:
+    events: list[Event] = []
+    after = 0
     while batch := store.events_after(after, 1000):
         events.extend(batch)
         after = batch[-1].seq

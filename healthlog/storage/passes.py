@@ -91,7 +91,6 @@ def run_pass(
     store: Store,
     epoch: int,
     *,
-    guard: bool = True,
     budget: Budget = Budget(),
     progress: Progress | None = None,
     now: Callable[[], int] = clock.now_us,
@@ -106,7 +105,7 @@ def run_pass(
         return failed
     while (meta := folding.next()) is not None:
         check = budget.checker(meta.bytes)
-        folding.record(store.fold(journal, meta, epoch, guard=guard, check_budget=check))
+        folding.record(store.fold(journal, meta, epoch, check_budget=check))
         if progress is not None:
             progress(folding.position, folding.total)
     write_marks(journal, store, folding, now)

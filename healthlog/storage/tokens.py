@@ -42,7 +42,6 @@ class TokenError(StorageError):
 @attrs.frozen
 class TokenInfo:
     name: str
-    created_at: int
 
 
 def token_hash(token: str) -> bytes:
@@ -79,9 +78,7 @@ class Tokens(Database):
 
     def list(self) -> list[TokenInfo]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT name, created_at FROM tokens ORDER BY name"
-            ).fetchall()
+            rows = self._conn.execute("SELECT name FROM tokens ORDER BY name").fetchall()
         return [TokenInfo(*row) for row in rows]
 
     def hashes(self) -> dict[bytes, str]:
