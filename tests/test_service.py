@@ -23,6 +23,8 @@ from typing import Any
 
 import h2.config
 import h2.connection
+import h2.events
+import hpack
 import httpx
 import orjson
 import pytest
@@ -985,3 +987,110 @@ async def test_a_connection_failing_inside_hypercorn_stays_with_it_serve_37(
     assert contained
     assert {r.levelno for r in contained} == {logging.WARNING}
     assert "LocalProtocolError" in contained[0].getMessage()
+    assert [r.getMessage() for r in caplog.records if r.levelno > logging.WARNING] == []
+
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
+def h2_frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    head = len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream_id.to_bytes(4, "big")
+    return head + payload
+
+
+ZERO_WINDOW_LEAVERS = 20
+CHURNED = 100
+
+
+async def test_connections_a_peer_left_are_let_go_serve_38(tmp_path: Path) -> None:
+    """SERVE-38: h2c peers that set their flow control window to zero, ask for /healthz and
+    leave, and HTTP/1.1 peers that connect and close (half of them after a request), hold no
+    socket once they left, well before the keep-alive timeout (30 s); one that stays, its
+    window still zero, holds the shutdown no longer than the send limit
+    (`stream_send_timeout_s`, 1 s here)."""
+    request = hpack.Encoder().encode(
+        [(":method", "GET"), (":scheme", "http"), (":path", "/healthz"), (":authority", "x")]
+    )
+    zero_window = h2_frame(4, 0, 0, (4).to_bytes(2, "big") + (0).to_bytes(4, "big"))
+    asking = H2_PREFACE + zero_window + h2_frame(1, 5, 1, request)
+    async with serving(tmp_path / "data", stream_send_timeout_s=1) as service:
+        assert (await service.client.get("/healthz")).status_code == 200
+        before = open_sockets()
+        for _ in range(ZERO_WINDOW_LEAVERS):
+            async with await trio.open_tcp_stream("127.0.0.1", service.port) as tcp:
+                await tcp.send_all(asking)
+                await trio.sleep(H2_LINGER_S)
+        for n in range(CHURNED):
+            async with await trio.open_tcp_stream("127.0.0.1", service.port) as tcp:
+                if n % 2:
+                    await tcp.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                    assert (await tcp.receive_some(2**16)).startswith(b"HTTP/1.1 200")
+        with trio.fail_after(H2_GRACE_S):
+            while open_sockets() > before:
+                await trio.sleep(POLL_S)
+        staying = await trio.open_tcp_stream("127.0.0.1", service.port)
+        await staying.send_all(asking)
+        await trio.sleep(H2_LINGER_S)
+        stopping = trio.current_time()
+    await staying.aclose()
+    assert trio.current_time() - stopping < H2_GRACE_S / 2
+
+
+async def h2c_request(port: int, headers: list[tuple[bytes, bytes]]) -> int:
+    """The status of one request over h2c, its headers sent as given (no validation)."""
+    connection = h2.connection.H2Connection(
+        h2.config.H2Configuration(
+            client_side=True,
+            header_encoding=None,
+            validate_outbound_headers=False,
+            normalize_outbound_headers=False,
+            validate_inbound_headers=False,
+        )
+    )
+    connection.initiate_connection()
+    async with await trio.open_tcp_stream("127.0.0.1", port) as tcp:
+        await tcp.send_all(connection.data_to_send())
+        connection.send_headers(1, headers, end_stream=headers[0][1] != b"CONNECT")
+        await tcp.send_all(connection.data_to_send())
+        with trio.fail_after(CLIENT_TIMEOUT_S):
+            while True:
+                data = await tcp.receive_some(2**16)
+                assert data, "the service closed the connection without an answer"
+                for event in connection.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived):
+                        return int(dict(event.headers)[b":status"])
+                await tcp.send_all(connection.data_to_send())
+
+
+async def test_what_a_peer_sends_wrong_is_never_an_error_serve_39(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-39: a query string that is not UTF-8 over h2c (400 `BAD_QUERY`, or a refused
+    websocket handshake), and a websocket upgrade with a malformed permessage-deflate offer
+    (refused), are answered without any record above WARNING."""
+    async with serving(tmp_path / "data") as service:
+        with caplog.at_level(logging.INFO):
+            get = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"x")]
+            assert await h2c_request(service.port, [*get, (b":path", b"/healthz?\xff")]) == 400
+            connect = [
+                (b":method", b"CONNECT"),
+                (b":protocol", b"websocket"),
+                (b":scheme", b"http"),
+                (b":path", b"/v1/stream?after=\xff"),
+                (b":authority", b"x"),
+                (b"sec-websocket-version", b"13"),
+            ]
+            assert await h2c_request(service.port, connect) == 403
+            async with await trio.open_tcp_stream("127.0.0.1", service.port) as tcp:
+                await tcp.send_all(
+                    b"GET /v1/stream HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                    b"Connection: Upgrade\r\nSec-WebSocket-Key: bKdPyn3u98cTfZJSh4TNeQ==\r\n"
+                    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Extensions: permessage-deflate;"
+                    b" server_max_window_bits=99; client_max_window_bits=zz\r\n\r\n"
+                )
+                with trio.fail_after(CLIENT_TIMEOUT_S):
+                    answer = await tcp.receive_some(2**16)
+                assert not answer.startswith(b"HTTP/1.1 101")
+            assert (await service.post(small(1))).status_code == 200
+    assert [r.getMessage() for r in caplog.records if r.levelno > logging.WARNING] == []
+    assert "stream: the websocket handshake failed: ValueError" in caplog.messages

@@ -77,28 +77,50 @@ class _Http(QuartTrio):
 
 
 class HealthlogApp:
-    """The ASGI application: intake and the replay stream endpoint beside the quart-trio app."""
+    """The ASGI application: intake and the replay stream endpoint beside the quart-trio app.
 
-    def __init__(self, http: QuartTrio, intake: IntakeEndpoint, stream: StreamEndpoint) -> None:
+    ``finish_limit_s`` bounds the send that ends a response (see :func:`_finishing`).
+    """
+
+    def __init__(
+        self,
+        http: QuartTrio,
+        intake: IntakeEndpoint,
+        stream: StreamEndpoint,
+        finish_limit_s: float,
+    ) -> None:
         self.http = http
         self.intake = intake
         self.stream = stream
+        self.finish_limit_s = finish_limit_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket") and _header_bytes(scope) > MAX_HEADER_BYTES:
-            await _refuse_headers(scope, send)
+            await _refuse(scope, send, 431, "HEADERS_TOO_LARGE")
+        elif scope["type"] in ("http", "websocket") and not _utf8(scope["query_string"]):
+            # Over HTTP/2 a query string may hold any byte; quart would fail decoding it.
+            await _refuse(scope, send, 400, "BAD_QUERY")
         elif scope["type"] == "http" and scope["path"] == INTAKE_PATH:
             await self.intake(scope, receive, send)
         elif scope["type"] == "websocket" and scope["path"] == STREAM_PATH:
             await self.stream(scope, receive, send)
         elif scope["type"] == "http":
-            await self.http(scope, receive, _finishing(send))
+            await self.http(scope, receive, _finishing(send, self.finish_limit_s))
         else:
             await self.http(scope, receive, send)
 
 
-def _finishing(send: Any) -> Any:
-    """``send`` for a quart-trio HTTP request, with the response's last body message shielded.
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _finishing(send: Any, limit_s: float) -> Any:
+    """``send`` for a quart-trio HTTP request, with the response's last body message shielded,
+    for ``limit_s`` at most.
 
     hypercorn 0.18 ends an HTTP/1.1 response inside the app's last ``http.response.body``
     send: it puts ``http.disconnect`` on the app's queue (``HTTPStream.handle`` in
@@ -108,14 +130,16 @@ def _finishing(send: Any) -> Any:
     cancels the request as soon as its reader takes that ``http.disconnect``, so the send was
     cancelled in between, at the lock of ``TrioSingleTask.restart``, and the idle task never
     started: the connection outlived ``keep_alive_timeout_s`` and held a shutdown for
-    ``graceful_timeout_s`` (PROOF-8). The shield adds no wait: the socket write in that send is
-    shielded by hypercorn already, quart-trio's reader keeps the queue from filling, and the
-    rest only starts a task.
+    ``graceful_timeout_s`` (PROOF-8). Over HTTP/1.1 the shield adds no wait: the socket write
+    in that send is shielded by hypercorn already, quart-trio's reader keeps the queue from
+    filling, and the rest only starts a task. Over HTTP/2 the send waits for the peer's flow
+    control window, which a peer that sets it to zero and leaves never opens: hence the limit
+    (SERVE-38), after which the send is given up as for a peer that stopped reading.
     """
 
     async def send_finishing(message: dict[str, Any]) -> None:
         if message["type"] == "http.response.body" and not message.get("more_body", False):
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(deadline=trio.current_time() + limit_s, shield=True):
                 await send(message)
         else:
             await send(message)
@@ -127,16 +151,17 @@ def _header_bytes(scope: Any) -> int:
     return sum(len(name) + len(value) for name, value in scope["headers"])
 
 
-async def _refuse_headers(scope: Any, send: Any) -> None:
-    """431 for an HTTP request, a refused handshake for a websocket."""
+async def _refuse(scope: Any, send: Any, status: int, code: str) -> None:
+    """``status`` with the error ``code`` for an HTTP request, a refused handshake for a
+    websocket."""
     if scope["type"] == "websocket":
         await send({"type": "websocket.close", "code": 1008})
         return
-    body = orjson.dumps({"error": "HEADERS_TOO_LARGE"})
+    body = orjson.dumps({"error": code})
     await send(
         {
             "type": "http.response.start",
-            "status": 431,
+            "status": status,
             "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
         }
     )
@@ -288,7 +313,9 @@ def create_app(
         config.stream_send_timeout_s,
         closing,
     )
-    return HealthlogApp(app, IntakeEndpoint(runtime, tokens, config), stream)
+    return HealthlogApp(
+        app, IntakeEndpoint(runtime, tokens, config), stream, config.stream_send_timeout_s
+    )
 
 
 async def _objects(runtime: Runtime, **where: Any) -> AsyncIterator[HourlyObject]:

@@ -26,6 +26,7 @@ import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
+from hypercorn.events import Event, Updated
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -46,11 +47,32 @@ committed and answered: the journal's busy timeout (5 s) and as much again."""
 
 
 class _ContainedTCPServer(TCPServer):
-    """hypercorn's handler of one connection, which closes the connection (as it does anyway)
-    when the handling fails, and ends there. Left to hypercorn, such a failure ends the whole
+    """hypercorn's handler of one connection, which lets a connection go as soon as its peer
+    has closed it, and closes the connection (as it does anyway) when the handling fails, and
+    ends there. Left to hypercorn, such a failure ends the whole
     server: two of its tasks writing to one socket when a websocket client closes as the
     server does (``trio.BusyResourceError``), or an upgrade request followed by trailing bytes
     (h11's ``LocalProtocolError``) took ``healthlog serve`` down, without a token."""
+
+    _peer_closed = False
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        # The peer closed its side: nothing is left to keep alive. hypercorn would hold the
+        # connection (its socket, a file descriptor) until the keep-alive timeout anyway, and
+        # start that wait again when a request in flight ends, so that a peer opening and
+        # closing connections quickly could use up every descriptor.
+        self._peer_closed = True
+        await self.idle_task.stop()
+        # Over HTTP/2, hypercorn closes the connection's streams but not their send buffers:
+        # a response's last send, waiting for the buffer to drain, would wait for good.
+        for buffer in list(getattr(self.protocol.protocol, "stream_buffers", {}).values()):
+            await buffer.close()
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated) and self._peer_closed:
+            return
+        await super().protocol_send(event)
 
     async def run(self) -> None:
         try:

@@ -30,6 +30,7 @@ server going away (on shutdown).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import urllib.parse
@@ -136,7 +137,15 @@ class StreamEndpoint:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
-        await send({"type": "websocket.accept"})
+        try:
+            await send({"type": "websocket.accept"})
+        except Exception as exc:
+            # The handshake cannot be answered: a malformed extension offer (permessage-deflate
+            # with bad parameters), bytes after the upgrade request. The peer's doing.
+            log.info("stream: the websocket handshake failed: %s", type(exc).__name__)
+            with contextlib.suppress(Exception):
+                await send({"type": "websocket.close", "code": 1008})
+            return
         query = {
             k: v[-1]
             for k, v in urllib.parse.parse_qs(
