@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import random
 import re
 import socket
 import sqlite3
@@ -26,7 +25,6 @@ import h2.connection
 import h2.events
 import hpack
 import httpx
-import orjson
 import pytest
 import trio
 from _cli_bodies import body, compact, metric, point
@@ -41,12 +39,10 @@ from _service_helpers import (
     serving,
     write_minute_body,
 )
-from fixtures import shuffled
 from prometheus_client.parser import text_string_to_metric_families
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
 
-from healthlog import workload
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.storage.datadir import DataDir
 from healthlog.timestamps import format_instant
@@ -352,22 +348,6 @@ async def test_same_key_same_content_replays_the_receipt(service: Service) -> No
         assert again.headers["Idempotent-Replayed"] == "true"
         assert again.json() == first.json()
     assert await journaled(service) == [sha256(HEART_RATE)]
-
-
-async def test_a_large_body_replays_in_another_key_order_serve_13(service: Service) -> None:
-    """SERVE-13: a body of 9 MiB, then the same JSON with its keys in another order, under one
-    key: the second replays the first's receipt."""
-    value = orjson.loads(workload.big_body(5, target_bytes=9 * MiB))
-    content = orjson.dumps(value)
-    reordered = orjson.dumps(shuffled(value, random.Random(3)))
-    assert content != reordered
-    key = {"Idempotency-Key": "big-1"}
-    first = await service.post(content, key)
-    assert first.status_code == 200
-    again = await service.post(reordered, key)
-    assert (again.status_code, again.headers.get("Idempotent-Replayed")) == (200, "true")
-    assert again.json() == first.json()
-    assert await journaled(service) == [sha256(content)]
 
 
 async def test_same_key_other_content_is_a_collision(tmp_path: Path) -> None:
