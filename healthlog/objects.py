@@ -136,8 +136,20 @@ def to_wire(obj: HourlyObject) -> dict[str, Any]:
     }
 
 
+_WIRE_INTEGERS = ("first", "last", "points", "created_by")
+
+
 def from_wire(key: ObjectKey, state: dict[str, Any]) -> HourlyObject:
-    """The inverse of :func:`to_wire`; raises KeyError, ValueError or TypeError when malformed."""
+    """The inverse of :func:`to_wire`; raises KeyError, ValueError or TypeError when malformed
+    (a field missing, or not of its type)."""
+    if (
+        not (state["units"] is None or type(state["units"]) is str)
+        or type(state["hash"]) is not str
+        or type(state["body"]) is not str
+        or type(state["sealed"]) is not bool
+        or any(type(state[name]) is not int for name in _WIRE_INTEGERS)
+    ):
+        raise TypeError("an object state whose fields are not of their types")
     return HourlyObject(
         key=key,
         units=state["units"],

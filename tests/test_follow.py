@@ -605,7 +605,9 @@ class FrameFilter:
             if needle in frame[at:]:
                 self.dropped = True
                 if instead is not None:
-                    out += bytes([0x81, len(instead)]) + instead
+                    size = len(instead)
+                    length = bytes([size]) if size < 126 else b"\x7e" + size.to_bytes(2, "big")
+                    out += b"\x81" + length + instead
             else:
                 out += frame
         return out
@@ -825,6 +827,16 @@ def json_answer(content: bytes) -> bytes:
         (
             {"drop": b'"seq":3,', "garble": b'{"type":"event","seq":"three"}'},
             "a frame that is not healthlog's: ValueError",
+        ),
+        (
+            {
+                "drop": b'"seq":3,',
+                "garble": b'{"type":"event","seq":3,"kind":"object.changed","metric":"m",'
+                b'"layer":"minutes","hour":"2024-02-06T15:00:00Z","object":{"units":null,'
+                b'"hash":"00","first":0,"last":0,"points":1,"created_by":1,"sealed":"no",'
+                b'"body":""}}',
+            },
+            "a frame that is not healthlog's: TypeError",
         ),
     ],
 )
