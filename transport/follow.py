@@ -460,14 +460,13 @@ class _Batch:
                 if kind == "event":
                     seq = int(frame["seq"])
                     change = _change(frame) if frame.get("kind") == "object.changed" else None
+                    seqs.append(seq)
+                    if change is not None:
+                        changes.append(change)
+                elif kind == "error":
+                    errors.append(frame)
             except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
                 return cls(seqs, changes, errors, type(exc).__name__)
-            if kind == "event":
-                seqs.append(seq)
-                if change is not None:
-                    changes.append(change)
-            elif kind == "error":
-                errors.append(frame)
         return cls(seqs, changes, errors)
 
     def gap(self, cursor: int) -> int | None:

@@ -214,7 +214,7 @@ def _user_version(conn: sqlite3.Connection) -> int:
 def _refuse_newer(conn: sqlite3.Connection, version: int, target: int) -> None:
     if version > target:
         path = conn.execute("PRAGMA database_list").fetchone()[2]
-        raise StorageError(f"database schema is newer than this healthlog ({path})")
+        raise _opening(StorageError("database schema is newer than this healthlog"), path)
 
 
 def _statements(script: str) -> Iterator[str]:
