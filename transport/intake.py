@@ -68,7 +68,7 @@ class _Disconnected(Exception):
 
 
 def _digest(encoded: EncodedBody) -> bytes:
-    return content_digest(encoded.length, encoded.raw, encoded.sha256)
+    return content_digest(encoded.raw(), encoded.sha256)
 
 
 class _Body:

@@ -522,8 +522,8 @@ class Journal:
             encoded = encoder.finish()
         digest = delivery.content_digest
         if delivery.idempotency_key is not None and digest is None:
-            read = (lambda: body) if isinstance(body, bytes) else encoded.raw
-            digest = content_digest(encoded.length, read, encoded.sha256)
+            raw = body if isinstance(body, bytes) else encoded.raw()
+            digest = content_digest(raw, encoded.sha256)
         return _Prepared(delivery, encoded, digest)
 
     def _append_locked(
