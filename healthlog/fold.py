@@ -195,9 +195,9 @@ class DeliveryFold:
             self._counters.points_rejected += 1
             self._rejections[f"point rejected: {reason}"] += 1
         self._counters.points += series.accepted
-        for hour, keys, raws, decoded in series.hours():
+        for hour, keys, raws in series.hours():
             self._check_budget()
-            incoming = reduce_delivery(keys, raws, decoded, self._counters, on_collision)
+            incoming = reduce_delivery(keys, raws, self._counters, on_collision)
             written = self._fold_object(ObjectKey(metric, layer, hour), units, incoming)
             if written is not None:
                 yield written

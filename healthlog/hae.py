@@ -21,12 +21,9 @@ import msgspec
 from healthlog import layers
 from healthlog.points import (
     MAX_NESTING,
-    Point,
     PointError,
-    content_point,
     coordinates,
     instant_of,
-    is_flat,
     nesting,
     point_object,
 )
@@ -182,16 +179,14 @@ class Series:
     Points are known by index. Starts are kept as an integer array, ends only where they
     differ from the start, and a point's bytes stay where they are (the body, or its points
     compacted one by one if its array came with whitespace), so a metric costs a few bytes
-    per point until its hours are folded one at a time. Only a point holding nested objects
-    or arrays is decoded now (``decoded``), since whether its canonical form can be computed
-    decides whether it is accepted; a flat point is decoded again only if it meets another.
+    per point until its hours are folded one at a time. A point is decoded again only if it
+    meets another.
     """
 
     sources: list[_Source]
     starts: array[int]
     ends: dict[int, int]
     rejected: dict[int, str]
-    decoded: dict[int, Point]
     spacing: int | None
 
     @property
@@ -206,7 +201,7 @@ class Series:
                 elements.extend(source)
             else:
                 elements.extend(msgspec.json.decode(source, type=list[msgspec.Raw]))
-        starts, ends, decoded = self.starts, self.ends, self.decoded
+        starts, ends = self.starts, self.ends
         if not self.rejected and all(map(operator.le, starts, islice(starts, 1, None))):
             # Points in order (what the app sends): an hour is a run of consecutive points.
             first = 0
@@ -217,9 +212,6 @@ class Series:
                     hour,
                     _keys(starts[first:last], first, ends),
                     list(map(bytes, elements[first:last])),
-                    {i - first: decoded[i] for i in range(first, last) if i in decoded}
-                    if decoded
-                    else {},
                 )
                 first = last
             return
@@ -233,7 +225,6 @@ class Series:
                 hour,
                 [(starts[i], ends.get(i, starts[i])) for i in members],
                 [bytes(elements[i]) for i in members],
-                {n: decoded[i] for n, i in enumerate(members) if i in decoded},
             )
 
 
@@ -247,14 +238,12 @@ def _keys(run: array[int], first: int, ends: dict[int, int]) -> list[tuple[int, 
 class Hour(NamedTuple):
     """The accepted points of a series in one hour.
 
-    Point ``n`` is at ``keys[n]`` with the bytes ``raws[n]``, and is ``decoded[n]`` if it was
-    decoded when read.
+    Point ``n`` is at ``keys[n]`` with the bytes ``raws[n]``.
     """
 
     hour: int
     keys: list[tuple[int, int]]
     raws: list[bytes]
-    decoded: dict[int, Point]
 
 
 # An array of points that is compact already, or its points compacted one by one (empty for
@@ -277,14 +266,14 @@ def read_series(arrays: list[msgspec.Raw], *, spacing: bool) -> Series:
                 reading.point(element, original)
             continue
         at = 0
-        for values in _flat_slices(raw_array, elements):
+        for values in _decoded_slices(raw_array, elements):
             part = elements[at : at + _SLICE_POINTS]
             at += len(part)
             if values is None:
                 for element in part:
                     reading.point(element, element)
             else:
-                reading.flat(part, values)
+                reading.decoded(part, values)
     return reading.series()
 
 
@@ -292,17 +281,18 @@ _decoder = msgspec.json.Decoder()
 _OTHER_STAMPS = frozenset({"start", "startDate", "end", "endDate"})
 
 
-def _flat_slices(
+def _decoded_slices(
     raw_array: msgspec.Raw, elements: Sequence[msgspec.Raw | bytes]
 ) -> Iterator[list[Any] | None]:
     """For each slice of ``_SLICE_POINTS`` points of a compact array, its points decoded if
-    every one is a flat object (no object or array in it), else None.
+    every one is an object nested at most ``MAX_NESTING`` levels, else None.
 
-    A slice of objects holding one brace per point and no bracket but its own is flat (an
-    element that is not an object could lend its brace count to a nested one, so every
-    element must decode to an object); a brace or bracket inside a string only sends the
-    slice the slow way, point by point. The slice is decoded as each point is (plain JSON, no
-    type), so it decodes exactly when each point does.
+    The slice is decoded as each point is (plain JSON, no type), so it decodes exactly when
+    each point does, and as an array it nests one level deeper than its deepest point: its
+    depth is counted before it is decoded, as a point's is. A slice holding one brace per point
+    and no bracket but its own is not counted: were its elements all objects, none holds
+    another object or an array (two levels), and were one not an object, the slice is refused
+    once decoded.
     """
     view = memoryview(raw_array)
     at = 1
@@ -311,7 +301,8 @@ def _flat_slices(
         size = sum(map(len, part)) + len(part) - 1
         text = b"".join((b"[", view[at : at + size], b"]"))
         at += size + 1
-        if text.count(b"{") != len(part) or text.count(b"[") != 1:
+        flat = text.count(b"{") == len(part) and text.count(b"[") == 1
+        if not flat and nesting(text) > MAX_NESTING + 1:
             yield None
             continue
         try:
@@ -331,13 +322,12 @@ class _Reading:
     starts: array[int] = attrs.Factory(lambda: array("q"))
     ends: dict[int, int] = attrs.Factory(dict)
     rejected: dict[int, str] = attrs.Factory(dict)
-    decoded: dict[int, Point] = attrs.Factory(dict)
     # The starts that give the spacing; None while they are all the starts read so far (every
     # point stamped by ``date`` alone), so that the app's shape costs no second array.
     stamps: array[int] | None = None
 
-    def flat(self, elements: Sequence[msgspec.Raw | bytes], values: list[Any]) -> None:
-        """Read flat points already decoded. The app's own shape (an object stamped by
+    def decoded(self, elements: Sequence[msgspec.Raw | bytes], values: list[Any]) -> None:
+        """Read points already decoded. The app's own shape (an object stamped by
         ``date`` alone, in a form ``instant_of`` reads) is read here; any other point is
         read on its own."""
         starts = self.starts
@@ -368,8 +358,6 @@ class _Reading:
                 raise PointError(f"point nested deeper than {MAX_NESTING} levels")
             value = point_object(element)
             start, end = coordinates(value)
-            if not is_flat(value.values()):
-                self.decoded[index] = content_point(value, start, end, bytes(element))
         except PointError as exc:
             self.rejected[index] = str(exc)
             self.starts.append(0)
@@ -387,7 +375,7 @@ class _Reading:
     def series(self) -> Series:
         stamps = self.starts if self.stamps is None else self.stamps
         gap = layers.smallest_spacing(stamps) if self.spacing else None
-        return Series(self.sources, self.starts, self.ends, self.rejected, self.decoded, gap)
+        return Series(self.sources, self.starts, self.ends, self.rejected, gap)
 
 
 def _compacted(

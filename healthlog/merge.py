@@ -85,7 +85,7 @@ class Incoming:
     """One delivery's points of one object, reduced to one per coordinates.
 
     ``raws`` holds every point's bytes, ``decoded`` those points already decoded (they met
-    another point, or were decoded when read), so that no point is decoded twice.
+    another point of the delivery), so that no point is decoded twice.
     """
 
     raws: dict[Coordinates, bytes]
@@ -113,27 +113,24 @@ class Incoming:
 def reduce_delivery(
     keys: list[Coordinates],
     raws: list[bytes],
-    decoded: dict[int, Point],
     counters: Counters,
     on_collision: OnCollision,
 ) -> Incoming:
     """Reduce the points of one delivery to one per coordinates, independent of their order.
 
-    Point ``i`` is at ``keys[i]`` with the bytes ``raws[i]``, and is ``decoded[i]`` if already
-    decoded. Only points that share their coordinates are decoded here: their completeness
-    and canonical form decide.
+    Point ``i`` is at ``keys[i]`` with the bytes ``raws[i]``. Only points that share their
+    coordinates are decoded here: their completeness and canonical form decide.
     """
     reduced = dict(zip(keys, raws, strict=True))
-    known = {keys[i]: point for i, point in decoded.items()}
     if len(reduced) == len(keys):
-        return Incoming(reduced, known)
+        return Incoming(reduced, {})
     shared = {key for key, count in Counter(keys).items() if count > 1}
     kept: dict[Coordinates, Point] = {}
     forms: dict[Coordinates, set[bytes]] = {}
     for i, key in enumerate(keys):
         if key not in shared:
             continue
-        point = decoded.get(i) or point_at(raws[i], *key)
+        point = point_at(raws[i], *key)
         seen = kept.get(key)
         if seen is None:
             kept[key] = point
@@ -148,8 +145,7 @@ def reduce_delivery(
             on_collision(key, Collision.WITHIN_DELIVERY)
     for key, point in kept.items():
         reduced[key] = point.raw
-        known[key] = point
-    return Incoming(reduced, known)
+    return Incoming(reduced, kept)
 
 
 def merge_points(

@@ -72,7 +72,9 @@ class Point:
 
     @property
     def canonical(self) -> bytes:
-        """The canonical bytes (S4); nesting too deep to compute them rejects the point."""
+        """The canonical bytes (S4), computed on first use. A point nests at most
+        ``MAX_NESTING`` levels, so the recursion runs out only on a call stack already near its
+        limit, and then raises :class:`PointError`."""
         if self._canonical is None:
             assert self._value is not None
             try:
@@ -215,26 +217,30 @@ def all_same_content(olds: list[Any], news: list[Any]) -> bool:
         return False
 
 
-def content_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Point:
-    """A point with the canonical form and completeness of its decoded ``value``, computed now.
-
-    Nesting too deep for the canonical form to be computed rejects the point.
-    """
-    try:
-        normal = _normalise_object(value)
-        return Point(start, end, raw, len(normal), None, _encode(normal))
-    except RecursionError:
-        raise PointError("point is not valid JSON") from None
-
-
 def _lazy_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Point:
-    """A flat point (no object or array values) counts its fields without normalising them
-    and leaves its canonical form for later; a nested one is normalised now."""
+    """A point that counts its fields without normalising them and leaves its canonical form
+    for its first use: most meetings are decided without it (see :func:`same_content`)."""
     values = list(value.values())
+    # A field normalises to nothing only when null or "" (rule 3: 0 and false count), or when
+    # it is an object or array that normalises to nothing (see :func:`_counts`).
+    count = len(values) - values.count(None) - values.count("")
     if not is_flat(values):
-        return content_point(value, start, end, raw)
-    # Flat fields normalise to nothing only when null or "" (rule 3: 0 and false count).
-    return Point(start, end, raw, len(values) - values.count(None) - values.count(""), value, None)
+        count -= sum(1 for item in values if type(item) in _NESTED and not _counts(item))
+    return Point(start, end, raw, count, value, None)
+
+
+def _counts(field: dict[str, Any] | list[Any]) -> bool:
+    """Whether an object or array field is left in the canonical form: an array that is not
+    empty, or an object with a field that is (a string that is not empty, any number or bool,
+    or such an object or array). Walked without recursion."""
+    pending: list[Any] = [field]
+    while pending:
+        item = pending.pop()
+        if type(item) is dict:
+            pending.extend(item.values())
+        elif item is not None and item != "" and item != []:
+            return True
+    return False
 
 
 def is_flat(values: Iterable[object]) -> bool:

@@ -120,23 +120,19 @@ def test_merge_touches_only_incoming_coordinates() -> None:
     assert stored[other] == b'{"date":"x"}'
 
 
-def reduce(points: list[Point], decoded: dict[int, Point]) -> tuple[Incoming, Counters, Recorder]:
+def reduce(points: list[Point]) -> tuple[Incoming, Counters, Recorder]:
     counters, recorder = Counters(), Recorder()
     keys = [(p.start, p.end) for p in points]
-    result = reduce_delivery(keys, [p.raw for p in points], decoded, counters, recorder)
+    result = reduce_delivery(keys, [p.raw for p in points], counters, recorder)
     return result, counters, recorder
 
 
 def reduced(points: list[Point]) -> tuple[bytes, Counters, Recorder]:
-    """The raw bytes of the one point the reduction keeps, whichever points came decoded."""
-    outcomes = []
-    for decoded in ({}, dict(enumerate(points)), {0: points[0]}):
-        result, counters, recorder = reduce(points, decoded)
-        assert list(result.raws) == [KEY]
-        assert result.points([KEY])[0].raw == result.raws[KEY]
-        outcomes.append((result.raws[KEY], counters, recorder.seen))
-    assert outcomes[0] == outcomes[1] == outcomes[2]
-    return outcomes[0][0], outcomes[0][1], recorder
+    """The raw bytes of the one point the reduction keeps."""
+    result, counters, recorder = reduce(points)
+    assert list(result.raws) == [KEY]
+    assert result.points([KEY])[0].raw == result.raws[KEY]
+    return result.raws[KEY], counters, recorder
 
 
 def test_reduction_prefers_completeness() -> None:
@@ -191,7 +187,7 @@ def test_reduction_keeps_distinct_coordinates() -> None:
     first = point(qty=1)
     later = decode_point(b'{"date":"2024-02-06 07:01:00 -0800","qty":1}')
     segment = point(endDate="2024-02-06 08:00:00 -0800")
-    result, counters, _ = reduce([first, later, segment], {})
+    result, counters, _ = reduce([first, later, segment])
     assert result.raws == {(p.start, p.end): p.raw for p in (first, later, segment)}
     assert result.decoded == {}
     assert counters.overwrites == 0
