@@ -261,10 +261,10 @@ def same_content(a: Point, b: Point) -> bool:
     if a.completeness != b.completeness:
         return False
     if a._value is not None and b._value is not None:
-        if _sorted_encoder.encode(a._value) == _sorted_encoder.encode(b._value):
-            return True
         if _numbers_differ(a._value, b._value):
             return False
+        if _sorted_encoder.encode(a._value) == _sorted_encoder.encode(b._value):
+            return True
     return a.canonical == b.canonical
 
 
