@@ -30,15 +30,23 @@ whether a point is taken never depends on how deep the call stack reading it is 
 worker's, a rebuild's), which decides where recursion runs out."""
 
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'"[]{}')
-_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 
 
 def nesting(raw: bytes) -> int:
     """How deep the JSON text ``raw`` nests arrays and objects, counted without recursion;
     brackets inside strings do not count."""
-    plain = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _NOT_STRUCTURE)
-    outside = b"".join(plain.split(b'"')[::2])
-    return max(itertools.accumulate(map(_STEP.__getitem__, outside)), default=0)
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    plain = raw.translate(None, _NOT_STRUCTURE)
+    # A string holding no bracket is left as an empty pair of quotes. When dropping those pairs
+    # leaves no quote, no string held one; else each string is cut out (a piece per string).
+    outside = plain.replace(b'""', b"")
+    if b'"' in outside:
+        outside = b"".join(plain.split(b'"')[::2])
+    # Each opening bracket a step of 1, each closing one of -1 (the signed byte 0xff).
+    steps = memoryview(outside.translate(_STEP)).cast("b")
+    return max(itertools.accumulate(steps), default=0)
 
 
 class PointError(ValueError):

@@ -17,6 +17,7 @@ from healthlog.points import (
     coordinates,
     decode_all,
     decode_point,
+    nesting,
     point_at,
     same_content,
 )
@@ -121,6 +122,24 @@ def test_big_integer_keeps_its_digits() -> None:
     assert point.raw == raw
     assert b"1180591620717411303424" in point.canonical
     assert json.loads(point.canonical)["qty"] == 2**70
+
+
+@pytest.mark.parametrize(
+    ("raw", "depth"),
+    [
+        (b"", 0),
+        (b'{"a":1}', 1),
+        (b'{"a":"[[{{","b":"]}"}', 1),
+        (b'{"a":"\\"[[","b":[]}', 2),
+        (b'{"a":"\\\\","b":[[]]}', 3),
+        (b'{"a":[{"b":[]}],"c":{}}', 4),
+    ],
+    ids=["empty", "flat", "brackets in strings", "escaped quote", "escaped backslash", "nested"],
+)
+def test_nesting_counts_brackets_outside_strings(raw: bytes, depth: int) -> None:
+    """PARSE-18: the depth a point is judged by counts only the brackets outside its strings,
+    a string ending at its first quote that no backslash escapes."""
+    assert nesting(raw) == depth
 
 
 def test_canonical_sorts_keys() -> None:
