@@ -189,7 +189,7 @@ class DeliveryFold:
         self, metric: str, layer: str, units: str | None, series: hae.Series
     ) -> Iterator[HourlyObject]:
         def on_collision(coords: Coordinates, kind: Collision) -> None:
-            self._warn(f"point collision kind={kind.value}", metric, layer, hour_of(coords[0]))
+            self._warn(kind, metric, layer, hour_of(coords[0]))
 
         for reason in series.rejected.values():
             self._counters.points_rejected += 1
@@ -206,7 +206,7 @@ class DeliveryFold:
         self, key: ObjectKey, units: str | None, incoming: Incoming
     ) -> HourlyObject | None:
         def on_collision(coords: Coordinates, kind: Collision) -> None:
-            self._warn(f"point collision kind={kind.value}", key.metric, key.layer, key.hour)
+            self._warn(kind, key.metric, key.layer, key.hour)
 
         stored = self._projection.load(key)
         sealed = self._projection.sealed(key)
@@ -232,13 +232,15 @@ class DeliveryFold:
             key, object_units, points, created_by, sealed, compressed=not self._plain
         )
 
-    def _warn(self, what: str, metric: str, layer: str, hour: int) -> None:
+    def _warn(self, what: str | Collision, metric: str, layer: str, hour: int) -> None:
+        """Log ``what`` about an object, a collision by its kind; nothing is formatted when the
+        level is off, since a re-send has a collision for about every point it carries."""
         if not log.isEnabledFor(self._warn_level):
             return
         log.log(
             self._warn_level,
             "%s metric=%s layer=%s hour=%s delivery=%d",
-            what,
+            f"point collision kind={what.value}" if isinstance(what, Collision) else what,
             metric,
             layer,
             format_instant(hour),
