@@ -233,7 +233,9 @@ def _lazy_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Poin
     # it is an object or array that normalises to nothing (see :func:`_counts`).
     count = len(values) - values.count(None) - values.count("")
     if not is_flat(values):
-        count -= sum(1 for item in values if type(item) in _NESTED and not _counts(item))
+        for item in values:
+            if type(item) in _NESTED and not _counts(item):
+                count -= 1
     return Point(start, end, raw, count, value, None)
 
 
