@@ -334,7 +334,7 @@ def _skim(text: bytes | memoryview) -> None:
     written (or, for a duplicate key's earlier value, validated)."""
     try:
         _structure.decode(text)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         raise _NotCanonical from None
 
 
