@@ -86,7 +86,7 @@ class Point:
         if self._canonical is None:
             assert self._value is not None
             try:
-                self._canonical = _encode(_normalise_object(self._value))
+                self._canonical = canonical_form(self._value)
             except RecursionError:
                 raise PointError("point is not valid JSON") from None
         return self._canonical
