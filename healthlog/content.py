@@ -6,23 +6,32 @@ digest is the sha256 of that canonical text, or the raw sha256 of a body that is
 that cannot be canonicalised (integers beyond 64 bits, nesting deeper than 254 levels).
 
 A body is never decoded whole, since that takes about six times its size in memory (an array
-of tiny values thirty times): the canonical text is hashed as it is produced, a piece of at
-most ``WINDOW_BYTES`` at a time. A value that fits the window is decoded and encoded at once.
-A larger array is read as runs of whole elements that fit the window (a run's end is found by
-decoding it: a cut inside a string or a nested value never decodes), an element larger than
-the window on its own; a larger object member by member, its members then written in key
-order, each value found again by its place in the body. The text is the same, byte for byte,
-as the whole body's encoding would be, wherever the pieces fall.
+of tiny values thirty times): the canonical text is hashed as it is produced, from pieces of
+at most ``WINDOW_BYTES`` decoded one at a time. A value that fits the window is decoded and
+encoded at once. A larger array is read as runs of whole elements that fit the window (a run's
+end is found by checking its structure: a cut inside a string or a nested value never passes),
+an element larger than the window on its own; a larger object member by member, its members
+then written in key order, each value found again by its place in the body; a longer string in
+chunks cut where no escape or character is split. The text is the same, byte for byte, as the
+whole body's encoding would be, wherever the pieces fall.
+
+Where a value ends is found by msgspec's check of structure alone (it says where the content
+after a complete value begins); what is written is decoded in full, and so is a duplicate
+key's earlier value, which is not written but must be JSON, as in a whole decoding.
 
 Bounds that the whole encoding does not have, reached only by bodies no app sends: an object
-larger than the window with more than ``MAX_MEMBERS`` members, values larger than the window
-nested more than ``MAX_LARGE_DEPTH`` deep, or more than ``MAX_STEPS`` elements that could not
-be read in runs make a body's digest its raw sha256.
+larger than the window with more than ``MAX_MEMBERS`` members (duplicates counted), values
+larger than the window nested more than ``MAX_LARGE_DEPTH`` deep, a key larger than the window,
+a string larger than it with a run of 64 backslashes where a chunk would end, or more than
+``MAX_STEPS`` array elements that could not be read in runs make a body's digest its raw
+sha256. The decoder's own nesting limit (about 1,000 levels, less the caller's stack) falls a
+little lower for a value read deep inside a large body than for the whole body.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections.abc import Callable
 
@@ -33,29 +42,33 @@ WINDOW_BYTES = 2**20
 MAX_MEMBERS = 4096
 MAX_LARGE_DEPTH = 64
 MAX_STEPS = 1_000_000
-# The deepest nesting orjson encodes: the whole body's encoding fails beyond it.
-_MAX_NESTING = 254
-# A run is looked for among at most this many cuts, and decoded at most this many times.
+# A run is looked for among at most this many cuts, and checked at most this many times.
 _CUTS = 64
 _TRIES = 4
 _SMALLEST_SPAN = 256
 _FIRST_PROBE = 4096
 _LONGEST_PAUSE = 1024
+# How far back from a window's end a string's chunk may end (see ``_string_cut``).
+_CUT_SEARCH = 64
+_WHITESPACE = b" \t\n\r"
 
 _decoder = msgspec.json.Decoder()
 _key_decoder = msgspec.json.Decoder(str)
 _structure = msgspec.json.Decoder(msgspec.Raw)
 _SPACE = re.compile(rb"[ \t\n\r]*")
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_SCALAR = re.compile(rb"[^ \t\n\r,\]}]+")
+# Where msgspec's message places an error: the byte after the one at fault, counted from 1.
+_AT_BYTE = re.compile(r"\(byte (\d+)\)")
+_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_LOW_SURROGATE = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+_NUMBER = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 
 
 def content_digest(body: bytes, raw_sha256: bytes, *, window: int = WINDOW_BYTES) -> bytes:
     """sha256 of the canonical JSON text of ``body``, or ``raw_sha256`` when it has none;
-    ``window`` bounds the piece decoded at once (tests make it small)."""
+    ``window`` bounds the piece decoded at once (tests make it small; at least 16)."""
     digest = hashlib.sha256()
     try:
-        _Canonical(body, digest.update, window).document()
+        _Canonical(body, digest.update, max(16, window)).document()
     except _NotCanonical:
         return raw_sha256
     return digest.digest()
@@ -69,10 +82,11 @@ class _Canonical:
     """Writes the canonical text of one body to ``write``, a piece at a time.
 
     Reading a large value (:meth:`_value`) finds where it ends and remembers how it is made:
-    the runs and large elements of an array, the members of an object by key. Writing
-    (:meth:`_write`) then decodes each piece again, in canonical order. A value is written at
-    its ``depth`` (the number of arrays and objects around it): a piece is encoded inside as
-    many arrays, so that orjson refuses exactly the nesting it refuses in a whole body.
+    the runs and large elements of an array, the members of an object by key, the chunks of a
+    string. Writing (:meth:`_write`) then decodes each piece, in canonical order. A value is
+    written at its ``depth`` (the number of arrays and objects around it): a piece is encoded
+    inside as many arrays, so that orjson refuses exactly the nesting it refuses in a whole
+    body.
     """
 
     def __init__(self, body: bytes, write: Callable[[bytes | memoryview], object], window: int):
@@ -88,15 +102,20 @@ class _Canonical:
         self._paused = 0
         self._arrays: dict[int, list[tuple[int, int, bool]]] = {}
         self._objects: dict[int, list[tuple[str, tuple[int, int]]]] = {}
+        self._strings: dict[int, list[int]] = {}
 
     def document(self) -> None:
+        body = self._body
         start = self._skip(0)
-        end = len(self._body.rstrip(b" \t\n\r"))
-        if start >= end:
+        if start == len(body):
             raise _NotCanonical
-        if end - start > self._window and self._value(start, 0) != end:
+        if len(body) - start <= self._window:
+            self._write(start, len(body), 0)
+            return
+        stop = self._value(start, 0)
+        if self._skip(stop) != len(body):
             raise _NotCanonical
-        self._write(start, end, 0)
+        self._write(start, stop, 0)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -106,55 +125,99 @@ class _Canonical:
         return match.end()
 
     def _value(self, at: int, depth: int) -> int:
-        """Where the value starting at ``at`` ends; a large one is remembered."""
+        """Where the value starting at ``at`` ends (whitespace after it may be included); a
+        large one is remembered."""
         if at >= len(self._body):
             raise _NotCanonical
-        first = self._body[at]
-        if first not in b"[{":
-            match = (_STRING if first == ord('"') else _SCALAR).match(self._body, at)
-            if match is None:
-                raise _NotCanonical
-            _skim(self._view[at : match.end()])
-            return match.end()
         end = self._small_end(at)
         if end is not None:
             return end
-        if depth >= MAX_LARGE_DEPTH or depth >= _MAX_NESTING:
+        first = self._body[at]
+        if first == ord('"'):
+            return self._string(at)
+        number = _NUMBER.match(self._body, at)
+        if number is not None:
+            return number.end()
+        if depth >= MAX_LARGE_DEPTH:
             raise _NotCanonical
         if first == ord("["):
             return self._array(at, depth)
-        return self._object(at, depth)
+        if first == ord("{"):
+            return self._object(at, depth)
+        raise _NotCanonical
 
     def _small_end(self, at: int) -> int | None:
-        """Where the array or object at ``at`` ends if it fits the window, else None.
+        """Where the value at ``at`` ends if it fits the window, else None.
 
-        orjson reports where the content after a value begins (as a character offset). It
-        checks the UTF-8 of all it is given first, so a probe ends on a character, and grows
-        from a small one: an element read on its own costs its size, not the window's.
+        The structure check reads one value and reports where any content after it begins; a
+        probe grows from a small one, so that an element read on its own costs about its
+        size, not the window's. A number cut by the probe reads as complete, so a scalar that
+        reaches the probe's end is probed again, larger.
         """
         body = self._body
         size = _FIRST_PROBE
         while True:
             stop = min(len(body), at + min(size, self._window))
-            while at < stop < len(body) and body[stop] & 0xC0 == 0x80:
-                stop -= 1
-            try:
-                orjson.loads(self._view[at:stop])
-                end = stop
-                break
-            except orjson.JSONDecodeError as exc:
-                if 0 < exc.pos < len(exc.doc) and exc.doc[exc.pos] in ",]}":
-                    end = at + len(exc.doc[: exc.pos].encode())
-                    break
+            after = _after_value(self._view[at:stop])
+            if isinstance(after, int):
+                return at + after
+            if stop == len(body):
+                if after is _CUT:
+                    raise _NotCanonical
+                return stop
+            if after is None and body[at] in b'[{"':
+                return stop
+            if size >= self._window:
+                return None
+            size *= 8
+
+    def _string(self, at: int) -> int:
+        """Read a string larger than the window in chunks, each cut where no escape and no
+        character is split; remember the cuts."""
+        body = self._body
+        cuts = [at + 1]
+        while True:
+            start = cuts[-1]
+            stop = min(len(body), start + self._window - 2)
+            after = _after_value(b"".join((b'"', self._view[start:stop])))
+            if after is _CUT:
                 if stop == len(body):
-                    raise _NotCanonical from None
-                if size >= self._window:
-                    return None
-                size *= 8
-        while body[end - 1] in b" \t\n\r":
-            end -= 1
-        _skim(self._view[at:end])
-        return end
+                    raise _NotCanonical
+                cuts.append(self._string_cut(start, stop))
+                continue
+            end = start + after - 1 if isinstance(after, int) else stop
+            close = body.rfind(b'"', start, end)
+            cuts.append(close)
+            self._strings[at] = cuts
+            return close + 1
+
+    def _string_cut(self, start: int, stop: int) -> int:
+        """The last place in a string's bytes ``start:stop`` (``start`` itself such a place)
+        where a chunk may end: not inside a character, not after a backslash that escapes,
+        not inside the four digits of a ``\\u`` escape, and not between the two escapes of a
+        surrogate pair; each chunk then decodes on its own to its part of the string."""
+        body = self._body
+        for cut in range(stop, max(start, stop - _CUT_SEARCH), -1):
+            if body[cut] & 0xC0 == 0x80 or self._escaped(start, cut):
+                continue
+            escape = body.rfind(b"\\u", max(start, cut - 6), cut)
+            if escape >= 0 and not self._escaped(start, escape):
+                if cut - escape < 6:
+                    continue
+                if _HIGH_SURROGATE.fullmatch(body, escape, cut) and _LOW_SURROGATE.match(body, cut):
+                    continue
+            return cut
+        raise _NotCanonical
+
+    def _escaped(self, start: int, at: int) -> bool:
+        """Whether the byte at ``at`` follows a backslash that escapes it: an odd run of
+        backslashes before it, counted back to ``start`` (where no escape is open), at most
+        ``_CUT_SEARCH`` of them."""
+        low = max(start, at - _CUT_SEARCH)
+        run = at - low - len(self._body[low:at].rstrip(b"\\"))
+        if run == at - low and low > start:
+            raise _NotCanonical
+        return run % 2 == 1
 
     def _array(self, at: int, depth: int) -> int:
         """Read a large array as runs of whole elements and large elements on their own."""
@@ -190,18 +253,23 @@ class _Canonical:
             item = self._skip(after + 1)
 
     def _run(self, item: int) -> int | None:
-        """The end of the longest run of whole elements from ``item`` that fits the span, found
-        by decoding it, or None when none was found (the element at ``item`` is then read on
-        its own). Cuts whose piece has unbalanced brackets or quotes are passed over undecoded.
-        """
+        """The end of a run of whole elements from ``item`` that fits the span: the last of at
+        most ``_CUTS`` cuts (a comma or a closing bracket) whose run passes the structure
+        check, or None when none does (the element at ``item`` is then read on its own). A cut
+        whose run has unbalanced brackets or quotes is passed over unchecked."""
         body = self._body
         high = min(len(body), item + self._span)
         tally = _tally(body, item, high)
+        comma, bracket = body.rfind(b",", item, high), body.rfind(b"]", item, high)
         cuts = tries = 0
         while cuts < _CUTS and tries < _TRIES:
-            cut = max(body.rfind(b",", item, high), body.rfind(b"]", item, high))
+            cut = max(comma, bracket)
             if cut <= item:
                 break
+            if cut == comma:
+                comma = body.rfind(b",", item, cut)
+            else:
+                bracket = body.rfind(b"]", item, cut)
             cuts += 1
             braces, brackets, quotes = _tally(body, cut, high)
             tally = (tally[0] - braces, tally[1] - brackets, tally[2] - quotes)
@@ -210,34 +278,38 @@ class _Canonical:
                 continue
             tries += 1
             try:
-                _skim(b"".join((b"[", self._view[item:cut], b"]")))
-            except _NotCanonical:
+                _structure.decode(b"".join((b"[", self._view[item:cut], b"]")))
+            except (msgspec.DecodeError, RecursionError):
                 continue
             self._span = min(self._window - 2, self._span * 2)
             self._pause = 0
             return cut
-        self._span = max(_SMALLEST_SPAN, self._span // 2)
+        self._span = max(min(_SMALLEST_SPAN, self._window - 2), self._span // 2)
         self._pause = min(_LONGEST_PAUSE, max(1, self._pause * 2))
         self._paused = self._pause
         return None
 
     def _object(self, at: int, depth: int) -> int:
         """Read a large object member by member; a later duplicate key wins, as in a whole
-        decoding."""
+        decoding, and the value it replaces is decoded all the same."""
         members: dict[str, tuple[int, int]] = {}
+        count = 0
         key_at = self._skip(at + 1)
         if self._body[key_at : key_at + 1] == b"}":
             self._objects[at] = []
             return key_at + 1
         while True:
-            match = _STRING.match(self._body, key_at)
-            if match is None:
+            count += 1
+            if count > MAX_MEMBERS or self._body[key_at : key_at + 1] != b'"':
+                raise _NotCanonical
+            key_end = self._small_end(key_at)
+            if key_end is None:
                 raise _NotCanonical
             try:
-                key = _key_decoder.decode(self._view[key_at : match.end()])
+                key = _key_decoder.decode(self._view[key_at:key_end])
             except msgspec.DecodeError:
                 raise _NotCanonical from None
-            colon = self._skip(match.end())
+            colon = self._skip(key_end)
             if self._body[colon : colon + 1] != b":":
                 raise _NotCanonical
             value = self._skip(colon + 1)
@@ -245,8 +317,6 @@ class _Canonical:
             if key in members:
                 self._validate(*members[key])
             members[key] = (value, end)
-            if len(members) > MAX_MEMBERS:
-                raise _NotCanonical
             after = self._skip(end)
             following = self._body[after : after + 1]
             if following == b"}":
@@ -273,6 +343,9 @@ class _Canonical:
         elif start in self._objects:
             for _, (first, last) in self._objects[start]:
                 self._validate(first, last)
+        elif start in self._strings:
+            for first, last in itertools.pairwise(self._strings[start]):
+                self._chunk(first, last)
         else:
             self._decode(start, end)
 
@@ -281,6 +354,13 @@ class _Canonical:
         try:
             return _decoder.decode(b"".join((b"[", self._view[start:end], b"]")))
         except (msgspec.DecodeError, RecursionError):
+            raise _NotCanonical from None
+
+    def _chunk(self, start: int, end: int) -> str:
+        """A chunk of a large string's bytes, decoded."""
+        try:
+            return _key_decoder.decode(b"".join((b'"', self._view[start:end], b'"')))
+        except msgspec.DecodeError:
             raise _NotCanonical from None
 
     def _decode(self, start: int, end: int) -> object:
@@ -308,16 +388,21 @@ class _Canonical:
             for n, (key, (first, last)) in enumerate(self._objects[start]):
                 if n:
                     self._write_out(b",")
-                self._write_out(orjson.dumps(key))
+                self._encode(key, 0, 0)
                 self._write_out(b":")
                 self._write(first, last, depth + 1)
             self._write_out(b"}")
+        elif start in self._strings:
+            self._write_out(b'"')
+            for first, last in itertools.pairwise(self._strings[start]):
+                self._encode(self._chunk(first, last), 0, 1)
+            self._write_out(b'"')
         else:
             self._encode(self._decode(start, end), depth, depth)
 
     def _encode(self, value: object, depth: int, strip: int) -> None:
-        """Encode ``value`` inside ``depth`` arrays and write it without ``strip`` brackets
-        on either side."""
+        """Encode ``value`` inside ``depth`` arrays and write it without ``strip`` bytes on
+        either side."""
         for _ in range(depth):
             value = [value]
         try:
@@ -327,15 +412,31 @@ class _Canonical:
         self._write_out(memoryview(text)[strip : len(text) - strip])
 
 
-def _skim(text: bytes | memoryview) -> None:
-    """Check that ``text`` is one JSON value by its structure alone (brackets, commas, colons,
-    string escapes and number syntax), without building it: enough to know where a value
-    ends. Its strings' UTF-8 and its numbers' range are checked when it is decoded to be
-    written (or, for a duplicate key's earlier value, validated)."""
+class _Cut:
+    """A text that stops inside a value (see :func:`_after_value`)."""
+
+
+_CUT = _Cut()
+
+
+def _after_value(text: bytes | memoryview) -> int | _Cut | None:
+    """Check the structure of the JSON value ``text`` begins with: None when ``text`` is that
+    value alone (with whitespace), the index where the content after it begins, or ``_CUT``
+    when ``text`` stops inside it (truncated, or a number cut at its end); raise
+    ``_NotCanonical`` when it is not JSON."""
     try:
         _structure.decode(text)
-    except (msgspec.DecodeError, RecursionError):
+    except msgspec.DecodeError as exc:
+        message = str(exc)
+        at = _AT_BYTE.search(message)
+        if "trailing characters" in message and at is not None:
+            return int(at[1]) - 1
+        if "truncated" in message or (at is not None and int(at[1]) >= len(text)):
+            return _CUT
         raise _NotCanonical from None
+    except RecursionError:
+        raise _NotCanonical from None
+    return None
 
 
 def _tally(body: bytes, start: int, end: int) -> tuple[int, int, int]:
