@@ -21,10 +21,10 @@ key's earlier value, which is not written but must be JSON, as in a whole decodi
 
 Bounds that the whole encoding does not have, reached only by bodies no app sends: an object
 larger than the window with more than ``MAX_MEMBERS`` members (duplicates counted), values
-larger than the window nested more than ``MAX_LARGE_DEPTH`` deep, a key larger than the window,
-a string larger than it with a run of 64 backslashes where a chunk would end, or more than
-``MAX_STEPS`` array elements that could not be read in runs make a body's digest its raw
-sha256. The decoder's own nesting limit (about 1,000 levels, less the caller's stack) falls a
+larger than the window nested more than ``MAX_LARGE_DEPTH`` deep, a key larger than the window
+or more than 8 MiB of keys in such objects, a string larger than it with a run of 64
+backslashes where a chunk would end, or more than ``MAX_STEPS`` array elements that could not
+be read in runs make a body's digest its raw sha256. The decoder's own nesting limit (about 1,000 levels, less the caller's stack) falls a
 little lower for a value read deep inside a large body than for the whole body.
 """
 
@@ -50,13 +50,18 @@ _FIRST_PROBE = 4096
 _LONGEST_PAUSE = 1024
 # How far back from a window's end a string's chunk may end (see ``_string_cut``).
 _CUT_SEARCH = 64
-_WHITESPACE = b" \t\n\r"
+_NUMBER_START = b"-0123456789"
+# The bytes of keys held for objects larger than the window, at most (decoded, a key may take
+# four times its bytes).
+_KEY_BYTES = 8 * 2**20
 
 _decoder = msgspec.json.Decoder()
 _key_decoder = msgspec.json.Decoder(str)
 _structure = msgspec.json.Decoder(msgspec.Raw)
 _SPACE = re.compile(rb"[ \t\n\r]*")
-# Where msgspec's message places an error: the byte after the one at fault, counted from 1.
+# Where msgspec's message places an error: for content after a complete value, the byte after
+# the first one of it; for any other error, the offset of the byte at fault (the text's length
+# when it stops inside a value).
 _AT_BYTE = re.compile(r"\(byte (\d+)\)")
 _HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}")
 _LOW_SURROGATE = re.compile(rb"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
@@ -103,6 +108,7 @@ class _Canonical:
         self._arrays: dict[int, list[tuple[int, int, bool]]] = {}
         self._objects: dict[int, list[tuple[str, tuple[int, int]]]] = {}
         self._strings: dict[int, list[int]] = {}
+        self._key_bytes = 0
 
     def document(self) -> None:
         body = self._body
@@ -165,7 +171,7 @@ class _Canonical:
                 if after is _CUT:
                     raise _NotCanonical
                 return stop
-            if after is None and body[at] in b'[{"':
+            if after is None and body[at] not in _NUMBER_START:
                 return stop
             if size >= self._window:
                 return None
@@ -192,8 +198,8 @@ class _Canonical:
             return close + 1
 
     def _string_cut(self, start: int, stop: int) -> int:
-        """The last place in a string's bytes ``start:stop`` (``start`` itself such a place)
-        where a chunk may end: not inside a character, not after a backslash that escapes,
+        """The last place in a string's bytes ``start:stop`` (where a chunk began) at which the
+        chunk may end: not inside a character, not after a backslash that escapes,
         not inside the four digits of a ``\\u`` escape, and not between the two escapes of a
         surrogate pair; each chunk then decodes on its own to its part of the string."""
         body = self._body
@@ -303,7 +309,8 @@ class _Canonical:
             if count > MAX_MEMBERS or self._body[key_at : key_at + 1] != b'"':
                 raise _NotCanonical
             key_end = self._small_end(key_at)
-            if key_end is None:
+            self._key_bytes += 0 if key_end is None else key_end - key_at
+            if key_end is None or self._key_bytes > _KEY_BYTES:
                 raise _NotCanonical
             try:
                 key = _key_decoder.decode(self._view[key_at:key_end])
