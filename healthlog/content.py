@@ -24,8 +24,9 @@ larger than the window with more than ``MAX_MEMBERS`` members (duplicates counte
 larger than the window nested more than ``MAX_LARGE_DEPTH`` deep, a key larger than the window
 or more than 8 MiB of keys in such objects, a string larger than it with a run of 64
 backslashes where a chunk would end, or more than ``MAX_STEPS`` array elements that could not
-be read in runs make a body's digest its raw sha256. The decoder's own nesting limit (about 1,000 levels, less the caller's stack) falls a
-little lower for a value read deep inside a large body than for the whole body.
+be read in runs make a body's digest its raw sha256. The decoder's own nesting limit (about
+1,000 levels, less the caller's stack) falls a little lower for a value read deep inside a large
+body than for the whole body.
 """
 
 from __future__ import annotations
