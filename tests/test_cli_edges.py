@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -76,17 +77,24 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
     with DataDir(data).open_store() as store:
         epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
         assert epoch is not None
+    # SIGINT as a terminal delivers it, even when the suite runs with it ignored (a shell's
+    # background job), which the command would inherit; killed if the test fails.
     with subprocess.Popen(
         healthlog("import", "--aggregation", "minutes", "--data", data, file),
         stderr=subprocess.PIPE,
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),
     ) as importing:
-        deadline = time.monotonic() + LIMIT_S
-        with DataDir(data).open_journal() as journal:
-            while journal.count()[0] == 0:
-                assert time.monotonic() < deadline, "the import journaled nothing"
-                time.sleep(0.05)
-        importing.send_signal(signal.SIGINT)
-        _, err = importing.communicate(timeout=LIMIT_S)
+        try:
+            deadline = time.monotonic() + LIMIT_S
+            with DataDir(data).open_journal() as journal:
+                while journal.count()[0] == 0:
+                    assert time.monotonic() < deadline, "the import journaled nothing"
+                    time.sleep(0.05)
+            importing.send_signal(signal.SIGINT)
+            _, err = importing.communicate(timeout=LIMIT_S)
+        finally:
+            if importing.poll() is None:
+                importing.kill()
     assert importing.returncode == 130
     lines = err.decode().splitlines()
     assert "Traceback" not in err.decode()
