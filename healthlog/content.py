@@ -7,12 +7,13 @@ that cannot be canonicalised (integers beyond 64 bits, nesting deeper than 254 l
 
 A body is never decoded whole, since that takes about six times its size in memory (an array
 of tiny values thirty times): the canonical text is hashed as it is produced, from pieces of
-at most ``WINDOW_BYTES`` decoded one at a time. A value that fits the window is decoded and
-encoded at once. A larger array is read as runs of whole elements that fit the window (a run's
-end is found by checking its structure: a cut inside a string or a nested value never passes),
-an element larger than the window on its own; a larger object member by member, its members
-then written in key order, each value found again by its place in the body; a longer string in
-chunks cut where no escape or character is split. The text is the same, byte for byte, as the
+at most ``WINDOW_BYTES`` decoded one at a time (a number larger than that is decoded whole: it
+becomes one number). A value that fits the window is decoded and encoded at once. A larger
+array is read as runs of whole elements that fit the window (a run's end is found by checking
+its structure: a cut inside a string or a nested value never passes), an element larger than
+the window on its own; a larger object member by member, its members then written in key
+order, each value found again by its place in the body; a longer string in chunks cut where no
+escape or character is split. The text is the same, byte for byte, as the
 whole body's encoding would be, wherever the pieces fall.
 
 Where a value ends is found by msgspec's check of structure alone (it says where the content

@@ -180,7 +180,7 @@ print(digest.hex(), grown * 1024)
 
 def test_memory_stays_bounded_journal_31(tmp_path: Path) -> None:
     """JOURNAL-31: 32 MiB arrays of tiny values or of empty objects (thirty times their size if
-    decoded whole), a 32 MiB string (held by the old reading's regular expression at 120 bytes
+    decoded whole), a 28 MiB string (held by the old reading's regular expression at 120 bytes
     a byte) and a body ending in whitespace are canonicalised
     within 64 MiB beyond the body, in a process of its own that imports this checkout."""
     string = "é😀x" * (4 * 2**20)

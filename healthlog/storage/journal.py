@@ -111,9 +111,10 @@ class EncodedBody:
     stored: bytes
 
     def raw(self) -> bytes:
-        """The raw bytes again (only needed to canonicalise a body with an idempotency key)."""
+        """The raw bytes again (only needed to canonicalise a body with an idempotency key),
+        inflated into one buffer, as a body read back is."""
         if self.encoding == _ZLIB:
-            return zlib.decompress(self.stored)
+            return _inflate(self.stored, self.length)
         return self.stored
 
 
