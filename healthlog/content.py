@@ -58,7 +58,7 @@ _NUMBER_START = b"-0123456789"
 _KEY_BYTES = 8 * 2**20
 
 _decoder = msgspec.json.Decoder()
-_key_decoder = msgspec.json.Decoder(str)
+_string_decoder = msgspec.json.Decoder(str)
 _structure = msgspec.json.Decoder(msgspec.Raw)
 _SPACE = re.compile(rb"[ \t\n\r]*")
 # Where msgspec's message places an error: for content after a complete value, the byte after
@@ -315,7 +315,7 @@ class _Canonical:
             if key_end is None or self._key_bytes > _KEY_BYTES:
                 raise _NotCanonical
             try:
-                key = _key_decoder.decode(self._view[key_at:key_end])
+                key = _string_decoder.decode(self._view[key_at:key_end])
             except msgspec.DecodeError:
                 raise _NotCanonical from None
             colon = self._skip(key_end)
@@ -368,7 +368,7 @@ class _Canonical:
     def _chunk(self, start: int, end: int) -> str:
         """A chunk of a large string's bytes, decoded."""
         try:
-            return _key_decoder.decode(b"".join((b'"', self._view[start:end], b'"')))
+            return _string_decoder.decode(b"".join((b'"', self._view[start:end], b'"')))
         except msgspec.DecodeError:
             raise _NotCanonical from None
 
