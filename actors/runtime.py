@@ -7,9 +7,6 @@ work runs in worker threads, one CapacityLimiter per connection.
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -27,19 +24,12 @@ from actors.retention import RetentionActor, RetentionStatistics
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
 from healthlog.storage.passes import Budget
-from healthlog.storage.store import Store
+from healthlog.storage.store import Store, default_holder
 
 T = TypeVar("T")
 
 SUBMISSION_BUFFER = 256
 WAIT_POLL_S = 0.05
-
-
-def default_holder() -> str:
-    """A lease holder name unique to this runtime: the host and process, and a random part,
-    since a process id comes back (a restarted container's service often has the same one),
-    and a holder renews a lease that names it at the same epoch."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 class Actor(Protocol):

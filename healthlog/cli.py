@@ -14,9 +14,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
-import trio
-
-from actors.runtime import RuntimeConfig, default_holder, open_runtime
 from healthlog import documents, layers
 from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
 from healthlog.export import FORMATS, export_lines
@@ -31,7 +28,7 @@ from healthlog.storage.passes import pending
 from healthlog.storage.rebuild import Difference, RebuildError, reindex, verify
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.storage.status import collect_status
-from healthlog.storage.store import Store
+from healthlog.storage.store import Store, default_holder
 from healthlog.storage.tokens import TokenError
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
 
@@ -141,11 +138,15 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
             bodies.append(Path(name).read_bytes())
         except OSError as exc:
             raise CliError(f"cannot read {name}: {exc.strerror}") from None
+    import trio
+
     return trio.run(_import, args, data, bodies)
 
 
 async def _import(args: argparse.Namespace, data: DataDir, bodies: list[bytes]) -> int:
     """Journal through the runtime's intake, then wait for whichever folder holds the lease."""
+    from actors.runtime import RuntimeConfig, open_runtime
+
     async with open_runtime(RuntimeConfig(data.path, fold=not args.no_wait)) as runtime:
         ids = []
         for name, body in zip(args.files, bodies, strict=True):
@@ -181,11 +182,15 @@ def cmd_seal(args: argparse.Namespace, data: DataDir) -> int:
     if args.metric == "":
         raise CliError("--metric names a metric; leave it out to seal every metric")
     seal = Seal(args.before, args.metric, args.layer)
+    import trio
+
     return trio.run(_seal, args, data, seal)
 
 
 async def _seal(args: argparse.Namespace, data: DataDir, seal: Seal) -> int:
     """Journal a seal through the runtime's intake, then wait until it is folded (S9)."""
+    from actors.runtime import RuntimeConfig, open_runtime
+
     async with open_runtime(RuntimeConfig(data.path, fold=not args.no_wait)) as runtime:
         receipt = await runtime.submit(
             NewDelivery(body=seal.encode(), client=SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE)
@@ -219,16 +224,22 @@ def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     setup_logging(config.log_format, config.log_level)
+    import trio
+
     trio.run(_serve, data, config)
     return 0
 
 
-# The web stack (transport) is imported only by the commands that use it: each fold worker
-# process starts by re-running the console script (multiprocessing's spawn), and would
-# otherwise spend a third of a second of CPU importing quart and hypercorn it never uses.
+# trio, the runtime (actors) and the web stack (transport) are imported only by the commands
+# that run them: a command that only reads or rebuilds (status, export, verify, reindex) would
+# otherwise spend a tenth of a second importing trio, which runs ldconfig as a child, and each
+# fold worker process, which starts by re-running the console script (multiprocessing's
+# spawn), a third of a second of CPU importing quart and hypercorn it never uses.
 
 
 async def _serve(data: DataDir, config: ServeConfig) -> None:
+    import trio
+
     from transport.serve import serve
 
     async with trio.open_nursery() as nursery:
@@ -260,6 +271,8 @@ def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
+    import trio
+
     from transport.follow import FollowError, follow
 
     with Replica(args.replica) as replica:
@@ -283,6 +296,8 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
 async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
     """``run``, until it returns or SIGINT or SIGTERM stops it (cancelled: a follower's replica
     is consistent after every event). What ``run`` raises is raised as it is, not in a group."""
+    import trio
+
     failure: Exception | None = None
     async with trio.open_nursery() as nursery:
 
@@ -302,6 +317,8 @@ async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
 
 
 def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
+    import trio
+
     from transport.chaos import run_chaos
 
     logging.getLogger("healthlog").setLevel(logging.ERROR)

@@ -26,8 +26,9 @@ import orjson
 import trio
 
 from actors.folding import Executor
-from actors.runtime import RuntimeConfig, default_holder, open_runtime
+from actors.runtime import RuntimeConfig, open_runtime
 from healthlog.storage.journal import Journal, NewDelivery
+from healthlog.storage.store import default_holder
 
 READY = "ready"
 CLIENT = "proc-runtime"

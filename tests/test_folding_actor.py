@@ -43,7 +43,7 @@ from _runtime_helpers import (
 )
 
 from actors.folding import WORKER_DEATHS, WORKER_DIED, WORKER_NICENESS, Executor
-from actors.runtime import default_holder, open_runtime
+from actors.runtime import open_runtime
 from healthlog import faults
 from healthlog.folding import OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
@@ -52,7 +52,7 @@ from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
 from healthlog.storage.rebuild import verify
-from healthlog.storage.store import Store
+from healthlog.storage.store import Store, default_holder
 from healthlog.storage.worker import fold_run
 
 

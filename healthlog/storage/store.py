@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
+import socket
 import sqlite3
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -171,6 +173,13 @@ class Lease:
     holder: str | None
     epoch: int
     expires_at: int
+
+
+def default_holder() -> str:
+    """A lease holder name unique to this process: the host and process, and a random part,
+    since a process id comes back (a restarted container's service often has the same one),
+    and a holder renews a lease that names it at the same epoch."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 def automation_of(meta: DeliveryMeta) -> str | None:
