@@ -446,6 +446,8 @@ async def test_a_fold_holding_the_store_past_the_lease_ttl_is_not_fenced_fence_1
     with faults.loaded(slow):
         async with open_runtime(config(tmp_path, lease_ttl_s=2, lease_renew_s=0.5)) as runtime:
             await wait_folded(tmp_path, ids)
+            # The last outcome is in the store before the actor has counted its report.
+            await until(lambda: not runtime.statistics().folding.running)
             stats = runtime.statistics()
     assert outcome_epochs(tmp_path) == dict.fromkeys(ids, 1)
     assert stats.folding.outcomes_by_class == {"done": 3}
