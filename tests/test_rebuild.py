@@ -451,19 +451,23 @@ def test_swap_writes_every_column_that_differs_store_21(
 ) -> None:
     """STORE-21: an object whose content equals the rebuild's but whose provenance does not
     (a backfill of the same point folded after the live delivery) takes the rebuild's
-    provenance on reindex, with no event and no change counted; objects equal in every column
-    are left as they are."""
+    provenance on reindex, counted as changed with an event carrying its unchanged hash (a
+    follower's replica holds the provenance too); objects equal in every column are left as
+    they are, unannounced."""
     append(journal, delivery(body({"hr": [point(1, 60)], "steps": [point(2, 10)]})))
     run_pass(journal, store, epoch)
     backfill = append(journal, delivery(body({"hr": [point(1, 60)]}), received_at=BASE_US))
     run_pass(journal, store, epoch)
     assert store.summaries()[HR].created_by != backfill.id
     events = store.last_seq()
+    hr_hash = store.summaries()[HR].hash
 
-    assert reindex(journal, store, "reindex") == 0
+    assert reindex(journal, store, "reindex") == 1
 
     assert store.summaries()[HR].created_by == backfill.id
-    assert store.last_seq() == events
+    assert [
+        (e.kind, e.payload["metric"], e.payload["hash"]) for e in store.events_after(events, 9)
+    ] == [("object.changed", "hr", hr_hash.hex())]
     rebuild_into(journal, tmp_path / "fresh.sqlite")
     with Store(tmp_path / "fresh.sqlite") as fresh:
         assert list(store.iter_objects()) == list(fresh.iter_objects())
@@ -555,16 +559,25 @@ def test_rebuilt_objects_equal_to_the_live_ones_take_their_bodies_store_24(
     journal: Journal, store: Store, epoch: int, tmp_path: Path
 ) -> None:
     """STORE-24: a partitioned reindex keeps a live body that decompresses to the rebuilt
-    object's bytes (here compressed at another level) and rewrites one that does not (not
-    gzip, or gzip of other bytes), with its hash intact in both cases; nothing is counted as
-    changed, and every other row is the fresh rebuild's."""
+    object's bytes (here compressed at another level), uncounted and unannounced, and rewrites
+    one that does not (not gzip, or gzip of other bytes), with its hash intact in both cases:
+    each rewritten one is counted as changed with an ``object.changed`` event of its own (a
+    follower's replica copied the damaged body); every other row is the fresh rebuild's, and
+    a second reindex changes nothing."""
     d = damaged(journal, store, epoch)
     kept, junk, other, kept_body, plains = d.kept, d.junk, d.other, d.kept_body, d.plains
     events = store.last_seq()
+    hashes = {key: summary.hash for key, summary in store.summaries().items()}
 
+    assert reindex(journal, store, "reindex", workers=2) == 2
+
+    added = [e.payload for e in store.events_after(events, 1000)]
+    assert sorted((p["metric"], p["hour"], p["hash"], p["points"]) for p in added) == sorted(
+        (key.metric, format_instant(key.hour), hashes[key].hex(), store.summaries()[key].points)
+        for key in (junk, other)
+    )
     assert reindex(journal, store, "reindex", workers=2) == 0
-
-    assert store.last_seq() == events
+    assert store.last_seq() == events + 2
     assert body_of(store.path, kept) == kept_body
     assert body_of(store.path, junk) == objects.compress(plains[junk])
     assert body_of(store.path, other) == objects.compress(plains[other])
@@ -601,8 +614,8 @@ def test_verify_reports_a_live_row_whose_columns_are_not_the_rebuilds_store_28(
     journal: Journal, store: Store, epoch: int, workers: int
 ) -> None:
     """STORE-28: a live object whose units, or whose point count, was changed on disk behind
-    its intact hash is reported corrupt, in one process and partitioned; after a reindex
-    nothing is."""
+    its intact hash is reported corrupt, in one process and partitioned; a reindex rewrites
+    both, counted as changed, and then nothing is."""
     append(journal, delivery(body({"hr": [point(n, n) for n in range(3)]}, units="count/min")))
     append(journal, delivery(body({"steps": [point(n, n) for n in range(2)]}, units="count")))
     run_pass(journal, store, epoch)
@@ -624,7 +637,7 @@ def test_verify_reports_a_live_row_whose_columns_are_not_the_rebuilds_store_28(
         Difference(key, hashes[key], hashes[key], corrupt=True)
         for key in sorted((units_damaged, count_damaged), key=attrs.astuple)
     ]
-    reindex(journal, store, "reindex", workers=workers)
+    assert reindex(journal, store, "reindex", workers=workers) == 2
     assert verify(journal, store, workers=workers) == []
 
 

@@ -182,6 +182,16 @@ def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
+# A live row ``o`` equal in every column to a rebuilt row ``n``: the swap neither writes it nor
+# announces it.
+_SAME_ROW = (
+    "o.metric = n.metric AND o.layer = n.layer AND o.hour = n.hour AND o.units IS n.units"
+    " AND o.first = n.first AND o.last = n.last AND o.points = n.points"
+    " AND o.created_by = n.created_by AND o.hash = n.hash AND o.sealed = n.sealed"
+    " AND o.body = n.body"
+)
+
+
 def automation_of(meta: DeliveryMeta) -> str | None:
     """The automation a delivery belongs to, for layer inheritance."""
     if meta.automation_id:
@@ -536,9 +546,10 @@ class Store(_objects.ObjectDatabase):
         """Replace objects, outcomes and checkpoint with a rebuilt store's, in one transaction.
 
         Only under the lease epoch ``epoch``, which the swapped outcomes then carry. Appends an
-        ``object.changed`` event for every object whose hash differs (a vanished object reports
-        zero points) and a ``delivery.folded`` event for every delivery only the rebuild
-        folded; returns the number of objects changed.
+        ``object.changed`` event for every object whose row differs in any column (a repaired
+        body under the same hash too: a follower's replica copies the row; a vanished object
+        reports zero points) and a ``delivery.folded`` event for every delivery only the
+        rebuild folded; returns the number of objects changed.
         """
         with self._lock:
             self._conn.execute("ATTACH DATABASE ? AS rebuilt", (os.fspath(rebuilt),))
@@ -547,9 +558,7 @@ class Store(_objects.ObjectDatabase):
                     self._check_epoch(epoch)
                     changed = self._conn.execute(
                         "SELECT metric, layer, hour, hash, points FROM rebuilt.objects n"
-                        " WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE o.metric = n.metric"
-                        " AND o.layer = n.layer AND o.hour = n.hour AND o.hash = n.hash"
-                        " AND o.sealed = n.sealed)"
+                        f" WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE {_SAME_ROW})"
                         " UNION ALL"
                         " SELECT metric, layer, hour, NULL, 0 FROM main.objects o"
                         " WHERE NOT EXISTS (SELECT 1 FROM rebuilt.objects n WHERE o.metric ="
@@ -569,11 +578,7 @@ class Store(_objects.ObjectDatabase):
                     )
                     self._conn.execute(
                         "INSERT OR REPLACE INTO main.objects SELECT * FROM rebuilt.objects n"
-                        " WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE o.metric = n.metric"
-                        " AND o.layer = n.layer AND o.hour = n.hour AND o.units IS n.units"
-                        " AND o.first = n.first AND o.last = n.last AND o.points = n.points"
-                        " AND o.created_by = n.created_by AND o.hash = n.hash"
-                        " AND o.sealed = n.sealed AND o.body = n.body)"
+                        f" WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE {_SAME_ROW})"
                     )
                     self._conn.execute("DELETE FROM main.seals")
                     self._conn.execute("INSERT INTO main.seals SELECT * FROM rebuilt.seals")
