@@ -816,6 +816,15 @@ def json_answer(content: bytes) -> bytes:
     [
         ({"answers": {b"/v1/status": json_answer(b"[]")}}, "the server's status is not"),
         (
+            {
+                "answers": {
+                    b"/v1/status": b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\n"
+                    b"content-length: 26\r\nconnection: close\r\n\r\n<html>not healthlog</html>"
+                }
+            },
+            "/v1/status answered something that is not JSON",
+        ),
+        (
             {"answers": {b"/v1/status": json_answer(b'{"stream": {"id": 1}}')}},
             "the server's status is not",
         ),

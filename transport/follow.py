@@ -536,7 +536,8 @@ def _structured(document: Any, kind: type[_T], what: str) -> _T:
 
 async def _get_json(http: httpx.AsyncClient, path: str) -> Any:
     """The JSON answer of ``path``; a 5xx (a restarting server, or a proxy in front of one)
-    is a lost connection, 401 and any other refusal are for good."""
+    is a lost connection, 401, any other refusal and a 200 that is not JSON (a front's page)
+    are for good."""
     response = await http.get(path)
     if response.status_code == 401:
         raise FollowError("the server refused the token")
@@ -544,7 +545,10 @@ async def _get_json(http: httpx.AsyncClient, path: str) -> Any:
         raise ConnectionLost(f"{path} answered {response.status_code}")
     if response.status_code != 200:
         raise FollowError(f"{path} answered {response.status_code}")
-    return response.json()
+    try:
+        return response.json()
+    except ValueError:
+        raise FollowError(f"{path} answered something that is not JSON, not healthlog's") from None
 
 
 def _reason(group: BaseExceptionGroup[BaseException]) -> str:
