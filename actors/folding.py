@@ -30,7 +30,7 @@ from healthlog.folding import FoldPass, FoldReport, OutcomeClass
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Budget, pending, write_marks
-from healthlog.storage.store import Store
+from healthlog.storage.store import WORKER_DIED, Store
 from healthlog.storage.worker import fold_run
 
 log = logging.getLogger("healthlog.folding")
@@ -44,8 +44,6 @@ WORKER_DEATHS = 2
 """A delivery whose fold loses this many worker processes in a row (killed by the kernel's
 out-of-memory killer, say) is recorded ``failed``, so that it does not hold the queue for ever;
 one death alone may have another cause, and the delivery is folded again."""
-WORKER_DIED = "fold worker died"
-"""The reason recorded for a delivery failed after ``WORKER_DEATHS`` lost workers."""
 WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
 under contention a worker gets about a tenth of a core beside one busy task of the service's,

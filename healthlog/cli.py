@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -28,7 +29,13 @@ from healthlog.storage.passes import pending
 from healthlog.storage.rebuild import Difference, RebuildError, reindex, verify
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.storage.status import collect_status
-from healthlog.storage.store import Store, default_holder
+from healthlog.storage.store import (
+    OUT_OF_MEMORY,
+    OVER_BUDGET,
+    WORKER_DIED,
+    Store,
+    default_holder,
+)
 from healthlog.storage.tokens import TokenError
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
 
@@ -357,18 +364,27 @@ def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     return 0
 
 
+# What verify says of the deliveries failed for a cause of the machine's (store.GIVEN_UP).
+_GIVEN_UP_WHY = {
+    OVER_BUDGET: "over their fold's time budget",
+    WORKER_DIED: "because their fold worker died",
+    OUT_OF_MEMORY: "out of memory",
+}
+
+
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         differences = verify(journal, store, progress=progress)
         unfolded = len(pending(journal, store))
-        over_budget = len(store.over_budget())
-    if over_budget:
-        print(
-            f"verify: {over_budget} deliveries failed over their fold's time budget and were"
-            " compared as failed; `healthlog reindex` folds them",
-            file=sys.stderr,
-        )
+        given_up = Counter(store.given_up().values())
+    for reason, why in _GIVEN_UP_WHY.items():
+        if given_up[reason]:
+            print(
+                f"verify: {given_up[reason]} deliveries failed {why} and were compared as"
+                " failed; `healthlog reindex` folds them",
+                file=sys.stderr,
+            )
     if unfolded:
         print(
             f"verify: {unfolded} journaled deliveries are not folded yet; only what is folded"

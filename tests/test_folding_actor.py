@@ -42,7 +42,7 @@ from _runtime_helpers import (
     wait_folded,
 )
 
-from actors.folding import WORKER_DEATHS, WORKER_DIED, WORKER_NICENESS, Executor
+from actors.folding import WORKER_DEATHS, WORKER_NICENESS, Executor
 from actors.runtime import open_runtime
 from healthlog import faults
 from healthlog.folding import OutcomeClass
@@ -52,7 +52,7 @@ from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
 from healthlog.storage.rebuild import verify
-from healthlog.storage.store import Store, default_holder
+from healthlog.storage.store import WORKER_DIED, Store, default_holder
 from healthlog.storage.worker import fold_run
 
 

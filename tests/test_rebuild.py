@@ -27,7 +27,7 @@ from _hostile_corpus import corpus
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from healthlog import objects
+from healthlog import faults, objects
 from healthlog.fold import DeliveryFold
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
@@ -36,7 +36,7 @@ from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery
 from healthlog.storage.passes import Budget, run_pass
 from healthlog.storage.rebuild import Difference, RebuildError, rebuild_into, reindex, verify
-from healthlog.storage.store import Store
+from healthlog.storage.store import OUT_OF_MEMORY, WORKER_DIED, Store
 from healthlog.timestamps import format_instant
 from healthlog.workload import big_body, encode, window
 
@@ -72,20 +72,57 @@ def test_verify_finds_nothing_after_folding_in_journal_order_store_12(
     assert verify(journal, store) == []
 
 
+def _out_of_memory(_: str) -> None:
+    raise MemoryError
+
+
+def give_up(cause: str, journal: Journal, store: Store, epoch: int, meta: Any) -> str:
+    """Fail ``meta`` live for the machine's ``cause``: its reason."""
+    if cause == "budget":
+        run_pass(journal, store, epoch, budget=Budget(base_s=0, per_mib_s=0))
+    elif cause == "memory":
+        plan = faults.Plan(actions={"fold.begin": faults.Action(frozenset({1}), _out_of_memory)})
+        with faults.loaded(plan):
+            run_pass(journal, store, epoch)
+    else:
+        # What the folding actor records after WORKER_DEATHS lost workers (RUN-30).
+        store.fail(meta, epoch, WORKER_DIED)
+    outcome = store.outcome(meta.id)
+    assert outcome is not None
+    return outcome.reason
+
+
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_fold_over_its_budget_verifies_as_failed_and_reindex_folds_it_store_31(
-    journal: Journal, store: Store, epoch: int, tmp_path: Path, cli: Cli, workers: int
+@pytest.mark.parametrize(
+    ("cause", "says"),
+    [
+        ("budget", "verify: 1 deliveries failed over their fold's time budget"),
+        ("memory", "verify: 1 deliveries failed out of memory"),
+        ("worker", "verify: 1 deliveries failed because their fold worker died"),
+    ],
+)
+def test_a_fold_the_machine_gave_up_verifies_as_failed_and_reindex_folds_it_store_31(
+    journal: Journal,
+    store: Store,
+    epoch: int,
+    tmp_path: Path,
+    cli: Cli,
+    workers: int,
+    cause: str,
+    says: str,
 ) -> None:
-    """STORE-31: a delivery failed live over its fold budget (and its successor, which found
-    no layer to inherit) verifies clean: the rebuild keeps it failed, as the live fold decided,
-    and the command says so; reindex folds both, and verifies clean after."""
+    """STORE-31: a delivery failed live for a cause of the machine's (over its fold budget, out
+    of memory, or its fold worker died twice), and its successor, which found no layer to
+    inherit, verify clean: the rebuild keeps the first failed with its reason, as the live
+    fold decided, and the command says so; reindex folds both, and verifies clean after."""
     heavy = append(journal, delivery(body({"hr": [point(1, 60), point(2, 61)]})))
-    run_pass(journal, store, epoch, budget=Budget(base_s=0, per_mib_s=0))
+    reason = give_up(cause, journal, store, epoch, heavy)
     inheriting = append(journal, delivery(body({"hr": [point(61, 70)]}), aggregation=None))
     run_pass(journal, store, epoch)
     statuses = [store.outcome(meta.id) for meta in (heavy, inheriting)]
+    assert reason in {"fold over its time budget", OUT_OF_MEMORY, WORKER_DIED}
     assert [(o.status, o.reason) for o in statuses if o is not None] == [
-        ("failed", "fold over its time budget"),
+        ("failed", reason),
         ("failed", "layer not derivable: no header, no dense metric, no history"),
     ]
     assert store.summaries() == {}
@@ -94,7 +131,7 @@ def test_a_fold_over_its_budget_verifies_as_failed_and_reindex_folds_it_store_31
     store.release_lease("folder", epoch)
     run = cli("verify", "--data", tmp_path)
     assert run.code == 0, run.err
-    assert "verify: 1 deliveries failed over their fold's time budget" in run.err
+    assert says in run.err
 
     reindex(journal, store, "reindex", workers=workers)
     folded = [store.outcome(meta.id) for meta in (heavy, inheriting)]

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from healthlog.storage import _partition
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
-from healthlog.storage.store import OVER_BUDGET, ObjectSummary, Store
+from healthlog.storage.store import ObjectSummary, Store
 
 log = logging.getLogger("healthlog.rebuild")
 
@@ -68,20 +68,22 @@ def rebuild_into(
     progress: Progress | None = None,
     workers: int | None = None,
     reference: Path | None = None,
-    over_budget: frozenset[int] = frozenset(),
+    given_up: Mapping[int, str] | None = None,
 ) -> None:
     """Fold the journal (or the deliveries in ``only``) in journal order into a new store.
 
     An object that the store at ``reference`` (the live projection) holds with the same
     content may take that store's body rather than a new compression of its own. The
-    deliveries in ``over_budget`` are recorded failed over their time budget, as the live fold
-    decided, instead of folded (a rebuild has no budget of its own).
+    deliveries in ``given_up`` are recorded failed with the reason it gives, as the live fold
+    decided for a cause of the machine's (its time budget, a worker that died, memory; see
+    ``store.GIVEN_UP``), instead of folded.
 
     ``workers`` processes fold disjoint sets of metrics side by side (see ``_partition``);
     by default one more than there are cores (at most ``MAX_WORKERS``), so that the scheduler
     evens out partitions of unequal weight, once the bodies to fold reach
     ``PARALLEL_MIN_BYTES``, below which one process is quicker than starting more.
     """
+    given_up = {} if given_up is None else given_up
     queue = [m for m in journal.iter_order() if only is None or m.id in only]
     if workers is None:
         cores = _partition.available_cores()
@@ -92,8 +94,8 @@ def rebuild_into(
         assert epoch is not None
 
         def fold(meta: DeliveryMeta) -> None:
-            if meta.id in over_budget:
-                report = target.fail(meta, epoch, OVER_BUDGET)
+            if meta.id in given_up:
+                report = target.fail(meta, epoch, given_up[meta.id])
             else:
                 report = target.fold(journal, meta, epoch, guard=False)
             if report.outcome_class is not OutcomeClass.DONE:
@@ -110,7 +112,7 @@ def rebuild_into(
                     epoch,
                     workers=workers,
                     fold_alone=fold,
-                    alone=over_budget,
+                    alone=frozenset(given_up),
                     progress=progress,
                     reference=None if reference is None else str(reference),
                 )
@@ -174,7 +176,7 @@ def verify(
     content (hash), in whether a seal covers them, or in a live row damaged behind an intact
     hash: a body that does not decompress to the rebuilt bytes, or units, a point count or a
     creating delivery that are not the rebuild's."""
-    folded, over_budget, live = store.snapshot()
+    folded, given_up, live = store.snapshot()
     with _scratch(Path(store.path)) as path:
         rebuild_into(
             journal,
@@ -183,7 +185,7 @@ def verify(
             progress=progress,
             workers=workers,
             reference=Path(store.path),
-            over_budget=frozenset(over_budget),
+            given_up=given_up,
         )
         with Store(path, durable=False) as rebuilt:
             fresh = rebuilt.summaries()

@@ -41,6 +41,15 @@ log = logging.getLogger("healthlog.store")
 FOLD_LEASE = "fold"
 # The reason of a delivery failed because its fold ran over its time budget (F5).
 OVER_BUDGET = "fold over its time budget"
+# The reason of a delivery failed after its fold lost ``WORKER_DEATHS`` worker processes in a
+# row (the runtime's folding actor; the kernel's out-of-memory killer, say).
+WORKER_DIED = "fold worker died"
+# The reason of a delivery whose fold ran out of memory in its process.
+OUT_OF_MEMORY = "internal error: MemoryError"
+# Failures that the machine decided (its clock, its memory), not the journal: a rebuild
+# records them as the live fold did, so that verify compares what follows them as it was
+# folded; reindex folds them.
+GIVEN_UP = (OVER_BUDGET, WORKER_DIED, OUT_OF_MEMORY)
 # How long a write that is tried again later anyway (a subscriber's ACK, a mark) waits for the
 # write lock before it is deferred, rather than hold the store's reads behind it.
 BRIEF_WAIT_MS = 250
@@ -686,26 +695,27 @@ class Store(_objects.ObjectDatabase):
             return None
         return OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5]))
 
-    def snapshot(self) -> tuple[set[int], set[int], dict[ObjectKey, ObjectSummary]]:
-        """The folded delivery ids, those of them failed over their time budget, and the object
-        summaries, read in one transaction."""
+    def snapshot(self) -> tuple[set[int], dict[int, str], dict[ObjectKey, ObjectSummary]]:
+        """The folded delivery ids, the reasons of those of them the machine gave up on
+        (:data:`GIVEN_UP`), and the object summaries, read in one transaction."""
         with self._lock, read_transaction(self._conn):
             folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
-            over_budget = self._over_budget_locked()
+            given_up = self._given_up_locked()
             summaries = self._summaries_locked()
-        return folded, over_budget, summaries
+        return folded, given_up, summaries
 
-    def over_budget(self) -> set[int]:
-        """The deliveries failed because their fold ran over its time budget (F5)."""
+    def given_up(self) -> dict[int, str]:
+        """The reasons of the deliveries failed for a cause of the machine's, not the journal's
+        (:data:`GIVEN_UP`: over their time budget, F5; a fold worker that died; no memory)."""
         with self._lock:
-            return self._over_budget_locked()
+            return self._given_up_locked()
 
-    def _over_budget_locked(self) -> set[int]:
+    def _given_up_locked(self) -> dict[int, str]:
         rows = self._conn.execute(
-            "SELECT delivery_id FROM outcomes WHERE status = ? AND reason = ?",
-            (FAILED, OVER_BUDGET),
+            "SELECT delivery_id, reason FROM outcomes WHERE status = ? AND reason IN (?, ?, ?)",
+            (FAILED, *GIVEN_UP),
         )
-        return {row[0] for row in rows}
+        return {row[0]: row[1] for row in rows}
 
     def counter_totals(self, names: Sequence[str]) -> dict[str, int]:
         """Fold counters summed over every recorded outcome."""
