@@ -33,6 +33,9 @@ log = logging.getLogger("healthlog.fold")
 PARSED = "parsed"
 PARTIAL = "partial"
 FAILED = "failed"
+# The reason of a delivery with points and no layer (P5): it depends on what its automation
+# folded before it, so on the order of folding, as an object does.
+NO_LAYER = "layer not derivable: no header, no dense metric, no history"
 
 
 class BudgetExceeded(Exception):
@@ -143,7 +146,7 @@ class DeliveryFold:
         if any(group.points for group in envelope.metrics.values()):
             self._layer = self._resolve_layer(envelope, read)
             if self._layer is None:
-                self._finish(failure="layer not derivable: no header, no dense metric, no history")
+                self._finish(failure=NO_LAYER)
                 return
         self._counters.metrics = len(envelope.metrics)
         if self._layer is not None:

@@ -17,9 +17,10 @@ import pytest
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 
 from healthlog import clock, faults
+from healthlog.fold import NO_LAYER
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
-from healthlog.storage.journal import DeliveryMeta, Journal
+from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.store import Lease, Store
 
 
@@ -408,10 +409,11 @@ def test_layer_not_derivable_fails_the_delivery_store_11(
 
 
 @pytest.mark.parametrize(
-    ("later_body", "later_status"),
+    ("later_delivery", "later_status"),
     [
-        (body({"hr": [point(1, 60)]}), "parsed"),
-        (body({"hr": [point(1, 60), {"date": "yesterday-ish", "qty": 2}]}), "partial"),
+        (delivery(body({"hr": [point(1, 60)]})), "parsed"),
+        (delivery(body({"hr": [point(1, 60), {"date": "yesterday-ish", "qty": 2}]})), "partial"),
+        (delivery(body({"hr": [point(1, 60)]}), aggregation=None), "failed"),
     ],
 )
 def test_backfill_behind_a_folded_delivery_warns_once_fold_10(
@@ -419,12 +421,13 @@ def test_backfill_behind_a_folded_delivery_warns_once_fold_10(
     store: Store,
     epoch: int,
     caplog: pytest.LogCaptureFixture,
-    later_body: bytes,
+    later_delivery: NewDelivery,
     later_status: str,
 ) -> None:
-    """FOLD-10: folding a delivery when a later one is already parsed or partial commits, marks
-    the report out of order and logs one WARNING naming the delivery and `healthlog reindex`."""
-    later = append(journal, delivery(later_body))
+    """FOLD-10: folding a delivery when a later one is already parsed or partial, or failed for
+    want of a layer that this one of its automation passes on, commits, marks the report out of
+    order and logs one WARNING naming the delivery and `healthlog reindex`."""
+    later = append(journal, later_delivery)
     assert fold(journal, store, later, epoch).status == later_status
     backfill = append(journal, delivery(body({"steps": [point(1, 5)]}), received_at=BASE_US))
     caplog.clear()
@@ -438,15 +441,22 @@ def test_backfill_behind_a_folded_delivery_warns_once_fold_10(
     assert "healthlog reindex" in warnings[0]
 
 
-@pytest.mark.parametrize("case", ["later_failed", "guard_off", "not_committed"])
+@pytest.mark.parametrize(
+    "case", ["later_failed", "later_without_layer_elsewhere", "guard_off", "not_committed"]
+)
 def test_out_of_order_guard_stays_silent_fold_11(
     journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture, case: str
 ) -> None:
-    """FOLD-11: no out-of-order warning when the later delivery failed, when the guard is off
+    """FOLD-11: no out-of-order warning when the later delivery failed (not JSON, or for want
+    of a layer in another automation, which this one cannot pass on), when the guard is off
     (rebuilds), or when the fold does not commit."""
     later_body = b"not json" if case == "later_failed" else body({"hr": [point(1, 60)]})
-    later = append(journal, delivery(later_body))
-    fold(journal, store, later, epoch)
+    if case == "later_without_layer_elsewhere":
+        later = append(journal, delivery(later_body, aggregation=None, automation="B"))
+        assert fold(journal, store, later, epoch).reason == NO_LAYER
+    else:
+        later = append(journal, delivery(later_body))
+        fold(journal, store, later, epoch)
     backfill = append(journal, delivery(body({"steps": [point(1, 5)]}), received_at=BASE_US))
     caplog.clear()
 

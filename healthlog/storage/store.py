@@ -21,7 +21,15 @@ import attrs
 import orjson
 
 from healthlog import clock, faults, seals
-from healthlog.fold import FAILED, PARSED, BudgetExceeded, DeliveryFold, DeliveryInfo, Outcome
+from healthlog.fold import (
+    FAILED,
+    NO_LAYER,
+    PARSED,
+    BudgetExceeded,
+    DeliveryFold,
+    DeliveryInfo,
+    Outcome,
+)
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
@@ -486,10 +494,14 @@ class Store(_objects.ObjectDatabase):
         return FoldReport(delivery_id, OutcomeClass.DONE, status, reason)
 
     def _later_folded(self, meta: DeliveryMeta) -> bool:
+        """Whether a delivery later in journal order has an outcome that folding ``meta``
+        first could have changed: one with points stored, or one of the same automation failed
+        for want of a layer that ``meta`` could have passed on (P5)."""
         row = self._conn.execute(
-            "SELECT 1 FROM outcomes WHERE status IN ('parsed', 'partial')"
-            " AND (received_at, delivery_id) > (?, ?) LIMIT 1",
-            (meta.received_at, meta.id),
+            "SELECT 1 FROM outcomes WHERE (received_at, delivery_id) > (?, ?)"
+            " AND (status IN ('parsed', 'partial')"
+            " OR (status = 'failed' AND reason = ? AND automation = ?)) LIMIT 1",
+            (meta.received_at, meta.id, NO_LAYER, automation_of(meta)),
         ).fetchone()
         return row is not None
 
