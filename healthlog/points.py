@@ -8,6 +8,7 @@ form, which is what collisions are decided on, never the raw bytes.
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -318,6 +319,7 @@ def _encode(normal: dict[str, object]) -> bytes:
 
 
 _TWELVE_DIGITS = 10**12
+_LARGEST_DOUBLE = int(sys.float_info.max)
 
 
 def _number(value: int | float) -> orjson.Fragment:
@@ -327,10 +329,15 @@ def _number(value: int | float) -> orjson.Fragment:
 
 def _number_text(value: int | float) -> bytes:
     """A number printed as a double with 12 significant digits (``%.12g``: ``46``, ``0.3``,
-    ``5e-05``, ``1e+12``); an integer of 13 digits or more keeps every digit. Zero is ``0``
-    whatever its sign: a JSON decoder keeps no sign on an integer zero, so ``-0`` and ``-0.0``
-    would otherwise differ."""
-    if type(value) is int and abs(value) >= _TWELVE_DIGITS:
+    ``5e-05``, ``1e+12``); an integer beyond that precision (more than 12 significant digits,
+    or past the largest double) keeps every digit, so ``10**12`` is ``1e+12`` like the double
+    and ``10**12 + 1`` stays exact. Zero is ``0`` whatever its sign: a JSON decoder keeps no
+    sign on an integer zero, so ``-0`` and ``-0.0`` would otherwise differ."""
+    if (
+        type(value) is int
+        and abs(value) >= _TWELVE_DIGITS
+        and (abs(value) > _LARGEST_DOUBLE or len(str(abs(value)).rstrip("0")) > 12)
+    ):
         return b"%d" % value
     return b"%.12g" % value if value else b"0"
 

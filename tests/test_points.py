@@ -220,10 +220,14 @@ def test_canonical_numbers_print_as_twelve_digit_doubles(value: float, text: byt
 
 
 def test_canonical_integer_forms() -> None:
-    """MERGE-3: whole doubles print as integers; 13-digit integers keep every digit."""
+    """MERGE-3: whole doubles print as integers; integers of 13 significant digits or more keep
+    every digit; a larger integer that 12 significant digits hold prints as the equal double."""
     assert canonical_form({"qty": 46.0}) == b'{"qty":46}'
     assert canonical_form({"qty": 1_234_567_890_123}) == b'{"qty":1234567890123}'
     assert canonical_form({"qty": -(2**70)}) == b'{"qty":-1180591620717411303424}'
+    for whole in (10**12, 1_707_231_600_000, -(10**15), 10**300):
+        assert canonical_form({"qty": whole}) == canonical_form({"qty": float(whole)})
+    assert canonical_form({"qty": 1_707_231_600_000}) == b'{"qty":1.7072316e+12}'
 
 
 @pytest.mark.parametrize("key", ["date", "start", "end", "startDate", "endDate"])
