@@ -145,11 +145,16 @@ class DeliveryFold:
         read: dict[str, hae.Series] = {}
         if any(group.points for group in envelope.metrics.values()):
             self._layer = self._resolve_layer(envelope, read)
-            if self._layer is None:
+            # Without a layer, ``read`` holds every metric: if none has a point to store (every
+            # element rejected), only the sections are folded, which need no layer (P5).
+            if self._layer is None and any(series.accepted for series in read.values()):
                 self._finish(failure=NO_LAYER)
                 return
         self._counters.metrics = len(envelope.metrics)
-        if self._layer is not None:
+        if self._layer is None:
+            for series in read.values():
+                self._count_rejected(series)
+        else:
             for name in sorted(envelope.metrics):
                 group = envelope.metrics.pop(name)
                 series = read.pop(name, None)
@@ -188,15 +193,18 @@ class DeliveryFold:
         self._counters.unit_mismatches += sum(1 for u in entries if u not in (None, present[0]))
         return present[0]
 
+    def _count_rejected(self, series: hae.Series) -> None:
+        for reason in series.rejected.values():
+            self._counters.points_rejected += 1
+            self._rejections[f"point rejected: {reason}"] += 1
+
     def _fold_series(
         self, metric: str, layer: str, units: str | None, series: hae.Series
     ) -> Iterator[HourlyObject]:
         def on_collision(coords: Coordinates, kind: Collision) -> None:
             self._warn(kind, metric, layer, hour_of(coords[0]))
 
-        for reason in series.rejected.values():
-            self._counters.points_rejected += 1
-            self._rejections[f"point rejected: {reason}"] += 1
+        self._count_rejected(series)
         self._counters.points += series.accepted
         for hour, keys, raws in series.hours():
             self._check_budget()

@@ -11,7 +11,7 @@ import pytest
 from fixtures import MemoryProjection, app_date, fold, make_body
 
 from healthlog import hae, layers
-from healthlog.fold import FAILED, PARSED
+from healthlog.fold import FAILED, PARSED, PARTIAL
 
 START = datetime(2024, 2, 6, 7, 0, tzinfo=timezone(timedelta(hours=-8)))
 SECOND = 1_000_000
@@ -226,6 +226,18 @@ def test_sections_only_need_no_layer() -> None:
     assert outcome.status == PARSED
     assert {obj.key.layer for obj in written} == {"records"}
     assert len(written) == 2
+
+
+def test_metrics_without_a_readable_point_need_no_layer() -> None:
+    """PARSE-32: a metric whose every element is rejected does not make a delivery need a
+    layer: its sections are stored, the rejected points counted, the outcome `partial`."""
+    workouts = [{"start": app_date(START), "end": app_date(START + timedelta(hours=1))}]
+    junk = {"name": "sleep_analysis", "units": "hr", "data": [{}, {"qty": 1}]}
+    projection = MemoryProjection()
+    written, outcome = fold(body(junk, workouts=workouts), projection)
+    assert (outcome.status, outcome.layer) == (PARTIAL, None)
+    assert outcome.counters.points_rejected == 2
+    assert [(obj.key.metric, obj.key.layer) for obj in written] == [("workouts", "records")]
 
 
 def test_generated_layers() -> None:
