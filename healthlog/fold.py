@@ -152,8 +152,8 @@ class DeliveryFold:
                 return
         self._counters.metrics = len(envelope.metrics)
         if self._layer is None:
-            for series in read.values():
-                self._count_rejected(series)
+            for unread in read.values():
+                self._count_rejected(unread)
         else:
             for name in sorted(envelope.metrics):
                 group = envelope.metrics.pop(name)
