@@ -89,9 +89,18 @@ def read_envelope(body: bytes) -> Envelope:
     return envelope
 
 
-def _read_top(top: _Object | list[msgspec.Raw], envelope: Envelope, depth: int) -> None:
+# Envelopes inside envelopes (``data`` holding a list of envelopes, each with a ``data`` of its
+# own) are read this deep at most; the app sends none.
+MAX_ENVELOPE_DEPTH = 8
+
+
+def _read_top(
+    top: _Object | list[msgspec.Raw], envelope: Envelope, depth: int, *, in_list: bool = False
+) -> None:
+    """Read a list of envelopes or an envelope; ``in_list`` when ``top`` is an element of a
+    list of envelopes, where a list is not an envelope."""
     if isinstance(top, list):
-        if depth > 0:
+        if in_list:
             envelope.problems.append("nested array envelope")
             envelope.rejected_entries += 1
             return
@@ -101,7 +110,7 @@ def _read_top(top: _Object | list[msgspec.Raw], envelope: Envelope, depth: int) 
                 envelope.problems.append("array element is not an object")
                 envelope.rejected_entries += 1
             else:
-                _read_top(inner, envelope, depth + 1)
+                _read_top(inner, envelope, depth, in_list=True)
         return
     if "data" in top:
         inner = _decode(top["data"], _Top)
@@ -110,7 +119,11 @@ def _read_top(top: _Object | list[msgspec.Raw], envelope: Envelope, depth: int) 
             envelope.rejected_entries += 1
             return
         if isinstance(inner, list):
-            _read_top(inner, envelope, depth)
+            if depth + 1 >= MAX_ENVELOPE_DEPTH:
+                envelope.problems.append("envelope nested too deep")
+                envelope.rejected_entries += 1
+            else:
+                _read_top(inner, envelope, depth + 1)
         else:
             _read_sections(inner, envelope)
         _read_sections({k: v for k, v in top.items() if k != "data"}, envelope)

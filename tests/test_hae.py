@@ -115,6 +115,26 @@ def test_array_wrapped_bodies() -> None:
         assert hashes(projection) == hashes(expected)
 
 
+def test_a_list_of_envelopes_in_data_is_read_at_any_wrapping_parse_3() -> None:
+    """PARSE-3: ``data`` holding a list of envelopes is read inside an array-wrapped body too,
+    as it is at the top; envelopes in envelopes deeper than MAX_ENVELOPE_DEPTH are one
+    rejected entry each, not an error."""
+    sections = {"metrics": [metric(GOOD)]}
+    plain, expected = folded(encoded(envelope(metric(GOOD))))
+    for variant in ([{"data": [sections]}], {"data": [{"data": [sections]}]}):
+        projection, outcome = folded(encoded(variant))
+        assert outcome.status == PARSED
+        assert outcome.counters.points == expected.counters.points == 2
+        assert hashes(projection) == hashes(plain)
+    deep: Any = sections
+    for _ in range(hae.MAX_ENVELOPE_DEPTH + 1):
+        deep = {"data": [deep]}
+    _, outcome = folded(encoded([deep, envelope(metric(GOOD))]))
+    assert outcome.status == PARTIAL
+    assert outcome.counters.entries_rejected == 1
+    assert "envelope nested too deep" in (outcome.reason or "")
+
+
 def test_array_wrapped_bad_elements() -> None:
     """PARSE-3: an element that is not an object, or a nested array, is a rejected entry."""
     body = [envelope(metric(GOOD)), 3, "x", [envelope(metric(GOOD))]]
