@@ -8,6 +8,7 @@ must export byte for byte) and one workout: ``BASELINE_LINES`` export lines in a
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 from _cli_bodies import body, compact, metric, point
@@ -35,3 +36,11 @@ BASELINE_LINES = 3
 def errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     """The messages of the records logged at ERROR or above."""
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+_SEVERE = re.compile(r"\blevel=(ERROR|CRITICAL)\b")
+
+
+def severe_lines(text: str) -> list[str]:
+    """The records of a process's log output (key=value lines) at ERROR or above."""
+    return [line for line in text.splitlines() if _SEVERE.search(line)]

@@ -15,10 +15,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from healthlog import faults
+from healthlog import faults, objects, workload
 from healthlog.storage import faultplan
 from healthlog.storage._sqlite import Deferred
 from healthlog.storage.journal import NewDelivery
+from healthlog.storage.passes import run_pass
+from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.workload import LEAK_MARKER
 from transport.chaos import CLIENT, KINDS, Run, _Accepted, _plan
 
@@ -59,11 +61,17 @@ def test_short_run_holds_every_invariant_chaos_1() -> None:
     "line",
     [
         f'time=x level=WARNING logger=healthlog.fold msg="source {LEAK_MARKER}"',
+        # The device name escaped by json.dumps, then its backslashes by the log formatter.
+        'time=x level=INFO logger=healthlog.store msg="source \\"Chaos\\\\u2019s Watch'
+        ' \\\\u231a\\""',
+        f"time=x level=INFO logger=healthlog.store msg={LEAK_MARKER.encode()!r}",
         'time=x level=ERROR logger=healthlog.supervisor msg="actor folding crashed"',
+        'time=x level=CRITICAL logger=healthlog.intake msg="the client went away"',
     ],
 )
 def test_leaks_and_errors_break_the_run_chaos_2(tmp_path: Path, line: str) -> None:
-    """CHAOS-2: a value in a log record, or an ERROR record, breaks the run."""
+    """CHAOS-2: a device name in a log record (as it is, JSON-escaped or as bytes), or an
+    ERROR or CRITICAL record, breaks the run."""
     run = Run(5, tmp_path)
     run.log.write_text(line + "\n")
     run._check_logs()
@@ -203,3 +211,32 @@ def test_a_third_of_the_runs_seal_chaos_6(tmp_path: Path) -> None:
     of their window while the workload is posted."""
     sealed = sum(Run(7 * 100_000 + n, tmp_path).result.sealed for n in range(200))
     assert 50 <= sealed <= 85
+
+
+def test_the_replica_is_compared_whole_rows_chaos_9(tmp_path: Path) -> None:
+    """CHAOS-9: a replica holding the server's objects row for row breaks nothing; one whose
+    row differs in its body alone, its hash intact (the hash is copied from the server's
+    frames), breaks the run."""
+    run = Run(5, tmp_path)
+    with run.data.open_journal() as journal, run.data.open_store() as store:
+        body = workload.encode(workload.window(5, first_minute=0, minutes=90), 5)
+        journal.append(NewDelivery(body=body, client=CLIENT, automation_aggregation="minutes"))
+        epoch = store.acquire_lease("chaos-test", now=0, ttl=10**12)
+        assert epoch is not None
+        run_pass(journal, store, epoch)
+        live = list(store.iter_objects())
+    assert live
+    replica = tmp_path / "replica"
+    with Replica(replica) as copy:
+        copy.restore("stream", 1, live)
+    run.check_replica(replica)
+    assert run.result.broken == []
+
+    other = objects.compress(objects.decompress(live[0].body) + b"0\t0\t{}\n")
+    with sqlite3.connect(replica / REPLICA_FILE) as conn:
+        conn.execute(
+            "UPDATE objects SET body = ? WHERE metric = ? AND layer = ? AND hour = ?",
+            (other, live[0].key.metric, live[0].key.layer, live[0].key.hour),
+        )
+    run.check_replica(replica)
+    assert run.result.broken == ["the follower's replica differs from the server"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import trio
-from _baseline import BASELINE, BASELINE_LINES, errors
+from _baseline import BASELINE, BASELINE_LINES, errors, severe_lines
 from _cli_bodies import raw_point
 from _hostile_corpus import Case, Oversized, corpus
 from _service_helpers import Service, serving
@@ -124,7 +124,7 @@ async def test_hostile_corpus(
         assert "internal error" not in (outcome["reason"] or ""), case.name
     assert errors(caplog) == []
     workers_said = capfd.readouterr().err
-    assert [line for line in workers_said.splitlines() if "level=ERROR" in line] == []
+    assert severe_lines(workers_said) == []
     assert {key: after[key] for key in before} == before
     added: dict[str, list[tuple[str, bytes]]] = defaultdict(list)
     for key, line in after.items():

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import attrs
 import pytest
 import trio
+from _baseline import severe_lines
 from _proc_runtime import READY, new_delivery, payload
 
 from actors.folding import Executor
@@ -198,7 +199,7 @@ class Child:
         """SIGTERM: a runtime shuts down cleanly, exits 0 and logs no ERROR."""
         self.proc.send_signal(signal.SIGTERM)
         assert self.finish() == 0, self.stderr()[-3000:]
-        assert "level=ERROR" not in self.stderr()
+        assert severe_lines(self.stderr()) == []
 
     def crash(self) -> None:
         """SIGKILL: no cleanup of any kind."""

@@ -539,9 +539,16 @@ class Run:
             )
             with trio.move_on_after(QUIET_TIMEOUT_S):
                 await follower.run()
-            mine = {o.key: (o.hash, o.sealed) for o in store.iter_objects()}
+        self.check_replica(replica)
+
+    def check_replica(self, replica: Path) -> None:
+        """The run is broken unless the replica holds the live store's objects, whole rows
+        (body, units, times, point count, provenance, seal), not only their hashes, which the
+        replica copies from the server's frames."""
+        with Replica(replica) as store:
+            mine = {o.key: o for o in store.iter_objects()}
         with self.data.open_store() as live:
-            theirs = {o.key: (o.hash, o.sealed) for o in live.iter_objects()}
+            theirs = {o.key: o for o in live.iter_objects()}
         if mine != theirs:
             self.result.broken.append("the follower's replica differs from the server")
 
@@ -553,9 +560,9 @@ class Run:
         for line in itertools.chain(service_log, *(o.splitlines() for o in self.tool_output)):
             if "level=DEBUG" in line:
                 continue
-            if "level=ERROR" in line:
+            if _SEVERE.search(line):
                 self.result.broken.append(f"ERROR logged: {line[:160]}")
-            if workload.LEAK_MARKER in line or self.token in line or self._holds_a_value(line):
+            if _LEAK.search(line) or self.token in line or self._holds_a_value(line):
                 self.result.broken.append("a value or token reached a log record")
         # The service's clock jumps alone, so a forward jump beyond the reindex's term makes
         # its lease look expired there (as a machine-wide step would), and a backward one can
@@ -577,6 +584,26 @@ class Run:
 CLIENT = "chaos"
 """The token name, and so the client name, the workload is posted under."""
 _FIRED = re.compile(r"fault injected at ([a-z_.]+) ")
+# A record at ERROR or above. A traceback alone is not one: a fold worker orphaned by a SIGKILL
+# of the service while it starts prints multiprocessing's own (EOFError, its parent gone).
+_SEVERE = re.compile(r"\blevel=(ERROR|CRITICAL)\b")
+
+
+def _leak_pattern(marker: str) -> re.Pattern[str]:
+    """The device name ``marker`` as a log line could carry it: each character that is not
+    ASCII as itself or escaped (JSON's or Python's ``\\uXXXX``, a bytes repr's ``\\xNN`` for
+    each UTF-8 byte), behind any number of backslashes (a formatter escapes them again)."""
+    parts = []
+    for char in marker:
+        if char.isascii():
+            parts.append(re.escape(char))
+            continue
+        utf8 = "".join(rf"\\+x{byte:02x}" for byte in char.encode())
+        parts.append(f"(?:{re.escape(char)}|\\\\+u{ord(char):04x}|{utf8})")
+    return re.compile("".join(parts), re.IGNORECASE)
+
+
+_LEAK = _leak_pattern(workload.LEAK_MARKER)
 _DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d{3,}(?![\w.])")
 # The out-of-order warning (F9) as the service logs it, the only record that excuses folds
 # out of journal order, and live objects that differ from a rebuild until a reindex.
