@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from _cli_bodies import body, compact, metric, point, raw_point, write
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from healthlog import faults
 from healthlog.storage._sqlite import StorageError
@@ -555,6 +557,34 @@ def test_storage_error_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) ->
     assert len(run.err.splitlines()) == 1
     assert f"({data / 'store.sqlite'})" in run.err
     assert run.out == b""
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"garbage",
+        b"-----BEGIN PRIVATE KEY-----\ntruncated",
+        ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
+        ),
+    ],
+    ids=["garbage", "truncated", "not-ed25519"],
+)
+def test_a_damaged_signing_key_exits_3_with_one_line_cli_23(
+    cli: Cli, tmp_path: Path, content: bytes
+) -> None:
+    """CLI-23: a ``signing.key`` that is not an Ed25519 private key (damaged, or another
+    kind): exit 3, one line naming the file and saying to restore it, no traceback."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "signing.key").write_bytes(content)
+    for args in (["status"], ["status", "--json"]):
+        run = cli(*args, "--data", data)
+        assert run.code == 3
+        assert run.err.startswith(f"healthlog: {data / 'signing.key'} is not ")
+        assert "restore it from a backup" in run.err
+        assert len(run.err.splitlines()) == 1
+        assert run.out == b""
 
 
 @pytest.mark.parametrize("name", ["journal.sqlite", "store.sqlite", "tokens.sqlite"])

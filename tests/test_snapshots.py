@@ -6,6 +6,9 @@ from __future__ import annotations
 import base64
 import gzip
 import hashlib
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -242,3 +245,37 @@ async def test_previous_snapshot_stays_fetchable_stream_34(tmp_path: Path) -> No
         kept = {path.name for path in service.data.snapshot_dir.iterdir()}
     stream = third["stream"]
     assert kept == {f"snapshot-{stream}-{m['seq']}.snap" for m in (second, third)}
+
+
+_TAKE_KEY = """
+import sys, time
+from healthlog.snapshots import public_key_text
+from healthlog.storage.datadir import DataDir
+start = float(sys.argv[2])
+while time.time() < start:
+    pass
+print(public_key_text(DataDir(sys.argv[1]).signing_key()))
+"""
+
+
+@pytest.mark.parametrize("attempt", range(5))
+def test_processes_starting_together_share_one_signing_key_stream_44(
+    tmp_path: Path, attempt: int
+) -> None:
+    """STREAM-44: four processes asking a new data directory for its signing key at the same
+    moment all get the one key the file holds, and leave no file of their own behind."""
+    data = tmp_path / f"data-{attempt}"
+    start = time.time() + 0.5
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TAKE_KEY, str(data), str(start)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(4)
+    ]
+    said = [child.communicate(timeout=60) for child in children]
+    assert [child.returncode for child in children] == [0] * 4, said
+    on_disk = snapshots.public_key_text(DataDir(data).signing_key())
+    assert {out.decode().strip() for out, _ in said} == {on_disk}
+    assert sorted(path.name for path in data.iterdir()) == ["signing.key"]

@@ -4,10 +4,13 @@ optional ``healthlog.toml``."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 import attrs
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import (
     Encoding,
@@ -16,6 +19,7 @@ from cryptography.hazmat.primitives.serialization import (
     load_pem_private_key,
 )
 
+from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import Tokens
@@ -60,24 +64,47 @@ class DataDir:
         return self.path / SNAPSHOT_DIR
 
     def signing_key(self) -> Ed25519PrivateKey:
-        """The snapshot signing key, created (mode 0600) on first use."""
+        """The snapshot signing key, created (mode 0600) on first use.
+
+        Processes starting together on a new directory all end up with the one key on disk:
+        each writes a key of its own to a file of its own and links it into place only if no
+        key is there yet (the first wins), then reads the key that is. A key that cannot be
+        read is a StorageError: it names the file, and a new key would not do (followers pin
+        the public key)."""
         path = self.path / SIGNING_KEY_FILE
         if not path.exists():
-            self.path.mkdir(parents=True, exist_ok=True)
-            pem = Ed25519PrivateKey.generate().private_bytes(
-                Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
-            )
-            tmp = path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            self._create_signing_key(path)
+        try:
+            key = load_pem_private_key(path.read_bytes(), password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+            raise StorageError(
+                f"{path} is not a readable private key ({type(exc).__name__}): restore it from"
+                " a backup (a new key would be refused by followers that pinned this one)"
+            ) from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise StorageError(f"{path} is not an Ed25519 key: restore it from a backup")
+        return key
+
+    def _create_signing_key(self, path: Path) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        pem = Ed25519PrivateKey.generate().private_bytes(
+            Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
+        )
+        fd, tmp = tempfile.mkstemp(prefix=".signing-", dir=self.path)
+        try:
             with os.fdopen(fd, "wb") as out:
                 out.write(pem)
                 out.flush()
                 os.fsync(out.fileno())
-            os.replace(tmp, path)
-        key = load_pem_private_key(path.read_bytes(), password=None)
-        if not isinstance(key, Ed25519PrivateKey):
-            raise ValueError(f"{path} is not an Ed25519 key")
-        return key
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        finally:
+            os.unlink(tmp)
+        directory = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
 
     def open_tokens(self) -> Tokens:
         self.path.mkdir(parents=True, exist_ok=True)
