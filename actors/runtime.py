@@ -21,6 +21,7 @@ from actors.intake import IntakeActor, IntakeStatistics, Submission, submit
 from actors.journal import JournalActor, JournalActorStatistics, Request
 from actors.lease import LeaseActor, LeaseStatistics
 from actors.retention import RetentionActor, RetentionStatistics
+from healthlog.config import ServeConfig
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
 from healthlog.storage.passes import Budget
@@ -53,6 +54,22 @@ class RuntimeConfig:
     window_events: int = 100_000
     window_age_s: float = 30 * 86400.0
     retention_period_s: float = 60.0
+
+
+def configured(data_dir: Path, config: ServeConfig, *, fold: bool = True) -> RuntimeConfig:
+    """The runtime that a data directory's settings (``healthlog.toml``, ``HEALTHLOG_*``) ask
+    for: the service's, and that of the commands that fold without it (``import``, ``seal``),
+    so that a fold has the same budget and the event window the same bounds whoever runs it."""
+    return RuntimeConfig(
+        data_dir,
+        wake_period_s=config.wake_period_s,
+        lease_ttl_s=config.lease_ttl_s,
+        lease_renew_s=config.lease_renew_s,
+        budget=Budget(config.fold_budget_s, config.fold_budget_per_mib_s),
+        fold=fold,
+        window_events=config.stream_window_events,
+        window_age_s=config.stream_window_days * 86400,
+    )
 
 
 @attrs.frozen

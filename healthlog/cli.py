@@ -145,16 +145,28 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
             bodies.append(Path(name).read_bytes())
         except OSError as exc:
             raise CliError(f"cannot read {name}: {exc.strerror}") from None
+    config = _settings(data)
     import trio
 
-    return trio.run(_import, args, data, bodies)
+    return trio.run(_import, args, data, config, bodies)
 
 
-async def _import(args: argparse.Namespace, data: DataDir, bodies: list[bytes]) -> int:
+def _settings(data: DataDir) -> ServeConfig:
+    """The data directory's settings (``healthlog.toml``, ``HEALTHLOG_*``), which a command
+    that folds without the service folds under, as the service would."""
+    try:
+        return load_serve_config(data.config_path, {})
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+
+
+async def _import(
+    args: argparse.Namespace, data: DataDir, config: ServeConfig, bodies: list[bytes]
+) -> int:
     """Journal through the runtime's intake, then wait for whichever folder holds the lease."""
-    from actors.runtime import RuntimeConfig, open_runtime
+    from actors.runtime import configured, open_runtime
 
-    async with open_runtime(RuntimeConfig(data.path, fold=not args.no_wait)) as runtime:
+    async with open_runtime(configured(data.path, config, fold=not args.no_wait)) as runtime:
         ids = []
         for name, body in zip(args.files, bodies, strict=True):
             receipt = await runtime.submit(
@@ -189,16 +201,17 @@ def cmd_seal(args: argparse.Namespace, data: DataDir) -> int:
     if args.metric == "":
         raise CliError("--metric names a metric; leave it out to seal every metric")
     seal = Seal(args.before, args.metric, args.layer)
+    config = _settings(data)
     import trio
 
-    return trio.run(_seal, args, data, seal)
+    return trio.run(_seal, args, data, config, seal)
 
 
-async def _seal(args: argparse.Namespace, data: DataDir, seal: Seal) -> int:
+async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, seal: Seal) -> int:
     """Journal a seal through the runtime's intake, then wait until it is folded (S9)."""
-    from actors.runtime import RuntimeConfig, open_runtime
+    from actors.runtime import configured, open_runtime
 
-    async with open_runtime(RuntimeConfig(data.path, fold=not args.no_wait)) as runtime:
+    async with open_runtime(configured(data.path, config, fold=not args.no_wait)) as runtime:
         receipt = await runtime.submit(
             NewDelivery(body=seal.encode(), client=SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE)
         )

@@ -71,9 +71,15 @@ def load_serve_config(
     merged: dict[str, Any] = {}
     if config_file.exists():
         try:
-            table = tomllib.loads(config_file.read_text()).get("serve", {})
+            document = tomllib.loads(config_file.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{config_file}: {exc}") from None
+        outside = set(document) - {"serve"}
+        if outside:
+            raise ConfigError(
+                f"{config_file}: unknown settings {sorted(outside)} (outside [serve])"
+            )
+        table = document.get("serve", {})
         if not isinstance(table, dict):
             raise ConfigError(f"{config_file}: serve must be a table ([serve])")
         unknown = set(table) - set(attrs.fields_dict(ServeConfig))

@@ -545,6 +545,37 @@ def test_export_of_a_damaged_object_exits_3_naming_it_cli_34(cli: Cli, tmp_path:
     ]
 
 
+def test_import_folds_under_the_data_directorys_settings_cli_35(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CLI-35: `import` folds under the fold budget that `healthlog.toml`, and over it
+    `HEALTHLOG_FOLD_BUDGET_S`, set (as `serve` would); a settings file that is not valid stops
+    `import` and `seal` with exit 2 and one line, before anything is journaled."""
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    data = tmp_path / "data"
+    data.mkdir()
+    settings = data / "healthlog.toml"
+    settings.write_text("[serve]\nfold_budget_s = 1e-9\nfold_budget_per_mib_s = 1e-9\n")
+    assert cli("import", "--aggregation", "minutes", "--data", data, sent).code == 0
+    settings.write_text("[serve]\nfold_budget_s = 600\n")
+    monkeypatch.setenv("HEALTHLOG_FOLD_BUDGET_S", "1e-9")
+    assert cli("import", "--aggregation", "minutes", "--data", data, sent).code == 0
+    monkeypatch.delenv("HEALTHLOG_FOLD_BUDGET_S")
+    with DataDir(data).open_store() as store:
+        outcomes = [store.outcome(n) for n in (1, 2)]
+    assert [(o.status, o.reason) for o in outcomes if o is not None] == [
+        ("failed", "fold over its time budget")
+    ] * 2
+
+    settings.write_text("[serve]\nfold_budget_s = 'soon'\n")
+    for args in (["import", sent], ["seal", "--before", minute(0)]):
+        run = cli(*args, "--data", data)
+        assert run.code == 2
+        assert len(run.err.splitlines()) == 1
+    with DataDir(data).open_journal() as journal:
+        assert journal.count()[0] == 2
+
+
 def test_storage_error_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) -> None:
     """CLI-23: a store file that is not a database: exit 3, a message naming the file, no
     traceback."""

@@ -114,6 +114,7 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
         (["--max-body-mib", "nan"], None, "invalid max_body_mib"),
         (["--max-body-mib", "inf"], None, "invalid max_body_mib"),
         ([], "serve = 1\n", "serve must be a table"),
+        ([], "port = 8788\n", "unknown settings ['port'] (outside [serve])"),
         ([], "[serve]\nwake_period_s = 0\n", "invalid wake_period_s"),
         ([], "[serve]\nlease_ttl_s = 4\n", "lease_renew_s must be shorter than lease_ttl_s"),
     ],
@@ -123,7 +124,8 @@ def test_serve_refuses_settings_out_of_range_with_exit_2_cli_27(
 ) -> None:
     """CLI-27: `serve` with a port outside 0 to 65535, a size or duration that is not a finite
     number above zero, a renewal not shorter than the lease, or a `serve` that is not a table
-    in `healthlog.toml`: exit 2 with one line naming the setting, before it listens."""
+    in `healthlog.toml`, or a setting outside its `[serve]` table: exit 2 with one line naming
+    the setting, before it listens."""
     data = tmp_path / "data"
     data.mkdir()
     if toml is not None:

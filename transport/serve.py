@@ -30,11 +30,10 @@ from hypercorn.events import Event, Updated
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
-from actors.runtime import RuntimeConfig, open_runtime
+from actors.runtime import configured, open_runtime
 from healthlog.config import ServeConfig
 from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
-from healthlog.storage.passes import Budget
 from transport.app import MAX_HEADER_BYTES, RESPONSE_TIMEOUT_S, create_app
 from transport.auth import TokenCache
 from transport.snapshots import SnapshotService
@@ -152,17 +151,11 @@ async def serve(
     stop = shutdown if shutdown is not None else trio.Event()
     if faultplan.load_environment() is not None:
         os.environ[faultplan.SERVE_PID_ENV] = str(os.getpid())
-    runtime_config = RuntimeConfig(
-        data.path,
-        wake_period_s=config.wake_period_s,
-        lease_ttl_s=config.lease_ttl_s,
-        lease_renew_s=config.lease_renew_s,
-        budget=Budget(config.fold_budget_s, config.fold_budget_per_mib_s),
-        window_events=config.stream_window_events,
-        window_age_s=config.stream_window_days * 86400,
-    )
     with data.open_tokens() as tokens:
-        async with open_runtime(runtime_config) as runtime, trio.open_nursery() as nursery:
+        async with (
+            open_runtime(configured(data.path, config)) as runtime,
+            trio.open_nursery() as nursery,
+        ):
             snapshots = SnapshotService(runtime, data.snapshot_dir, data.signing_key())
             app = create_app(
                 runtime,
