@@ -336,6 +336,11 @@ def mixed_journal(journal: Journal, tmp_path: Path) -> None:
     ]
     append(journal, delivery(body({"hr": [point(7, 70), *bad], "steps": [bad[0]]})))
     append(journal, delivery(body({"hr": bad, "steps": bad[:1]})))
+    # No header, no history, no metric element readable: no layer is needed, and its workout
+    # joins an hour of records a partition holds already.
+    run = {"name": "Run", "start": minute_stamp(25), "end": minute_stamp(40)}
+    unreadable = with_records(body({"hr": bad}), workouts=[run])
+    append(journal, delivery(unreadable, aggregation=None, automation="C"))
     # Re-sends: conflicting, poorer and richer; other units than stored.
     append(journal, delivery(body({"hr": [point(m, 99) for m in range(0, 150, 3)]})))
     append(journal, delivery(body({"steps": [point(0, 0)]}, units="km")))

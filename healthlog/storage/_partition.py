@@ -426,7 +426,10 @@ class _Run:
             return
         has_points = any(group.points for group in envelope.metrics.values())
         layer, measure = self._layer(meta, envelope) if has_points else (None, False)
-        if has_points and layer is None:
+        if has_points and layer is None and any(map(_readable, envelope.metrics.values())):
+            # It fails for want of a layer and writes nothing: the target folds it in its place.
+            # One whose every metric element is rejected needs no layer (P5): its shares fold
+            # as a delivery without points does, its sections written by the partitions.
             self.alone.add(meta.id)
             return
         self._deliveries[meta.id] = _Delivery(
@@ -622,6 +625,12 @@ class _Run:
             layer = self._deliveries[delivery_id].layer
             outcomes[delivery_id] = Outcome(status, reason, layer, counters)
         return outcomes
+
+
+def _readable(group: hae.MetricGroup) -> bool:
+    """Whether any point of the metric can be read (only asked of a delivery without a
+    layer, which the fold would fail unless none can)."""
+    return hae.read_series(group.arrays, spacing=False).accepted > 0
 
 
 def _spacing(group: hae.MetricGroup) -> int | None:
