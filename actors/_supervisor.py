@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
+import attrs
 import trio
 
 log = logging.getLogger("healthlog.supervisor")
@@ -13,10 +15,25 @@ BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 
 
+@attrs.define
+class Crashes:
+    """What the supervisor has seen: how often each actor crashed, and until when each counts
+    as down (trio's clock): a crashed actor is down while it waits out its backoff, and after
+    its restart for as long again, so that one crashing at every start stays down."""
+
+    counts: Counter[str] = attrs.Factory(Counter)
+    down_until: dict[str, float] = attrs.Factory(dict)
+
+    def down(self) -> list[str]:
+        """The actors down now, by name."""
+        now = trio.current_time()
+        return sorted(name for name, until in self.down_until.items() if until > now)
+
+
 async def supervise(
     name: str,
     run: Callable[[], Awaitable[None]],
-    crashes: list[str],
+    crashes: Crashes,
     *,
     backoff_start_s: float = BACKOFF_START_S,
     backoff_max_s: float = BACKOFF_MAX_S,
@@ -36,7 +53,8 @@ async def supervise(
                 backoff = backoff_start_s
             log.error("actor %s crashed (%s); restarting in %.1f s", name, _kinds(exc), backoff)
             log.debug("actor %s crash", name, exc_info=True)
-            crashes.append(name)
+            crashes.counts[name] += 1
+            crashes.down_until[name] = trio.current_time() + 2 * backoff
         await trio.sleep(backoff)
         backoff = min(backoff * 2, backoff_max_s)
 

@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 import attrs
 import trio
 
-from actors._supervisor import supervise
+from actors._supervisor import Crashes, supervise
 from actors.folding import Executor, FoldingActor, FoldingStatistics
 from actors.intake import IntakeActor, IntakeStatistics, Submission, submit
 from actors.journal import JournalActor, JournalActorStatistics, Request
@@ -79,7 +79,10 @@ class RuntimeStatistics:
     lease: LeaseStatistics
     folding: FoldingStatistics
     retention: RetentionStatistics
-    crashes: tuple[str, ...]
+    crashes: dict[str, int]
+    """Crashes by actor name."""
+    down: tuple[str, ...]
+    """The actors that crashed and have not run well since (see ``Crashes``)."""
 
 
 class Runtime:
@@ -93,7 +96,7 @@ class Runtime:
         store_limiter: trio.CapacityLimiter,
         submissions: trio.MemorySendChannel[Submission],
         actors: tuple[JournalActor, IntakeActor, LeaseActor, FoldingActor, RetentionActor],
-        crashes: list[str],
+        crashes: Crashes,
     ) -> None:
         self.journal = journal
         self.store = store
@@ -125,8 +128,9 @@ class Runtime:
             await trio.sleep(WAIT_POLL_S)
 
     def ready(self) -> bool:
-        """True once this process's folding actor has completed a pass to the end of the queue."""
-        return self._actors[3].statistics().first_pass_completed
+        """True once this process's folding actor has completed a pass to the end of the queue,
+        unless an actor is down after a crash."""
+        return self._actors[3].statistics().first_pass_completed and not self._crashes.down()
 
     def statistics(self) -> RuntimeStatistics:
         journal, intake, lease, folding, retention = self._actors
@@ -136,7 +140,8 @@ class Runtime:
             lease.statistics(),
             folding.statistics(),
             retention.statistics(),
-            tuple(self._crashes),
+            dict(self._crashes.counts),
+            tuple(self._crashes.down()),
         )
 
 
@@ -188,7 +193,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             max_age_s=config.window_age_s,
             period_s=config.retention_period_s,
         )
-        crashes: list[str] = []
+        crashes = Crashes()
         runtime = Runtime(
             journal,
             store,

@@ -33,7 +33,7 @@ from _runtime_helpers import (
     wait_folded,
 )
 
-from actors._supervisor import supervise
+from actors._supervisor import Crashes, supervise
 from actors.runtime import Runtime, open_runtime
 from healthlog import faults
 from healthlog.storage._sqlite import Deferred, StorageError
@@ -145,19 +145,28 @@ async def test_a_full_wake_channel_drops_wakes_and_every_delivery_still_folds_ru
 async def test_a_crashing_actor_restarts_with_doubling_backoff_up_to_the_cap_run_5(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """RUN-5: each crash logs one ERROR and is recorded; restarts wait 1, 2, 4, then the cap 4."""
+    """RUN-5: each crash logs one ERROR and is counted; restarts wait 1, 2, 4, then the cap 4;
+    the actor is down from its first crash until as long after its last restart as it
+    waited, and up after that."""
     starts: list[float] = []
+    crashes = Crashes()
+    down_at_start: list[list[str]] = []
 
     async def run() -> None:
         starts.append(trio.current_time())
+        down_at_start.append(crashes.down())
         if len(starts) <= 5:
             raise RuntimeError("boom")
 
-    crashes: list[str] = []
     await supervise("worker", run, crashes, backoff_start_s=1, backoff_max_s=4)
 
     assert [b - a for a, b in itertools.pairwise(starts)] == [1, 2, 4, 4, 4]
-    assert crashes == ["worker"] * 5
+    assert crashes.counts == {"worker": 5}
+    assert down_at_start == [[]] + [["worker"]] * 5
+    await trio.sleep(3.9)
+    assert crashes.down() == ["worker"]
+    await trio.sleep(0.2)
+    assert crashes.down() == []
     assert logged(caplog, logging.ERROR) == [
         f"actor worker crashed (RuntimeError); restarting in {s:.1f} s" for s in (1, 2, 4, 4, 4)
     ]
@@ -182,7 +191,7 @@ async def test_a_crash_inside_the_actors_nursery_names_the_exception_run_5(
             nursery.start_soon(boom, KeyError("k"))
             nursery.start_soon(boom, ValueError("v"))
 
-    await supervise("worker", run, [], backoff_start_s=1)
+    await supervise("worker", run, Crashes(), backoff_start_s=1)
 
     assert logged(caplog, logging.ERROR) == [
         "actor worker crashed (KeyError, ValueError); restarting in 1.0 s"
@@ -202,7 +211,7 @@ async def test_a_long_run_resets_the_backoff_run_5(autojump_clock: trio.testing.
     """RUN-5: after a run that lasted longer than the current backoff, the restart waits the
     first backoff again."""
     starts: list[float] = []
-    await supervise("worker", partial(long_third_run, starts), [], backoff_start_s=1)
+    await supervise("worker", partial(long_third_run, starts), Crashes(), backoff_start_s=1)
 
     assert [b - a for a, b in itertools.pairwise(starts)] == [1, 2, 10 + 1]
 
@@ -212,7 +221,7 @@ async def test_the_crash_error_names_the_delay_actually_waited_run_5(
 ) -> None:
     """RUN-5: the ERROR of a crash after a long run names the delay it then waits."""
     starts: list[float] = []
-    await supervise("worker", partial(long_third_run, starts), [], backoff_start_s=1)
+    await supervise("worker", partial(long_third_run, starts), Crashes(), backoff_start_s=1)
 
     assert starts[3] - starts[2] == 10 + 1
     assert logged(caplog, logging.ERROR)[2].endswith("restarting in 1.0 s")
@@ -239,16 +248,16 @@ async def test_a_cancelled_actor_is_not_a_crash_run_6(
         runs += 1
         raise RuntimeError("boom")
 
-    crashes: list[str] = []
+    crashes = Crashes()
     for run in (plain, with_nursery):
         with trio.move_on_after(5) as scope:
             await supervise(run.__name__, run, crashes)
         assert scope.cancelled_caught
-    assert (crashes, logged(caplog, logging.ERROR)) == ([], [])
+    assert (crashes.counts, logged(caplog, logging.ERROR)) == ({}, [])
 
     with trio.move_on_after(0.1):
         await supervise("crash_once", crash_once, crashes, backoff_start_s=1)
-    assert (runs, crashes, len(logged(caplog, logging.ERROR))) == (1, ["crash_once"], 1)
+    assert (runs, crashes.counts, len(logged(caplog, logging.ERROR))) == (1, {"crash_once": 1}, 1)
 
 
 def test_a_journal_actor_crash_answers_its_callers_run_7(tmp_path: Path) -> None:
@@ -360,7 +369,7 @@ async def test_statistics_reflect_queues_passes_outcomes_and_the_lease_run_11(
     assert set(folding.passes_by_stop) == {"empty"}
     assert folding.passes == folding.passes_by_stop["empty"] >= 1
     assert (after.lease.epoch, after.lease.acquisitions, after.lease.losses) == (1, 1, 0)
-    assert after.crashes == ()
+    assert after.crashes == {}
 
 
 # -- shutdown -------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from healthlog.folding import OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
-from healthlog.storage.journal import NewDelivery
+from healthlog.storage.journal import Journal, NewDelivery
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
 from healthlog.storage.rebuild import verify
 from healthlog.storage.store import WORKER_DIED, Store, default_holder
@@ -284,7 +284,7 @@ async def test_a_failed_selection_ends_the_pass_not_the_loop_run_21(
 
     assert logged(caplog, logging.ERROR) == ["folding pass: selection failed: StorageError"]
     assert stats.folding.passes_by_stop["selection_failed"] == 1
-    assert stats.crashes == ()
+    assert stats.crashes == {}
     assert mark(tmp_path, FIRST_PASS_MARK) is True
 
 
@@ -594,7 +594,7 @@ async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     assert folded_in_order(tmp_path) == ids
     statuses = table(DataDir(tmp_path).store_path, "SELECT status FROM outcomes")
     assert statuses == [("parsed",)] * 3
-    assert (stats.folding.workers_lost, stats.crashes) == (2, ())
+    assert (stats.folding.workers_lost, stats.crashes) == (2, {})
     assert logged(caplog, logging.WARNING) == [
         f"delivery {ids[1]}: its fold worker died; folding it again",
         f"delivery {ids[2]}: its fold worker died; folding it again",
@@ -624,7 +624,64 @@ async def test_a_delivery_that_kills_every_worker_is_failed_and_the_queue_moves_
     assert (failed.status, failed.reason) == ("failed", WORKER_DIED)
     assert parsed is not None
     assert parsed.status == "parsed"
-    assert (stats.folding.workers_lost, stats.crashes) == (WORKER_DEATHS, ())
+    assert (stats.folding.workers_lost, stats.crashes) == (WORKER_DEATHS, {})
     assert logged(caplog, logging.ERROR) == [
         f"delivery {poison}: its fold worker died {WORKER_DEATHS} times in a row; recorded failed"
     ]
+
+
+async def test_a_body_that_cannot_be_read_is_failed_and_the_queue_moves_on_run_34(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-34: a delivery whose body cannot be read for a reason that is not a storage error
+    (no memory to inflate it) is recorded failed with one ERROR, the delivery after it folds,
+    and no actor crashes: the folder does not restart on it for ever."""
+    ids = journal_directly(tmp_path, [new_delivery(n) for n in range(3)])
+    read_body = Journal.read_body
+
+    def no_memory_for_the_second(journal: Journal, delivery_id: int) -> bytes:
+        if delivery_id == ids[1]:
+            raise MemoryError
+        return read_body(journal, delivery_id)
+
+    monkeypatch.setattr(Journal, "read_body", no_memory_for_the_second)
+    async with open_runtime(config(tmp_path)) as runtime:
+        await wait_folded(tmp_path, ids)
+        await until(lambda: not runtime.statistics().folding.running)
+        stats = runtime.statistics()
+        ready = runtime.ready()
+
+    statuses = table(DataDir(tmp_path).store_path, "SELECT status, reason FROM outcomes")
+    assert statuses == [
+        ("parsed", None),
+        ("failed", "internal error: MemoryError"),
+        ("parsed", None),
+    ]
+    assert (stats.crashes, ready) == ({}, True)
+    assert logged(caplog, logging.ERROR) == [f"delivery {ids[1]}: body not read: MemoryError"]
+
+
+async def test_an_actor_down_after_a_crash_makes_the_runtime_not_ready_run_35(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RUN-35: a ready runtime whose retention actor crashes at every run is not ready while
+    it is down (statistics name it), and ready again once it runs well for as long as it
+    waited."""
+    crashing = True
+    prune_events = Store.prune_events
+
+    def prune(store: Store, *, keep: int, older_than_us: int) -> int:
+        if crashing:
+            raise RuntimeError("boom")
+        return prune_events(store, keep=keep, older_than_us=older_than_us)
+
+    journal_directly(tmp_path, [new_delivery(0)])
+    async with open_runtime(config(tmp_path, retention_period_s=0.05)) as runtime:
+        await until(runtime.ready)
+        monkeypatch.setattr(Store, "prune_events", prune)
+        await until(lambda: runtime.statistics().crashes.get("retention", 0) >= 2)
+        assert not runtime.ready()
+        assert runtime.statistics().down == ("retention",)
+        crashing = False
+        await until(runtime.ready)
+        assert runtime.statistics().down == ()

@@ -616,7 +616,7 @@ async def test_fifty_deliveries_through_a_locked_store_and_a_reindex_fence_9(
             )
             crashes = runtime.statistics().crashes
     assert verify.returncode == 0, verify.stderr.decode()[-3000:]
-    assert crashes == ()
+    assert crashes == {}
     assert len(ids) == 50
     final = state(data)
     assert sorted(final.order) == sorted(ids)

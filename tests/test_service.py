@@ -529,6 +529,7 @@ async def test_metrics_after_holding_erasing_and_failing(service: Service) -> No
     assert value("healthlog_websocket_subscribers") == 0
     assert value("healthlog_intake_accepted_total") == 3
     assert value("healthlog_actor_crashes_total") == 0
+    assert value("healthlog_actors_down") == 0
     assert value("healthlog_fold_duration_seconds_count") == 3
     assert value("healthlog_fold_duration_seconds_sum") > 0
     buckets = sorted(

@@ -91,7 +91,14 @@ class _Snapshot(Collector):
             value=self.statistics.intake.accepted,
         )
         yield CounterMetricFamily(
-            "healthlog_actor_crashes", "Actor crashes", value=len(self.statistics.crashes)
+            "healthlog_actor_crashes",
+            "Actor crashes",
+            value=sum(self.statistics.crashes.values()),
+        )
+        yield GaugeMetricFamily(
+            "healthlog_actors_down",
+            "Actors that crashed and have not run well since",
+            value=len(self.statistics.down),
         )
 
 

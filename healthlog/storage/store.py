@@ -346,6 +346,11 @@ class Store(_objects.ObjectDatabase):
         except StorageError as exc:
             log.warning("delivery %d: body not readable: %s", meta.id, type(exc).__name__)
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
+        except Exception as exc:
+            # No memory to inflate a large body, say: failed like a fold that breaks, or the
+            # queue would stop at it for good.
+            log.error("delivery %d: body not read: %s", meta.id, type(exc).__name__)
+            return self.fail(meta, epoch, f"internal error: {type(exc).__name__}")
         try:
             with self._lock:
                 return self._fold_locked(meta, body, epoch, guard, check_budget)
