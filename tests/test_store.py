@@ -501,6 +501,27 @@ def test_pruning_keeps_one_run_of_sequences_after_a_clock_step_stream_39(
     assert store.event_window() == (10, 12)
 
 
+def test_an_event_stamped_while_the_clock_was_ahead_does_not_stop_pruning_stream_39(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STREAM-39: an event stamped while the wall clock had jumped five years ahead does not
+    count as young once the clock is back: the events older than the window before and after
+    it are dropped beyond the newest two, and what is left is one run up to the head."""
+    metas = [append(journal, delivery(body({"hr": [point(n, n)]}))) for n in range(4)]
+    store.fold(journal, metas[0], epoch)
+    clock.jump(5 * 365 * 86400)
+    try:
+        store.fold(journal, metas[1], epoch)
+    finally:
+        clock.jump(-5 * 365 * 86400)
+    for meta in metas[2:]:
+        store.fold(journal, meta, epoch)
+    assert store.event_window() == (0, 8)
+
+    assert store.prune_events(keep=2, older_than_us=clock.now_us() + 1) == 6
+    assert store.event_window() == (6, 8)
+
+
 def test_event_window_is_read_in_one_snapshot_store_27(
     tmp_path: Path, journal: Journal, store: Store, epoch: int
 ) -> None:

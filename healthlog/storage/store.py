@@ -58,6 +58,8 @@ OUT_OF_MEMORY = "internal error: MemoryError"
 # records them as the live fold did, so that verify compares what follows them as it was
 # folded; reindex folds them.
 GIVEN_UP = (OVER_BUDGET, WORKER_DIED, OUT_OF_MEMORY)
+# How far after now an event's stamp may lie and still count as recent when events are pruned.
+FUTURE_SKEW_US = 86_400 * 1_000_000
 # How long a write that is tried again later anyway (a subscriber's ACK, a mark) waits for the
 # write lock before it is deferred, rather than hold the store's reads behind it.
 BRIEF_WAIT_MS = 250
@@ -859,13 +861,16 @@ class Store(_objects.ObjectDatabase):
         """Drop events outside the online window: beyond the newest ``keep`` and older than
         the given instant, and only ever the oldest ones: an event stamped after a clock
         stepped back can look older than one before it, and what is left must stay one run of
-        sequences (a replay never skips). The journal is never touched. Returns how many were
+        sequences (a replay never skips). An event stamped more than ``FUTURE_SKEW_US`` after
+        now (while the clock had jumped forward) does not count as young, or nothing after it
+        would be dropped for years. The journal is never touched. Returns how many were
         dropped."""
         with self._lock, write_transaction(self._conn):
             return self._conn.execute(
                 "DELETE FROM events WHERE seq <= (SELECT max(seq) FROM events) - ?"
-                " AND seq < coalesce((SELECT min(seq) FROM events WHERE at >= ?), 1 << 62)",
-                (keep, older_than_us),
+                " AND seq < coalesce("
+                "(SELECT min(seq) FROM events WHERE at >= ? AND at <= ?), 1 << 62)",
+                (keep, older_than_us, clock.now_us() + FUTURE_SKEW_US),
             ).rowcount
 
     def ack(self, subscriber: str, seq: int) -> int:
