@@ -293,22 +293,24 @@ def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
 def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
     import trio
 
-    from transport.follow import FollowError, follow
+    from transport.follow import FollowError, check_token, follow
 
-    with Replica(args.replica) as replica:
-        following = functools.partial(
-            follow,
-            args.url,
-            args.token,
-            replica,
-            subscriber=args.subscriber,
-            until_caught_up=args.until_caught_up,
-        )
-        try:
+    try:
+        # Before the replica is made: a token that cannot be sent never gets anywhere.
+        check_token(args.token)
+        with Replica(args.replica) as replica:
+            following = functools.partial(
+                follow,
+                args.url,
+                args.token,
+                replica,
+                subscriber=args.subscriber,
+                until_caught_up=args.until_caught_up,
+            )
             trio.run(_until_stopped, following)
-        except FollowError as exc:
-            raise CliError(str(exc)) from None
-        cursor = replica.binding().cursor
+            cursor = replica.binding().cursor
+    except FollowError as exc:
+        raise CliError(str(exc)) from None
     print(f"follow: replica at seq {cursor}", file=sys.stderr)
     return 0
 

@@ -1,7 +1,8 @@
 """``healthlog follow`` and its replica against a real service (specs/stream.md, STREAM-19 to
 STREAM-24), its websocket client against a scripted server (STREAM-26), the replica file's
 pages (STREAM-27), and the follower behind a front (STREAM-30 to STREAM-33): TLS, a snapshot
-reference gone stale, a reverse proxy answering 502, a close for being too slow.
+reference gone stale, a reverse proxy answering 502, a close for being too slow; a token that
+cannot be sent as a header value (STREAM-50, STREAM-51, CLI-36).
 
 The command runs as a real process where its exit code and output matter; elsewhere
 :func:`transport.follow.follow` runs in the test's trio run, so it can be cancelled at any
@@ -934,3 +935,90 @@ async def test_follow_stops_cleanly_on_a_signal_cli_31(tmp_path: Path, signum: i
     lines = (tmp_path / "stderr").read_text().splitlines()
     assert lines[-1] == f"follow: replica at seq {total}"
     assert "Traceback" not in "\n".join(lines)
+
+
+def unsendable(token: str) -> list[str]:
+    """``token`` as it may be pasted but cannot be sent in an HTTP header."""
+    return [token + "\n", token + "\r\n", " " + token, token[:5] + "\t" + token[5:], token + "é"]
+
+
+def secret_in(token: str, text: str) -> bool:
+    """Whether ``text`` holds the secret part of ``token`` (after ``hl_``)."""
+    return token.removeprefix("hl_") in text
+
+
+async def test_follow_refuses_a_token_it_cannot_send_stream_50(tmp_path: Path) -> None:
+    """STREAM-50: `follow()` refuses a token that HTTP cannot carry (a stray newline, a space,
+    a tab, a non-ASCII character, or none at all) with a FollowError before anything connects,
+    and the message does not echo it."""
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service, fronting(service) as front:
+            for token in [*unsendable(service.token), ""]:
+                with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError) as refused:
+                    await follow(front.url("http"), token, replica, until_caught_up=True)
+                assert "cannot be sent in an HTTP header" in str(refused.value)
+                assert not secret_in(service.token, str(refused.value))
+            assert front.connections == 0
+
+
+async def test_follower_stops_on_a_request_it_cannot_send_stream_51(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-51: a Follower whose token HTTP cannot carry stops with a FollowError naming the
+    local protocol error instead of retrying forever, and neither the error nor a log record
+    above DEBUG, or any of healthlog's, quotes the header with the token; a refused connection
+    is still logged with the system's reason."""
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service:
+            await post_small(service, 0, 5)
+            follower = Follower(
+                Endpoints.parse(service.url), service.token + "\n", replica, until_caught_up=True
+            )
+            with (
+                caplog.at_level(logging.DEBUG),
+                trio.fail_after(FRAME_LIMIT_S),
+                pytest.raises(FollowError, match="LocalProtocolError") as refused,
+            ):
+                await follower.run()
+        assert not secret_in(service.token, str(refused.value))
+        # httpcore's own DEBUG trace quotes its exception: the rule is for records above DEBUG,
+        # and for every one of healthlog's.
+        told = [
+            r for r in caplog.records if r.levelno > logging.DEBUG or r.name.startswith("healthlog")
+        ]
+        assert not any(secret_in(service.token, r.getMessage()) for r in told)
+        assert "retrying" not in caplog.text
+        assert (await binding(replica)).cursor == 0
+
+        caplog.clear()
+        with closing(trio.socket.socket()) as unused:
+            await unused.bind(("127.0.0.1", 0))
+            port = unused.getsockname()[1]
+        with caplog.at_level(logging.INFO, "healthlog.follow"), trio.move_on_after(REFUSED_S):
+            await follow(f"http://127.0.0.1:{port}", service.token, replica)
+        assert "connection lost (ConnectError (OSError: all attempts to connect" in caplog.text
+
+
+async def test_follow_command_refuses_a_token_it_cannot_send_cli_36(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-36: `healthlog follow --token` with a token pasted with a newline, a space, a tab or
+    a non-ASCII character exits 2 with one line that does not echo it, without a traceback,
+    before connecting or making the replica."""
+    async with serving(tmp_path / "server") as service, fronting(service) as front:
+        for token in unsendable(service.token):
+            run = await cli(
+                run_cli,
+                *("follow", "--url", front.url("http"), "--token", token),
+                *("--replica", tmp_path / "replica", "--until-caught-up"),
+                *("--data", tmp_path / "client"),
+            )
+            assert run.code == 2, run.err
+            assert run.err.splitlines() == [
+                "healthlog: the token cannot be sent in an HTTP header: it is empty or holds a "
+                "space, a control character (a newline copied with it?) or a character that is "
+                "not ASCII"
+            ]
+            assert not secret_in(service.token, run.err)
+        assert front.connections == 0
+    assert not (tmp_path / "replica").exists()

@@ -6,7 +6,10 @@ transaction; the ACK sent is the highest contiguous durable sequence. On ``CURSO
 (or when the server's stream changed) it fetches the signed snapshot, validates schema,
 sha256, signature, instance and stream binding and sequence, restores, and resumes strictly
 after the snapshot. It reconnects with backoff after a broken or refused connection, a close for
-being too slow, an HTTP 5xx, and a snapshot reference gone stale (404) before its fetch.
+being too slow, an HTTP 5xx, and a snapshot reference gone stale (404) before its fetch. A token
+that cannot be sent as a header value is refused before connecting, and a request of its own that
+is not valid HTTP stops it: no retry could send either. What it logs of an error never quotes a
+request (a header value, the token's included).
 
 For ``https://`` and ``wss://`` URLs both the HTTP calls and the websocket go over TLS, verified
 with one ``ssl.SSLContext`` (by default the system's trust store, checking the host name), and
@@ -78,6 +81,16 @@ class ConnectionLost(Exception):
     """The stream connection was refused, broken or closed: reconnecting is the remedy."""
 
 
+def check_token(token: str) -> None:
+    """Refuse (FollowError) a token that cannot be sent as an HTTP header value: one is visible
+    ASCII without spaces (``hl_`` and URL-safe base64). The message never holds the token."""
+    if not token or not all("!" <= char <= "~" for char in token):
+        raise FollowError(
+            "the token cannot be sent in an HTTP header: it is empty or holds a space, a control "
+            "character (a newline copied with it?) or a character that is not ASCII"
+        )
+
+
 @attrs.frozen
 class Endpoints:
     http: str
@@ -140,11 +153,20 @@ class Follower:
         ) as http:
             while True:
                 done, lost = False, False
+                unsendable: str | None = None
                 try:
                     done = await self._session(http, context)
+                except* httpx.LocalProtocolError as group:
+                    # Our own request is not valid HTTP (a header value): no retry can send it.
+                    unsendable = _reason(group)
                 except* (OSError, httpx.TransportError, ConnectionLost) as group:
                     lost = True
                     log.info("follow: connection lost (%s)", _reason(group))
+                if unsendable is not None:
+                    raise FollowError(
+                        f"a request of ours is not valid HTTP ({unsendable}): retrying cannot "
+                        "send it"
+                    )
                 if done:
                     return
                 if lost:
@@ -552,11 +574,22 @@ async def _get_json(http: httpx.AsyncClient, path: str) -> Any:
 
 
 def _reason(group: BaseExceptionGroup[BaseException]) -> str:
-    """The first of the errors that ended a connection, for the log (never a token or data)."""
+    """The first of the errors that ended a connection, for the log and a FollowError (never a
+    token or data): its type, with the message of a ConnectionLost (this module's words) or of
+    the system's OSError it comes from. Other messages are left out: an HTTP library's may quote
+    the request, and with it a header value, the token's included."""
     first: BaseException = group
     while isinstance(first, BaseExceptionGroup):
         first = first.exceptions[0]
-    return f"{type(first).__name__}: {first}"
+    seen: list[BaseException] = []
+    cause: BaseException | None = first
+    while cause is not None and cause not in seen:
+        if isinstance(cause, ConnectionLost | OSError):
+            message = f"{type(cause).__name__}: {cause}"
+            return message if cause is first else f"{type(first).__name__} ({message})"
+        seen.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return type(first).__name__
 
 
 async def follow(
@@ -570,6 +603,7 @@ async def follow(
 ) -> None:
     """Run a follower; raises FollowError for conditions that retrying cannot fix.
     ``ssl_context`` is the trust for https:// and wss:// URLs (default: the system's)."""
+    check_token(token)
     try:
         await Follower(
             Endpoints.parse(url),
