@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import gzip
 import itertools
 import logging
@@ -58,10 +59,13 @@ from healthlog.documents import converter
 from healthlog.export import export_lines
 from healthlog.objects import ObjectKey
 from healthlog.snapshots import Manifest
+from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 from healthlog.timestamps import parse_instant
+from transport import app as app_module
+from transport.stream import StreamEndpoint
 
 SNAPSHOT_KEYS = {"url", "seq", "sha256", "schema", "instance", "stream", "signature"}
 SEND_TIMEOUT_S = 1.0
@@ -458,6 +462,56 @@ async def test_an_ack_waits_for_a_busy_store_stream_41(
                 assert consecutive(await receive(ws, 2), total)
     waits = [r for r in caplog.records if "an ACK waits" in r.getMessage()]
     assert [r.levelno for r in waits] == [logging.WARNING]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def test_live_events_outlive_a_failed_head_read_stream_45(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-45: the event hub's reads of the store's head fail (busy twice, then a storage
+    error twice) while a subscriber waits at the head; the hub reads again at its next polls
+    and live events keep waking the subscriber, one WARNING names the error's type only, and
+    nothing is logged above WARNING.
+
+    A read in WAL mode is never busy and SQLite cannot be made to fail one on demand, so
+    ``Store.event_window`` fails here; the subscribers' idle recheck is set to an hour, so
+    only the hub can wake the subscriber before the frame limit."""
+    monkeypatch.setattr(
+        app_module, "StreamEndpoint", functools.partial(StreamEndpoint, idle_recheck_s=3600.0)
+    )
+    failures: list[StorageError] = []
+    real = Store.event_window
+
+    def failing(store: Store) -> tuple[int, int]:
+        if failures:
+            raise failures.pop(0)
+        return real(store)
+
+    monkeypatch.setattr(Store, "event_window", failing)
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0)
+        async with subscribe(service, after=total) as ws:
+            await post(service, small(60))
+            assert consecutive(await receive(ws, 2), total)
+            with caplog.at_level(logging.DEBUG, logger="healthlog.stream"):
+                failures.extend(
+                    [
+                        Deferred("database busy"),
+                        Deferred("database busy"),
+                        StorageError("database error: disk I/O error"),
+                        StorageError("database error: disk I/O error"),
+                    ]
+                )
+                with trio.fail_after(FRAME_LIMIT_S):
+                    while failures:
+                        await trio.sleep(POLL_S)
+                for n, minute in enumerate((120, 180)):
+                    await post(service, small(minute))
+                    assert consecutive(await receive(ws, 2), total + 2 + 2 * n)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.name for r in warnings] == ["healthlog.stream"]
+    assert "StorageError" in warnings[0].getMessage()
+    assert not any("disk I/O" in r.getMessage() or "busy" in r.getMessage() for r in warnings)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 

@@ -45,7 +45,7 @@ from actors.runtime import Runtime
 from healthlog import faults
 from healthlog.objects import HourlyObject, to_wire
 from healthlog.snapshots import Manifest
-from healthlog.storage._sqlite import Deferred
+from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.store import Event, Store
 
 log = logging.getLogger("healthlog.stream")
@@ -77,12 +77,33 @@ class EventHub:
         self._moved = trio.Event()
 
     async def run(self) -> None:
+        """Read the head every ``poll_s``, for the life of the service.
+
+        A read that fails is tried again at the next poll: a busy store (:class:`Deferred`)
+        is a normal condition, logged at DEBUG only; another storage error is a WARNING naming
+        its type, once until a read succeeds again (then an INFO says so), not at every poll.
+        """
+        failing = False
         while True:
-            _, head = await self._runtime.read_store(Store.event_window)
-            if head > self.head:
-                self.head = head
-                self._moved.set()
-                self._moved = trio.Event()
+            try:
+                _, head = await self._runtime.read_store(Store.event_window)
+            except Deferred:
+                log.debug("stream: the store is busy; the event hub reads its head again")
+            except StorageError as exc:
+                if not failing:
+                    log.warning(
+                        "stream: the event hub cannot read the store's head (%s); it retries",
+                        type(exc).__name__,
+                    )
+                    failing = True
+            else:
+                if failing:
+                    log.info("stream: the event hub reads the store's head again")
+                    failing = False
+                if head > self.head:
+                    self.head = head
+                    self._moved.set()
+                    self._moved = trio.Event()
             await trio.sleep(self._poll_s)
 
     async def wait_beyond(self, seq: int) -> None:
