@@ -24,6 +24,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from healthlog.objects import HourlyObject, ObjectKey, from_wire, to_wire
 
 SCHEMA = "healthlog.snapshot.v1"
+# Sequences are SQLite integers handed out from 1: a manifest's is never outside this range.
+MAX_SEQ = 2**63 - 1
 
 
 class SnapshotError(ValueError):
@@ -114,6 +116,8 @@ def validate(
         raise SnapshotError(f"unknown snapshot schema {manifest.schema!r}")
     if hashlib.sha256(data).hexdigest() != manifest.sha256:
         raise SnapshotError("snapshot content does not match its sha256")
+    if not 0 <= manifest.seq <= MAX_SEQ:
+        raise SnapshotError("snapshot sequence is out of range")
     try:
         key = Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key))
         key.verify(
@@ -122,7 +126,8 @@ def validate(
                 manifest.schema, manifest.instance, manifest.stream, manifest.seq, manifest.sha256
             ),
         )
-    except (InvalidSignature, ValueError):
+    except (InvalidSignature, ValueError, orjson.JSONEncodeError):
+        # A field that cannot be encoded (a lone surrogate) was never signed by anyone.
         raise SnapshotError("snapshot signature does not verify") from None
     if manifest.instance != instance:
         raise SnapshotError("snapshot belongs to another instance")

@@ -1,5 +1,6 @@
 """Signed snapshots built from a real store, every check ``validate`` makes, and the files a
-running service keeps and serves (specs/stream.md, STREAM-16, STREAM-17 and STREAM-34)."""
+running service keeps and serves (specs/stream.md, STREAM-16, STREAM-17, STREAM-34 and
+STREAM-46)."""
 
 from __future__ import annotations
 
@@ -211,6 +212,32 @@ def test_tampered_snapshot_refused(
     attempt, _ = store_objects
     with pytest.raises(SnapshotError, match=check):
         tamper(attempt).validate()
+
+
+@pytest.mark.parametrize("seq", [2**64, -(2**64), 10**30, 2**63, -1])
+def test_sequence_out_of_range_refused_stream_46(
+    store_objects: tuple[Attempt, list[HourlyObject]], seq: int
+) -> None:
+    """STREAM-46: a manifest whose sequence is outside SQLite's integers (0 to 2**63 - 1),
+    beyond what JSON encoders take (2**64, -2**64, 10**30) or just outside (2**63, -1), is
+    refused with a SnapshotError naming the check, like every other failed check."""
+    attempt, _ = store_objects
+    out_of_range = attrs.evolve(attempt, manifest=attrs.evolve(attempt.manifest, seq=seq))
+    with pytest.raises(SnapshotError, match="sequence is out of range"):
+        out_of_range.validate()
+
+
+@pytest.mark.parametrize("field", ["instance", "stream"])
+def test_field_that_cannot_be_encoded_refused_stream_46(
+    store_objects: tuple[Attempt, list[HourlyObject]], field: str
+) -> None:
+    """STREAM-46: a manifest field holding a lone surrogate (which Python's JSON parser takes,
+    as ``follow`` reads it) cannot have been signed: refused as a signature that does not
+    verify."""
+    attempt, _ = store_objects
+    manifest = attrs.evolve(attempt.manifest, **{field: "\ud800"})
+    with pytest.raises(SnapshotError, match="signature does not verify"):
+        attrs.evolve(attempt, manifest=manifest).validate()
 
 
 async def newer_snapshot(service: Service, *minutes: int) -> dict[str, str | int]:
