@@ -26,6 +26,7 @@ POINTS = (
     "lease.renew",
     "stream.send",
     "snapshot.build",
+    "snapshot.write",
 )
 
 

@@ -1,12 +1,15 @@
 """Signed snapshots built from a real store, every check ``validate`` makes, and the files a
-running service keeps and serves (specs/stream.md, STREAM-16, STREAM-17, STREAM-34 and
-STREAM-46)."""
+running service keeps and serves, and the temporary files of builds that fail, are killed or
+run beside another (specs/stream.md, STREAM-16, STREAM-17, STREAM-34, STREAM-46, STREAM-47)."""
 
 from __future__ import annotations
 
 import base64
+import errno
 import gzip
 import hashlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from healthlog.objects import HourlyObject
 from healthlog.snapshots import SCHEMA, Manifest, SnapshotError
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.faultplan import PLAN_ENV
 
 NOW_US = 1_709_251_200_000_000
 TTL_US = 15_000_000
@@ -272,6 +276,102 @@ async def test_previous_snapshot_stays_fetchable_stream_34(tmp_path: Path) -> No
         kept = {path.name for path in service.data.snapshot_dir.iterdir()}
     stream = third["stream"]
     assert kept == {f"snapshot-{stream}-{m['seq']}.snap" for m in (second, third)}
+
+
+_BUILD = """
+import os, resource, signal, sys
+from healthlog.storage import snapshot_files
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.faultplan import load_environment
+load_environment()
+data = DataDir(sys.argv[1])
+key = data.signing_key()
+with data.open_journal() as journal, data.open_store() as store:
+    if int(sys.argv[2]):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+    try:
+        manifest = snapshot_files.build(data.snapshot_dir, journal, store, key, "/v1/snapshots")
+    except OSError as exc:
+        print(exc.errno)
+        sys.exit(3)
+print(manifest.seq)
+"""
+FILE_LIMIT = 64
+BUILD_HOLD_S = 3.0
+
+
+def build_process(
+    data: DataDir, file_limit: int = 0, plan: dict[str, object] | None = None
+) -> subprocess.Popen[bytes]:
+    """``snapshot_files.build`` in a process of its own: its files limited to ``file_limit``
+    bytes (a real EFBIG on write, as a full disk gives ENOSPC), under a fault ``plan``."""
+    env = {**os.environ, PLAN_ENV: orjson.dumps(plan).decode()} if plan else None
+    return subprocess.Popen(
+        [sys.executable, "-c", _BUILD, str(data.path), str(file_limit)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+
+
+def build_here(data: DataDir) -> Manifest:
+    with data.open_journal() as journal, data.open_store() as store:
+        return snapshot_files.build(data.snapshot_dir, journal, store, data.signing_key(), URL)
+
+
+def leftovers(data: DataDir) -> list[str]:
+    return sorted(path.name for path in data.snapshot_dir.glob("*.tmp"))
+
+
+def test_failed_and_killed_builds_leave_no_temporary_file_stream_47(
+    store_objects: tuple[Attempt, list[HourlyObject]], tmp_path: Path
+) -> None:
+    """STREAM-47: a build whose write fails (the file size limit, EFBIG) removes its temporary
+    file; the temporary file of a build killed (SIGKILL) after writing it is removed by the
+    next build, which succeeds and keeps the snapshot files it keeps otherwise."""
+    data = DataDir(tmp_path)
+    before = sorted(path.name for path in data.snapshot_dir.iterdir())
+    failing = build_process(data, FILE_LIMIT)
+    out, err = failing.communicate(timeout=60)
+    assert (failing.returncode, out.strip()) == (3, str(errno.EFBIG).encode()), err
+    assert leftovers(data) == []
+    kill = {"snapshot.write": {"hits": [1], "do": "kill"}}
+    killed = build_process(data, plan=kill)
+    _, err = killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL, err
+    assert len(leftovers(data)) == 1
+    manifest = build_here(data)
+    assert leftovers(data) == []
+    assert sorted(path.name for path in data.snapshot_dir.iterdir()) == before
+    path = snapshot_files.find(data.snapshot_dir, manifest.stream, manifest.seq)
+    assert path is not None
+    attempt, objects = store_objects
+    assert attrs.evolve(attempt, manifest=manifest, data=path.read_bytes()).validate() == objects
+
+
+def test_a_concurrent_build_keeps_its_temporary_file_stream_47(
+    store_objects: tuple[Attempt, list[HourlyObject]], tmp_path: Path
+) -> None:
+    """STREAM-47: while a build in another process holds its written temporary file (3 s
+    between the write and the rename), a build here waits for it instead of removing that
+    file; both succeed and no temporary file is left."""
+    data = DataDir(tmp_path)
+    hold = {"snapshot.write": {"hits": [1], "do": "delay", "seconds": BUILD_HOLD_S}}
+    other = build_process(data, plan=hold)
+    deadline = time.monotonic() + 60
+    while not leftovers(data):
+        assert other.poll() is None, other.communicate()
+        assert time.monotonic() < deadline, "the other build wrote no temporary file"
+        time.sleep(0.01)
+    manifest = build_here(data)
+    out, err = other.communicate(timeout=60)
+    assert (other.returncode, out.strip()) == (0, str(manifest.seq).encode()), err
+    assert leftovers(data) == []
+    path = snapshot_files.find(data.snapshot_dir, manifest.stream, manifest.seq)
+    assert path is not None
+    attempt, objects = store_objects
+    assert attrs.evolve(attempt, manifest=manifest, data=path.read_bytes()).validate() == objects
 
 
 _TAKE_KEY = """

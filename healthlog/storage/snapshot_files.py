@@ -1,10 +1,20 @@
 """Snapshot files in the data directory: built from one read of the store, signed, kept until
-two newer ones replace them. Reading the store is the only SQLite work here."""
+two newer ones replace them. Reading the store is the only SQLite work here.
+
+Several processes may serve one data directory, each building snapshots when its subscribers
+need one. A build writes, renames and removes files only while it holds an exclusive lock
+(``flock``) on the snapshot directory itself, so builds take turns there, and a ``.tmp`` file
+that a build holding the lock finds was left by one that failed or was killed: it is removed.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -13,6 +23,8 @@ from healthlog import faults, snapshots
 from healthlog.snapshots import Manifest
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"snapshot-([0-9a-f]+)-([0-9]+)\.snap")
 KEPT = 2
@@ -33,16 +45,24 @@ def build(
     directory.mkdir(parents=True, exist_ok=True)
     path = _path(directory, stream, seq)
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    kept = sorted(_seqs(directory, stream), reverse=True)[:KEPT]
-    for old in directory.glob("snapshot-*.snap"):
-        m = _NAME.fullmatch(old.name)
-        if m is None or m.group(1) != stream or int(m.group(2)) not in kept:
-            old.unlink(missing_ok=True)
+    with _locked(directory):
+        _remove_stale(directory)
+        try:
+            with open(tmp, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            faults.point("snapshot.write")
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise
+        kept = sorted(_seqs(directory, stream), reverse=True)[:KEPT]
+        for old in directory.glob("snapshot-*.snap"):
+            m = _NAME.fullmatch(old.name)
+            if m is None or m.group(1) != stream or int(m.group(2)) not in kept:
+                old.unlink(missing_ok=True)
     return snapshots.sign(
         key, data, url=f"{url_base}/{seq}", instance=journal.instance_id(), stream=stream, seq=seq
     )
@@ -67,6 +87,25 @@ def read(directory: Path, stream: str, seq: int) -> bytes | None:
 def latest(directory: Path, stream: str) -> int | None:
     """The sequence of the newest kept snapshot of ``stream``."""
     return max(_seqs(directory, stream), default=None)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Hold the exclusive lock of ``directory``, waiting for a build in another process (or
+    thread) to release it; the kernel releases it when its holder dies."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _remove_stale(directory: Path) -> None:
+    """Under the lock: remove the ``.tmp`` files of builds that failed or were killed."""
+    for stale in directory.glob("snapshot-*.tmp"):
+        stale.unlink(missing_ok=True)
+        log.info("removed %s, left by a snapshot build that was stopped", stale.name)
 
 
 def _path(directory: Path, stream: str, seq: int) -> Path:
