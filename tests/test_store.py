@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import orjson
 import pytest
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 
@@ -408,12 +409,21 @@ def test_layer_not_derivable_fails_the_delivery_store_11(
     assert list(store.iter_objects(metric="weight")) == []
 
 
+def with_workouts(payload: bytes, workouts: object) -> bytes:
+    """``payload`` with a ``workouts`` section beside its metrics."""
+    document = orjson.loads(payload)
+    document["data"]["workouts"] = workouts
+    return orjson.dumps(document)
+
+
 @pytest.mark.parametrize(
     ("later_delivery", "later_status"),
     [
         (delivery(body({"hr": [point(1, 60)]})), "parsed"),
         (delivery(body({"hr": [point(1, 60), {"date": "yesterday-ish", "qty": 2}]})), "partial"),
         (delivery(body({"hr": [point(1, 60)]}), aggregation=None), "failed"),
+        # The same, with a problem of its envelope named after the want of a layer.
+        (delivery(with_workouts(body({"hr": [point(1, 60)]}), 5), aggregation=None), "failed"),
     ],
 )
 def test_backfill_behind_a_folded_delivery_warns_once_fold_10(

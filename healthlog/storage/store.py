@@ -504,11 +504,19 @@ class Store(_objects.ObjectDatabase):
         """Whether a delivery later in journal order has an outcome that folding ``meta``
         first could have changed: one with points stored, or one of the same automation failed
         for want of a layer that ``meta`` could have passed on (P5)."""
+        # The reason starts with NO_LAYER, followed by "; " and the body's other problems if any.
         row = self._conn.execute(
             "SELECT 1 FROM outcomes WHERE (received_at, delivery_id) > (?, ?)"
-            " AND (status IN ('parsed', 'partial')"
-            " OR (status = 'failed' AND reason = ? AND automation = ?)) LIMIT 1",
-            (meta.received_at, meta.id, NO_LAYER, automation_of(meta)),
+            " AND (status IN ('parsed', 'partial') OR (status = 'failed' AND automation = ?"
+            " AND (reason = ? OR substr(reason, 1, ?) = ?))) LIMIT 1",
+            (
+                meta.received_at,
+                meta.id,
+                automation_of(meta),
+                NO_LAYER,
+                len(NO_LAYER) + 2,
+                f"{NO_LAYER}; ",
+            ),
         ).fetchone()
         return row is not None
 
