@@ -13,13 +13,16 @@ log = logging.getLogger("healthlog.supervisor")
 
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
+HEALTHY_S = 300.0
+"""How long a restarted actor must run without crashing to count as up again: longer than
+any actor's own period (a minute), so that one crashing at each of its runs stays down."""
 
 
 @attrs.define
 class Crashes:
     """What the supervisor has seen: how often each actor crashed, and until when each counts
-    as down (trio's clock): a crashed actor is down while it waits out its backoff, and after
-    its restart for as long again, so that one crashing at every start stays down."""
+    as down (trio's clock): a crashed actor is down while it waits out its backoff and, after
+    its restart, until it has run for ``healthy_s`` without crashing."""
 
     counts: Counter[str] = attrs.Factory(Counter)
     down_until: dict[str, float] = attrs.Factory(dict)
@@ -37,6 +40,7 @@ async def supervise(
     *,
     backoff_start_s: float = BACKOFF_START_S,
     backoff_max_s: float = BACKOFF_MAX_S,
+    healthy_s: float = HEALTHY_S,
 ) -> None:
     """Run ``run`` until it returns; restart it after a crash, waiting longer each time.
 
@@ -54,7 +58,7 @@ async def supervise(
             log.error("actor %s crashed (%s); restarting in %.1f s", name, _kinds(exc), backoff)
             log.debug("actor %s crash", name, exc_info=True)
             crashes.counts[name] += 1
-            crashes.down_until[name] = trio.current_time() + 2 * backoff
+            crashes.down_until[name] = trio.current_time() + backoff + healthy_s
         await trio.sleep(backoff)
         backoff = min(backoff * 2, backoff_max_s)
 

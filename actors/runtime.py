@@ -7,6 +7,7 @@ work runs in worker threads, one CapacityLimiter per connection.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Protocol, TypeVar
 import attrs
 import trio
 
-from actors._supervisor import Crashes, supervise
+from actors._supervisor import HEALTHY_S, Crashes, supervise
 from actors.folding import Executor, FoldingActor, FoldingStatistics
 from actors.intake import IntakeActor, IntakeStatistics, Submission, submit
 from actors.journal import JournalActor, JournalActorStatistics, Request
@@ -54,6 +55,8 @@ class RuntimeConfig:
     window_events: int = 100_000
     window_age_s: float = 30 * 86400.0
     retention_period_s: float = 60.0
+    healthy_s: float = HEALTHY_S
+    """How long an actor restarted after a crash must run well to count as up (``Crashes``)."""
 
 
 def configured(data_dir: Path, config: ServeConfig, *, fold: bool = True) -> RuntimeConfig:
@@ -208,7 +211,12 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             if config.fold:
                 actors += [("lease", lease), ("folding", folding), ("retention", retention)]
             for name, actor in actors:
-                nursery.start_soon(supervise, name, actor.run, crashes)
+                nursery.start_soon(
+                    functools.partial(supervise, healthy_s=config.healthy_s),
+                    name,
+                    actor.run,
+                    crashes,
+                )
             try:
                 yield runtime
             finally:

@@ -146,8 +146,8 @@ async def test_a_crashing_actor_restarts_with_doubling_backoff_up_to_the_cap_run
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """RUN-5: each crash logs one ERROR and is counted; restarts wait 1, 2, 4, then the cap 4;
-    the actor is down from its first crash until as long after its last restart as it
-    waited, and up after that."""
+    the actor is down from its first crash until it has run well for ``healthy_s`` after its
+    last restart, and up after that."""
     starts: list[float] = []
     crashes = Crashes()
     down_at_start: list[list[str]] = []
@@ -158,18 +158,42 @@ async def test_a_crashing_actor_restarts_with_doubling_backoff_up_to_the_cap_run
         if len(starts) <= 5:
             raise RuntimeError("boom")
 
-    await supervise("worker", run, crashes, backoff_start_s=1, backoff_max_s=4)
+    await supervise("worker", run, crashes, backoff_start_s=1, backoff_max_s=4, healthy_s=10)
 
     assert [b - a for a, b in itertools.pairwise(starts)] == [1, 2, 4, 4, 4]
     assert crashes.counts == {"worker": 5}
     assert down_at_start == [[]] + [["worker"]] * 5
-    await trio.sleep(3.9)
-    assert crashes.down() == ["worker"]
-    await trio.sleep(0.2)
-    assert crashes.down() == []
     assert logged(caplog, logging.ERROR) == [
         f"actor worker crashed (RuntimeError); restarting in {s:.1f} s" for s in (1, 2, 4, 4, 4)
     ]
+    await trio.sleep(9.9)
+    assert crashes.down() == ["worker"]
+    await trio.sleep(0.2)
+    assert crashes.down() == []
+
+
+async def test_an_actor_crashing_at_each_of_its_runs_stays_down_run_35(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """RUN-35: an actor that crashes at the end of each run of a minute (its own period) is
+    down from its first crash on, whenever it is looked at, though each run resets its
+    backoff."""
+    crashes = Crashes()
+
+    async def minute_then_crash() -> None:
+        await trio.sleep(60)
+        raise RuntimeError("boom")
+
+    looked: list[list[str]] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(supervise, "retention", minute_then_crash, crashes)
+        await trio.sleep(61)
+        for _ in range(600):
+            looked.append(crashes.down())
+            await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert crashes.counts["retention"] >= 9
+    assert looked == [["retention"]] * 600
 
 
 async def test_a_crash_inside_the_actors_nursery_names_the_exception_run_5(

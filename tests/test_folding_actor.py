@@ -665,8 +665,7 @@ async def test_an_actor_down_after_a_crash_makes_the_runtime_not_ready_run_35(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """RUN-35: a ready runtime whose retention actor crashes at every run is not ready while
-    it is down (statistics name it), and ready again once it runs well for as long as it
-    waited."""
+    it is down (statistics name it), and ready again once it has run well for ``healthy_s``."""
     crashing = True
     prune_events = Store.prune_events
 
@@ -676,7 +675,7 @@ async def test_an_actor_down_after_a_crash_makes_the_runtime_not_ready_run_35(
         return prune_events(store, keep=keep, older_than_us=older_than_us)
 
     journal_directly(tmp_path, [new_delivery(0)])
-    async with open_runtime(config(tmp_path, retention_period_s=0.05)) as runtime:
+    async with open_runtime(config(tmp_path, retention_period_s=0.05, healthy_s=1.0)) as runtime:
         await until(runtime.ready)
         monkeypatch.setattr(Store, "prune_events", prune)
         await until(lambda: runtime.statistics().crashes.get("retention", 0) >= 2)
