@@ -406,3 +406,21 @@ def test_processes_starting_together_share_one_signing_key_stream_44(
     on_disk = snapshots.public_key_text(DataDir(data).signing_key())
     assert {out.decode().strip() for out, _ in said} == {on_disk}
     assert sorted(path.name for path in data.iterdir()) == ["signing.key"]
+
+
+def test_a_signing_key_is_made_where_hard_links_are_not_stream_44(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STREAM-44: on a filesystem without hard links (FAT or exFAT on a USB disk, where link()
+    fails with EPERM; none can be mounted here, so link() is made to fail so) a new data
+    directory still gets its key, the same one on every later call, and no other file."""
+
+    def no_links(source: object, target: object) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    data = DataDir(tmp_path / "data")
+    first = snapshots.public_key_text(data.signing_key())
+    assert snapshots.public_key_text(data.signing_key()) == first
+    assert sorted(path.name for path in data.path.iterdir()) == ["signing.key"]
+    assert (data.path / "signing.key").stat().st_mode & 0o777 == 0o600

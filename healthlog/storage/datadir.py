@@ -4,7 +4,7 @@ optional ``healthlog.toml``."""
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -96,8 +96,14 @@ class DataDir:
                 out.write(pem)
                 out.flush()
                 os.fsync(out.fileno())
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.link(tmp, path)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                if exc.errno not in _NO_HARD_LINKS:
+                    raise
+                _create_exclusive(path, pem)
         finally:
             os.unlink(tmp)
         directory = os.open(self.path, os.O_RDONLY)
@@ -117,6 +123,25 @@ class DataDir:
     def open_store(self, busy_timeout_ms: int = 5000) -> Store:
         self.path.mkdir(parents=True, exist_ok=True)
         return Store(self.store_path, busy_timeout_ms=busy_timeout_ms)
+
+
+# What link() fails with on a filesystem without hard links (FAT, exFAT, CIFS without its Unix
+# extensions), where a key is created in place instead.
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+def _create_exclusive(path: Path, pem: bytes) -> None:
+    """Create ``path`` holding ``pem`` unless it exists (the first wins, as with a link); a
+    process reading it in the instant before the bytes are in may find it empty and fail with
+    a StorageError, on such filesystems only."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "wb") as out:
+        out.write(pem)
+        out.flush()
+        os.fsync(out.fileno())
 
 
 def default_data_dir() -> Path:

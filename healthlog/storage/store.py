@@ -871,8 +871,10 @@ class Store(_objects.ObjectDatabase):
         stepped back can look older than one before it, and what is left must stay one run of
         sequences (a replay never skips). An event stamped more than ``FUTURE_SKEW_US`` after
         now (while the clock had jumped forward) does not count as young, or nothing after it
-        would be dropped for years. The journal is never touched. Returns how many were
-        dropped."""
+        would be dropped for years. The price: after a clock that ran more than a day fast is
+        set right, the events stamped meanwhile count as old, and only the newest ``keep`` of
+        them stay (a follower behind them restores a snapshot). The journal is never touched.
+        Returns how many were dropped."""
         with self._lock, write_transaction(self._conn):
             return self._conn.execute(
                 "DELETE FROM events WHERE seq <= (SELECT max(seq) FROM events) - ?"
