@@ -9,6 +9,7 @@ met, ``goal`` when the goal is met too; a row with only a goal is ``goal`` or ``
 
 from __future__ import annotations
 
+import math
 import select
 import signal
 import subprocess
@@ -69,10 +70,65 @@ def children(pid: int) -> list[int]:
     return found
 
 
+_TREE_SAMPLER = """
+import select, sys
+from pathlib import Path
+
+def rss(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+def tree(pid):
+    total, pending = 0, [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            total += rss(current)
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending.extend(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+pid, every = int(sys.argv[1]), float(sys.argv[2])
+peak = 0
+while True:
+    peak = max(peak, tree(pid))
+    if select.select([sys.stdin], [], [], every)[0]:
+        break
+print(peak)
+"""
+
+
+@contextmanager
+def tree_rss_peak(pid: int, every_s: float) -> Iterator[list[int]]:
+    """Sample the resident memory of ``pid`` and every process below it, summed, every
+    ``every_s`` seconds, in a process of its own (so that this one's timings do not pay for
+    it); the list yielded holds the highest sum seen once the block has ended. A sample can
+    miss a peak shorter than ``every_s``."""
+    peak: list[int] = []
+    sampler = subprocess.Popen(
+        [sys.executable, "-c", _TREE_SAMPLER, str(pid), str(every_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield peak
+    finally:
+        out, _ = sampler.communicate("stop\n", timeout=30)
+        peak.append(int(out.strip()))
+
+
 def percentile(values: list[float], fraction: float) -> float:
-    """The nearest-rank percentile of ``values``."""
+    """The nearest-rank percentile of ``values``: the smallest value that at least
+    ``fraction`` of them do not exceed (rank ``ceil(fraction * n)``)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))]
+    rank = math.ceil(round(fraction * len(ordered), 9))
+    return ordered[min(len(ordered) - 1, max(0, rank - 1))]
 
 
 @dataclass(frozen=True)
