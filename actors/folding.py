@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import logging
 import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -48,6 +48,17 @@ WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
 under contention a worker gets about a tenth of a core beside one busy task of the service's,
 enough to fold a 62 MiB delivery well within its budget (F5); nice 19 would be a seventieth."""
+
+
+def _start_worker() -> None:
+    """In each fold worker process: nicer than the service, and deaf to SIGINT and SIGTERM.
+    A service manager stopping the service (systemd's default) or a terminal's Ctrl-C signals
+    the whole process group; the service then stops its workers itself (a cancelled fold
+    kills its worker, an idle one ends with the worker cache), where a worker dying of the
+    signal first was a lost worker, logged as the folding actor's crash."""
+    os.nice(WORKER_NICENESS)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class Executor(enum.Enum):
@@ -162,7 +173,7 @@ class FoldingActor:
         )
 
     async def run(self) -> None:
-        workers = trio_parallel.cache_scope(init=functools.partial(os.nice, WORKER_NICENESS))
+        workers = trio_parallel.cache_scope(init=_start_worker)
         async with workers, trio.open_nursery() as nursery:
             nursery.start_soon(self._follow_lease)
             while True:

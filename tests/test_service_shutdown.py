@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import trio
+from _baseline import severe_lines
 from _cli_bodies import body, metric, point
 from _service_helpers import CLIENT_TIMEOUT_S, Drip, post_stream, read_journal, serving
 
@@ -216,3 +217,69 @@ async def test_serve_process_stops_on_sigterm(tmp_path: Path) -> None:
     for secret in (token, SOURCE):
         assert secret not in log
         assert secret.encode() not in out
+
+
+def _children(pid: int) -> set[int]:
+    return {
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    }
+
+
+async def test_serve_stops_cleanly_when_its_whole_process_group_gets_sigterm_serve_40(
+    tmp_path: Path,
+) -> None:
+    """SERVE-40: `healthlog serve` in a process group of its own, its fold worker running,
+    stopped as systemd stops a service (SIGTERM to the whole group): it exits 0, logs nothing
+    at ERROR or above, and leaves no worker process behind."""
+    data = tmp_path / "data"
+    cli = [sys.executable, "-m", "healthlog.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    made = await trio.run_process(
+        [*cli, "token", "add", "phone", "--data", data], env=env, capture_stdout=True
+    )
+    auth = {"Authorization": f"Bearer {made.stdout.decode().strip()}"}
+    delivery = body(metric("heart_rate", "count/min", point("2024-03-01 10:00:00 +0000", qty=61)))
+    out, err = bytearray(), bytearray()
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            partial(
+                trio.run_process,
+                [*cli, "serve", "--data", data, "--port", "0"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                check=False,
+                start_new_session=True,
+            )
+        )
+        assert process.stdout is not None
+        assert process.stderr is not None
+        nursery.start_soon(drain, process.stderr, err)
+        with trio.fail_after(PROCESS_START_LIMIT_S):
+            url, first = await read_url(process.stdout)
+        out += first
+        nursery.start_soon(drain, process.stdout, out)
+        async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+            posted = await client.post(
+                "/v1/deliveries",
+                content=delivery,
+                headers={**auth, "automation-aggregation": "minutes"},
+            )
+            assert posted.status_code == 200
+            with trio.fail_after(PROCESS_START_LIMIT_S):
+                while (await client.get("/v1/deliveries/1", headers=auth)).json()[
+                    "status"
+                ] == "pending":
+                    await trio.sleep(0.05)
+        workers = _children(process.pid)
+        assert workers
+        os.killpg(process.pid, signal.SIGTERM)
+        with trio.fail_after(EXIT_MARGIN_S):
+            await process.wait()
+    assert process.returncode == 0, err.decode()[-3000:]
+    assert severe_lines(err.decode()) == []
+    with trio.fail_after(EXIT_MARGIN_S):
+        while any(Path(f"/proc/{worker}").exists() for worker in workers):
+            await trio.sleep(0.05)
