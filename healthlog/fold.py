@@ -36,6 +36,8 @@ FAILED = "failed"
 # The reason of a delivery with points and no layer (P5): it depends on what its automation
 # folded before it, so on the order of folding, as an object does.
 NO_LAYER = "layer not derivable: no header, no dense metric, no history"
+# Said after NO_LAYER when the delivery had an automation-aggregation header naming no layer.
+UNKNOWN_HEADER = "its automation-aggregation header names no layer"
 
 
 class BudgetExceeded(Exception):
@@ -148,7 +150,8 @@ class DeliveryFold:
             # Without a layer, ``read`` holds every metric: if none has a point to store (every
             # element rejected), only the sections are folded, which need no layer (P5).
             if self._layer is None and any(series.accepted for series in read.values()):
-                self._finish(failure=NO_LAYER)
+                unknown = self._info.aggregation is not None
+                self._finish(failure=f"{NO_LAYER}; {UNKNOWN_HEADER}" if unknown else NO_LAYER)
                 return
         self._counters.metrics = len(envelope.metrics)
         if self._layer is None:

@@ -11,7 +11,7 @@ import pytest
 from fixtures import MemoryProjection, app_date, fold, make_body
 
 from healthlog import hae, layers
-from healthlog.fold import FAILED, PARSED, PARTIAL
+from healthlog.fold import FAILED, NO_LAYER, PARSED, PARTIAL, UNKNOWN_HEADER
 
 START = datetime(2024, 2, 6, 7, 0, tzinfo=timezone(timedelta(hours=-8)))
 SECOND = 1_000_000
@@ -69,6 +69,17 @@ def test_unknown_header_is_ignored(header: str) -> None:
     assert (
         layer_of(body(series("n", spaced(timedelta(minutes=1)))), aggregation=header) == "minutes"
     )
+
+
+def test_an_unknown_header_is_named_when_no_layer_is_found_parse_25() -> None:
+    """PARSE-25: when an unknown header leaves a delivery without a layer, its reason says that
+    the header names no layer (it did not come without one)."""
+    lone = body(series("vo2_max", spaced(timedelta(days=1), count=1)))
+    _, outcome = fold(lone, MemoryProjection(), aggregation="fortnights")
+    assert outcome.status == FAILED
+    assert outcome.reason == f"{NO_LAYER}; {UNKNOWN_HEADER}"
+    _, without = fold(lone, MemoryProjection())
+    assert without.reason == NO_LAYER
 
 
 @pytest.mark.parametrize(
