@@ -17,6 +17,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import sqlite3
 import ssl
 import sys
@@ -1022,3 +1023,29 @@ async def test_follow_command_refuses_a_token_it_cannot_send_cli_36(
             assert not secret_in(service.token, run.err)
         assert front.connections == 0
     assert not (tmp_path / "replica").exists()
+
+
+async def test_a_follower_that_gets_nowhere_says_so_once_stream_52(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-52: a follower whose server cannot be reached retries at INFO while its backoff
+    grows (a command's default level shows nothing of that), then logs one WARNING once the
+    backoff has reached its cap, and no other while it keeps failing."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with (
+        Replica(tmp_path / "replica") as replica,
+        caplog.at_level(logging.INFO, "healthlog.follow"),
+        trio.move_on_after(300),
+    ):
+        endpoints = Endpoints.parse(f"http://127.0.0.1:{port}")
+        await Follower(endpoints, "hl_x", replica, until_caught_up=True).run()
+    said = [r for r in caplog.records if r.name == "healthlog.follow"]
+    warned = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+    assert len(warned) == 1
+    assert warned[0].startswith("follow: no progress for a while, the last connection lost (")
+    assert warned[0].endswith("); retrying every 30 s")
+    lost = [r for r in said if r.getMessage().startswith("follow: connection lost")]
+    assert len(lost) >= 10

@@ -142,6 +142,8 @@ class Follower:
     connect_timeout_s: float = attrs.field(default=CONNECT_TIMEOUT_S, kw_only=True)
     # The wait before the next reconnect; back to the start once a connection made progress.
     _backoff: float = attrs.field(default=BACKOFF_START_S, init=False)
+    # Whether the WARNING that reconnecting gets nowhere was logged since the last progress.
+    _warned: bool = attrs.field(default=False, init=False)
 
     async def run(self) -> None:
         """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks."""
@@ -161,7 +163,17 @@ class Follower:
                     unsendable = _reason(group)
                 except* (OSError, httpx.TransportError, ConnectionLost) as group:
                     lost = True
-                    log.info("follow: connection lost (%s)", _reason(group))
+                    reason = _reason(group)
+                    log.info("follow: connection lost (%s)", reason)
+                    if self._backoff >= BACKOFF_MAX_S and not self._warned:
+                        # Quiet retries at INFO are invisible at a command's default level.
+                        self._warned = True
+                        log.warning(
+                            "follow: no progress for a while, the last connection lost (%s);"
+                            " retrying every %.0f s",
+                            reason,
+                            BACKOFF_MAX_S,
+                        )
                 if unsendable is not None:
                     raise FollowError(
                         f"a request of ours is not valid HTTP ({unsendable}): retrying cannot "
@@ -173,6 +185,12 @@ class Follower:
                     log.info("follow: retrying in %.1f s", self._backoff)
                     await trio.sleep(self._backoff)
                     self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    def _progressed(self) -> None:
+        """A connection made progress: the next reconnect waits the first backoff again, and
+        a new run of failures may be warned about again."""
+        self._backoff = BACKOFF_START_S
+        self._warned = False
 
     async def _session(self, http: httpx.AsyncClient, context: ssl.SSLContext) -> bool:
         """One connection; True when done (caught up)."""
@@ -300,7 +318,7 @@ class Follower:
                 await trio.to_thread.run_sync(
                     self.replica.apply, stream, batch.changes, batch.seqs[-1]
                 )
-                self._backoff = BACKOFF_START_S
+                self._progressed()
                 for seq in batch.seqs:
                     acks.durable(seq)
                     if self.on_event is not None:
@@ -352,7 +370,7 @@ class Follower:
         except SnapshotError as exc:
             raise FollowError(f"snapshot refused: {exc}") from None
         await trio.to_thread.run_sync(self.replica.restore, manifest.stream, manifest.seq, objects)
-        self._backoff = BACKOFF_START_S
+        self._progressed()
         log.info("follow: restored snapshot at seq %d (%d objects)", manifest.seq, len(objects))
 
 
