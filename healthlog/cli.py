@@ -434,14 +434,19 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
     if args.json:
         sys.stdout.buffer.write(documents.dumps(status) + b"\n")
         return 0
-    d = status.deliveries
+    d, lag = status.deliveries, status.lag
+    pending_text = (
+        "nothing pending"
+        if lag.oldest_pending_id is None
+        else f"oldest pending {lag.oldest_pending_id}, waited {lag.waited_s} s"
+    )
     lines = [
         f"journal     {status.journal.deliveries} deliveries, {status.journal.bytes} bytes",
         f"deliveries  pending {d.pending}, parsed {d.parsed}, partial {d.partial},"
         f" failed {d.failed}",
-        f"lag         oldest pending {status.lag.oldest_pending_id},"
-        f" waited {status.lag.waited_s} s, last pass stopped: {status.lag.stopped_because}",
-        f"lease       holder {status.lease.holder}, epoch {status.lease.epoch}",
+        f"lag         {pending_text}, last pass stopped: {lag.stopped_because or 'no pass yet'}",
+        f"lease       {'free' if status.lease.holder is None else 'holder ' + status.lease.holder},"
+        f" epoch {status.lease.epoch}",
         f"first pass  {'completed' if status.first_pass_completed else 'not completed'}",
         f"stream      {status.stream.id} of instance {status.stream.instance},"
         f" head {status.stream.head}, replayable after {status.stream.oldest_cursor}",

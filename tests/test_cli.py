@@ -521,6 +521,9 @@ def test_plain_status_prints_the_same_figures_as_lines_cli_14(
         assert figure in lines[1]
     assert lines[4].split()[-1] == "completed"
     assert "not" not in lines[4]
+    assert lines[2].startswith("lag         nothing pending, last pass stopped: ")
+    assert lines[3].startswith("lease       free, epoch ")
+    assert "None" not in text
     assert not text.lstrip().startswith("{")
 
 
