@@ -14,6 +14,7 @@ import sys
 from contextlib import closing
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
@@ -143,6 +144,37 @@ async def drain(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
         into += chunk
 
 
+async def start_serve(
+    nursery: trio.Nursery,
+    command: list[Any],
+    env: dict[str, str],
+    out: bytearray,
+    err: bytearray,
+    **popen: Any,
+) -> tuple[trio.Process, str]:
+    """Start ``healthlog serve`` as a process in ``nursery``, its output drained into ``out``
+    and ``err``: the process and the base URL it serves on, once it says so."""
+    process: trio.Process = await nursery.start(
+        partial(
+            trio.run_process,
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            check=False,
+            **popen,
+        )
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    nursery.start_soon(drain, process.stderr, err)
+    with trio.fail_after(PROCESS_START_LIMIT_S):
+        url, first = await read_url(process.stdout)
+    out += first
+    nursery.start_soon(drain, process.stdout, out)
+    return process, url
+
+
 async def test_serve_process_stops_on_sigterm(tmp_path: Path) -> None:
     """SERVE-28: `healthlog serve --port 0` as a process: layered settings, SIGTERM, exit 0."""
     data = tmp_path / "data"
@@ -161,23 +193,7 @@ async def test_serve_process_stops_on_sigterm(tmp_path: Path) -> None:
     serve = [*cli, "serve", "--data", data, "--port", "0", "--max-body-mib", "2"]
     out, err = bytearray(), bytearray()
     async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            partial(
-                trio.run_process,
-                serve,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                check=False,
-            )
-        )
-        assert process.stdout is not None
-        assert process.stderr is not None
-        nursery.start_soon(drain, process.stderr, err)
-        with trio.fail_after(PROCESS_START_LIMIT_S):
-            url, first = await read_url(process.stdout)
-        out += first
-        nursery.start_soon(drain, process.stdout, out)
+        process, url = await start_serve(nursery, serve, env, out, err)
         quick, slow = upload(1, 0.05), upload(2, 1.0)
         answers: dict[str, int | None] = {}
 
@@ -243,24 +259,8 @@ async def test_serve_stops_cleanly_when_its_whole_process_group_gets_sigterm_ser
     delivery = body(metric("heart_rate", "count/min", point("2024-03-01 10:00:00 +0000", qty=61)))
     out, err = bytearray(), bytearray()
     async with trio.open_nursery() as nursery:
-        process: trio.Process = await nursery.start(
-            partial(
-                trio.run_process,
-                [*cli, "serve", "--data", data, "--port", "0"],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                check=False,
-                start_new_session=True,
-            )
-        )
-        assert process.stdout is not None
-        assert process.stderr is not None
-        nursery.start_soon(drain, process.stderr, err)
-        with trio.fail_after(PROCESS_START_LIMIT_S):
-            url, first = await read_url(process.stdout)
-        out += first
-        nursery.start_soon(drain, process.stdout, out)
+        serve = [*cli, "serve", "--data", data, "--port", "0"]
+        process, url = await start_serve(nursery, serve, env, out, err, start_new_session=True)
         async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
             posted = await client.post(
                 "/v1/deliveries",
