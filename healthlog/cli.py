@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from healthlog import documents, layers
 from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
@@ -40,6 +41,7 @@ from healthlog.storage.tokens import TokenError
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
 
 IMPORT_CLIENT = "cli:import"
+T = TypeVar("T")
 INTERRUPTED = 128 + signal.SIGINT
 """The exit status of a command stopped by Ctrl-C, as a shell reports it."""
 
@@ -138,6 +140,20 @@ def _stored_layer(value: str) -> str:
 # -- commands -------------------------------------------------------------------------------
 
 
+# trio, the runtime (actors) and the web stack (transport) are imported only by the commands
+# that run them: a command that only reads or rebuilds (status, export, verify, reindex) would
+# otherwise spend a tenth of a second importing trio, which runs ldconfig as a child, and each
+# fold worker process, which starts by re-running the console script (multiprocessing's
+# spawn), a third of a second of CPU importing quart and hypercorn it never uses.
+
+
+def _run(fn: Callable[..., Awaitable[T]], *args: object) -> T:
+    """``trio.run(fn, *args)``, trio imported only now."""
+    import trio
+
+    return trio.run(fn, *args)
+
+
 def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
     bodies = []
     for name in args.files:
@@ -146,9 +162,7 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
         except OSError as exc:
             raise CliError(f"cannot read {name}: {exc.strerror}") from None
     config = _settings(data)
-    import trio
-
-    return trio.run(_import, args, data, config, bodies)
+    return _run(_import, args, data, config, bodies)
 
 
 def _settings(data: DataDir) -> ServeConfig:
@@ -202,9 +216,7 @@ def cmd_seal(args: argparse.Namespace, data: DataDir) -> int:
         raise CliError("--metric names a metric; leave it out to seal every metric")
     seal = Seal(args.before, args.metric, args.layer)
     config = _settings(data)
-    import trio
-
-    return trio.run(_seal, args, data, config, seal)
+    return _run(_seal, args, data, config, seal)
 
 
 async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, seal: Seal) -> int:
@@ -244,17 +256,8 @@ def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     setup_logging(config.log_format, config.log_level)
-    import trio
-
-    trio.run(_serve, data, config)
+    _run(_serve, data, config)
     return 0
-
-
-# trio, the runtime (actors) and the web stack (transport) are imported only by the commands
-# that run them: a command that only reads or rebuilds (status, export, verify, reindex) would
-# otherwise spend a tenth of a second importing trio, which runs ldconfig as a child, and each
-# fold worker process, which starts by re-running the console script (multiprocessing's
-# spawn), a third of a second of CPU importing quart and hypercorn it never uses.
 
 
 async def _serve(data: DataDir, config: ServeConfig) -> None:
@@ -291,8 +294,6 @@ def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
-    import trio
-
     from transport.follow import FollowError, check_token, follow
 
     try:
@@ -307,7 +308,7 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
                 subscriber=args.subscriber,
                 until_caught_up=args.until_caught_up,
             )
-            trio.run(_until_stopped, following)
+            _run(_until_stopped, following)
             cursor = replica.binding().cursor
     except FollowError as exc:
         raise CliError(str(exc)) from None
@@ -339,12 +340,10 @@ async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
 
 
 def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
-    import trio
-
     from transport.chaos import run_chaos
 
     logging.getLogger("healthlog").setLevel(logging.ERROR)
-    summary = trio.run(run_chaos, args.seed, args.runs, args.minutes, None)
+    summary = _run(run_chaos, args.seed, args.runs, args.minutes, None)
     print(summary.table())
     return 0 if summary.ok else 1
 
