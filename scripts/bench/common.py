@@ -70,37 +70,29 @@ def children(pid: int) -> list[int]:
     return found
 
 
-_TREE_SAMPLER = """
-import select, sys
-from pathlib import Path
-
-def rss(pid):
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-def tree(pid):
+def tree_rss(pid: int) -> int:
+    """The resident memory of ``pid`` and every process below it, summed (a process that
+    ended meanwhile counts for nothing)."""
     total, pending = 0, [pid]
     while pending:
         current = pending.pop()
         try:
-            total += rss(current)
-            for task in Path(f"/proc/{current}/task").iterdir():
-                pending.extend(int(c) for c in (task / "children").read_text().split())
+            total += memory(current).get("VmRSS", 0)
+            pending.extend(children(current))
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total
 
-pid, every = int(sys.argv[1]), float(sys.argv[2])
-peak = 0
-while True:
-    peak = max(peak, tree(pid))
-    if select.select([sys.stdin], [], [], every)[0]:
-        break
-print(peak)
-"""
+
+def _sample_tree(pid: int, every_s: float) -> None:
+    """Print the highest :func:`tree_rss` of ``pid``, sampled every ``every_s`` seconds until
+    standard input has something to read or ends."""
+    peak = 0
+    while True:
+        peak = max(peak, tree_rss(pid))
+        if select.select([sys.stdin], [], [], every_s)[0]:
+            break
+    print(peak)
 
 
 @contextmanager
@@ -111,7 +103,7 @@ def tree_rss_peak(pid: int, every_s: float) -> Iterator[list[int]]:
     miss a peak shorter than ``every_s``."""
     peak: list[int] = []
     sampler = subprocess.Popen(
-        [sys.executable, "-c", _TREE_SAMPLER, str(pid), str(every_s)],
+        [sys.executable, __file__, str(pid), str(every_s)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -253,3 +245,7 @@ def print_rows(rows: list[Row]) -> None:
             f" {row.verdict} |"
         )
     sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _sample_tree(int(sys.argv[1]), float(sys.argv[2]))
