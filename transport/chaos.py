@@ -560,7 +560,7 @@ class Run:
         for line in itertools.chain(service_log, *(o.splitlines() for o in self.tool_output)):
             if "level=DEBUG" in line:
                 continue
-            if _SEVERE.search(line):
+            if SEVERE.search(line):
                 self.result.broken.append(f"ERROR logged: {line[:160]}")
             if _LEAK.search(line) or self.token in line or self._holds_a_value(line):
                 self.result.broken.append("a value or token reached a log record")
@@ -586,7 +586,7 @@ CLIENT = "chaos"
 _FIRED = re.compile(r"fault injected at ([a-z_.]+) ")
 # A record at ERROR or above. A traceback alone is not one: a fold worker orphaned by a SIGKILL
 # of the service while it starts prints multiprocessing's own (EOFError, its parent gone).
-_SEVERE = re.compile(r"\blevel=(ERROR|CRITICAL)\b")
+SEVERE = re.compile(r"\blevel=(ERROR|CRITICAL)\b")
 
 
 def _leak_pattern(marker: str) -> re.Pattern[str]:

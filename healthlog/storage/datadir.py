@@ -92,10 +92,7 @@ class DataDir:
         )
         fd, tmp = tempfile.mkstemp(prefix=".signing-", dir=self.path)
         try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(pem)
-                out.flush()
-                os.fsync(out.fileno())
+            _write_synced(fd, pem)
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -138,8 +135,13 @@ def _create_exclusive(path: Path, pem: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return
+    _write_synced(fd, pem)
+
+
+def _write_synced(fd: int, data: bytes) -> None:
+    """Write ``data`` to the new file open at ``fd``, on disk before this returns; closes it."""
     with os.fdopen(fd, "wb") as out:
-        out.write(pem)
+        out.write(data)
         out.flush()
         os.fsync(out.fileno())
 
