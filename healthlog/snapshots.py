@@ -14,6 +14,7 @@ import gzip
 import hashlib
 import zlib
 from collections.abc import Iterable
+from typing import BinaryIO
 
 import attrs
 import orjson
@@ -58,34 +59,46 @@ def public_key_text(key: Ed25519PrivateKey) -> str:
     return base64.b64encode(raw).decode()
 
 
-def encode(objects: Iterable[HourlyObject], *, instance: str, stream: str, seq: int) -> bytes:
-    """The snapshot file for these objects at ``seq``."""
-    items = list(objects)
-    lines = [
-        orjson.dumps(
-            {
-                "schema": SCHEMA,
-                "instance": instance,
-                "stream": stream,
-                "seq": seq,
-                "objects": len(items),
-            }
-        )
-    ]
-    lines.extend(
-        orjson.dumps(
-            {"metric": o.key.metric, "layer": o.key.layer, "hour": o.key.hour, **to_wire(o)}
-        )
-        for o in items
-    )
-    return gzip.compress(b"\n".join(lines) + b"\n", mtime=0)
+def write(
+    out: BinaryIO,
+    objects: Iterable[HourlyObject],
+    *,
+    count: int,
+    instance: str,
+    stream: str,
+    seq: int,
+) -> str:
+    """Write the snapshot file of ``count`` objects at ``seq`` to ``out`` one line at a time;
+    return the sha256 of the bytes written."""
+    hashed = _Hashing(out)
+    with gzip.GzipFile(fileobj=hashed, mode="wb", mtime=0) as file:
+        header = {"schema": SCHEMA, "instance": instance, "stream": stream, "seq": seq}
+        file.write(orjson.dumps({**header, "objects": count}) + b"\n")
+        for o in objects:
+            line = {"metric": o.key.metric, "layer": o.key.layer, "hour": o.key.hour, **to_wire(o)}
+            file.write(orjson.dumps(line) + b"\n")
+    return hashed.digest.hexdigest()
+
+
+class _Hashing:
+    """A writable file that hashes what it passes on to ``out``."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self._out.write(data)
+
+    def flush(self) -> None:
+        self._out.flush()
 
 
 def sign(
-    key: Ed25519PrivateKey, data: bytes, *, url: str, instance: str, stream: str, seq: int
+    key: Ed25519PrivateKey, digest: str, *, url: str, instance: str, stream: str, seq: int
 ) -> Manifest:
-    """The manifest of a snapshot file."""
-    digest = hashlib.sha256(data).hexdigest()
+    """The manifest of a snapshot file whose sha256 is ``digest``."""
     signature = key.sign(_signed_bytes(SCHEMA, instance, stream, seq, digest))
     return Manifest(
         url=url,

@@ -1,6 +1,7 @@
 """Signed snapshots built from a real store, every check ``validate`` makes, and the files a
 running service keeps and serves, and the temporary files of builds that fail, are killed or
-run beside another (specs/stream.md, STREAM-16, STREAM-17, STREAM-34, STREAM-46, STREAM-47)."""
+run beside another, and the memory a build and a fetch take (specs/stream.md, STREAM-16,
+STREAM-17, STREAM-34, STREAM-46, STREAM-47, STREAM-53)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from _stream_helpers import post_small, prune
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import snapshots
-from healthlog.objects import HourlyObject
+from healthlog.objects import HourlyObject, to_wire
 from healthlog.snapshots import SCHEMA, Manifest, SnapshotError
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
@@ -61,7 +63,7 @@ class Attempt:
         """Another file under a manifest correctly signed with the instance's key."""
         manifest = snapshots.sign(
             self.key,
-            data,
+            hashlib.sha256(data).hexdigest(),
             url=self.manifest.url,
             instance=self.manifest.instance,
             stream=self.manifest.stream,
@@ -131,7 +133,12 @@ def other_key_signature(a: Attempt) -> Attempt:
     m = a.manifest
     other = Ed25519PrivateKey.generate()
     forged = snapshots.sign(
-        other, a.data, url=m.url, instance=m.instance, stream=m.stream, seq=m.seq
+        other,
+        hashlib.sha256(a.data).hexdigest(),
+        url=m.url,
+        instance=m.instance,
+        stream=m.stream,
+        seq=m.seq,
     )
     return attrs.evolve(a, manifest=forged)
 
@@ -424,3 +431,132 @@ def test_a_signing_key_is_made_where_hard_links_are_not_stream_44(
     assert snapshots.public_key_text(data.signing_key()) == first
     assert sorted(path.name for path in data.path.iterdir()) == ["signing.key"]
     assert (data.path / "signing.key").stat().st_mode & 0o777 == 0o600
+
+
+def encoded_before_streaming(
+    objects: list[HourlyObject], *, instance: str, stream: str, seq: int
+) -> bytes:
+    """The decompressed content ``snapshots.encode`` gave a snapshot file before builds
+    streamed: every line built, joined and compressed at once."""
+    lines = [
+        orjson.dumps(
+            {
+                "schema": SCHEMA,
+                "instance": instance,
+                "stream": stream,
+                "seq": seq,
+                "objects": len(objects),
+            }
+        )
+    ]
+    lines.extend(
+        orjson.dumps(
+            {"metric": o.key.metric, "layer": o.key.layer, "hour": o.key.hour, **to_wire(o)}
+        )
+        for o in objects
+    )
+    return b"\n".join(lines) + b"\n"
+
+
+def fold_metrics(data: DataDir, metrics: int) -> None:
+    """Fold one delivery per metric, each of ``HOURS`` hourly objects of 30 points."""
+    with data.open_journal() as journal, data.open_store() as store:
+        epoch = store.acquire_lease("test", now=NOW_US, ttl=TTL_US)
+        assert epoch is not None
+        points = [
+            point(60 * hour + minute, 60 + minute)
+            for hour in range(HOURS)
+            for minute in range(0, 60, 2)
+        ]
+        for metric in range(metrics):
+            new = delivery(body({f"metric_{metric}": points}))
+            meta = journal.get_meta(journal.append(new).delivery_id)
+            assert meta is not None
+            store.fold(journal, meta, epoch)
+
+
+HOURS = 500
+BUILD_PEAK_BYTES = 2_000_000
+
+
+def test_a_build_holds_one_object_at_a_time_stream_53(tmp_path: Path) -> None:
+    """STREAM-53: building the snapshot of a store of 1,000 objects and of one of 4,000 takes
+    the same peak of Python memory (traced in this process), well under the smaller store's
+    file content; each file's lines are those ``encode`` wrote before builds streamed, byte for
+    byte, and each validates."""
+    peaks = []
+    for metrics in (2, 8):
+        data = DataDir(tmp_path / f"data-{metrics}")
+        fold_metrics(data, metrics)
+        with data.open_journal() as journal, data.open_store() as store:
+            tracemalloc.start()
+            try:
+                manifest = snapshot_files.build(
+                    data.snapshot_dir, journal, store, data.signing_key(), URL
+                )
+                peaks.append(tracemalloc.get_traced_memory()[1])
+            finally:
+                tracemalloc.stop()
+            objects = list(store.iter_objects())
+        assert len(objects) == metrics * HOURS
+        path = snapshot_files.find(data.snapshot_dir, manifest.stream, manifest.seq)
+        assert path is not None
+        content = path.read_bytes()
+        assert gzip.decompress(content) == encoded_before_streaming(
+            objects, instance=manifest.instance, stream=manifest.stream, seq=manifest.seq
+        )
+        attempt = Attempt(manifest, content, data.signing_key(), manifest.instance, None, 0)
+        assert attempt.validate() == objects
+    assert peaks[1] < BUILD_PEAK_BYTES
+    assert peaks[1] < 1.5 * peaks[0]
+
+
+def test_a_snapshot_is_read_beside_the_store_stream_53(tmp_path: Path) -> None:
+    """STREAM-53: while a snapshot's objects are being read, the store answers reads and folds
+    a delivery on its own connection; the snapshot holds the objects and head sequence of
+    before that fold, and as many objects as its count."""
+    data = DataDir(tmp_path)
+    fold_metrics(data, 2)
+    with data.open_journal() as journal, data.open_store() as store:
+        before = list(store.iter_objects())
+        head = store.last_seq()
+        with store.snapshot_at_head() as snapshot:
+            first = next(snapshot.objects)
+            epoch = store.acquire_lease("test", now=NOW_US, ttl=TTL_US)
+            assert epoch is not None
+            new = delivery(body({"metric_new": [point(1, 1)]}))
+            meta = journal.get_meta(journal.append(new).delivery_id)
+            assert meta is not None
+            store.fold(journal, meta, epoch)
+            assert store.last_seq() > head
+            read = [first, *snapshot.objects]
+        assert (snapshot.seq, snapshot.count) == (head, len(before))
+        assert read == before
+        assert len(list(store.iter_objects())) == len(before) + 1
+
+
+async def test_a_snapshot_file_is_served_in_chunks_stream_53(tmp_path: Path) -> None:
+    """STREAM-53: a snapshot file is served with its length and its bytes, without the service
+    holding the whole file in memory: the peak of Python memory traced in the process while a
+    client streams it is under half the file's size."""
+    fold_metrics(DataDir(tmp_path / "data"), 16)
+    async with serving(tmp_path / "data") as service:
+        response = await service.get("/v1/snapshots")
+        assert response.status_code == 200, response.text
+        manifest = response.json()
+        path = snapshot_files.find(service.data.snapshot_dir, manifest["stream"], manifest["seq"])
+        assert path is not None
+        size = path.stat().st_size
+        digest = hashlib.sha256()
+        tracemalloc.start()
+        try:
+            async with service.client.stream("GET", manifest["url"], headers=service.auth) as got:
+                assert got.status_code == 200
+                assert got.headers["content-length"] == str(size)
+                async for chunk in got.aiter_raw():
+                    digest.update(chunk)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert digest.hexdigest() == manifest["sha256"]
+    assert peak < size / 2

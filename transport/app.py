@@ -286,10 +286,12 @@ def create_app(
     async def snapshot_file(seq: int) -> Response:
         if await client() is None:
             return unauthorized()
-        data = None if seq > SQLITE_MAX_INTEGER else await snapshots.read(seq)
-        if data is None:
+        body = None if seq > SQLITE_MAX_INTEGER else await snapshots.open(seq)
+        if body is None:
             return _error("NOT_FOUND", 404)
-        return _streamed(Response(data, content_type="application/octet-stream"))
+        response = Response(body, content_type="application/octet-stream")
+        response.content_length = body.size
+        return _streamed(response)
 
     @app.get("/healthz")
     async def healthz() -> Response:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from types import TracebackType
+from typing import BinaryIO
 
 import trio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from quart.wrappers.response import ResponseBody
 
 from actors.runtime import Runtime
 from healthlog import snapshots
@@ -14,6 +18,8 @@ from healthlog.storage import snapshot_files
 from healthlog.storage.store import Store
 
 URL_PATH = "/v1/snapshots"
+# How much of a snapshot file a response holds in memory at a time.
+CHUNK_BYTES = 64 * 1024
 
 
 class SnapshotService:
@@ -48,8 +54,35 @@ class SnapshotService:
             self._directory, self._runtime.journal, self._runtime.store, self._key, URL_PATH
         )
 
-    async def read(self, seq: int) -> bytes | None:
-        """The snapshot file at ``seq`` of the current stream, or None if it is not kept (a
-        build running meanwhile may remove it)."""
+    async def open(self, seq: int) -> SnapshotBody | None:
+        """The snapshot file at ``seq`` of the current stream, opened, or None if it is not
+        kept (a build running meanwhile may remove it)."""
         stream = await self._runtime.read_store(Store.stream_id)
-        return await trio.to_thread.run_sync(snapshot_files.read, self._directory, stream, seq)
+        file = await trio.to_thread.run_sync(snapshot_files.open_file, self._directory, stream, seq)
+        return None if file is None else SnapshotBody(file)
+
+
+class SnapshotBody(ResponseBody):
+    """The body of a snapshot file's response, read ``CHUNK_BYTES`` at a time in a worker
+    thread; the file is closed when the response ends, however it ends."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self.size = os.fstat(file.fileno()).st_size
+
+    async def __aenter__(self) -> SnapshotBody:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type | None, exc_value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._file.close()
+
+    def __aiter__(self) -> SnapshotBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await trio.to_thread.run_sync(self._file.read, CHUNK_BYTES)
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk

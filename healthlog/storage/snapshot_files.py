@@ -1,5 +1,5 @@
-"""Snapshot files in the data directory: built from one read of the store, signed, kept until
-two newer ones replace them. Reading the store is the only SQLite work here.
+"""Snapshot files in the data directory: streamed from one read of the store, signed, kept
+until two newer ones replace them. Reading the store is the only SQLite work here.
 
 Several processes may serve one data directory, each building snapshots when its subscribers
 need one. A build writes, renames and removes files only while it holds an exclusive lock
@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -35,36 +36,37 @@ def build(
 ) -> Manifest:
     """Write a snapshot of every object at the current head and remove older ones.
 
-    The previous snapshot of the stream stays (``KEPT`` files in all), so a reference handed
-    out just before this build can still be fetched; files of other streams go.
+    The objects are read from one read transaction and written to the file one at a time,
+    so a build holds neither the store's connection nor more than one object in memory. The
+    previous snapshot of the stream stays (``KEPT`` files in all), so a reference handed out
+    just before this build can still be fetched; files of other streams go.
     """
     faults.point("snapshot.build")
     stream = store.stream_id()
-    seq, objects = store.snapshot_at_head()
-    data = snapshots.encode(objects, instance=journal.instance_id(), stream=stream, seq=seq)
+    instance = journal.instance_id()
     directory.mkdir(parents=True, exist_ok=True)
-    path = _path(directory, stream, seq)
-    tmp = path.with_suffix(".tmp")
     with _locked(directory):
         _remove_stale(directory)
-        try:
-            with open(tmp, "wb") as out:
-                out.write(data)
+        with store.snapshot_at_head() as head:
+            seq = head.seq
+            path = _path(directory, stream, seq)
+            tmp = path.with_suffix(".tmp")
+            with _removed_on_failure(tmp), open(tmp, "wb") as out:
+                digest = snapshots.write(
+                    out, head.objects, count=head.count, instance=instance, stream=stream, seq=seq
+                )
                 out.flush()
                 os.fsync(out.fileno())
+        with _removed_on_failure(tmp):
             faults.point("snapshot.write")
             os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-            raise
         kept = sorted(_seqs(directory, stream), reverse=True)[:KEPT]
         for old in directory.glob("snapshot-*.snap"):
             m = _NAME.fullmatch(old.name)
             if m is None or m.group(1) != stream or int(m.group(2)) not in kept:
                 old.unlink(missing_ok=True)
     return snapshots.sign(
-        key, data, url=f"{url_base}/{seq}", instance=journal.instance_id(), stream=stream, seq=seq
+        key, digest, url=f"{url_base}/{seq}", instance=instance, stream=stream, seq=seq
     )
 
 
@@ -74,12 +76,12 @@ def find(directory: Path, stream: str, seq: int) -> Path | None:
     return path if path.exists() else None
 
 
-def read(directory: Path, stream: str, seq: int) -> bytes | None:
-    """The bytes of the snapshot file of ``stream`` at ``seq``, or None if it is not (or no
-    longer) kept: a newer build may remove it at any time."""
+def open_file(directory: Path, stream: str, seq: int) -> BinaryIO | None:
+    """The snapshot file of ``stream`` at ``seq`` opened for reading, or None if it is not (or
+    no longer) kept: a newer build may remove it at any time, and once open it stays readable
+    to the end."""
     try:
-        with open(_path(directory, stream, seq), "rb") as file:
-            return file.read()
+        return open(_path(directory, stream, seq), "rb")
     except FileNotFoundError:
         return None
 
@@ -99,6 +101,17 @@ def _locked(directory: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(tmp: Path) -> Iterator[None]:
+    """Remove the temporary file ``tmp`` if the block fails or is stopped."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def _remove_stale(directory: Path) -> None:

@@ -9,12 +9,13 @@ journaled seal folds the same way, marking the objects it covers instead.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import socket
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -38,6 +39,7 @@ from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
     Deferred,
     StorageError,
+    connect,
     read_transaction,
     write_transaction,
 )
@@ -183,6 +185,16 @@ class Event:
     id: str
     kind: str
     payload: dict[str, Any]
+
+
+@attrs.frozen
+class HeadSnapshot:
+    """What :meth:`Store.snapshot_at_head` read: the head sequence, how many objects there
+    are, and the objects, sorted by metric, layer and hour, read while they are iterated."""
+
+    seq: int
+    count: int
+    objects: Iterator[HourlyObject]
 
 
 @attrs.frozen
@@ -904,20 +916,29 @@ class Store(_objects.ObjectDatabase):
         with self._lock:
             return _objects.load(self._conn, key)
 
-    def snapshot_at_head(self) -> tuple[int, list[HourlyObject]]:
-        """Every object and the head sequence they reflect, read in one transaction."""
-        with self._lock:
-            self._conn.execute("BEGIN")
-            try:
-                head = self._conn.execute(
+    @contextlib.contextmanager
+    def snapshot_at_head(self) -> Iterator[HeadSnapshot]:
+        """Every object and the head sequence they reflect, read in one transaction on a
+        connection of its own: WAL lets it read beside the store's writes, and the store's
+        other reads do not wait for it. The objects are read one at a time while the block
+        runs."""
+        conn = connect(self.path, readonly=True, busy_timeout_ms=self._busy_timeout_ms)
+        try:
+            with read_transaction(conn):
+                head = conn.execute(
                     "SELECT seq FROM sqlite_sequence WHERE name = 'events'"
                 ).fetchone()
-                rows = self._conn.execute(
+                (count,) = conn.execute("SELECT count(*) FROM objects").fetchone()
+                rows = conn.execute(
                     f"SELECT {_objects.COLUMNS} FROM objects ORDER BY metric, layer, hour"
-                ).fetchall()
-            finally:
-                self._conn.execute("COMMIT")
-        return (0 if head is None else int(head[0])), [_objects.row_to_object(r) for r in rows]
+                )
+                yield HeadSnapshot(
+                    0 if head is None else int(head[0]),
+                    int(count),
+                    map(_objects.row_to_object, rows),
+                )
+        finally:
+            conn.close()
 
     def last_seq(self) -> int:
         with self._lock:
