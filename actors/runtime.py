@@ -8,7 +8,7 @@ work runs in worker threads, one CapacityLimiter per connection.
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -100,6 +100,7 @@ class Runtime:
         submissions: trio.MemorySendChannel[Submission],
         actors: tuple[JournalActor, IntakeActor, LeaseActor, FoldingActor, RetentionActor],
         crashes: Crashes,
+        healthy_s: float = HEALTHY_S,
     ) -> None:
         self.journal = journal
         self.store = store
@@ -108,6 +109,7 @@ class Runtime:
         self._submissions = submissions
         self._actors = actors
         self._crashes = crashes
+        self._healthy_s = healthy_s
 
     async def submit(self, delivery: NewDelivery) -> Receipt:
         """Journal a delivery through intake; raises what the journal refused with."""
@@ -129,6 +131,15 @@ class Runtime:
         wanted = set(ids)
         while not wanted <= await self.read_store(Store.folded_ids):
             await trio.sleep(WAIT_POLL_S)
+
+    async def supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
+        """Run ``run`` in the caller's task under the supervision the actors have, with theirs:
+        after a crash one ERROR naming ``name`` and the exception type, the crash counted in
+        ``statistics().crashes``, the task down (``statistics().down``, the runtime not ready)
+        until it has run well for ``healthy_s`` after its restart, which comes after a growing
+        backoff; a cancellation ends it. For a long-lived task the service starts beside the
+        runtime's actors (the replay stream's event hub)."""
+        await supervise(name, run, self._crashes, healthy_s=self._healthy_s)
 
     def ready(self) -> bool:
         """True once this process's folding actor has completed a pass to the end of the queue,
@@ -205,6 +216,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             submit_send,
             (journal_actor, intake, lease, folding, retention),
             crashes,
+            config.healthy_s,
         )
         async with trio.open_nursery() as nursery:
             actors: list[tuple[str, Actor]] = [("journal", journal_actor), ("intake", intake)]

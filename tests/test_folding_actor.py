@@ -684,3 +684,38 @@ async def test_an_actor_down_after_a_crash_makes_the_runtime_not_ready_run_35(
         crashing = False
         await until(runtime.ready)
         assert runtime.statistics().down == ()
+
+
+async def test_a_task_supervised_by_the_runtime_is_down_like_an_actor_run_36(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-36: a task run beside a ready runtime under ``Runtime.supervise`` (as the service
+    runs its event hub) that crashes twice is supervised as an actor: one ERROR each naming it
+    and the type only, restarts after 0.5 s then 1 s, its crashes counted and itself down (the
+    runtime not ready) until it has run well for ``healthy_s``; cancelled, it ends without an
+    ERROR."""
+    crashes_left = 2
+
+    async def task() -> None:
+        nonlocal crashes_left
+        if crashes_left:
+            crashes_left -= 1
+            raise KeyError("secret")
+        await trio.sleep_forever()
+
+    journal_directly(tmp_path, [new_delivery(0)])
+    async with open_runtime(config(tmp_path, healthy_s=1.0)) as runtime:
+        await until(runtime.ready)
+        with caplog.at_level(logging.ERROR, "healthlog.supervisor"):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runtime.supervise, "helper", task)
+                await until(lambda: runtime.statistics().crashes.get("helper", 0) == 2)
+                assert not runtime.ready()
+                assert runtime.statistics().down == ("helper",)
+                await until(runtime.ready)
+                assert runtime.statistics().down == ()
+                nursery.cancel_scope.cancel()
+    assert logged(caplog, logging.ERROR) == [
+        f"actor helper crashed (KeyError); restarting in {delay}" for delay in ("0.5 s", "1.0 s")
+    ]
+    assert runtime.statistics().crashes == {"helper": 2}

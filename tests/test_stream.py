@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import orjson
 import pytest
 import trio
@@ -51,9 +52,11 @@ from _stream_helpers import (
     stream_handlers,
     subscribe,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from websockets.sync.client import connect as websockets_connect
 
+from actors.runtime import configured
 from healthlog import snapshots
 from healthlog.documents import converter
 from healthlog.export import export_lines
@@ -65,6 +68,7 @@ from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 from healthlog.timestamps import parse_instant
 from transport import app as app_module
+from transport import serve as serve_module
 from transport.stream import StreamEndpoint
 
 SNAPSHOT_KEYS = {"url", "seq", "sha256", "schema", "instance", "stream", "signature"}
@@ -513,6 +517,79 @@ async def test_live_events_outlive_a_failed_head_read_stream_45(
     assert "StorageError" in warnings[0].getMessage()
     assert not any("disk I/O" in r.getMessage() or "busy" in r.getMessage() for r in warnings)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def metric(service: Service, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in ``/metrics``."""
+    response = await service.client.get("/metrics")
+    assert response.status_code == 200
+    return next(
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == name
+    )
+
+
+async def test_a_crashed_event_hub_is_restarted_stream_54(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-54: the event hub crashes twice with an unexpected exception (not a storage
+    error) while a subscriber waits at the head; it is supervised like the runtime's actors:
+    each crash is one ERROR from ``healthlog.supervisor`` naming the hub and the type only,
+    counted in ``healthlog_actor_crashes_total``; the hub is down (``healthlog_actors_down``,
+    ``/readyz`` 503) until it has run well for ``healthy_s`` (here 2 s) after its restart, which
+    comes after its backoff (0.5 s, then 1 s), and live events keep waking the subscriber.
+
+    As in STREAM-45 ``Store.event_window`` fails, and the subscribers' idle recheck is an hour,
+    so only a running hub can wake the subscriber before the frame limit."""
+    monkeypatch.setattr(
+        app_module, "StreamEndpoint", functools.partial(StreamEndpoint, idle_recheck_s=3600.0)
+    )
+    monkeypatch.setattr(
+        serve_module,
+        "configured",
+        lambda *args, **kwargs: attrs.evolve(configured(*args, **kwargs), healthy_s=2.0),
+    )
+    failures: list[Exception] = []
+    real = Store.event_window
+
+    def failing(store: Store) -> tuple[int, int]:
+        if failures:
+            raise failures.pop(0)
+        return real(store)
+
+    monkeypatch.setattr(Store, "event_window", failing)
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0)
+        async with subscribe(service, after=total) as ws:
+            await post(service, small(60))
+            assert consecutive(await receive(ws, 2), total)
+            with caplog.at_level(logging.DEBUG):
+                failures.extend([RuntimeError("secret 42"), RuntimeError("secret 43")])
+                with trio.fail_after(FRAME_LIMIT_S):
+                    while failures:
+                        await trio.sleep(POLL_S)
+                assert (await service.client.get("/readyz")).status_code == 503
+                assert await metric(service, "healthlog_actors_down") == 1
+                for n, minute in enumerate((120, 180)):
+                    await post(service, small(minute))
+                    assert consecutive(await receive(ws, 2), total + 2 + 2 * n)
+            assert await metric(service, "healthlog_actor_crashes_total") == 2
+            with trio.fail_after(FRAME_LIMIT_S):
+                while (await service.client.get("/readyz")).status_code != 200:
+                    await trio.sleep(POLL_S)
+            assert await metric(service, "healthlog_actors_down") == 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [(r.name, r.getMessage(), r.exc_info) for r in errors] == [
+        (
+            "healthlog.supervisor",
+            f"actor event-hub crashed (RuntimeError); restarting in {delay}",
+            None,
+        )
+        for delay in ("0.5 s", "1.0 s")
+    ]
+    assert not any("secret" in r.getMessage() for r in caplog.records)
 
 
 async def fill(service: Service) -> int:

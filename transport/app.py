@@ -31,7 +31,7 @@ from transport.auth import TokenCache, presented_token
 from transport.intake import INTAKE_PATH, IntakeEndpoint
 from transport.metrics import render_metrics
 from transport.snapshots import SnapshotService
-from transport.stream import EventHub, StreamEndpoint
+from transport.stream import HUB_ACTOR, EventHub, StreamEndpoint
 
 JSONL = "application/x-ndjson"
 STREAM_PATH = "/v1/stream"
@@ -200,7 +200,10 @@ def create_app(
 
     @app.before_serving
     async def start_hub() -> None:
-        app.nursery.start_soon(hub.run)
+        # Supervised like the runtime's actors (specs/runtime.md, supervision): a crash is one
+        # ERROR, counted, the hub is down (/readyz 503) until it has run well again, and it is
+        # started again after a backoff instead of ending for the life of the process.
+        app.nursery.start_soon(runtime.supervise, HUB_ACTOR, hub.run)
 
     async def client() -> str | None:
         presented = presented_token(

@@ -58,6 +58,8 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_TOO_SLOW = 4408
 CLOSE_CURSOR_TOO_OLD = 4410
 CLOSE_GOING_AWAY = 1001
+# The name the event hub is supervised (and its crashes counted) under.
+HUB_ACTOR = "event-hub"
 # How often a stream waiting for events checks that its token is still live: the token
 # cache's reload period, so a revocation ends an idle stream within about twice that.
 IDLE_RECHECK_S = 2.0
@@ -82,6 +84,8 @@ class EventHub:
         A read that fails is tried again at the next poll: a busy store (:class:`Deferred`)
         is a normal condition, logged at DEBUG only; another storage error is a WARNING naming
         its type, once until a read succeeds again (then an INFO says so), not at every poll.
+        Any other exception ends the run: the service runs it under the runtime's supervision
+        (``Runtime.supervise``), which logs, counts and restarts it.
         """
         failing = False
         while True:
