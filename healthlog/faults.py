@@ -25,6 +25,7 @@ POINTS = (
     "fold.after_commit",
     "lease.renew",
     "stream.send",
+    "stream.page",
     "snapshot.build",
     "snapshot.write",
 )

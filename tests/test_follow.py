@@ -55,7 +55,9 @@ from wsproto.events import (
     TextMessage,
 )
 
+from healthlog import faults
 from healthlog.storage import snapshot_files
+from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import SIGNING_KEY_FILE, DataDir
 from healthlog.storage.replica import REPLICA_FILE, Binding, Replica
 from transport.follow import (
@@ -739,6 +741,42 @@ async def test_follow_retries_a_bad_gateway_stream_32(
 
             with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="token"):
                 await follow(front.url("http"), "hl_wrong", replica, until_caught_up=True)
+
+
+async def test_follow_resumes_after_a_storage_error_stream_57(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-57: while a follower is following live, the server's next two page reads for it
+    fail with a storage error (fault point ``stream.page``): each time the server closes the
+    stream with 1011 and no error frame, the follower takes it for a lost connection,
+    reconnects after its backoff and goes on from its cursor; it catches up, equals the server
+    and has its ACK stored, and nothing is logged above WARNING."""
+    failure = faults.raise_fault(lambda _: StorageError("database error: disk I/O error"))
+    plan = faults.Plan()
+    with Replica(tmp_path / "replica") as replica, caplog.at_level(logging.INFO):
+        async with serving(tmp_path / "server") as service, trio.open_nursery() as nursery:
+            before = await post_small(service, 0, 60)
+            follower = await nursery.start(follow_live, service, replica)
+            await until_cursor(replica, before)
+            await acked(service, "nas", before)
+            with faults.loaded(plan):
+                plan.actions["stream.page"] = faults.Action(frozenset({1, 2}), failure)
+                total = await post_small(service, 120, 180)
+                await until_cursor(replica, total)
+                assert plan.fired["stream.page"] == 2
+            assert await replica_export(replica) == await server_export(service)
+            await acked(service, "nas", total)
+            follower.cancel()
+    assert [r.getMessage() for r in caplog.records if r.name == "healthlog.follow"] == [
+        "follow: connection lost (ConnectionLost: the stream ended)",
+        "follow: retrying in 0.5 s",
+        "follow: connection lost (ConnectionLost: the stream ended)",
+        "follow: retrying in 1.0 s",
+    ]
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.name for r in warnings] == ["healthlog.stream"] * 2
+    assert all("(StorageError)" in r.getMessage() for r in warnings)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.parametrize(("status", "says"), [(403, r"refused the stream \(403\)"), (401, "token")])

@@ -57,7 +57,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from websockets.sync.client import connect as websockets_connect
 
 from actors.runtime import configured
-from healthlog import snapshots
+from healthlog import faults, snapshots
 from healthlog.documents import converter
 from healthlog.export import export_lines
 from healthlog.objects import ObjectKey
@@ -590,6 +590,112 @@ async def test_a_crashed_event_hub_is_restarted_stream_54(
         for delay in ("0.5 s", "1.0 s")
     ]
     assert not any("secret" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_busy_store_delays_a_page_stream_55(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-55: a subscriber's page reads find the store busy (``Deferred``) for more than
+    5 s; each is tried again a second later on the same connection, which gets the events that
+    came meanwhile once a read succeeds; one WARNING says the subscriber waits, nothing is
+    logged above WARNING, and the connection is not closed."""
+    busy = faults.raise_fault(lambda _: Deferred("database busy: database is locked"))
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0)
+        async with subscribe(service, after=0) as ws:
+            assert consecutive(await receive(ws, total), 0)
+            plan = faults.Plan(actions={"stream.page": faults.Action(frozenset(range(1, 8)), busy)})
+            with faults.loaded(plan), caplog.at_level(logging.DEBUG, logger="healthlog.stream"):
+                await post(service, small(60))
+                frames = await receive(ws, 2)
+                assert plan.fired["stream.page"] == 7
+            assert consecutive(frames, total)
+            await post(service, small(120))
+            assert consecutive(await receive(ws, 2), total + 2)
+            assert ws.closed is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warnings] == [
+        "stream: the store is busy; a subscriber waits until it is free"
+    ]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+async def closed_after(ws: WebSocketConnection) -> tuple[list[dict[str, Any]], int, str | None]:
+    """Read until the server closes (within the frame limit): the frames before the close, its
+    code and its reason."""
+    frames: list[dict[str, Any]] = []
+    with trio.fail_after(FRAME_LIMIT_S), contextlib.suppress(ConnectionClosed):
+        while True:
+            frames.append(orjson.loads(await ws.get_message()))
+    assert ws.closed is not None
+    return frames, ws.closed.code, ws.closed.reason
+
+
+@pytest.mark.parametrize("where", ["page", "ack"])
+async def test_a_storage_error_ends_only_its_subscription_stream_56(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    where: str,
+) -> None:
+    """STREAM-56: a subscriber's page read, or the storing of its ACK, fails with a storage
+    error (not busy): that subscription alone is closed with 1011 (reason ``STORE_ERROR``, no
+    error frame) and its handler ends; one WARNING names the error's type (not its text) and
+    nothing is logged above WARNING; a witness subscriber goes on, and the subscriber reconnects
+    from its cursor, gets the events it had not, and has its ACK stored.
+
+    The page read fails at the fault point ``stream.page``: the witness waits at the head with
+    an idle recheck of an hour, so after its first two reads (its page, then an empty one) only
+    the subscriber reads pages until the next delivery."""
+    monkeypatch.setattr(
+        app_module, "StreamEndpoint", functools.partial(StreamEndpoint, idle_recheck_s=3600.0)
+    )
+    failure = StorageError("database error: disk I/O error")
+    real_ack = Store.ack
+    failing_acks: list[StorageError] = []
+
+    def ack(store: Store, subscriber: str, seq: int) -> int:
+        if failing_acks:
+            raise failing_acks.pop()
+        return real_ack(store, subscriber, seq)
+
+    monkeypatch.setattr(Store, "ack", ack)
+    plan = faults.Plan()
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0, 60)
+        with faults.loaded(plan), caplog.at_level(logging.DEBUG, logger="healthlog.stream"):
+            async with subscribe(service, after=total - 2, subscriber="witness") as witness:
+                assert consecutive(await receive(witness, 2), total - 2)
+                with trio.fail_after(FRAME_LIMIT_S):
+                    while plan.hits["stream.page"] < 2:
+                        await trio.sleep(POLL_S)
+                # The subscriber's first page read (its replay) succeeds, the next one fails.
+                plan.actions["stream.page"] = faults.Action(
+                    frozenset({4}) if where == "page" else frozenset(),
+                    faults.raise_fault(lambda _: failure),
+                )
+                async with subscribe(service, after=0, subscriber="nas") as ws:
+                    assert consecutive(await receive(ws, total), 0)
+                    if where == "ack":
+                        failing_acks.append(failure)
+                        await send_ack(ws, total)
+                    frames, code, reason = await closed_after(ws)
+                with trio.fail_after(FRAME_LIMIT_S):
+                    while stream_handlers() > 1:
+                        await trio.sleep(POLL_S)
+                assert (frames, code, reason) == ([], 1011, "STORE_ERROR")
+                assert "nas" not in (await service.status())["subscribers"]
+                await post(service, small(120))
+                assert consecutive(await receive(witness, 2), total)
+                async with subscribe(service, after=total, subscriber="nas") as ws:
+                    assert consecutive(await receive(ws, 2), total)
+                    await send_ack(ws, total + 2)
+                    await acked(service, "nas", total + 2)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.name for r in warnings] == ["healthlog.stream"]
+    assert "(StorageError)" in warnings[0].getMessage()
+    assert "disk I/O" not in warnings[0].getMessage()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def fill(service: Service) -> int:

@@ -22,10 +22,16 @@ answers without a thread between its reloads), so a token revoked while its stre
 busy or idle, ends the stream with the same refusal as at the handshake once the cache has
 reloaded.
 
+Store reads: a busy store (:class:`Deferred`) is a normal condition; a read that finds it busy is
+tried again, the connection going on meanwhile. Another storage error (a read's or an ACK's) ends
+that subscription only: close 1011 without an error frame, which the reference follower takes for
+a lost connection and reconnects after its backoff, from its cursor; one WARNING names the
+error's type. The event hub runs under the runtime's supervision (``app.py``).
+
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
 older than the online window (after an error frame with a signed snapshot reference), 1001
-server going away (on shutdown).
+server going away (on shutdown), 1011 the store cannot be read (no error frame).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import functools
 import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import orjson
@@ -50,6 +56,8 @@ from healthlog.storage.store import Event, Store
 
 log = logging.getLogger("healthlog.stream")
 
+T = TypeVar("T")
+
 PAGE = 256
 PAGE_BYTES = 4 * 2**20
 MAX_SUBSCRIBER = 128
@@ -58,15 +66,19 @@ CLOSE_UNAUTHORIZED = 4401
 CLOSE_TOO_SLOW = 4408
 CLOSE_CURSOR_TOO_OLD = 4410
 CLOSE_GOING_AWAY = 1001
+# RFC 6455's "internal error": the server cannot go on with this connection. Sent without an
+# error frame, as 1001 is: a subscriber reconnects after a close without one (an error frame of
+# a code it does not know would stop the reference follower for good).
+CLOSE_STORE_ERROR = 1011
 # The name the event hub is supervised (and its crashes counted) under.
 HUB_ACTOR = "event-hub"
 # How often a stream waiting for events checks that its token is still live: the token
 # cache's reload period, so a revocation ends an idle stream within about twice that.
 IDLE_RECHECK_S = 2.0
-# How long an ACK waits before it is stored again when the store was busy, and how long it
-# waits in all before a WARNING says so (a long fold holds the store for a while).
-ACK_RETRY_S = 1.0
-ACK_WARN_S = 5.0
+# How long an ACK or a read of the store waits before it is tried again when the store was busy,
+# and how long it waits in all before a WARNING says so (a long fold holds the store for a while).
+BUSY_RETRY_S = 1.0
+BUSY_WARN_S = 5.0
 
 
 class EventHub:
@@ -160,6 +172,7 @@ class StreamEndpoint:
     idle_recheck_s: float = IDLE_RECHECK_S
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        """Serve one subscription; whatever ends it, the handler ends (no stuck connection)."""
         if (await receive())["type"] != "websocket.connect":
             return
         try:
@@ -178,27 +191,60 @@ class StreamEndpoint:
             ).items()
         }
         headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope["headers"]}
+        refused: StreamRefused | None = None
         try:
             async with trio.open_nursery() as nursery:
+                # First, so that a shutdown also ends a subscription still opening (its reads
+                # wait while the store is busy).
+                nursery.start_soon(self._going_away)
                 token = await self._authenticate(headers, query)
                 sub = await self._open(query, token)
                 nursery.start_soon(self._send_loop, sub, send)
-                nursery.start_soon(self._going_away)
                 await self._receive_loop(sub, receive)
                 nursery.cancel_scope.cancel()
         except* ClientGone:
             pass
         except* StreamRefused as group:
-            refused = group.exceptions[0]
-            assert isinstance(refused, StreamRefused)
-            if refused.frame:
-                frame = {"type": "error", "code": refused.code, **refused.extra}
-                with trio.move_on_after(self.send_timeout_s):
-                    await send({"type": "websocket.send", "text": orjson.dumps(frame).decode()})
+            first = group.exceptions[0]
+            assert isinstance(first, StreamRefused)
+            refused = first
+        except* StorageError as group:
+            # A read or an ACK that the store failed (a busy store is waited out before): this
+            # subscription ends, the service and the other subscriptions go on.
+            log.warning(
+                "stream: the store failed (%s); a subscription is closed (%d) and may reconnect",
+                _kinds(group),
+                CLOSE_STORE_ERROR,
+            )
+            log.debug("stream: storage error", exc_info=True)
+            if refused is None:
+                refused = StreamRefused("STORE_ERROR", CLOSE_STORE_ERROR, frame=False)
+        if refused is None:
+            return
+        if refused.frame:
+            frame = {"type": "error", "code": refused.code, **refused.extra}
             with trio.move_on_after(self.send_timeout_s):
-                await send(
-                    {"type": "websocket.close", "code": refused.close, "reason": refused.code}
-                )
+                await send({"type": "websocket.send", "text": orjson.dumps(frame).decode()})
+        with trio.move_on_after(self.send_timeout_s):
+            await send({"type": "websocket.close", "code": refused.close, "reason": refused.code})
+
+    async def _read(self, fn: Callable[[Store], T]) -> T:
+        """``fn(store)`` in the store's worker thread, tried again every ``BUSY_RETRY_S`` while
+        the store is busy (:class:`Deferred`: another connection holds a lock for long), with one
+        WARNING once it has waited ``BUSY_WARN_S`` in all. Another :class:`StorageError` is
+        raised: ``__call__`` ends the subscription with close 1011."""
+        since = trio.current_time()
+        warned = False
+        while True:
+            try:
+                return await self.runtime.read_store(fn)
+            except Deferred:
+                if not warned and trio.current_time() - since >= BUSY_WARN_S:
+                    log.warning("stream: the store is busy; a subscriber waits until it is free")
+                    warned = True
+                else:
+                    log.debug("stream: the store is busy; a subscriber's read is tried again")
+            await trio.sleep(BUSY_RETRY_S)
 
     async def _going_away(self) -> None:
         await self.closing.wait()
@@ -228,7 +274,7 @@ class StreamEndpoint:
         if not raw_after.isascii() or not raw_after.isdigit() or len(raw_after) > 18:
             raise StreamRefused("BAD_CURSOR", CLOSE_BAD_REQUEST)
         after = int(raw_after)
-        window_start, head = await self.runtime.read_store(Store.event_window)
+        window_start, head = await self._read(Store.event_window)
         if after > head:
             raise StreamRefused("CURSOR_IN_FUTURE", CLOSE_BAD_REQUEST, {"head": head})
         if after < window_start:
@@ -242,13 +288,9 @@ class StreamEndpoint:
         )
 
     async def _send_loop(self, sub: _Subscription, send: Send) -> None:
-        stream = await self.runtime.read_store(Store.stream_id)
+        stream = await self._read(Store.stream_id)
         while True:
-            page = await self.runtime.read_store(
-                functools.partial(
-                    Store.replay_page, after=sub.cursor, limit=PAGE, max_bytes=PAGE_BYTES
-                )
-            )
+            page = await self._read(functools.partial(_page, after=sub.cursor))
             if not page:
                 with trio.move_on_after(self.idle_recheck_s) as idle:
                     await self.hub.wait_beyond(sub.cursor)
@@ -308,10 +350,23 @@ class StreamEndpoint:
                 except Deferred:
                     # Another connection holds the store's write lock (a fold, a reindex's
                     # swap): a normal condition. The ACK is stored once the lock is free.
-                    if not warned and trio.current_time() - since >= ACK_WARN_S:
+                    if not warned and trio.current_time() - since >= BUSY_WARN_S:
                         log.warning("stream: the store is busy; an ACK waits until it is free")
                         warned = True
-                await trio.sleep(ACK_RETRY_S)
+                await trio.sleep(BUSY_RETRY_S)
+
+
+def _kinds(exc: BaseException) -> str:
+    """The type names of an exception, or of those in a group however deeply nested."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return type(exc).__name__
+    return ", ".join(sorted({_kinds(inner) for inner in exc.exceptions}))
+
+
+def _page(store: Store, after: int) -> list[tuple[Event, HourlyObject | None]]:
+    """The next page of events after ``after``, read in the store's worker thread."""
+    faults.point("stream.page")
+    return store.replay_page(after=after, limit=PAGE, max_bytes=PAGE_BYTES)
 
 
 def _frame(stream: str, event: Event, current: HourlyObject | None) -> str:
