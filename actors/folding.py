@@ -113,6 +113,7 @@ class FoldingStatistics:
     late_changes: int
     late_sum_s: float
     workers_lost: int
+    dying: int
 
 
 class FoldingActor:
@@ -170,6 +171,7 @@ class FoldingActor:
             late_changes=self._late.observed,
             late_sum_s=self._late.total,
             workers_lost=self._workers_lost,
+            dying=len(self._deaths),
         )
 
     async def run(self) -> None:
@@ -224,6 +226,8 @@ class FoldingActor:
                     for seconds in report.late_s:
                         self._late.observe(seconds)
                     self._classes[report.outcome_class.value] += 1
+                    if report.outcome_class is OutcomeClass.DONE:
+                        self._deaths.pop(report.delivery_id, None)
                     folding.record(report)
         except trio.Cancelled:
             folding.cancel()

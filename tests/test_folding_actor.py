@@ -578,9 +578,10 @@ def kill_worker_at(*hits: int) -> str:
 async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """RUN-30: a run's worker killed at its second fold: the first delivery stands, the second
-    is folded again in a new worker, whose own second fold dies too; every delivery folds in
-    journal order, nothing is failed and the actor never crashes."""
+    """RUN-30, RUN-37: a run's worker killed at its second fold: the first delivery stands, the
+    second is folded again in a new worker, whose own second fold dies too; every delivery folds
+    in journal order, nothing is failed and the actor never crashes; once they have folded, the
+    folder keeps no count of deaths for them."""
     monkeypatch.delenv(SERVE_PID_ENV, raising=False)
     monkeypatch.setenv(PLAN_ENV, kill_worker_at(2))
     ids = journal_directly(
@@ -594,7 +595,7 @@ async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     assert folded_in_order(tmp_path) == ids
     statuses = table(DataDir(tmp_path).store_path, "SELECT status FROM outcomes")
     assert statuses == [("parsed",)] * 3
-    assert (stats.folding.workers_lost, stats.crashes) == (2, {})
+    assert (stats.folding.workers_lost, stats.folding.dying, stats.crashes) == (2, 0, {})
     assert logged(caplog, logging.WARNING) == [
         f"delivery {ids[1]}: its fold worker died; folding it again",
         f"delivery {ids[2]}: its fold worker died; folding it again",
