@@ -27,7 +27,7 @@ import trio_parallel
 from actors.journal import GONE
 from healthlog.clock import now_us
 from healthlog.folding import FoldPass, FoldReport, OutcomeClass
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Budget, pending, write_marks
 from healthlog.storage.store import WORKER_DIED, Store
@@ -212,7 +212,7 @@ class FoldingActor:
                 pending, self._journal, self._store, limiter=self._limiter
             )
         except StorageError as exc:
-            log.error("folding pass: selection failed: %s", type(exc).__name__)
+            log.error("folding pass: selection failed: %s", describe(exc))
             self._stops["selection_failed"] += 1
             return
         folding = FoldPass(queue)

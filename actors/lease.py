@@ -19,7 +19,7 @@ import trio
 
 from healthlog import faults
 from healthlog.clock import now_us
-from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.lease")
@@ -130,4 +130,4 @@ class LeaseActor:
                 self._store.release_lease, self._holder, self._epoch, limiter=self._limiter
             )
         except StorageError as exc:
-            log.warning("lease release failed: %s", type(exc).__name__)
+            log.warning("lease release failed: %s", describe(exc))

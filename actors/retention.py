@@ -13,7 +13,7 @@ import attrs
 import trio
 
 from healthlog.clock import now_us
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.retention")
@@ -56,7 +56,7 @@ class RetentionActor:
                 )
                 pruned = await trio.to_thread.run_sync(prune, limiter=self._limiter)
             except StorageError as exc:
-                log.warning("event pruning deferred: %s", type(exc).__name__)
+                log.warning("event pruning deferred: %s", describe(exc))
                 continue
             self._runs += 1
             self._pruned += pruned

@@ -118,7 +118,10 @@ def test_busy_store_stops_the_pass_at_its_head_fold_3(
 
         assert ended(report) == (0, [], "deferred", metas[0].id)
         assert store.mark(LAG_MARK) is None
-        assert "folding pass: lag mark not written: Deferred" in caplog.messages
+        assert (
+            "folding pass: lag mark not written: Deferred: SQLITE_BUSY: database is locked"
+            " (store.sqlite)" in caplog.messages
+        )
         assert ended(run_pass(journal, store, epoch)) == (3, [], "empty", None)
         assert folded_in_order(store) == [m.id for m in metas]
 

@@ -28,6 +28,7 @@ import httpx
 import pytest
 import trio
 from _cli_bodies import body, compact, metric, point
+from _disk import DISK_ERROR, files_limited_to
 from _service_helpers import (
     CLIENT_TIMEOUT_S,
     FOLD_LIMIT_S,
@@ -688,6 +689,25 @@ async def test_stalled_body_is_dropped_and_others_are_served(tmp_path: Path) -> 
                     answer += chunk
             assert answer == b"" or CLIENT_ERROR.match(answer), answer[:100]
         assert await journaled(service) == [sha256(content) for content in others]
+
+
+async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-41: a delivery the journal's disk cannot hold is answered 503 JOURNAL_UNAVAILABLE,
+    with one WARNING naming SQLite's error and the journal's file; once there is room, the next
+    is answered 200."""
+    async with serving(tmp_path / "data") as service:
+        with caplog.at_level(logging.WARNING), files_limited_to(4096):
+            refused = await service.post(HEART_RATE)
+        answered = await service.post(HEART_RATE)
+    assert refused.status_code == 503
+    assert refused.json() == {"error": "JOURNAL_UNAVAILABLE"}
+    assert "retry-after" in refused.headers
+    assert answered.status_code == 200
+    [line] = [m for m in caplog.messages if m.startswith("intake: journal could not commit")]
+    expected = rf"intake: journal could not commit: StorageError: {DISK_ERROR} \(journal\.sqlite\)"
+    assert re.fullmatch(expected, line), line
 
 
 async def test_slow_journal_commit_is_still_answered(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ Scenarios: STORE-n in specs/storage.md, FOLD-n in specs/folding.md.
 from __future__ import annotations
 
 import logging
+import re
 import sqlite3
 import threading
 from contextlib import closing
@@ -16,6 +17,7 @@ import attrs
 import orjson
 import pytest
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
+from _disk import DISK_ERROR, files_limited_to
 
 from healthlog import clock, faults
 from healthlog.fold import NO_LAYER
@@ -258,6 +260,27 @@ def test_unreadable_journal_leaves_the_delivery_pending_store_17(
 
     assert report.outcome_class is OutcomeClass.UNWRITTEN
     assert rows(store.path) == before
+
+
+def test_a_fold_the_disk_cannot_hold_names_the_error_and_the_file_store_32(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STORE-32: a fold whose writes the disk refuses reports UNWRITTEN with one WARNING that
+    names SQLite's error and the store's file; once there is room, the same fold goes through."""
+    meta = append(journal, delivery(FOUR_HOURS))
+    before = rows(store.path)
+
+    with caplog.at_level(logging.WARNING, "healthlog"), files_limited_to(4096):
+        report = fold(journal, store, meta, epoch)
+
+    assert report.outcome_class is OutcomeClass.UNWRITTEN
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert re.fullmatch(
+        rf"delivery {meta.id}: fold not written: StorageError: {DISK_ERROR} \(store\.sqlite\)",
+        warning,
+    ), warning
+    assert rows(store.path) == before
+    assert fold(journal, store, meta, epoch).outcome_class is OutcomeClass.DONE
 
 
 @pytest.mark.parametrize("points", [4, 200], ids=["identity", "zlib"])

@@ -20,7 +20,7 @@ from actors.runtime import Runtime
 from healthlog import documents
 from healthlog.config import ServeConfig
 from healthlog.content import content_digest
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import (
     BodyEncoder,
     EncodedBody,
@@ -208,7 +208,7 @@ class IntakeEndpoint:
         except IdempotencyCollision:
             return _answer(422, _error("ACTION_ID_COLLISION"))
         except StorageError as exc:
-            log.warning("intake: journal could not commit: %s", type(exc).__name__)
+            log.warning("intake: journal could not commit: %s", describe(exc))
             return _answer(503, _error("JOURNAL_UNAVAILABLE"), ((b"retry-after", RETRY_AFTER_S),))
         return _answer(200, _receipt(receipt), _replayed(receipt))
 

@@ -23,6 +23,7 @@ __all__ = [
     "StorageError",
     "classify",
     "connect",
+    "describe",
     "migrate",
     "write_transaction",
 ]
@@ -31,10 +32,32 @@ _log = logging.getLogger(__name__)
 
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
+# What SQLite's primary result codes mean (sqlite3_errstr), for those a storage failure has.
+_MEANINGS = {
+    3: "access permission denied",
+    5: "database is locked",
+    6: "database table is locked",
+    7: "out of memory",
+    8: "attempt to write a readonly database",
+    10: "disk I/O error",
+    11: "database disk image is malformed",
+    13: "database or disk is full",
+    14: "unable to open database file",
+    15: "locking protocol",
+    26: "file is not a database",
+}
 
 
 class StorageError(Exception):
-    """A storage operation failed."""
+    """A storage operation failed.
+
+    ``kind`` is SQLite's error name and what it means (``SQLITE_FULL: database or disk is full``)
+    when SQLite raised it (:func:`classify`), and ``file`` the name of the database file once a
+    connection's guard has seen it pass; :func:`describe` puts both in a log line.
+    """
+
+    kind: str | None = None
+    file: str | None = None
 
 
 class Deferred(StorageError):
@@ -102,7 +125,10 @@ def connect(
 
 def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     """``error``, naming the file that could not be opened (a data directory has several)."""
-    return type(error)(f"{error} ({os.fspath(path)})")
+    opening = type(error)(f"{error} ({os.fspath(path)})")
+    opening.kind = error.kind
+    opening.file = os.path.basename(path)
+    return opening
 
 
 def classify(exc: sqlite3.Error) -> StorageError:
@@ -112,20 +138,42 @@ def classify(exc: sqlite3.Error) -> StorageError:
     text, so extended codes such as SQLITE_BUSY_RECOVERY (261) count as busy.
     """
     code = getattr(exc, "sqlite_errorcode", None)
-    if isinstance(code, int) and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED):
-        return Deferred(f"database busy: {exc}")
-    return StorageError(f"database error: {exc}")
+    error = (
+        Deferred(f"database busy: {exc}")
+        if isinstance(code, int) and code & 0xFF in (_SQLITE_BUSY, _SQLITE_LOCKED)
+        else StorageError(f"database error: {exc}")
+    )
+    name = getattr(exc, "sqlite_errorname", None)
+    if isinstance(name, str) and isinstance(code, int):
+        meaning = _MEANINGS.get(code & 0xFF)
+        error.kind = f"{name}: {meaning}" if meaning else name
+    return error
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` for a log line: its type and, for a :class:`StorageError`, SQLite's error name
+    and meaning and the file when known (``StorageError: SQLITE_FULL: database or disk is full
+    (store.sqlite)``). Never the exception's message, which may quote what it was given."""
+    parts = [type(exc).__name__]
+    if isinstance(exc, StorageError):
+        if exc.kind:
+            parts.append(exc.kind)
+        if exc.file:
+            return f"{': '.join(parts)} ({exc.file})"
+    return ": ".join(parts)
 
 
 class ConnectionGuard:
-    """The lock of a connection shared by worker threads.
+    """The lock of a connection to the file ``path`` shared by worker threads.
 
     SQLite errors raised inside it come out classified (:func:`classify`), so no caller
-    ever sees a raw ``sqlite3.Error``.
+    ever sees a raw ``sqlite3.Error``, and every :class:`StorageError` leaving it names the
+    file (``file``) unless it named one already.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self._lock = threading.Lock()
+        self._file = os.path.basename(path)
 
     def __enter__(self) -> None:
         self._lock.acquire()
@@ -133,7 +181,11 @@ class ConnectionGuard:
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         self._lock.release()
         if isinstance(exc, sqlite3.Error):
-            raise classify(exc) from exc
+            error = classify(exc)
+            error.file = self._file
+            raise error from exc
+        if isinstance(exc, StorageError) and exc.file is None:
+            exc.file = self._file
 
 
 @contextlib.contextmanager
@@ -257,7 +309,7 @@ class Database:
             page_size=self.PAGE_SIZE,
             journal_mode=self.JOURNAL_MODE,
         )
-        self._lock = ConnectionGuard()
+        self._lock = ConnectionGuard(path)
         try:
             if not durable:
                 self._conn.execute("PRAGMA synchronous = OFF")

@@ -16,7 +16,6 @@ import io
 import logging
 import os
 import sqlite3
-import threading
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +28,7 @@ import attrs
 from healthlog.clock import now_us
 from healthlog.content import content_digest
 from healthlog.storage._sqlite import (
+    ConnectionGuard,
     StorageError,
     classify,
     connect,
@@ -335,7 +335,7 @@ class Journal:
         self.path = os.fspath(path)
         self._clock = clock
         self._compress_min_bytes = compress_min_bytes
-        self._lock = threading.Lock()
+        self._lock = ConnectionGuard(self.path)
         self._stats = JournalStatistics()
         self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
         try:

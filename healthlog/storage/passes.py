@@ -16,7 +16,7 @@ import attrs
 from healthlog import clock
 from healthlog.fold import BudgetExceeded
 from healthlog.folding import FoldPass
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.store import Store
 
@@ -99,7 +99,7 @@ def run_pass(
     try:
         folding = FoldPass(pending(journal, store))
     except StorageError as exc:
-        log.error("folding pass: selection failed: %s", type(exc).__name__)
+        log.error("folding pass: selection failed: %s", describe(exc))
         failed: FoldPass[DeliveryMeta] = FoldPass([])
         failed.stopped_because = "selection_failed"
         return failed
@@ -132,4 +132,4 @@ def write_marks(
         if folding.reached_end:
             store.set_mark(FIRST_PASS_MARK, True)
     except StorageError as exc:
-        log.warning("folding pass: lag mark not written: %s", type(exc).__name__)
+        log.warning("folding pass: lag mark not written: %s", describe(exc))

@@ -40,6 +40,7 @@ from healthlog.storage._sqlite import (
     Deferred,
     StorageError,
     connect,
+    describe,
     read_transaction,
     write_transaction,
 )
@@ -358,7 +359,7 @@ class Store(_objects.ObjectDatabase):
             log.error("delivery %d: body does not match its sha256", meta.id)
             return self.fail(meta, epoch, "body does not match its sha256")
         except StorageError as exc:
-            log.warning("delivery %d: body not readable: %s", meta.id, type(exc).__name__)
+            log.warning("delivery %d: body not readable: %s", meta.id, describe(exc))
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
         except Exception as exc:
             # No memory to inflate a large body, say: failed like a fold that breaks, or the
@@ -376,7 +377,7 @@ class Store(_objects.ObjectDatabase):
         except BudgetExceeded:
             return self.fail(meta, epoch, OVER_BUDGET)
         except StorageError as exc:
-            log.warning("delivery %d: fold not written: %s", meta.id, type(exc).__name__)
+            log.warning("delivery %d: fold not written: %s", meta.id, describe(exc))
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
         except Exception as exc:
             log.error("delivery %d: fold failed: %s", meta.id, type(exc).__name__)
@@ -491,7 +492,7 @@ class Store(_objects.ObjectDatabase):
         except Fenced:
             return FoldReport(meta.id, OutcomeClass.FENCED)
         except StorageError as exc:
-            log.warning("delivery %d: outcome not written: %s", meta.id, type(exc).__name__)
+            log.warning("delivery %d: outcome not written: %s", meta.id, describe(exc))
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
         return FoldReport(meta.id, OutcomeClass.DONE, FAILED, reason)
 
