@@ -710,6 +710,24 @@ async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(
     assert re.fullmatch(expected, line), line
 
 
+async def test_metrics_count_failed_journal_commits_and_show_the_process_serve_42(
+    tmp_path: Path,
+) -> None:
+    """SERVE-42: a journal commit the disk refuses is counted in `/metrics`, which also shows the
+    serving process's resident memory, open files and CPU time."""
+    async with serving(tmp_path / "data") as service:
+        before = await metric_samples(service.client)
+        with files_limited_to(4096):
+            refused = await service.post(HEART_RATE)
+        after = await metric_samples(service.client)
+    assert refused.status_code == 503
+    failures = ("healthlog_journal_commit_failures_total", frozenset())
+    assert (before[failures], after[failures]) == (0, 1)
+    for name in ("process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total"):
+        assert after[(name, frozenset())] > 0, name
+    assert any(name == "python_info" for name, _ in after)
+
+
 async def test_slow_journal_commit_is_still_answered(tmp_path: Path) -> None:
     """SERVE-24: the journal is write-locked for 2 s with `body_timeout_s = 1`."""
     async with serving(tmp_path / "data", body_timeout_s=1) as service:

@@ -6,7 +6,12 @@ import functools
 from collections.abc import Iterator
 
 import attrs
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -91,6 +96,11 @@ class _Snapshot(Collector):
             value=self.statistics.intake.accepted,
         )
         yield CounterMetricFamily(
+            "healthlog_journal_commit_failures",
+            "Journal commits that failed (each refused its deliveries with 503)",
+            value=self.statistics.journal.errors,
+        )
+        yield CounterMetricFamily(
             "healthlog_actor_crashes",
             "Actor crashes",
             value=sum(self.statistics.crashes.values()),
@@ -107,8 +117,12 @@ def _read(journal: Journal, store: Store) -> tuple[Status, dict[str, int]]:
 
 
 async def render_metrics(runtime: Runtime) -> bytes:
-    """The exposition text, from one read of status and counters in the store's worker thread."""
+    """The exposition text, from one read of status and counters in the store's worker thread,
+    with the serving process's own figures (``process_*``: RSS, open files, CPU) and Python's
+    version (``python_info``)."""
     status, totals = await runtime.read_store(functools.partial(_read, runtime.journal))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Snapshot(status, runtime.statistics(), totals))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
     return generate_latest(registry)
