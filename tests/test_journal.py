@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from healthlog.storage import _sqlite
-from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred, StorageError
 from healthlog.storage.journal import (
     CorruptBody,
     IdempotencyCollision,
@@ -721,3 +721,23 @@ def test_metadata_of_a_run_and_the_span_up_to_a_position_journal_30(journal: Jou
     assert journal.span_through((200, third)) == (2, first + third)
     assert journal.span_through((100, first - 1)) == (0, 0)
     assert journal.span_through((300, second)) == (3, first + second + third)
+
+
+def test_a_wal_grown_by_a_large_commit_shrinks_after_a_checkpoint_journal_32(
+    tmp_path: Path,
+) -> None:
+    """JOURNAL-32: a delivery larger than WAL_SIZE_LIMIT grows the WAL past it; once another
+    connection has checkpointed it, the next append cuts it back to at most WAL_SIZE_LIMIT."""
+    path = tmp_path / "journal.sqlite"
+    wal = tmp_path / "journal.sqlite-wal"
+    large = random.Random(32).randbytes(WAL_SIZE_LIMIT + 8 * 2**20)
+    with Journal(path) as journal:
+        journal.append(NewDelivery(body=large, client="phone"))
+        grown = wal.stat().st_size
+        with closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        journal.append(NewDelivery(body=b'{"n": 1}', client="phone"))
+        shrunk = wal.stat().st_size
+        assert journal.read_body(2) == b'{"n": 1}'
+    assert grown > len(large)
+    assert shrunk <= WAL_SIZE_LIMIT

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Self
 
 __all__ = [
+    "WAL_SIZE_LIMIT",
     "ConnectionGuard",
     "Database",
     "Deferred",
@@ -29,6 +30,13 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+WAL_SIZE_LIMIT = 16 * 2**20
+"""What a writer's WAL file is cut back to when a write restarts it after a checkpoint
+(``journal_size_limit``): without it a WAL keeps the size of the largest transaction it ever held
+(a large fold, a reindex) until the last connection closes. It is no less than the WAL at which
+SQLite checkpoints by itself (1000 pages: 4 MiB at 4 KiB pages, 16 MiB at the replica's 16 KiB),
+so ordinary writing never cuts and regrows it."""
 
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
@@ -74,9 +82,10 @@ def connect(
 ) -> sqlite3.Connection:
     """Open ``path`` with healthlog's settings.
 
-    Autocommit mode, WAL, ``synchronous=FULL`` (every commit is fsync'd), foreign keys on, and a
-    busy timeout. ``readonly`` opens the file through a ``mode=ro`` URI; a read-only connection
-    leaves the journal mode alone (WAL is a property of the file, set by its writers). Another
+    Autocommit mode, WAL, ``synchronous=FULL`` (every commit is fsync'd), foreign keys on, a busy
+    timeout, and a writer's WAL cut back to :data:`WAL_SIZE_LIMIT` once it has been checkpointed.
+    ``readonly`` opens the file through a ``mode=ro`` URI; a read-only connection leaves the
+    journal mode alone (WAL is a property of the file, set by its writers). Another
     ``journal_mode`` is only for a file thrown away when anything fails (a rebuild's scratch
     file). The connection may be used from any thread (``check_same_thread=False``): callers
     guard it with a lock.
@@ -113,6 +122,7 @@ def connect(
                 raise StorageError(
                     f"cannot switch the database to {journal_mode} (journal_mode={mode})"
                 )
+            conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
     except BaseException as exc:
