@@ -26,6 +26,7 @@ import pytest
 import trio
 from _bodies import append, delivery, point, rows
 from _bodies import body as storage_body
+from _disk import files_limited_to
 from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
@@ -420,6 +421,40 @@ async def test_cursor_older_than_window(tmp_path: Path) -> None:
             await post(service, small(400))
             assert consecutive(await receive(ws, 2), manifest.seq)
         assert rows(service.data.journal_path)["deliveries"] != journal_before["deliveries"]
+
+
+async def test_a_snapshot_the_disk_cannot_hold_is_refused_cleanly_stream_58(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-58: while snapshot files cannot be written (a real EFBIG), a subscriber whose
+    cursor is too old is closed with 1011 and no frame, and `GET /v1/snapshots` answers 503
+    SNAPSHOT_UNAVAILABLE with Retry-After; each logs one WARNING naming the errno, nothing is
+    logged at ERROR; once there is room, both get their snapshot."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, *range(0, 360, 60))
+        await prune(service.data, keep=4)
+        with caplog.at_level(logging.WARNING), files_limited_to(64):
+            async with subscribe(service, after=0) as ws:
+                frames: list[str | bytes] = []
+                with trio.fail_after(10), contextlib.suppress(ConnectionClosed):
+                    frames.append(await ws.get_message())
+                assert ws.closed is not None
+                closed = ws.closed.code
+            latest = await service.get("/v1/snapshots")
+        async with subscribe(service, after=0) as ws:
+            frame, code = await refusal(ws)
+        built = await service.get("/v1/snapshots")
+    assert (frames, closed) == ([], 1011)
+    assert latest.status_code == 503
+    assert latest.json() == {"error": "SNAPSHOT_UNAVAILABLE"}
+    assert latest.headers["retry-after"] == "60"
+    assert [r.getMessage() for r in caplog.records if "snapshot" in r.getMessage()] == [
+        "stream: no snapshot for a cursor too old: OSError: EFBIG",
+        "snapshot not built: OSError: EFBIG",
+    ]
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert (frame["code"], code, frame["snapshot"]["seq"]) == ("CURSOR_TOO_OLD", 4410, total)
+    assert built.status_code == 200
 
 
 async def test_a_hole_in_the_events_is_never_skipped_stream_40(tmp_path: Path) -> None:

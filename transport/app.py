@@ -24,6 +24,7 @@ from healthlog import documents
 from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject
+from healthlog.storage._sqlite import StorageError
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
@@ -31,7 +32,7 @@ from transport.auth import TokenCache, presented_token
 from transport.intake import INTAKE_PATH, IntakeEndpoint
 from transport.metrics import render_metrics
 from transport.snapshots import SnapshotService
-from transport.stream import HUB_ACTOR, EventHub, StreamEndpoint
+from transport.stream import HUB_ACTOR, EventHub, StreamEndpoint, snapshot_failure
 
 JSONL = "application/x-ndjson"
 STREAM_PATH = "/v1/stream"
@@ -40,6 +41,7 @@ SQLITE_MAX_INTEGER = 2**63 - 1
 RESPONSE_TIMEOUT_S = 60.0
 
 log = logging.getLogger("healthlog.http")
+SNAPSHOT_RETRY_AFTER_S = "60"
 
 
 def _json(document: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -283,7 +285,12 @@ def create_app(
     async def snapshot_latest() -> Response:
         if await client() is None:
             return unauthorized()
-        return _json(await snapshots.covering(0))
+        try:
+            manifest = await snapshots.covering(0)
+        except (OSError, StorageError) as exc:
+            log.warning("snapshot not built: %s", snapshot_failure(exc))
+            return _error("SNAPSHOT_UNAVAILABLE", 503, {"Retry-After": SNAPSHOT_RETRY_AFTER_S})
+        return _json(manifest)
 
     @app.get("/v1/snapshots/<int:seq>")
     async def snapshot_file(seq: int) -> Response:

@@ -37,6 +37,7 @@ server going away (on shutdown), 1011 the store cannot be read (no error frame).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import urllib.parse
@@ -51,7 +52,7 @@ from actors.runtime import Runtime
 from healthlog import faults
 from healthlog.objects import HourlyObject, to_wire
 from healthlog.snapshots import Manifest
-from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Event, Store
 
 log = logging.getLogger("healthlog.stream")
@@ -125,6 +126,15 @@ class EventHub:
     async def wait_beyond(self, seq: int) -> None:
         while self.head <= seq:
             await self._moved.wait()
+
+
+def snapshot_failure(exc: OSError | StorageError) -> str:
+    """Why a snapshot could not be built, for a log line: an OSError's type and errno name
+    (``OSError: ENOSPC``), a storage error as :func:`describe` gives it; never a path."""
+    if isinstance(exc, OSError):
+        name = "no errno" if exc.errno is None else errno.errorcode.get(exc.errno, str(exc.errno))
+        return f"{type(exc).__name__}: {name}"
+    return describe(exc)
 
 
 class StreamRefused(Exception):
@@ -282,7 +292,13 @@ class StreamEndpoint:
         return _Subscription(token, name, after, after)
 
     async def _too_old(self, after: int) -> None:
-        manifest = await self.snapshot_for(after)
+        """CURSOR_TOO_OLD with a snapshot; a snapshot that cannot be built (a full disk) closes
+        with 1011 and no frame, and the subscriber tries again later."""
+        try:
+            manifest = await self.snapshot_for(after)
+        except (OSError, StorageError) as exc:
+            log.warning("stream: no snapshot for a cursor too old: %s", snapshot_failure(exc))
+            raise StreamRefused("SNAPSHOT_UNAVAILABLE", CLOSE_STORE_ERROR, frame=False) from None
         raise StreamRefused(
             "CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, {"snapshot": attrs.asdict(manifest)}
         )
