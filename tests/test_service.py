@@ -714,13 +714,16 @@ async def test_metrics_count_failed_journal_commits_and_show_the_process_serve_4
     tmp_path: Path,
 ) -> None:
     """SERVE-42: a journal commit the disk refuses is counted in `/metrics`, which also shows the
-    serving process's resident memory, open files and CPU time."""
+    serving process's resident memory, open files and CPU time; /readyz stays 200."""
     async with serving(tmp_path / "data") as service:
+        await service.wait_folded()
         before = await metric_samples(service.client)
         with files_limited_to(4096):
             refused = await service.post(HEART_RATE)
         after = await metric_samples(service.client)
+        ready = await service.client.get("/readyz")
     assert refused.status_code == 503
+    assert ready.status_code == 200
     failures = ("healthlog_journal_commit_failures_total", frozenset())
     assert (before[failures], after[failures]) == (0, 1)
     for name in ("process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total"):
