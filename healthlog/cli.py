@@ -38,7 +38,13 @@ from healthlog.storage.store import (
     default_holder,
 )
 from healthlog.storage.tokens import TokenError
-from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
+from healthlog.timestamps import (
+    TIMESTAMP_EXAMPLE,
+    TimestampError,
+    format_instant,
+    hour_of,
+    parse_instant,
+)
 
 IMPORT_CLIENT = "cli:import"
 T = TypeVar("T")
@@ -100,7 +106,9 @@ def _instant(value: str) -> int:
     try:
         return parse_instant(value)
     except TimestampError as exc:
-        raise argparse.ArgumentTypeError(f"not a timestamp: {exc}") from None
+        raise argparse.ArgumentTypeError(
+            f"not a timestamp: {exc} (for example {TIMESTAMP_EXAMPLE})"
+        ) from None
 
 
 def _layer(value: str) -> str:
@@ -132,9 +140,10 @@ def _duration(value: str) -> float:
 
 def _stored_layer(value: str) -> str:
     """A layer objects are stored under: an automation's, or ``records`` (sections)."""
-    if value.strip().lower() == layers.RECORDS:
-        return layers.RECORDS
-    return _layer(value)
+    layer = layers.stored_layer(value)
+    if layer is None:
+        raise argparse.ArgumentTypeError(f"choose one of {layers.STORED_LAYERS_TEXT}")
+    return layer
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -487,7 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")
     p.add_argument("files", nargs="+", metavar="FILE")
 
-    p = command("seal", cmd_seal, "mark the hours before an instant final (late writes warn)")
+    p = command(
+        "seal",
+        cmd_seal,
+        "mark the hours before an instant final (late writes warn)",
+        needs_data=True,
+    )
     p.add_argument("--before", type=_instant, required=True, help="seal hours ending by then")
     p.add_argument("--metric", default=None, help="only this metric (or record section)")
     p.add_argument("--layer", type=_stored_layer, default=None, help="only this layer")
@@ -495,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("export", cmd_export, "write stored points to stdout", needs_data=True)
     p.add_argument("--metric", default=None)
-    p.add_argument("--layer", default=None)
+    p.add_argument("--layer", type=_stored_layer, default=None)
     p.add_argument("--from", dest="start_from", type=_instant, default=None)
     p.add_argument("--to", dest="start_to", type=_instant, default=None)
     p.add_argument("--format", choices=FORMATS, default="jsonl")
@@ -530,7 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("name", metavar="NAME")
         # Absent here, the value given after ``token`` (or None) stands.
         p.add_argument("--data", type=Path, default=argparse.SUPPRESS, help="data directory")
-        p.set_defaults(func=cmd_token, needs_data=False)
+        # Only ``add`` makes a data directory (before ``serve``, say); ``list`` and ``revoke``
+        # of a mistyped one say so instead of making it.
+        p.set_defaults(func=cmd_token, needs_data=action != "add")
 
     p = command("chaos", cmd_chaos, "the fault-injection harness against real serve processes")
     p.add_argument("--seed", type=int, default=1)

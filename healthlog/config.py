@@ -1,59 +1,138 @@
 """Service configuration: flags over ``HEALTHLOG_*`` environment variables over the
-``[serve]`` table of ``healthlog.toml`` in the data directory, over defaults."""
+``[serve]`` table of ``healthlog.toml`` in the data directory, over defaults.
+
+Every setting is checked before anything starts: a value of the wrong kind (a port with a
+fraction, ``true`` for a number) or out of its range is refused with one line naming the
+setting, where it came from and what it accepts. The upper bounds are where healthlog would
+otherwise fail later, while serving: the kernel's limit on ``TCP_USER_TIMEOUT``, and the
+microseconds of the lease's expiry and of the event window's age in a SQLite integer.
+"""
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
-import cattrs
 
-from healthlog.documents import converter
 from healthlog.logs import LEVELS
 
 LOG_FORMATS = ("kv", "json")
+SQLITE_MAX_INTEGER = 2**63 - 1
+TCP_USER_TIMEOUT_MAX_S = (2**31 - 1) // 1000
+"""Linux takes ``TCP_USER_TIMEOUT`` (``stream_send_timeout_s``) in milliseconds, a C int."""
+LEASE_TTL_MAX_S = 10**9
+"""The lease's expiry is stored in microseconds since the epoch, a SQLite integer."""
+WINDOW_DAYS_MAX = 10**6
+"""The event window's cutoff is now less the window's age in microseconds, a SQLite integer."""
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names the setting."""
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    """A finite number above zero."""
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{attribute.name} must be a finite number above zero")
+def _words(choices: tuple[str, ...]) -> str:
+    return ", ".join(choices[:-1]) + " or " + choices[-1]
 
 
-# Settings whose values are words, taken in any case (``INFO``, ``Json``).
-_ANY_CASE = frozenset({"log_format", "log_level"})
-_PORT = attrs.validators.and_(attrs.validators.ge(0), attrs.validators.le(65535))
+@attrs.frozen
+class Accepts:
+    """What a setting accepts: a ``kind`` of value, one of ``choices``, or within ``low`` (or
+    above it, when ``above``) to ``high``; ``text`` says it to a person."""
+
+    kind: type
+    text: str
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+    choices: tuple[str, ...] | None = None
+
+    def __call__(self, instance: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        """An attrs validator."""
+        if not self.takes(value):
+            raise ValueError(f"{attribute.name} must be {self.text}")
+
+    def takes(self, value: Any) -> bool:
+        if isinstance(value, bool) or not isinstance(value, self.kind):
+            return False
+        if isinstance(value, str):
+            if self.choices is not None:
+                return value in self.choices
+            # A host: never empty, which would listen on every interface unasked.
+            return bool(value) and not any(c.isspace() for c in value)
+        if not isinstance(value, int | float):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value <= self.low if self.above else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+
+def _seconds(high: int | None = None) -> Accepts:
+    text = "a number of seconds above zero" + ("" if high is None else f", at most {high:,}")
+    return Accepts(float, text, 0, high, above=True)
+
+
+def _choice(choices: tuple[str, ...]) -> Accepts:
+    return Accepts(str, _words(choices), choices=choices)
 
 
 @attrs.frozen
 class ServeConfig:
     """Everything ``healthlog serve`` can be told."""
 
-    host: str = "127.0.0.1"
-    port: int = attrs.field(default=8787, validator=_PORT)
-    max_body_mib: float = attrs.field(default=256.0, validator=_positive)
-    log_format: str = attrs.field(default="kv", validator=attrs.validators.in_(LOG_FORMATS))
-    log_level: str = attrs.field(default="info", validator=attrs.validators.in_(LEVELS))
-    wake_period_s: float = attrs.field(default=60.0, validator=_positive)
-    lease_ttl_s: float = attrs.field(default=15.0, validator=_positive)
-    lease_renew_s: float = attrs.field(default=5.0, validator=_positive)
-    fold_budget_s: float = attrs.field(default=60.0, validator=_positive)
-    fold_budget_per_mib_s: float = attrs.field(default=1.0, validator=_positive)
-    body_timeout_s: float = attrs.field(default=60.0, validator=_positive)
-    graceful_timeout_s: float = attrs.field(default=20.0, validator=_positive)
-    keep_alive_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    stream_send_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    stream_window_events: int = attrs.field(default=100_000, validator=_positive)
-    stream_window_days: float = attrs.field(default=30.0, validator=_positive)
+    host: str = attrs.field(
+        default="127.0.0.1",
+        validator=Accepts(str, "a host name or IP address (0.0.0.0 for every interface)"),
+    )
+    port: int = attrs.field(
+        default=8787, validator=Accepts(int, "a whole number from 0 to 65535", 0, 65535)
+    )
+    max_body_mib: float = attrs.field(
+        converter=float,
+        default=256.0,
+        validator=Accepts(float, "a number of MiB above zero", 0, above=True),
+    )
+    log_format: str = attrs.field(default="kv", validator=_choice(LOG_FORMATS))
+    log_level: str = attrs.field(default="info", validator=_choice(LEVELS))
+    wake_period_s: float = attrs.field(converter=float, default=60.0, validator=_seconds())
+    lease_ttl_s: float = attrs.field(
+        converter=float, default=15.0, validator=_seconds(LEASE_TTL_MAX_S)
+    )
+    lease_renew_s: float = attrs.field(
+        converter=float, default=5.0, validator=_seconds(LEASE_TTL_MAX_S)
+    )
+    fold_budget_s: float = attrs.field(converter=float, default=60.0, validator=_seconds())
+    fold_budget_per_mib_s: float = attrs.field(converter=float, default=1.0, validator=_seconds())
+    body_timeout_s: float = attrs.field(converter=float, default=60.0, validator=_seconds())
+    graceful_timeout_s: float = attrs.field(converter=float, default=20.0, validator=_seconds())
+    keep_alive_timeout_s: float = attrs.field(converter=float, default=30.0, validator=_seconds())
+    stream_send_timeout_s: float = attrs.field(
+        converter=float, default=30.0, validator=_seconds(TCP_USER_TIMEOUT_MAX_S)
+    )
+    stream_window_events: int = attrs.field(
+        default=100_000,
+        validator=Accepts(
+            int, f"a whole number from 1 to {SQLITE_MAX_INTEGER}", 1, SQLITE_MAX_INTEGER
+        ),
+    )
+    stream_window_days: float = attrs.field(
+        converter=float,
+        default=30.0,
+        validator=Accepts(
+            float,
+            f"a number of days above zero, at most {WINDOW_DAYS_MAX:,}",
+            0,
+            WINDOW_DAYS_MAX,
+            above=True,
+        ),
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.lease_renew_s >= self.lease_ttl_s:
@@ -64,15 +143,58 @@ class ServeConfig:
         return int(self.max_body_mib * 2**20)
 
 
+def accepts(name: str) -> Accepts:
+    """What setting ``name`` accepts."""
+    validator = attrs.fields_dict(ServeConfig)[name].validator
+    assert isinstance(validator, Accepts)
+    return validator
+
+
+# Settings whose values are words, taken in any case (``INFO``, ``Json``).
+_ANY_CASE = frozenset({"log_format", "log_level"})
+_WHOLE = re.compile(r"[+-]?[0-9]+")
+_SHOWN_CHARS = 40
+
+
+def _value(name: str, raw: object) -> object:
+    """``raw`` (from the file, or a string from the environment or a flag) as setting ``name``
+    holds it, for its validator to judge; ValueError when it is not even of the setting's
+    kind. A truth value is never a number, nor a number with a fraction a whole number."""
+    kind = accepts(name).kind
+    if isinstance(raw, bool):
+        raise ValueError(name)
+    if kind is str:
+        if not isinstance(raw, str):
+            raise ValueError(name)
+        return raw.lower() if name in _ANY_CASE else raw
+    if isinstance(raw, str):
+        text = raw.strip()
+        if kind is int and not _WHOLE.fullmatch(text):
+            raise ValueError(name)
+        return kind(text)
+    if kind is int and not isinstance(raw, int):
+        raise ValueError(name)
+    if not isinstance(raw, int | float):
+        raise ValueError(name)
+    return kind(raw)
+
+
+def _shown(value: object) -> str:
+    """The refused value, cut short: one line however long it was."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
 def load_serve_config(
     config_file: Path, flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ
 ) -> ServeConfig:
     """Merge the layers; unknown keys in the file are an error, not silently ignored."""
-    merged: dict[str, Any] = {}
+    merged: dict[str, tuple[object, str]] = {}
     if config_file.exists():
         try:
             document = tomllib.loads(config_file.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:
+            # TOMLDecodeError, UnicodeDecodeError, or an integer too long for Python to read.
             raise ConfigError(f"{config_file}: {exc}") from None
         outside = set(document) - {"serve"}
         if outside:
@@ -85,25 +207,28 @@ def load_serve_config(
         unknown = set(table) - set(attrs.fields_dict(ServeConfig))
         if unknown:
             raise ConfigError(f"{config_file}: unknown settings {sorted(unknown)}")
-        merged.update(table)
+        merged.update((name, (value, str(config_file))) for name, value in table.items())
     for name in attrs.fields_dict(ServeConfig):
-        value = environ.get(f"HEALTHLOG_{name.upper()}")
-        if value is not None:
-            merged[name] = value
-    merged.update({k: v for k, v in flags.items() if v is not None})
-    fields = attrs.fields_dict(attrs.resolve_types(ServeConfig))
-    values = {}
-    for name, value in merged.items():
-        field = fields[name]
-        assert field.type is not None
+        variable = f"HEALTHLOG_{name.upper()}"
+        if variable in environ:
+            merged[name] = (environ[variable], variable)
+    merged.update(
+        (name, (value, "--" + name.replace("_", "-")))
+        for name, value in flags.items()
+        if value is not None
+    )
+    fields = attrs.fields_dict(ServeConfig)
+    values: dict[str, Any] = {}
+    for name, (raw, source) in merged.items():
+        rule = accepts(name)
         try:
-            values[name] = converter.structure(value, field.type)
-            if name in _ANY_CASE:
-                values[name] = values[name].lower()
-            if field.validator is not None:
-                field.validator(None, field, values[name])
-        except (cattrs.BaseValidationError, ValueError, TypeError):
-            raise ConfigError(f"invalid {name}: {value!r}") from None
+            value = _value(name, raw)
+            rule(None, fields[name], value)
+        except (ValueError, OverflowError):
+            raise ConfigError(
+                f"invalid {name}: {_shown(raw)} (from {source}); it must be {rule.text}"
+            ) from None
+        values[name] = value
     try:
         return ServeConfig(**values)
     except ValueError as exc:

@@ -18,6 +18,9 @@ from healthlog.timestamps import TimestampError
 
 LAYERS = ("seconds", "minutes", "hours", "days", "weeks", "months", "years", "default")
 RECORDS = "records"
+STORED_LAYERS = (*LAYERS, RECORDS)
+"""Every layer an object can be stored under: an automation's, or the sections' ``records``."""
+STORED_LAYERS_TEXT = ", ".join(STORED_LAYERS)
 
 _SECOND = 1_000_000
 _DAY = 86_400 * _SECOND
@@ -46,6 +49,12 @@ def layer_from_header(value: str | None) -> str | None:
         return None
     layer = value.strip().lower()
     return layer if layer in LAYERS else None
+
+
+def stored_layer(value: str) -> str | None:
+    """The stored layer ``value`` names in any case (``Minutes``, ``RECORDS``), or None."""
+    layer = value.strip().lower()
+    return layer if layer in STORED_LAYERS else None
 
 
 def layer_from_spacing(smallest: int | None) -> str | None:

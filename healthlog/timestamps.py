@@ -5,7 +5,14 @@ See specs/timestamps.md for the accepted shapes and the rules.
 
 import re
 
-__all__ = ["US_PER_HOUR", "TimestampError", "format_instant", "hour_of", "parse_instant"]
+__all__ = [
+    "TIMESTAMP_EXAMPLE",
+    "US_PER_HOUR",
+    "TimestampError",
+    "format_instant",
+    "hour_of",
+    "parse_instant",
+]
 
 _US_PER_SECOND = 1_000_000
 _US_PER_MINUTE = 60 * _US_PER_SECOND
@@ -14,6 +21,8 @@ _US_PER_DAY = 24 * US_PER_HOUR
 _MAX_LENGTH = 64
 _MAX_OFFSET_MINUTES = 18 * 60
 _DAYS_IN_MONTH = (0, 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)
+TIMESTAMP_EXAMPLE = "2024-02-06T15:00:00Z"
+"""An instant in the shape healthlog writes, for a message that says what is accepted."""
 
 # The app's own shape, `2024-02-06 07:00:00 -0800`: the fast path.
 _COMMON = re.compile(

@@ -1,11 +1,13 @@
-"""The command line at its edges: a closed pipe, Ctrl-C, and settings out of range
-(specs/cli.md, CLI-25 to CLI-30). Every command runs as a real process."""
+"""The command line at its edges: a closed pipe, Ctrl-C, settings out of range, a data
+directory that does not exist and timestamps or layers it cannot read (specs/cli.md, CLI-25 to
+CLI-40). Most commands run as a real process."""
 
 from __future__ import annotations
 
 import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -213,3 +215,192 @@ def test_token_takes_data_after_its_own_name_and_lists_names_alone_cli_33(
     assert token("revoke", "phone").code == 0
     assert token("list").out.decode().splitlines() == ["watch"]
     assert not (tmp_path / "var").exists()
+
+
+TOML = "healthlog.toml"
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "flags", "says"),
+    [
+        (
+            "port = 70000",
+            {},
+            [],
+            "invalid port: 70000 (from {toml}); it must be a whole number from 0 to 65535",
+        ),
+        ("port = 8080.5", {}, [], "invalid port: 8080.5 (from {toml})"),
+        ("port = true", {}, [], "invalid port: True (from {toml})"),
+        (None, {"HEALTHLOG_PORT": "70000"}, [], "invalid port: '70000' (from HEALTHLOG_PORT)"),
+        (None, {}, ["--port", "70000"], "invalid port: 70000 (from --port)"),
+        (None, {}, ["--host", ""], "invalid host: '' (from --host); it must be a host name"),
+        (
+            'log_level = "loud"',
+            {},
+            [],
+            "invalid log_level: 'loud' (from {toml}); it must be debug, info, warning or error",
+        ),
+        ("max_body_mib = true", {}, [], "invalid max_body_mib: True (from {toml})"),
+        ("stream_window_events = 1.5", {}, [], "invalid stream_window_events: 1.5"),
+        (
+            "stream_window_events = 10000000000000000000000",
+            {},
+            [],
+            "it must be a whole number from 1 to 9223372036854775807",
+        ),
+        (
+            "lease_ttl_s = 1e17",
+            {},
+            [],
+            "invalid lease_ttl_s: 1e+17 (from {toml}); it must be a"
+            " number of seconds above zero, at most 1,000,000,000",
+        ),
+        (
+            "stream_send_timeout_s = 1e7",
+            {},
+            [],
+            "invalid stream_send_timeout_s: 10000000.0"
+            " (from {toml}); it must be a number of seconds above zero, at most 2,147,483",
+        ),
+        (
+            "stream_window_days = 1e300",
+            {},
+            [],
+            "invalid stream_window_days: 1e+300 (from {toml});"
+            " it must be a number of days above zero, at most 1,000,000",
+        ),
+        ('log_format = "' + "x" * 500 + '"', {}, [], "invalid log_format: 'xxxx"),
+    ],
+    ids=[
+        "port-range",
+        "port-fraction",
+        "port-bool",
+        "port-env",
+        "port-flag",
+        "host-empty",
+        "log-level",
+        "body-bool",
+        "events-fraction",
+        "events-beyond-sqlite",
+        "lease-beyond-sqlite",
+        "send-timeout-beyond-kernel",
+        "window-days-beyond-sqlite",
+        "long-value",
+    ],
+)
+def test_serve_refuses_a_setting_of_the_wrong_kind_or_beyond_what_works_cli_37(
+    run_cli: RunCli,
+    tmp_path: Path,
+    toml: str | None,
+    env: dict[str, str],
+    flags: list[str],
+    says: str,
+) -> None:
+    """CLI-37: a setting of the wrong kind (a port with a fraction, `true` for a number, an
+    empty host) or beyond what healthlog can use (a lease, window or send timeout that would
+    overflow later, while serving) stops `serve` with exit 2 and one short line naming the
+    setting, where it came from and what it accepts, before anything starts."""
+    data = tmp_path / "data"
+    data.mkdir()
+    if toml is not None:
+        (data / TOML).write_text(f"[serve]\n{toml}\n")
+    run = run_cli("serve", "--data", data, *flags, env=env)
+    assert run.code == 2
+    one_line_error(run.err, says.format(toml=data / TOML))
+    assert run.err.startswith("healthlog: invalid ")
+    assert len(run.err) < 300
+    assert b"serving" not in run.out
+    assert sorted(path.name for path in data.iterdir()) == ([TOML] if toml is not None else [])
+
+
+def test_serve_that_cannot_listen_names_the_address_cli_38(run_cli: RunCli, tmp_path: Path) -> None:
+    """CLI-38: `serve` on a port another process listens on exits 3 with one line naming the
+    address it could not listen on, and no traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = run_cli("serve", "--port", str(port), "--data", tmp_path / "data")
+    assert run.code == 3
+    assert "Traceback" not in run.err
+    (line,) = [line for line in run.err.splitlines() if line.startswith("healthlog:")]
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in line
+    assert b"serving" not in run.out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["token", "list"],
+        ["token", "revoke", "phone"],
+        ["status"],
+        ["status", "--json"],
+        ["export"],
+        ["verify"],
+        ["reindex"],
+        ["seal", "--before", "2024-02-06T15:00:00Z"],
+    ],
+    ids=lambda args: "-".join(args[:2]),
+)
+def test_a_command_on_a_data_directory_that_does_not_exist_makes_none_cli_39(
+    cli: Cli, tmp_path: Path, args: list[str]
+) -> None:
+    """CLI-39: a command that reads a data directory (or seals what it holds), given one that
+    does not exist (a typo), exits 2 with one line saying so and creates nothing."""
+    missing = tmp_path / "typo" / "data"
+    run = cli(*args, "--data", missing)
+    assert run.code == 2
+    one_line_error(run.err, f"healthlog: no healthlog data in {missing} (give --data DIR)")
+    assert run.out == b""
+    assert not (tmp_path / "typo").exists()
+
+
+def test_token_add_makes_the_data_directory_cli_39(cli: Cli, tmp_path: Path) -> None:
+    """CLI-39: `token add` is how a data directory is begun before `serve` (README), so it
+    makes one that does not exist; `token list` then reads it."""
+    data = tmp_path / "new" / "data"
+    assert cli("token", "add", "phone", "--data", data).code == 0
+    assert cli("token", "list", "--data", data).out == b"phone\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["export", "--from", "garbage"], "--from"),
+        (["export", "--to", "2024-02-30T00:00:00Z"], "--to"),
+        (["import", "--received-at", "yesterday", "x.json"], "--received-at"),
+        (["seal", "--before", "soon"], "--before"),
+    ],
+    ids=["from", "to", "received-at", "before"],
+)
+def test_an_unreadable_timestamp_is_answered_with_an_example_cli_40(
+    cli: Cli, tmp_path: Path, args: list[str], flag: str
+) -> None:
+    """CLI-40: a flag's timestamp that cannot be read exits 2 with a last line naming the flag,
+    why, and an example of an accepted instant."""
+    data = tmp_path / "data"
+    assert cli("token", "add", "phone", "--data", data).code == 0
+    run = cli(args[0], "--data", data, *args[1:])
+    assert run.code == 2
+    last = run.err.splitlines()[-1]
+    assert f"argument {flag}: not a timestamp: " in last
+    assert last.endswith("(for example 2024-02-06T15:00:00Z)")
+
+
+def test_export_layer_names_a_stored_layer_in_any_case_cli_40(cli: Cli, tmp_path: Path) -> None:
+    """CLI-40: `export --layer` that names no layer exits 2 listing the layers (it printed
+    nothing and exited 0, as if there were no points); a layer in another case is that layer."""
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert cli("import", "--aggregation", "minutes", "--data", data, file).code == 0
+    run = cli("export", "--layer", "minuets", "--data", data)
+    assert run.code == 2
+    assert run.out == b""
+    assert run.err.splitlines()[-1].endswith(
+        "argument --layer: choose one of seconds, minutes, hours, days, weeks, months, years,"
+        " default, records"
+    )
+    exported = cli("export", "--layer", "minutes", "--data", data)
+    assert len(exported.out.splitlines()) == 1
+    assert cli("export", "--layer", "MINUTES", "--data", data).out == exported.out
+    assert cli("export", "--layer", "records", "--data", data).out == b""

@@ -158,7 +158,7 @@ async def test_300_mib_body_is_413(tmp_path: Path, caplog: pytest.LogCaptureFixt
             request.stream = stream
             response = await service.client.send(request)
             assert response.status_code == 413
-            assert response.json() == {"error": "BODY_TOO_LARGE"}
+            assert response.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 256}
             await healthy(service)
         assert len(await service.journal()) == 1
         assert await export(service) == before

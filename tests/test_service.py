@@ -47,6 +47,7 @@ from wsproto.events import CloseConnection, Request, TextMessage
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.storage.datadir import DataDir
 from healthlog.timestamps import format_instant
+from transport.refusals import RefusalLog
 
 MiB = 2**20
 HEART_RATE = body(
@@ -292,7 +293,7 @@ async def test_content_length_over_the_limit_is_413(tmp_path: Path) -> None:
             headers = {**service.auth, **CLOSE, "Content-Length": str(size)}
             response = await post_stream(service.client, Drip([b"x" * size]), headers)
             assert response.status_code == 413, size
-            assert response.json() == {"error": "BODY_TOO_LARGE"}
+            assert response.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 1}
         assert await service.journal() == []
         at_limit = b"y" * MiB
         assert (await service.post(at_limit)).status_code == 200
@@ -306,7 +307,7 @@ async def test_chunked_body_over_the_limit_is_413(tmp_path: Path) -> None:
         over = Drip([b"z" * chunk] * (MiB // chunk + 1))
         response = await post_stream(service.client, over, {**service.auth, **CLOSE})
         assert response.status_code == 413
-        assert response.json() == {"error": "BODY_TOO_LARGE"}
+        assert response.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 1}
         assert await service.journal() == []
         at_limit = Drip([b"w" * chunk] * (MiB // chunk))
         response = await post_stream(service.client, at_limit, service.auth)
@@ -608,10 +609,10 @@ async def test_points_equal_the_export(service: Service) -> None:
             expected = await export(service.data, filters, fmt)
             assert response.content == expected, (filters, fmt)
             assert len(expected.splitlines()) > (fmt == "csv"), (filters, fmt)
-    assert (await service.get("/v1/points", format="xml")).json() == {"error": "BAD_FORMAT"}
+    bad_format = await service.get("/v1/points", format="xml")
+    assert (bad_format.status_code, bad_format.json()["error"]) == (400, "BAD_FORMAT")
     bad_time = await service.get("/v1/points", **{"from": "yesterday"})
-    assert bad_time.status_code == 400
-    assert bad_time.json() == {"error": "BAD_TIMESTAMP"}
+    assert (bad_time.status_code, bad_time.json()["error"]) == (400, "BAD_TIMESTAMP")
 
 
 # -- bad input ------------------------------------------------------------------------------
@@ -1116,3 +1117,137 @@ async def test_what_a_peer_sends_wrong_is_never_an_error_serve_39(
             assert (await service.post(small(1))).status_code == 200
     assert [r.getMessage() for r in caplog.records if r.levelno > logging.WARNING] == []
     assert "stream: the websocket handshake failed: ValueError" in caplog.messages
+
+
+# -- what a refused client is told, and what the log says -------------------------------------
+
+
+LONG_VALUE = "2024-02-06T15:00:00Z" + "x" * 2000
+
+
+@pytest.mark.parametrize(
+    ("params", "code", "parameter", "accepted"),
+    [
+        ({"format": "xml"}, "BAD_FORMAT", "format", "jsonl or csv"),
+        ({"format": LONG_VALUE}, "BAD_FORMAT", "format", "jsonl or csv"),
+        (
+            {"layer": "minuets"},
+            "BAD_LAYER",
+            "layer",
+            "seconds, minutes, hours, days, weeks, months, years, default, records",
+        ),
+        (
+            {"from": "garbage"},
+            "BAD_TIMESTAMP",
+            "from",
+            "an ISO 8601 instant such as 2024-02-06T15:00:00Z",
+        ),
+        (
+            {"from": "2024-02-06T15:00:00Z", "to": LONG_VALUE},
+            "BAD_TIMESTAMP",
+            "to",
+            "an ISO 8601 instant such as 2024-02-06T15:00:00Z",
+        ),
+    ],
+    ids=["format", "long-format", "layer", "from", "long-to"],
+)
+async def test_points_with_a_bad_parameter_names_it_and_what_it_accepts_serve_43(
+    service: Service, params: dict[str, str], code: str, parameter: str, accepted: str
+) -> None:
+    """SERVE-43: `/v1/points` with an unknown `format`, a `layer` that names no layer, or a
+    `from` or `to` that is no timestamp answers 400 naming the parameter and what it accepts,
+    without echoing what was sent."""
+    response = await service.get("/v1/points", **params)
+    assert response.status_code == 400
+    assert response.json() == {"error": code, "parameter": parameter, "accepted": accepted}
+    for value in params.values():
+        assert value not in response.text or value == "2024-02-06T15:00:00Z"
+    assert "xxxx" not in response.text
+
+
+async def test_points_layer_in_any_case_is_that_layer_serve_43(service: Service) -> None:
+    """SERVE-43: `layer=MINUTES` is the layer `minutes`, as for `healthlog export`."""
+    assert (await service.post(HEART_RATE, MINUTES)).status_code == 200
+    await service.wait_folded()
+    lower = await service.get("/v1/points", layer="minutes")
+    assert len(lower.content.splitlines()) == 2
+    assert (await service.get("/v1/points", layer="MINUTES")).content == lower.content
+
+
+def refusals_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.name == "healthlog.http" and record.getMessage().startswith("refused ")
+    ]
+
+
+async def test_413_states_the_limit_and_refusals_are_logged_without_secrets_serve_44(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-44: a 413 names the body limit in MiB (`max_body_mib`); each 401 and 413 is logged
+    once at INFO with the route and the client's address and why, never the token, a header's
+    value or the body."""
+    secret = "hl_not-a-client-token-0123456789"
+    async with serving(tmp_path / "data", max_body_mib=0.5) as service:
+        with caplog.at_level(logging.INFO, "healthlog.http"):
+            announced = await service.post(b"x" * MiB, CLOSE)
+            assert announced.status_code == 413
+            assert announced.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 0.5}
+            chunked = Drip([b"y" * (64 * 1024)] * 9)
+            streamed = await post_stream(service.client, chunked, {**service.auth, **CLOSE})
+            assert streamed.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 0.5}
+            wrong = {"Authorization": f"Bearer {secret}", "automation-name": "Anna's iPhone"}
+            assert (await service.client.post("/v1/deliveries", headers=wrong)).status_code == 401
+            assert (await service.client.post("/v1/deliveries", content=b"{}")).status_code == 401
+            assert (await service.client.get("/v1/deliveries/7", headers=wrong)).status_code == 401
+        assert await service.journal() == []
+    over = "the body is over the limit of 0.5 MiB (max_body_mib)"
+    assert refusals_logged(caplog) == [
+        f"refused 413 POST /v1/deliveries from 127.0.0.1: {over}",
+        f"refused 413 POST /v1/deliveries from 127.0.0.1: {over}",
+        "refused 401 POST /v1/deliveries from 127.0.0.1: the token is not a client's"
+        " (mistyped, or revoked)",
+        "refused 401 POST /v1/deliveries from 127.0.0.1: no token (send Authorization: Bearer"
+        " TOKEN, or api-key: TOKEN)",
+        "refused 401 GET /v1/deliveries/<int:delivery_id> from 127.0.0.1: the token is not a"
+        " client's (mistyped, or revoked)",
+    ]
+    logged = "\n".join(caplog.messages)
+    for never in (secret, service.token, "Anna", "xxxx", TOKEN_NAME):
+        assert never not in logged
+
+
+async def test_a_flood_of_401s_logs_a_few_lines_and_counts_the_rest_serve_44(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-44: 300 requests with a wrong token in a burst are logged as at most a handful
+    of lines (a token bucket: 5, then one per 12 s); the next line logged says how many were
+    not."""
+    wrong = {"Authorization": "Bearer hl_wrong"}
+    with caplog.at_level(logging.INFO, "healthlog.http"):
+        for _ in range(300):
+            assert (await service.client.get("/v1/status", headers=wrong)).status_code == 401
+    lines = refusals_logged(caplog)
+    assert 5 <= len(lines) <= 7, lines
+    assert not any("not logged" in line for line in lines[:5])
+    assert 300 - len(lines) >= 290
+
+
+def test_refusal_log_counts_what_it_holds_back_serve_44(caplog: pytest.LogCaptureFixture) -> None:
+    """SERVE-44: the refusal log's bucket: 5 lines at once, then one per 12 s; the line after
+    a held-back run says exactly how many were held back, and a quiet minute refills it."""
+    now = [0.0]
+    refusals = RefusalLog(clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, "healthlog.http"):
+        for _ in range(100):
+            refusals.unauthorized("POST", "/v1/deliveries", "192.0.2.1", presented=True)
+        now[0] += 12.0
+        refusals.unauthorized("POST", "/v1/deliveries", "192.0.2.1", presented=False)
+        now[0] += 60.0
+        for _ in range(5):
+            refusals.refused(413, "POST", "/v1/deliveries", None, "too large")
+    lines = refusals_logged(caplog)
+    assert len(lines) == 11
+    assert lines[5].endswith("TOKEN); 95 more refused requests were not logged before this one")
+    assert lines[6:] == ["refused 413 POST /v1/deliveries from an unknown address: too large"] * 5

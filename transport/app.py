@@ -20,17 +20,24 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import InternalServerError, MethodNotAllowed, NotFound
 
 from actors.runtime import Runtime
-from healthlog import documents
+from healthlog import documents, layers
 from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
-from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
+from healthlog.timestamps import (
+    TIMESTAMP_EXAMPLE,
+    TimestampError,
+    format_instant,
+    hour_of,
+    parse_instant,
+)
 from transport.auth import TokenCache, presented_token
 from transport.intake import INTAKE_PATH, IntakeEndpoint
 from transport.metrics import render_metrics
+from transport.refusals import RefusalLog
 from transport.snapshots import SnapshotService
 from transport.stream import HUB_ACTOR, EventHub, StreamEndpoint, snapshot_failure
 
@@ -51,6 +58,11 @@ def _json(document: Any, status: int = 200, headers: dict[str, str] | None = Non
 
 def _error(code: str, status: int, headers: dict[str, str] | None = None) -> Response:
     return _json({"error": code}, status, headers)
+
+
+def _bad_parameter(code: str, parameter: str, accepted: str) -> Response:
+    """400 naming the query parameter and what it accepts, never echoing what was sent."""
+    return _json({"error": code, "parameter": parameter, "accepted": accepted}, 400)
 
 
 def _streamed(response: Response) -> Response:
@@ -187,6 +199,7 @@ def create_app(
     app = _Http("healthlog")
     app.config["RESPONSE_TIMEOUT"] = response_timeout_s
     hub = EventHub(runtime)
+    refusals = RefusalLog()
 
     @app.errorhandler(NotFound)
     async def not_found(_exc: NotFound) -> Response:
@@ -214,6 +227,12 @@ def create_app(
         return None if presented is None else await tokens.authenticate(presented)
 
     def unauthorized() -> Response:
+        # The route's pattern, never the path: that holds what the client sent.
+        route = request.url_rule.rule if request.url_rule is not None else "?"
+        presented = presented_token(
+            request.headers.get("Authorization"), request.headers.get("api-key")
+        )
+        refusals.unauthorized(request.method, route, request.remote_addr, presented is not None)
         return _error("UNAUTHORIZED", 401, {"WWW-Authenticate": "Bearer"})
 
     @app.get("/v1/status")
@@ -254,16 +273,25 @@ def create_app(
         args = request.args
         fmt = args.get("format", "jsonl")
         if fmt not in FORMATS:
-            return _error("BAD_FORMAT", 400)
-        try:
-            start_from = parse_instant(args["from"]) if args.get("from") else None
-            start_to = parse_instant(args["to"]) if args.get("to") else None
-        except TimestampError:
-            return _error("BAD_TIMESTAMP", 400)
+            return _bad_parameter("BAD_FORMAT", "format", " or ".join(FORMATS))
+        layer = None
+        if args.get("layer"):
+            layer = layers.stored_layer(args["layer"])
+            if layer is None:
+                return _bad_parameter("BAD_LAYER", "layer", layers.STORED_LAYERS_TEXT)
+        instants: dict[str, int | None] = {}
+        for name in ("from", "to"):
+            try:
+                instants[name] = parse_instant(args[name]) if args.get(name) else None
+            except TimestampError:
+                return _bad_parameter(
+                    "BAD_TIMESTAMP", name, f"an ISO 8601 instant such as {TIMESTAMP_EXAMPLE}"
+                )
+        start_from, start_to = instants["from"], instants["to"]
         objects = _objects(
             runtime,
             metric=args.get("metric") or None,
-            layer=args.get("layer") or None,
+            layer=layer,
             hour_from=None if start_from is None else hour_of(start_from),
             hour_to=None if start_to is None else hour_of(start_to),
         )
@@ -326,7 +354,10 @@ def create_app(
         closing,
     )
     return HealthlogApp(
-        app, IntakeEndpoint(runtime, tokens, config), stream, config.stream_send_timeout_s
+        app,
+        IntakeEndpoint(runtime, tokens, config, refusals),
+        stream,
+        config.stream_send_timeout_s,
     )
 
 

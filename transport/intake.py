@@ -30,6 +30,7 @@ from healthlog.storage.journal import (
 )
 from healthlog.timestamps import format_instant
 from transport.auth import TokenCache, presented_token
+from transport.refusals import RefusalLog
 
 log = logging.getLogger("healthlog.http")
 
@@ -114,10 +115,24 @@ class _Body:
 class IntakeEndpoint:
     """Authenticates, streams the body into the journal's encoder, submits, answers."""
 
-    def __init__(self, runtime: Runtime, tokens: TokenCache, config: ServeConfig) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        tokens: TokenCache,
+        config: ServeConfig,
+        refusals: RefusalLog | None = None,
+    ) -> None:
         self._runtime = runtime
         self._tokens = tokens
+        self._refusals = RefusalLog() if refusals is None else refusals
         self._limit = config.max_body_bytes
+        mib = config.max_body_mib
+        # The limit is configuration, not a secret: the client is told it (256, not 256.0).
+        whole = mib.is_integer() and mib < 2**53
+        self._too_large = orjson.dumps(
+            {"error": "BODY_TOO_LARGE", "max_body_mib": int(mib) if whole else mib}
+        )
+        self._too_large_why = f"the body is over the limit of {mib:g} MiB (max_body_mib)"
         self._idle_s = config.body_timeout_s
         self._in_flight: set[tuple[str, str]] = set()
         self._uploads: set[trio.CancelScope] = set()
@@ -159,26 +174,33 @@ class IntakeEndpoint:
         presented = presented_token(headers.get("authorization"), headers.get("api-key"))
         name = None if presented is None else await self._tokens.authenticate(presented)
         if name is None:
+            self._refusals.unauthorized("POST", INTAKE_PATH, _address(scope), presented is not None)
             return _answer(401, _error("UNAUTHORIZED"), ((b"www-authenticate", b"Bearer"),))
         if int(headers.get("content-length") or 0) > self._limit:
-            return _answer(413, _error("BODY_TOO_LARGE"), CLOSE)
+            return self._refuse_too_large(scope)
         key = headers.get("idempotency-key") or None
         if key is not None:
             if (name, key) in self._in_flight:
                 return _answer(409, _error("IDEMPOTENCY_KEY_IN_FLIGHT"))
             self._in_flight.add((name, key))
         try:
-            return await self._take(name, key, headers, body)
+            return await self._take(scope, name, key, headers, body)
         finally:
             if key is not None:
                 self._in_flight.discard((name, key))
 
+    def _refuse_too_large(self, scope: Any) -> _Answer:
+        self._refusals.refused(413, "POST", INTAKE_PATH, _address(scope), self._too_large_why)
+        return _answer(413, self._too_large, CLOSE)
+
     async def _take(
-        self, name: str, key: str | None, headers: dict[str, str], body: _Body
+        self, scope: Any, name: str, key: str | None, headers: dict[str, str], body: _Body
     ) -> _Answer | None:
         try:
             encoded = await self._read_upload(body)
         except _Refused as refused:
+            if refused.status == 413:
+                return self._refuse_too_large(scope)
             return _answer(refused.status, _error(refused.code), CLOSE)
         except _Disconnected:
             log.debug("intake: the client went away before its body was complete")
@@ -290,6 +312,12 @@ def _headers(raw: Headers) -> dict[str, str]:
     for name, value in raw:
         headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
     return headers
+
+
+def _address(scope: Any) -> str | None:
+    """The client's address (its host, not its port), when the server knows it."""
+    client = scope.get("client")
+    return None if not client else str(client[0])
 
 
 def _error(code: str) -> bytes:

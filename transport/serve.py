@@ -114,7 +114,14 @@ class _HypercornConfig(HypercornConfig):
         only while data waits for the peer: an idle connection, a slow reader that keeps
         taking data, or a client sending an upload are not affected.
         """
-        sockets = super().create_sockets()
+        try:
+            sockets = super().create_sockets()
+        except OSError as exc:
+            # Said as the system says it (exit 3), naming the address that was asked for: a
+            # port in use, or a host that does not resolve, would otherwise not say which.
+            raise OSError(
+                exc.errno, f"cannot listen on {', '.join(self.bind)}: {exc.strerror or exc}"
+            ) from None
         if sys.platform == "linux":
             user_timeout_ms = max(1, round(self.stalled_send_s * 1000))
             for sock in sockets.insecure_sockets:

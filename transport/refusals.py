@@ -1,0 +1,69 @@
+"""401 and 413 answers, logged at INFO so that a user can see why a client's requests fail (a
+phone app whose pushes are refused shows little of why).
+
+A line names the status, the route and the client's address, and why in words; never the
+token, a header's value or the client's name. A flood of refused requests (a scanner, a client
+retrying in a loop) cannot fill the log: a token bucket lets ``burst`` lines through at once
+and one more every ``period_s / burst`` seconds; what it holds back is counted, and the next
+line says how many answers went unlogged since the line before it. The first refusal after a
+quiet spell is always logged, which is the one a user looks for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("healthlog.http")
+
+BURST = 5
+PERIOD_S = 60.0
+
+
+class RefusalLog:
+    """Logs refused requests at INFO, at most ``burst`` lines per ``period_s`` in a flood."""
+
+    def __init__(
+        self,
+        burst: int = BURST,
+        period_s: float = PERIOD_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._burst = burst
+        self._refill_s = period_s / burst
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self._unlogged = 0
+
+    def refused(self, status: int, method: str, route: str, address: str | None, why: str) -> None:
+        """Log one refused request (or count it, in a flood)."""
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) / self._refill_s)
+        self._at = now
+        if self._tokens < 1:
+            self._unlogged += 1
+            return
+        self._tokens -= 1
+        unlogged, self._unlogged = self._unlogged, 0
+        log.info(
+            "refused %d %s %s from %s: %s%s",
+            status,
+            method,
+            route,
+            address or "an unknown address",
+            why,
+            f"; {unlogged} more refused requests were not logged before this one"
+            if unlogged
+            else "",
+        )
+
+    def unauthorized(self, method: str, route: str, address: str | None, presented: bool) -> None:
+        """A 401: no token presented, or one that is not (or no longer) a client's."""
+        why = (
+            "the token is not a client's (mistyped, or revoked)"
+            if presented
+            else "no token (send Authorization: Bearer TOKEN, or api-key: TOKEN)"
+        )
+        self.refused(401, method, route, address, why)
