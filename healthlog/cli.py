@@ -19,6 +19,7 @@ from typing import TypeVar
 from healthlog import documents, layers
 from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
 from healthlog.export import FORMATS, export_lines
+from healthlog.fold import FAILED, PARTIAL
 from healthlog.logs import LEVELS, setup_logging
 from healthlog.objects import ObjectCorrupt
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
@@ -29,7 +30,12 @@ from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import pending
 from healthlog.storage.rebuild import Difference, RebuildError, reindex, verify
 from healthlog.storage.replica import REPLICA_FILE, Replica
-from healthlog.storage.status import collect_status
+from healthlog.storage.status import (
+    DEFAULT_LISTED,
+    MAX_LISTED,
+    collect_status,
+    list_deliveries,
+)
 from healthlog.storage.store import (
     OUT_OF_MEMORY,
     OVER_BUDGET,
@@ -125,6 +131,13 @@ def _at_least_one(value: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {value}") from None
     if number < 1:
         raise argparse.ArgumentTypeError("must be 1 or more")
+    return number
+
+
+def _listed(value: str) -> int:
+    number = _at_least_one(value)
+    if number > MAX_LISTED:
+        raise argparse.ArgumentTypeError(f"at most {MAX_LISTED}")
     return number
 
 
@@ -436,6 +449,13 @@ def _what_differs(diff: Difference) -> str:
 
 
 def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
+    statuses = [
+        status for status, asked in ((FAILED, args.failed), (PARTIAL, args.partial)) if asked
+    ]
+    if statuses:
+        return _status_list(args, data, statuses)
+    if args.limit is not None:
+        raise CliError("--limit goes with --failed or --partial")
     public_key = public_key_text(data.signing_key())
     with data.open_journal() as journal, data.open_store() as store:
         status = collect_status(journal, store, public_key)
@@ -462,6 +482,40 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         *(f"subscriber  {name} acked {seq}" for name, seq in status.subscribers.items()),
     ]
     print("\n".join(lines))
+    return 0
+
+
+def _status_list(args: argparse.Namespace, data: DataDir, statuses: list[str]) -> int:
+    """``status --failed`` / ``--partial``: the newest of those deliveries, with their reasons."""
+    limit = DEFAULT_LISTED if args.limit is None else args.limit
+    with data.open_store() as store:
+        listed = list_deliveries(store, statuses, limit)
+    if args.json:
+        sys.stdout.buffer.write(documents.dumps(listed) + b"\n")
+        return 0
+    which = " or ".join(listed.statuses)
+    rows = listed.deliveries
+    if not rows:
+        print(f"no {which} deliveries")
+        return 0
+    if len(rows) < listed.total:
+        print(
+            f"the newest {len(rows)} of {listed.total} {which} deliveries"
+            f" (--limit N for more, up to {MAX_LISTED}):"
+        )
+    else:
+        print(
+            f"{listed.total} {which} {'delivery' if listed.total == 1 else 'deliveries'},"
+            " newest first:"
+        )
+    table = [("delivery", "received_at", "status", "reason")] + [
+        (str(row.delivery_id), row.received_at, row.status, row.reason or "-") for row in rows
+    ]
+    widths = [max(len(line[column]) for line in table) for column in range(3)]
+    for delivery, received_at, status, reason in table:
+        print(
+            f"{delivery:>{widths[0]}}  {received_at:<{widths[1]}}  {status:<{widths[2]}}  {reason}"
+        )
     return 0
 
 
@@ -565,6 +619,23 @@ def build_parser() -> argparse.ArgumentParser:
         "status", cmd_status, "journal size, deliveries by status, lag, lease", needs_data=True
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--failed",
+        action="store_true",
+        help="instead, list the newest failed deliveries (nothing stored) and why",
+    )
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="instead, list the newest partial deliveries (points or entries rejected) and why",
+    )
+    p.add_argument(
+        "--limit",
+        type=_listed,
+        default=None,
+        metavar="N",
+        help=f"with --failed or --partial: list N (default {DEFAULT_LISTED}, at most {MAX_LISTED})",
+    )
     return parser
 
 

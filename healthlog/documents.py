@@ -72,6 +72,28 @@ class DeliveryStatus:
     counters: dict[str, int]
 
 
+@attrs.frozen
+class ListedDelivery:
+    """One delivery of a :class:`DeliveryList`: its id, stamp, status and reason, no counters
+    (``GET /v1/deliveries/{id}`` has them), never a value."""
+
+    delivery_id: int
+    received_at: str
+    status: str
+    reason: str | None
+
+
+@attrs.frozen
+class DeliveryList:
+    """The ``status --failed --json`` document: the newest ``limit`` deliveries whose outcome
+    is one of ``statuses``, last in journal order first, of ``total`` such deliveries."""
+
+    statuses: list[str]
+    total: int
+    limit: int
+    deliveries: list[ListedDelivery]
+
+
 def dumps(document: Any) -> bytes:
     """A document as compact JSON."""
     return converter.dumps(document)

@@ -18,12 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from _cli_bodies import body, compact, metric, point, raw_point, write
+from _hostile_corpus import corpus
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
 from healthlog import faults
+from healthlog.fold import NO_LAYER, UNKNOWN_HEADER
+from healthlog.hae import RECORD_SECTIONS
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.store import GIVEN_UP
 from healthlog.timestamps import format_instant, hour_of, parse_instant
 
 if TYPE_CHECKING:
@@ -525,6 +529,224 @@ def test_plain_status_prints_the_same_figures_as_lines_cli_14(
     assert lines[3].startswith("lease       free, epoch ")
     assert "None" not in text
     assert not text.lstrip().startswith("{")
+
+
+# -- status --failed / --partial ------------------------------------------------------------
+
+LIST_KEYS = ["statuses", "total", "limit", "deliveries"]
+LISTED_KEYS = ["delivery_id", "received_at", "status", "reason"]
+BACKFILL_AT = "2024-01-01T00:00:00Z"
+
+
+def listed(cli: Cli, data: Path, *flags: str) -> dict[str, Any]:
+    run = cli("status", "--data", data, *flags, "--json")
+    assert run.code == 0, run.err
+    document: dict[str, Any] = json.loads(run.out)
+    return document
+
+
+def listed_ids(document: dict[str, Any]) -> list[int]:
+    return [delivery["delivery_id"] for delivery in document["deliveries"]]
+
+
+@pytest.fixture
+def failing_data(cli: Cli, tmp_path: Path) -> Path:
+    """Deliveries 1 parsed, 2 failed (not JSON), 3 partial, 4 failed (no layer), and 5 failed
+    (not JSON) backfilled before them all: newest first, the failed ones are 4, 2, 5."""
+    data = tmp_path / "data"
+    parsed = write(tmp_path / "parsed.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    broken = write(tmp_path / "broken.json", b'{"data": {"metrics": [')
+    partial = write(
+        tmp_path / "partial.json",
+        body(metric(HR, BPM, point(minute(1), qty=62), point("yesterday", qty=63))),
+    )
+    sparse = write(tmp_path / "sparse.json", body(metric("step_count", "count", point(minute(2)))))
+    import_ok(cli, data, "--aggregation", "minutes", parsed, broken, partial)
+    import_ok(cli, data, sparse)
+    import_ok(cli, data, "--received-at", BACKFILL_AT, broken)
+    return data
+
+
+def test_status_failed_lists_the_failed_deliveries_newest_first_cli_41(
+    run_cli: RunCli, failing_data: Path
+) -> None:
+    """CLI-41: `status --failed` as a process: the failed deliveries, last in journal order
+    first, with id, received_at, status and the recorded reason; `--json` the list document."""
+    data = failing_data
+    with DataDir(data).open_journal() as journal, DataDir(data).open_store() as store:
+        stamps = {m.id: format_instant(m.received_at) for m in journal.iter_order()}
+        reasons = {i: outcome.reason for i in stamps if (outcome := store.outcome(i)) is not None}
+    assert stamps[5] == BACKFILL_AT
+    run = run_cli("status", "--failed", "--json", "--data", data)
+    assert run.code == 0, run.err
+    document = json.loads(run.out)
+    assert list(document) == LIST_KEYS
+    assert (document["statuses"], document["total"], document["limit"]) == (["failed"], 3, 20)
+    assert [list(d) for d in document["deliveries"]] == [LISTED_KEYS] * 3
+    assert document["deliveries"] == [
+        {"delivery_id": i, "received_at": stamps[i], "status": "failed", "reason": reasons[i]}
+        for i in (4, 2, 5)
+    ]
+    assert reasons[4] == NO_LAYER
+    assert reasons[2] == reasons[5] == "undecodable body: body is not a JSON object or array"
+    plain = run_cli("status", "--failed", "--data", data)
+    assert plain.code == 0, plain.err
+    lines = plain.out.decode().splitlines()
+    assert lines[0] == "3 failed deliveries, newest first:"
+    assert lines[1].split() == ["delivery", "received_at", "status", "reason"]
+    rows = [line.split(maxsplit=3) for line in lines[2:]]
+    assert rows == [[str(i), stamps[i], "failed", reasons[i]] for i in (4, 2, 5)]
+    starts = {line.index(reasons[i]) for line, i in zip(lines[2:], (4, 2, 5), strict=True)}
+    assert starts == {lines[1].index("reason")}
+    assert "None" not in plain.out.decode()
+
+
+def test_status_lists_partial_ones_on_request_bounded_by_limit_cli_42(
+    cli: Cli, failing_data: Path, tmp_path: Path
+) -> None:
+    """CLI-42: `--partial` lists the partial deliveries, both flags both kinds; `--limit N`
+    keeps the newest N of `total`; a delivery not folded yet is not listed; none: a line."""
+    data = failing_data
+    partial = listed(cli, data, "--partial")
+    assert (partial["statuses"], partial["total"], listed_ids(partial)) == (["partial"], 1, [3])
+    assert partial["deliveries"][0]["reason"].startswith("point rejected: ")
+    both = listed(cli, data, "--partial", "--failed")
+    assert (both["statuses"], both["total"], listed_ids(both)) == (
+        ["failed", "partial"],
+        4,
+        [4, 3, 2, 5],
+    )
+    newest = listed(cli, data, "--failed", "--partial", "--limit", "2")
+    assert (newest["total"], newest["limit"], listed_ids(newest)) == (4, 2, [4, 3])
+    run = cli("status", "--failed", "--partial", "--limit", "2", "--data", data)
+    assert run.code == 0, run.err
+    lines = run.out.decode().splitlines()
+    assert lines[0].startswith("the newest 2 of 4 failed or partial deliveries")
+    assert [line.split()[0] for line in lines[2:]] == ["4", "3"]
+    broken = write(tmp_path / "late.json", b"not json")
+    with DataDir(data).open_store() as store:
+        epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        assert epoch is not None
+        import_ok(cli, data, "--no-wait", broken)
+        assert status_of(cli, data)["deliveries"]["pending"] == 1
+        assert listed(cli, data, "--failed") == listed(cli, data, "--failed", "--limit", "20")
+        assert listed_ids(listed(cli, data, "--failed")) == [4, 2, 5]
+        store.release_lease("elsewhere", epoch)
+    clean = tmp_path / "clean"
+    import_ok(cli, clean, "--aggregation", "minutes", write(tmp_path / "ok.json", body()))
+    none = cli("status", "--failed", "--data", clean)
+    assert (none.code, none.out) == (0, b"no failed deliveries\n")
+    assert listed(cli, clean, "--failed", "--partial") == {
+        "statuses": ["failed", "partial"],
+        "total": 0,
+        "limit": 20,
+        "deliveries": [],
+    }
+
+
+# What a recorded reason is made of: kinds of failure and rejection named by the code, each
+# rejection with its count, never text from a body (fold.py, hae.py, points.py, timestamps.py,
+# seals.py and the store's own failures).
+_TIMESTAMP_ERRORS = (
+    r"timestamp (year is out of range 1\.\.9999|month is out of range 1\.\.12"
+    r"|day does not exist in its month|hour is out of range 0\.\.23"
+    r"|minute is out of range 0\.\.59"
+    r"|second is out of range 0\.\.59 \(leap seconds are rejected\)"
+    r"|UTC offset is beyond ±18:00|instant falls outside years 1\.\.9999 UTC"
+    r"|UTC offset minutes are out of range 0\.\.59|does not match a supported date/time shape"
+    r"|12-hour clock hour is out of range 1\.\.12"
+    r"|must be a str, not (int|float|bool|NoneType|list|dict)"
+    r"|is longer than \d+ characters|is empty)"
+)
+_POINT_ERRORS = (
+    r"point is not valid JSON|point nested deeper than \d+ levels|no start, startDate or date"
+    r"|end before start|point is a JSON (int|float|str|bool|NoneType|list), not an object"
+    rf"|unparseable (start|startDate|date|end|endDate): {_TIMESTAMP_ERRORS}"
+)
+_PROBLEMS = (
+    r"nested array envelope|array element is not an object|data is not an object"
+    r"|envelope nested too deep|metrics is not an array|metric without a name"
+    r"|metric name holds U\+0000|metric data is not an array"
+    rf"|section ({'|'.join(sorted(RECORD_SECTIONS))}) is not an array"
+)
+_FAILURES = "|".join(
+    re.escape(text)
+    for text in (
+        NO_LAYER,
+        UNKNOWN_HEADER,
+        "undecodable body: body is not a JSON object or array",
+        "nothing could be read",
+        "body does not match its sha256",
+        *GIVEN_UP,
+        "seal body is not a seal document",
+        "seal body has an unreadable instant",
+        "seal body names an empty metric or layer",
+    )
+)
+REASON_PART = re.compile(
+    rf"({_FAILURES}|internal error: [A-Za-z_][A-Za-z0-9_]*"
+    rf"|(point rejected: ({_POINT_ERRORS})|{_PROBLEMS}) \(x[1-9][0-9]*\)"
+    r"|and [1-9][0-9]* more kinds)"
+)
+
+
+def test_listed_reasons_carry_no_value_cli_43(cli: Cli, tmp_path: Path) -> None:
+    """CLI-43: over the hostile corpus and bodies with distinctive values, device names and a
+    token-like field, `status --failed --partial` (plain and `--json`) prints none of them, and
+    every reason it lists is made of named kinds of failure and rejection only."""
+    data = tmp_path / "data"
+    cases = corpus()
+    files = [write(tmp_path / f"case-{n}.json", case.body) for n, case in enumerate(cases)]
+    secret = [
+        body(
+            metric(
+                HR,
+                BPM,
+                point(minute(0), qty=4242.4242, source="Secret Watch ZQX-1"),
+                point("ZQX-BAD-DATE-31", qty=5151.5151, token="hl_tok_9f8e7d6c5b4a"),
+                b'"Other Device QJV-2"',
+            ),
+            compact({"name": "7373.7373", "data": "Other Device QJV-2"}),
+        ),
+        b'{"data": SECRET-GARBAGE-77',
+        compact([{"data": {"metrics": [{"name": "Backfill Phone KLM-3", "data": 6161.6161}]}}]),
+    ]
+    files += [write(tmp_path / f"secret-{n}.json", content) for n, content in enumerate(secret)]
+    import_ok(cli, data, "--aggregation", "minutes", *files)
+    expected = sum(case.status != "parsed" for case in cases) + len(secret)
+    document = listed(cli, data, "--failed", "--partial", "--limit", "1000")
+    assert document["total"] == len(document["deliveries"]) == expected
+    for delivery in document["deliveries"]:
+        for part in delivery["reason"].split("; "):
+            assert REASON_PART.fullmatch(part), (delivery["delivery_id"], part)
+    plain = cli("status", "--failed", "--partial", "--limit", "1000", "--data", data)
+    assert plain.code == 0, plain.err
+    assert len(plain.out.splitlines()) == expected + 2
+    for text in (json.dumps(document), plain.out.decode()):
+        for value in SECRETS:
+            assert value not in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--failed", "--limit", "0"], "--limit"),
+        (["--failed", "--limit", "1001"], "--limit"),
+        (["--partial", "--limit", "ten"], "--limit"),
+        (["--limit", "5"], "--limit goes with --failed or --partial"),
+        (["--json", "--limit", "5"], "--limit goes with --failed or --partial"),
+    ],
+    ids=["zero", "over-1000", "not-a-number", "alone", "alone-json"],
+)
+def test_status_list_usage_errors_exit_2_cli_44(
+    cli: Cli, failing_data: Path, flags: list[str], message: str
+) -> None:
+    """CLI-44: a `--limit` that is not 1 to 1000, or without `--failed` or `--partial`: exit
+    2, a message naming it, nothing on stdout."""
+    run = cli("status", "--data", failing_data, *flags)
+    assert run.code == 2
+    assert message in run.err
+    assert run.out == b""
 
 
 def test_export_of_a_damaged_object_exits_3_naming_it_cli_34(cli: Cli, tmp_path: Path) -> None:

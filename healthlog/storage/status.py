@@ -1,19 +1,33 @@
-"""The status document, read from the journal and the projection."""
+"""The status document, read from the journal and the projection, and the list of the
+deliveries whose fold failed (or rejected part of them)."""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 from healthlog import clock
 from healthlog.documents import (
     DeliveryCounts,
+    DeliveryList,
     JournalFigures,
     Lag,
     LeaseInfo,
+    ListedDelivery,
     Status,
     StreamInfo,
 )
+from healthlog.fold import FAILED, PARTIAL
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted
 from healthlog.storage.store import Store
+from healthlog.timestamps import format_instant
+
+# The statuses a delivery list may ask for, in the order the list document names them: a
+# failed delivery stored no point, a partial one some (the others were rejected).
+LISTED_STATUSES = (FAILED, PARTIAL)
+# How many deliveries a list holds unless asked for fewer or more, and at most.
+DEFAULT_LISTED = 20
+MAX_LISTED = 1000
 
 
 def collect_status(journal: Journal, store: Store, public_key: str | None = None) -> Status:
@@ -53,4 +67,30 @@ def collect_status(journal: Journal, store: Store, public_key: str | None = None
             oldest_cursor=window_start,
             public_key=public_key,
         ),
+    )
+
+
+def list_deliveries(store: Store, statuses: Collection[str], limit: int) -> DeliveryList:
+    """The newest ``limit`` deliveries (last in journal order first) whose outcome is one of
+    ``statuses`` (of :data:`LISTED_STATUSES`), with their stamp, status and reason, and how
+    many such deliveries there are. A reason names what was wrong, never a value (fold.py)."""
+    asked = [status for status in LISTED_STATUSES if status in statuses]
+    if not asked or len(asked) != len(set(statuses)):
+        raise ValueError(f"statuses are among {', '.join(LISTED_STATUSES)}")
+    if not 1 <= limit <= MAX_LISTED:
+        raise ValueError(f"a list holds 1 to {MAX_LISTED} deliveries")
+    total, rows = store.newest_outcomes(asked, limit)
+    return DeliveryList(
+        statuses=asked,
+        total=total,
+        limit=limit,
+        deliveries=[
+            ListedDelivery(
+                delivery_id=row.delivery_id,
+                received_at=format_instant(row.received_at),
+                status=row.status,
+                reason=row.reason,
+            )
+            for row in rows
+        ],
     )

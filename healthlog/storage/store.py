@@ -735,6 +735,24 @@ class Store(_objects.ObjectDatabase):
             return None
         return OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5]))
 
+    def newest_outcomes(self, statuses: Sequence[str], limit: int) -> tuple[int, list[OutcomeRow]]:
+        """How many recorded outcomes have one of ``statuses``, and the newest ``limit`` of
+        them, last in journal order first, read in one transaction (so they agree)."""
+        marks = ", ".join("?" for _ in statuses)
+        with self._lock, read_transaction(self._conn):
+            (total,) = self._conn.execute(
+                f"SELECT count(*) FROM outcomes WHERE status IN ({marks})", tuple(statuses)
+            ).fetchone()
+            rows = self._conn.execute(
+                "SELECT delivery_id, received_at, status, reason, layer, counters FROM outcomes"
+                f" WHERE status IN ({marks})"
+                " ORDER BY received_at DESC, delivery_id DESC LIMIT ?",
+                (*statuses, limit),
+            ).fetchall()
+        return int(total), [
+            OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5])) for row in rows
+        ]
+
     def snapshot(self) -> tuple[set[int], dict[int, str], dict[ObjectKey, ObjectSummary]]:
         """The folded delivery ids, the reasons of those of them the machine gave up on
         (:data:`GIVEN_UP`), and the object summaries, read in one transaction."""
