@@ -12,8 +12,9 @@ quiet spell is always logged, which is the one a user looks for.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
+
+import trio
 
 log = logging.getLogger("healthlog.http")
 
@@ -28,19 +29,20 @@ class RefusalLog:
         self,
         burst: int = BURST,
         period_s: float = PERIOD_S,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = trio.current_time,
     ) -> None:
         self._burst = burst
         self._refill_s = period_s / burst
         self._clock = clock
         self._tokens = float(burst)
-        self._at = clock()
+        self._at: float | None = None
         self._unlogged = 0
 
     def refused(self, status: int, method: str, route: str, address: str | None, why: str) -> None:
         """Log one refused request (or count it, in a flood)."""
         now = self._clock()
-        self._tokens = min(self._burst, self._tokens + (now - self._at) / self._refill_s)
+        if self._at is not None:
+            self._tokens = min(self._burst, self._tokens + (now - self._at) / self._refill_s)
         self._at = now
         if self._tokens < 1:
             self._unlogged += 1
