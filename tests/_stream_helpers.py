@@ -17,6 +17,7 @@ import urllib.parse
 from collections.abc import AsyncIterator
 from typing import Any
 
+import _bodies
 import orjson
 import trio
 from _cli_bodies import body, metric, point
@@ -233,3 +234,24 @@ async def replica_export(replica: Replica) -> bytes:
     """What ``healthlog export --replica`` writes for the replica."""
 
     return await trio.to_thread.run_sync(lambda: b"".join(export_lines(replica.iter_objects())))
+
+
+HOURS = 500
+
+
+def fold_metrics(data: DataDir, metrics: int) -> None:
+    """Fold into ``data``'s store one delivery per metric, each of ``HOURS`` hourly objects of
+    30 points: ``metrics * HOURS`` objects."""
+    with data.open_journal() as journal, data.open_store() as store:
+        epoch = store.acquire_lease("test", now=_bodies.NOW, ttl=_bodies.TTL)
+        assert epoch is not None
+        points = [
+            _bodies.point(60 * hour + minute, 60 + minute)
+            for hour in range(HOURS)
+            for minute in range(0, 60, 2)
+        ]
+        for name in range(metrics):
+            new = _bodies.delivery(_bodies.body({f"metric_{name}": points}))
+            meta = journal.get_meta(journal.append(new).delivery_id)
+            assert meta is not None
+            store.fold(journal, meta, epoch)

@@ -23,7 +23,7 @@ import orjson
 import pytest
 from _bodies import body, delivery, point
 from _service_helpers import Service, serving
-from _stream_helpers import post_small, prune
+from _stream_helpers import HOURS, fold_metrics, post_small, prune
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import snapshots
@@ -458,24 +458,6 @@ def encoded_before_streaming(
     return b"\n".join(lines) + b"\n"
 
 
-def fold_metrics(data: DataDir, metrics: int) -> None:
-    """Fold one delivery per metric, each of ``HOURS`` hourly objects of 30 points."""
-    with data.open_journal() as journal, data.open_store() as store:
-        epoch = store.acquire_lease("test", now=NOW_US, ttl=TTL_US)
-        assert epoch is not None
-        points = [
-            point(60 * hour + minute, 60 + minute)
-            for hour in range(HOURS)
-            for minute in range(0, 60, 2)
-        ]
-        for metric in range(metrics):
-            new = delivery(body({f"metric_{metric}": points}))
-            meta = journal.get_meta(journal.append(new).delivery_id)
-            assert meta is not None
-            store.fold(journal, meta, epoch)
-
-
-HOURS = 500
 BUILD_PEAK_BYTES = 2_000_000
 
 
