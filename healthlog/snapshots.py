@@ -4,7 +4,8 @@ A snapshot file is gzip of JSON lines: a header line ``{"schema", "instance", "s
 "seq", "objects"}`` then one line per object with its body base64-encoded. Its manifest
 names the file by URL and binds it with an Ed25519 signature over the schema, instance,
 stream, sequence and the sha256 of the file. A client restores only after checking all of
-them, and resumes strictly after the snapshot's sequence.
+them, and resumes strictly after the snapshot's sequence; one that saved the file checks it
+(:func:`check`) and then reads its objects one at a time (:func:`read`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import base64
 import gzip
 import hashlib
+import io
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 import attrs
@@ -27,6 +29,7 @@ from healthlog.objects import HourlyObject, ObjectKey, from_wire, to_wire
 SCHEMA = "healthlog.snapshot.v1"
 # Sequences are SQLite integers handed out from 1: a manifest's is never outside this range.
 MAX_SEQ = 2**63 - 1
+_HEADER_DIFFERS = "snapshot header does not match its manifest"
 
 
 class SnapshotError(ValueError):
@@ -125,9 +128,31 @@ def validate(
     ``stream`` None accepts any stream (a replica that has not bound to one yet); ``after``
     is the cursor the client asked for: a snapshot older than it is refused.
     """
+    check(
+        manifest,
+        hashlib.sha256(data).hexdigest(),
+        public_key=public_key,
+        instance=instance,
+        stream=stream,
+        after=after,
+    )
+    return list(read(io.BytesIO(data), manifest))
+
+
+def check(
+    manifest: Manifest,
+    digest: str,
+    *,
+    public_key: str,
+    instance: str,
+    stream: str | None,
+    after: int,
+) -> None:
+    """The checks of :func:`validate` before decoding, for a file whose sha256 is ``digest``:
+    a client that saved the file checks it so before reading it with :func:`read`."""
     if manifest.schema != SCHEMA:
         raise SnapshotError(f"unknown snapshot schema {manifest.schema!r}")
-    if hashlib.sha256(data).hexdigest() != manifest.sha256:
+    if digest != manifest.sha256:
         raise SnapshotError("snapshot content does not match its sha256")
     if not 0 <= manifest.seq <= MAX_SEQ:
         raise SnapshotError("snapshot sequence is out of range")
@@ -148,25 +173,38 @@ def validate(
         raise SnapshotError("snapshot belongs to another stream")
     if manifest.seq < after:
         raise SnapshotError("snapshot is older than the cursor")
-    return _decode(data, manifest)
 
 
-def _decode(data: bytes, manifest: Manifest) -> list[HourlyObject]:
+def read(file: BinaryIO, manifest: Manifest) -> Iterator[HourlyObject]:
+    """The objects of a snapshot file that passed :func:`check`, decompressed and decoded one
+    line at a time as they are iterated.
+
+    A header that does not match the manifest, a line that cannot be decoded, or more or fewer
+    object lines than the header counts raise :class:`SnapshotError` when they are reached,
+    after the objects before them: a caller applies them where it can undo them all.
+    """
     try:
-        lines = gzip.decompress(data).split(b"\n")[:-1]
-        header = orjson.loads(lines[0])
-        expected = {
-            "schema": manifest.schema,
-            "instance": manifest.instance,
-            "stream": manifest.stream,
-            "seq": manifest.seq,
-        }
-        if {k: header.get(k) for k in expected} != expected or header["objects"] != len(lines) - 1:
-            raise SnapshotError("snapshot header does not match its manifest")
-        return [
-            from_wire(ObjectKey(o["metric"], o["layer"], o["hour"]), o)
-            for o in map(orjson.loads, lines[1:])
-        ]
+        with gzip.GzipFile(fileobj=file, mode="rb") as content:
+            # A last piece without its newline is not a line, as when the file was split at once.
+            lines = (line for line in content if line.endswith(b"\n"))
+            header = orjson.loads(next(lines, b""))
+            expected = {
+                "schema": manifest.schema,
+                "instance": manifest.instance,
+                "stream": manifest.stream,
+                "seq": manifest.seq,
+            }
+            if {k: header.get(k) for k in expected} != expected:
+                raise SnapshotError(_HEADER_DIFFERS)
+            count, seen = header["objects"], 0
+            for line in lines:
+                if seen == count:
+                    raise SnapshotError(_HEADER_DIFFERS)
+                seen += 1
+                o = orjson.loads(line)
+                yield from_wire(ObjectKey(o["metric"], o["layer"], o["hour"]), o)
+            if seen != count:
+                raise SnapshotError(_HEADER_DIFFERS)
     except (
         OSError,
         EOFError,

@@ -2,7 +2,8 @@
 STREAM-24), its websocket client against a scripted server (STREAM-26), the replica file's
 pages (STREAM-27), and the follower behind a front (STREAM-30 to STREAM-33): TLS, a snapshot
 reference gone stale, a reverse proxy answering 502, a close for being too slow; a token that
-cannot be sent as a header value (STREAM-50, STREAM-51, CLI-36).
+cannot be sent as a header value (STREAM-50, STREAM-51, CLI-36); the memory a snapshot's restore
+takes, and bad snapshots leaving the replica as it was (STREAM-59).
 
 The command runs as a real process where its exit code and output matter; elsewhere
 :func:`transport.follow.follow` runs in the test's trio run, so it can be cancelled at any
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gzip
+import hashlib
 import logging
 import os
 import random
@@ -21,7 +24,8 @@ import socket
 import sqlite3
 import ssl
 import sys
-from collections.abc import AsyncIterator, Sequence
+import tracemalloc
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -30,10 +34,12 @@ import orjson
 import pytest
 import trio
 import trustme
+from _bodies import rows
 from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     acked,
+    fold_metrics,
     hourly,
     post,
     post_small,
@@ -43,6 +49,7 @@ from _stream_helpers import (
     small,
 )
 from conftest import CliRun, RunCli
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
     AcceptConnection,
@@ -55,7 +62,9 @@ from wsproto.events import (
     TextMessage,
 )
 
-from healthlog import faults
+from healthlog import faults, snapshots
+from healthlog.documents import converter
+from healthlog.snapshots import Manifest
 from healthlog.storage import snapshot_files
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import SIGNING_KEY_FILE, DataDir
@@ -1087,3 +1096,145 @@ async def test_a_follower_that_gets_nowhere_says_so_once_stream_52(
     assert warned[0].endswith("); retrying every 30 s")
     lost = [r for r in said if r.getMessage().startswith("follow: connection lost")]
     assert len(lost) >= 10
+
+
+def snapshot_lines(content: bytes) -> list[bytes]:
+    """The lines of a snapshot file, the header first."""
+    return gzip.decompress(content).split(b"\n")[:-1]
+
+
+def packed(lines: list[bytes]) -> bytes:
+    return gzip.compress(b"".join(line + b"\n" for line in lines), mtime=0)
+
+
+def counting_one_more(content: bytes) -> bytes:
+    """The file with a header counting one object more than its lines hold."""
+    header, *objects = snapshot_lines(content)
+    fields = orjson.loads(header)
+    return packed([orjson.dumps({**fields, "objects": fields["objects"] + 1}), *objects])
+
+
+def bad_middle_line(content: bytes) -> bytes:
+    """The file with its middle object line replaced by one that does not decode."""
+    lines = snapshot_lines(content)
+    middle = len(lines) // 2
+    assert 1 < middle < len(lines) - 1
+    return packed([*lines[:middle], b'{"metric": "m"}', *lines[middle + 1 :]])
+
+
+def flipped_last_byte(content: bytes) -> bytes:
+    return content[:-1] + bytes([content[-1] ^ 1])
+
+
+# How each corrupted file comes with its manifest: the server's own (signed for the true file),
+# signed with the server's key for the corrupted file, or signed with another key.
+KEPT, RESIGNED, OTHER_KEY = "kept", "resigned", "other key"
+
+CORRUPTED: list[tuple[str, Callable[[bytes], bytes], str, str]] = [
+    ("bad-hash", flipped_last_byte, KEPT, "does not match its sha256"),
+    ("bad-signature", lambda content: content, OTHER_KEY, "signature does not verify"),
+    ("truncated-gzip", lambda content: content[: len(content) // 2], RESIGNED, "cannot be decoded"),
+    ("bad-line-in-the-middle", bad_middle_line, RESIGNED, "cannot be decoded: KeyError"),
+    ("count-mismatch", counting_one_more, RESIGNED, "header does not match its manifest"),
+]
+
+
+def file_answer(content: bytes) -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (len(content), content)
+    )
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "signer", "says"), [pytest.param(*case[1:], id=case[0]) for case in CORRUPTED]
+)
+async def test_a_bad_snapshot_leaves_the_replica_as_it_was_stream_59(
+    tmp_path: Path, corrupt: Callable[[bytes], bytes], signer: str, says: str
+) -> None:
+    """STREAM-59: a follower whose cursor fell out of the window, handed (by a front) a snapshot
+    with a wrong sha256, a signature by another key, or a correctly signed file that is cut in
+    half, has an object line in the middle that does not decode, or holds one object line fewer
+    than its header counts, stops with a FollowError naming the check; its replica file holds
+    exactly what it held before, and no temporary file is left beside it."""
+    directory = tmp_path / "replica"
+    with Replica(directory) as replica:
+        async with serving(tmp_path / "server") as service:
+            await post_small(service, 0, 60)
+            await follow(service.url, service.token, replica, until_caught_up=True)
+            await post_small(service, *range(120, 720, 60))
+            await prune(service.data, keep=2)
+            response = await service.get("/v1/snapshots")
+            assert response.status_code == 200, response.text
+            manifest = converter.structure(response.json(), Manifest)
+            path = snapshot_files.find(service.data.snapshot_dir, manifest.stream, manifest.seq)
+            assert path is not None
+            content = corrupt(path.read_bytes())
+            if signer != KEPT:
+                key = (
+                    service.data.signing_key()
+                    if signer == RESIGNED
+                    else Ed25519PrivateKey.generate()
+                )
+                manifest = snapshots.sign(
+                    key,
+                    hashlib.sha256(content).hexdigest(),
+                    url=manifest.url,
+                    instance=manifest.instance,
+                    stream=manifest.stream,
+                    seq=manifest.seq,
+                )
+            frame = {
+                "type": "error",
+                "code": "CURSOR_TOO_OLD",
+                "snapshot": converter.unstructure(manifest),
+            }
+            before = rows(directory / REPLICA_FILE)
+            files = sorted(os.listdir(directory))
+            async with fronting(
+                service,
+                drop=b'"CURSOR_TOO_OLD"',
+                garble=orjson.dumps(frame),
+                answers={manifest.url.encode(): file_answer(content)},
+            ) as front:
+                with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match=says):
+                    await follow(front.url("http"), service.token, replica, until_caught_up=True)
+                assert front.drop is None
+            assert rows(directory / REPLICA_FILE) == before
+            assert sorted(os.listdir(directory)) == files
+
+
+RESTORE_PEAK_BYTES = 1_000_000
+
+
+async def test_a_restore_holds_one_object_at_a_time_stream_59(tmp_path: Path) -> None:
+    """STREAM-59: a fresh replica restoring the snapshot of a server of 1,000 objects and one
+    of a server of 4,000 takes about the same peak of Python memory (traced in this process,
+    the service's included), under 1 MB, less than the larger snapshot file; each replica
+    equals its server and no temporary file is left beside it."""
+    peaks, sizes = [], []
+    for metrics in (2, 8):
+        data = DataDir(tmp_path / f"server-{metrics}")
+        fold_metrics(data, metrics)
+        directory = tmp_path / f"replica-{metrics}"
+        with Replica(directory) as replica:
+            async with serving(data.path) as service:
+                await prune(service.data, keep=2)
+                response = await service.get("/v1/snapshots")
+                assert response.status_code == 200, response.text
+                manifest = converter.structure(response.json(), Manifest)
+                path = snapshot_files.find(data.snapshot_dir, manifest.stream, manifest.seq)
+                assert path is not None
+                sizes.append(path.stat().st_size)
+                tracemalloc.start()
+                try:
+                    with trio.fail_after(FRAME_LIMIT_S):
+                        await follow(service.url, service.token, replica, until_caught_up=True)
+                    peaks.append(tracemalloc.get_traced_memory()[1])
+                finally:
+                    tracemalloc.stop()
+                assert (await binding(replica)).cursor == manifest.seq
+                assert await replica_export(replica) == await server_export(service)
+        assert sorted(os.listdir(directory)) == [REPLICA_FILE]
+    assert peaks[1] < 1.5 * peaks[0]
+    assert peaks[1] < RESTORE_PEAK_BYTES < sizes[1]

@@ -182,6 +182,11 @@ TAMPERED: list[tuple[str, Callable[[Attempt], Attempt], str]] = [
         lambda a: a.resigned(with_header(a.data, objects=5)),
         "header does not match",
     ),
+    (
+        "header-counts-fewer-objects",
+        lambda a: a.resigned(with_header(a.data, objects=3)),
+        "header does not match",
+    ),
     ("not-a-snapshot", lambda a: a.resigned(b"plain text"), "cannot be decoded"),
     (
         "broken-deflate",

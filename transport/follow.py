@@ -3,9 +3,10 @@
 It keeps a local replica equal to the server's objects. Frames are read and decoded ahead
 while the previous batch of events is applied and the cursor advanced in one replica
 transaction; the ACK sent is the highest contiguous durable sequence. On ``CURSOR_TOO_OLD``
-(or when the server's stream changed) it fetches the signed snapshot, validates schema,
-sha256, signature, instance and stream binding and sequence, restores, and resumes strictly
-after the snapshot. It reconnects with backoff after a broken or refused connection, a close for
+(or when the server's stream changed) it downloads the signed snapshot into a temporary file
+beside the replica, checks schema, sha256, signature, instance and stream binding and
+sequence, restores it a line at a time in one replica transaction, and resumes strictly after
+the snapshot. It reconnects with backoff after a broken or refused connection, a close for
 being too slow, an HTTP 5xx, and a snapshot reference gone stale (404) before its fetch. A token
 that cannot be sent as a header value is refused before connecting, and a request of its own that
 is not valid HTTP stops it: no retry could send either. What it logs of an error never quotes a
@@ -21,10 +22,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import hashlib
 import logging
 import ssl
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
@@ -348,30 +351,52 @@ class Follower:
     async def _restore(
         self, http: httpx.AsyncClient, manifest: Manifest, *, after: int, stream: str | None
     ) -> None:
+        """Download the snapshot into a temporary file beside the replica, hashing it; check it
+        whole before anything is applied; then apply its objects as they are read, in the
+        replica's one transaction, which a bad line or count undoes."""
         binding = await trio.to_thread.run_sync(self.replica.binding)
         assert binding.instance is not None
         assert binding.public_key is not None
-        response = await http.get(manifest.url)
+        with self.replica.snapshot_file() as path:
+            digest = await _download(http, manifest.url, path)
+            try:
+                snapshots.check(
+                    manifest,
+                    digest,
+                    public_key=binding.public_key,
+                    instance=binding.instance,
+                    stream=stream,
+                    after=after,
+                )
+                count = await trio.to_thread.run_sync(self._restore_file, path, manifest)
+            except SnapshotError as exc:
+                raise FollowError(f"snapshot refused: {exc}") from None
+        self._progressed()
+        log.info("follow: restored snapshot at seq %d (%d objects)", manifest.seq, count)
+
+    def _restore_file(self, path: Path, manifest: Manifest) -> int:
+        with open(path, "rb") as file:
+            return self.replica.restore(
+                manifest.stream, manifest.seq, snapshots.read(file, manifest)
+            )
+
+
+async def _download(http: httpx.AsyncClient, url: str, path: Path) -> str:
+    """Stream the answer of ``url`` into the file ``path`` a chunk at a time; the sha256 of
+    its bytes."""
+    digest = hashlib.sha256()
+    async with http.stream("GET", url) as response:
         # A fresh reference, from a new connection, cures both: the server removed the file this
         # one named (404), or it is restarting, possibly behind a proxy (5xx).
         if response.status_code == 404 or response.status_code >= 500:
             raise ConnectionLost(f"snapshot fetch answered {response.status_code}")
         if response.status_code != 200:
             raise FollowError(f"snapshot fetch answered {response.status_code}")
-        try:
-            objects = snapshots.validate(
-                manifest,
-                response.content,
-                public_key=binding.public_key,
-                instance=binding.instance,
-                stream=stream,
-                after=after,
-            )
-        except SnapshotError as exc:
-            raise FollowError(f"snapshot refused: {exc}") from None
-        await trio.to_thread.run_sync(self.replica.restore, manifest.stream, manifest.seq, objects)
-        self._progressed()
-        log.info("follow: restored snapshot at seq %d (%d objects)", manifest.seq, len(objects))
+        async with await trio.open_file(path, "wb") as out:
+            async for chunk in response.aiter_bytes():
+                digest.update(chunk)
+                await out.write(chunk)
+    return digest.hexdigest()
 
 
 class StreamSocket:

@@ -1,10 +1,13 @@
 """A follower's local replica (``replica.sqlite``): every object of the server, the stream
-it follows and its cursor. Applying events and advancing the cursor is one transaction."""
+it follows and its cursor. Applying events and advancing the cursor is one transaction, and
+so is restoring a snapshot, read from a temporary file beside the replica."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
@@ -116,15 +119,31 @@ class Replica(_objects.ObjectDatabase):
                 "UPDATE binding SET cursor = max(cursor, ?) WHERE id = 1", (through,)
             )
 
-    def restore(self, stream: str, seq: int, objects: Sequence[HourlyObject]) -> None:
-        """Replace every object with a snapshot's and resume strictly after ``seq``."""
+    def restore(self, stream: str, seq: int, objects: Iterable[HourlyObject]) -> int:
+        """Replace every object with a snapshot's and resume strictly after ``seq``; return
+        how many objects it wrote. ``objects`` is iterated inside the one transaction, one at
+        a time: an exception it raises leaves the replica as it was."""
+        count = 0
         with self._lock, write_transaction(self._conn):
             self._conn.execute("DELETE FROM objects")
             for obj in objects:
                 self._put(obj.key, obj)
+                count += 1
             self._conn.execute(
                 "UPDATE binding SET stream = ?, cursor = ? WHERE id = 1", (stream, seq)
             )
+        return count
+
+    @contextlib.contextmanager
+    def snapshot_file(self) -> Iterator[Path]:
+        """A new empty file in the replica's directory (``snapshot-*.tmp``) to download a
+        snapshot into; removed when the block ends, however it ends."""
+        fd, name = tempfile.mkstemp(prefix="snapshot-", suffix=".tmp", dir=Path(self.path).parent)
+        os.close(fd)
+        try:
+            yield Path(name)
+        finally:
+            Path(name).unlink(missing_ok=True)
 
     def _put(self, key: ObjectKey, state: HourlyObject | None) -> None:
         if state is None:
