@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import gzip
 import hashlib
-import io
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
@@ -114,31 +113,6 @@ def sign(
     )
 
 
-def validate(
-    manifest: Manifest,
-    data: bytes,
-    *,
-    public_key: str,
-    instance: str,
-    stream: str | None,
-    after: int,
-) -> list[HourlyObject]:
-    """Check schema, hash, signature, instance and stream binding and sequence; decode.
-
-    ``stream`` None accepts any stream (a replica that has not bound to one yet); ``after``
-    is the cursor the client asked for: a snapshot older than it is refused.
-    """
-    check(
-        manifest,
-        hashlib.sha256(data).hexdigest(),
-        public_key=public_key,
-        instance=instance,
-        stream=stream,
-        after=after,
-    )
-    return list(read(io.BytesIO(data), manifest))
-
-
 def check(
     manifest: Manifest,
     digest: str,
@@ -148,8 +122,10 @@ def check(
     stream: str | None,
     after: int,
 ) -> None:
-    """The checks of :func:`validate` before decoding, for a file whose sha256 is ``digest``:
-    a client that saved the file checks it so before reading it with :func:`read`."""
+    """Check a snapshot file whose sha256 is ``digest`` before it is read with :func:`read`:
+    schema, hash, sequence, signature, instance and stream binding, and that it is not older
+    than the cursor ``after`` the client asked from. ``stream`` None accepts any stream (a
+    replica that has not bound to one yet)."""
     if manifest.schema != SCHEMA:
         raise SnapshotError(f"unknown snapshot schema {manifest.schema!r}")
     if digest != manifest.sha256:

@@ -10,6 +10,8 @@ server closes first, so :func:`connect` owns the TCP stream and closes it itself
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import os
 import socket
 import time
@@ -24,7 +26,10 @@ from _cli_bodies import body, metric, point
 from _service_helpers import POLL_S, Service
 from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_client_stream
 
+from healthlog import snapshots
 from healthlog.export import export_lines
+from healthlog.objects import HourlyObject
+from healthlog.snapshots import Manifest
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.replica import Replica
 from transport.stream import StreamEndpoint
@@ -255,3 +260,20 @@ def fold_metrics(data: DataDir, metrics: int) -> None:
             meta = journal.get_meta(journal.append(new).delivery_id)
             assert meta is not None
             store.fold(journal, meta, epoch)
+
+
+def validate(
+    manifest: Manifest,
+    data: bytes,
+    *,
+    public_key: str,
+    instance: str,
+    stream: str | None,
+    after: int,
+) -> list[HourlyObject]:
+    """A snapshot file held in memory, checked and read as a follower does from its file."""
+    digest = hashlib.sha256(data).hexdigest()
+    snapshots.check(
+        manifest, digest, public_key=public_key, instance=instance, stream=stream, after=after
+    )
+    return list(snapshots.read(io.BytesIO(data), manifest))

@@ -23,7 +23,7 @@ import orjson
 import pytest
 from _bodies import body, delivery, point
 from _service_helpers import Service, serving
-from _stream_helpers import HOURS, fold_metrics, post_small, prune
+from _stream_helpers import HOURS, fold_metrics, post_small, prune, validate
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import snapshots
@@ -50,7 +50,7 @@ class Attempt:
     after: int
 
     def validate(self) -> list[HourlyObject]:
-        return snapshots.validate(
+        return validate(
             self.manifest,
             self.data,
             public_key=snapshots.public_key_text(self.key),

@@ -52,13 +52,14 @@ from _stream_helpers import (
     stalled,
     stream_handlers,
     subscribe,
+    validate,
 )
 from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from websockets.sync.client import connect as websockets_connect
 
 from actors.runtime import configured
-from healthlog import faults, snapshots
+from healthlog import faults
 from healthlog.documents import converter
 from healthlog.export import export_lines
 from healthlog.objects import ObjectKey
@@ -407,7 +408,7 @@ async def test_cursor_older_than_window(tmp_path: Path) -> None:
         assert fetched.status_code == 200
         key = (await service.client.get("/v1/snapshots/key")).json()
         assert key == {"public_key": status["stream"]["public_key"], "algorithm": "Ed25519"}
-        objects = snapshots.validate(
+        objects = validate(
             manifest,
             fetched.content,
             public_key=key["public_key"],
