@@ -24,6 +24,7 @@ import socket
 import sqlite3
 import ssl
 import sys
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import closing
@@ -1202,6 +1203,25 @@ async def test_a_bad_snapshot_leaves_the_replica_as_it_was_stream_59(
                 assert front.drop is None
             assert rows(directory / REPLICA_FILE) == before
             assert sorted(os.listdir(directory)) == files
+
+
+def test_a_killed_restore_leaves_no_download_for_good_stream_60(tmp_path: Path) -> None:
+    """STREAM-60: a download file a killed follower left beside its replica (untouched for over
+    an hour) is removed when the next restore makes its own; one written to within the hour (a
+    restore running in another process) is left alone."""
+    directory = tmp_path / "replica"
+    with Replica(directory) as replica:
+        left = directory / "snapshot-killed.tmp"
+        running = directory / "snapshot-running.tmp"
+        left.write_bytes(b"\x1f\x8b half a snapshot")
+        running.write_bytes(b"\x1f\x8b")
+        hours_ago = time.time() - 2 * 3600
+        os.utime(left, (hours_ago, hours_ago))
+        with replica.snapshot_file() as download:
+            assert download.exists()
+            assert not left.exists()
+            assert running.exists()
+        assert not download.exists()
 
 
 RESTORE_PEAK_BYTES = 1_000_000

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from healthlog.storage._sqlite import (
 )
 
 REPLICA_FILE = "replica.sqlite"
+# A download file untouched this long was left by a follower that was killed: one downloading
+# writes to it all the time.
+STALE_DOWNLOAD_S = 3600.0
 
 MIGRATIONS = (
     """
@@ -137,8 +141,14 @@ class Replica(_objects.ObjectDatabase):
     @contextlib.contextmanager
     def snapshot_file(self) -> Iterator[Path]:
         """A new empty file in the replica's directory (``snapshot-*.tmp``) to download a
-        snapshot into; removed when the block ends, however it ends."""
-        fd, name = tempfile.mkstemp(prefix="snapshot-", suffix=".tmp", dir=Path(self.path).parent)
+        snapshot into; removed when the block ends, however it ends. Those a killed follower
+        left there (untouched for ``STALE_DOWNLOAD_S``) are removed first."""
+        directory = Path(self.path).parent
+        for left in directory.glob("snapshot-*.tmp"):
+            with contextlib.suppress(OSError):
+                if time.time() - left.stat().st_mtime > STALE_DOWNLOAD_S:
+                    left.unlink()
+        fd, name = tempfile.mkstemp(prefix="snapshot-", suffix=".tmp", dir=directory)
         os.close(fd)
         try:
             yield Path(name)
