@@ -31,6 +31,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 import trio
@@ -77,6 +78,7 @@ from transport.follow import (
     Follower,
     FollowError,
     StreamSocket,
+    _download,
     follow,
 )
 
@@ -1222,6 +1224,48 @@ def test_a_killed_restore_leaves_no_download_for_good_stream_60(tmp_path: Path) 
             assert not left.exists()
             assert running.exists()
         assert not download.exists()
+
+
+async def test_a_snapshot_larger_than_the_disk_has_room_for_stops_follow_stream_61(
+    tmp_path: Path,
+) -> None:
+    """STREAM-61: a follower whose cursor fell out of the window, with no room for the snapshot
+    on the replica's disk (a reserve larger than the free space), stops with a FollowError
+    saying so before it writes the announced file; its replica holds what it held, and no
+    temporary file is left. A body sent without its length stops once it passes the room (a
+    server's endless answer): the download file holds no more than the room."""
+    directory = tmp_path / "replica"
+    with Replica(directory) as replica:
+        async with serving(tmp_path / "server") as service:
+            await post_small(service, 0, 60)
+            await follow(service.url, service.token, replica, until_caught_up=True)
+            await post_small(service, *range(120, 720, 60))
+            await prune(service.data, keep=2)
+            before = rows(directory / REPLICA_FILE)
+            files = sorted(os.listdir(directory))
+            follower = Follower(
+                Endpoints.parse(service.url),
+                service.token,
+                replica,
+                until_caught_up=True,
+                snapshot_reserve_bytes=2**62,
+            )
+            with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="room for"):
+                await follower.run()
+            assert rows(directory / REPLICA_FILE) == before
+            assert sorted(os.listdir(directory)) == files
+
+            chunk = b"x" * 2**16
+            endless = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+            endless += b"%x\r\n%s\r\n" % (len(chunk), chunk) * 64 + b"0\r\n\r\n"
+            async with (
+                fronting(service, answers={b"/v1/snapshots/1": endless}) as front,
+                httpx.AsyncClient(base_url=front.url("http")) as http,
+            ):
+                path = tmp_path / "download"
+                with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="room for"):
+                    await _download(http, "/v1/snapshots/1", path, room=2**18)
+                assert path.stat().st_size <= 2**18
 
 
 RESTORE_PEAK_BYTES = 1_000_000

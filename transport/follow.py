@@ -26,7 +26,7 @@ import hashlib
 import logging
 import ssl
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,6 +71,10 @@ BATCH = 512
 READ_AHEAD = 8
 READ_SIZE = 64
 CONNECT_TIMEOUT_S = 30.0
+# Free space a snapshot download leaves on the replica's filesystem: the restore then writes the
+# objects into the replica, and the disk is shared. A body larger than the rest (a server's
+# endless or hostile answer) stops the follower instead of filling the disk at every retry.
+SNAPSHOT_RESERVE_BYTES = 64 * 2**20
 # Error frames after which reconnecting, with backoff, from the acknowledged cursor is the remedy.
 RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY"})
 STREAM_PATH = "/v1/stream"
@@ -143,6 +147,8 @@ class Follower:
     ssl_context: ssl.SSLContext | None = attrs.field(default=None, kw_only=True)
     # How long connecting, the TLS handshake and the websocket handshake may take together.
     connect_timeout_s: float = attrs.field(default=CONNECT_TIMEOUT_S, kw_only=True)
+    # Free space a snapshot download must leave on the replica's filesystem.
+    snapshot_reserve_bytes: int = attrs.field(default=SNAPSHOT_RESERVE_BYTES, kw_only=True)
     # The wait before the next reconnect; back to the start once a connection made progress.
     _backoff: float = attrs.field(default=BACKOFF_START_S, init=False)
     # Whether the WARNING that reconnecting gets nowhere was logged since the last progress.
@@ -358,7 +364,8 @@ class Follower:
         assert binding.instance is not None
         assert binding.public_key is not None
         with self.replica.snapshot_file() as path:
-            digest = await _download(http, manifest.url, path)
+            room = await trio.to_thread.run_sync(self.replica.room, self.snapshot_reserve_bytes)
+            digest = await _download(http, manifest.url, path, room)
             try:
                 snapshots.check(
                     manifest,
@@ -381,9 +388,9 @@ class Follower:
             )
 
 
-async def _download(http: httpx.AsyncClient, url: str, path: Path) -> str:
+async def _download(http: httpx.AsyncClient, url: str, path: Path, room: int) -> str:
     """Stream the answer of ``url`` into the file ``path`` a chunk at a time; the sha256 of
-    its bytes."""
+    its bytes. An answer of more than ``room`` bytes, announced or sent, is a FollowError."""
     digest = hashlib.sha256()
     async with http.stream("GET", url) as response:
         # A fresh reference, from a new connection, cures both: the server removed the file this
@@ -392,11 +399,34 @@ async def _download(http: httpx.AsyncClient, url: str, path: Path) -> str:
             raise ConnectionLost(f"snapshot fetch answered {response.status_code}")
         if response.status_code != 200:
             raise FollowError(f"snapshot fetch answered {response.status_code}")
+        too_large = (
+            f"the snapshot is larger than the {room / 2**20:.1f} MiB the replica's disk has room"
+            " for (its free space less a reserve)"
+        )
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > room:
+            raise FollowError(too_large)
+        written = 0
+        chunks = response.aiter_bytes()
         async with await trio.open_file(path, "wb") as out:
-            async for chunk in response.aiter_bytes():
+            async for chunk in chunks:
+                written += len(chunk)
+                if written > room:
+                    await _abandon(response, chunks)
+                    raise FollowError(too_large)
                 digest.update(chunk)
                 await out.write(chunk)
     return digest.hexdigest()
+
+
+async def _abandon(response: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
+    """Stop reading a body part way: its connection is closed, and the reading, ended by
+    that, runs out through every layer of the HTTP client (left suspended, each would only be
+    closed when collected)."""
+    await response.aclose()
+    with contextlib.suppress(httpx.HTTPError):
+        async for _ in chunks:
+            pass
 
 
 class StreamSocket:

@@ -138,6 +138,12 @@ class Replica(_objects.ObjectDatabase):
             )
         return count
 
+    def room(self, reserve: int) -> int:
+        """The bytes a download beside the replica may take: the free space of its filesystem
+        (for an unprivileged user), less ``reserve``."""
+        stats = os.statvfs(Path(self.path).parent)
+        return max(0, stats.f_bavail * stats.f_frsize - reserve)
+
     @contextlib.contextmanager
     def snapshot_file(self) -> Iterator[Path]:
         """A new empty file in the replica's directory (``snapshot-*.tmp``) to download a
