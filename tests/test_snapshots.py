@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import gc
 import gzip
 import hashlib
 import os
@@ -32,6 +33,7 @@ from healthlog.snapshots import SCHEMA, Manifest, SnapshotError
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV
+from transport.snapshots import SnapshotBody
 
 NOW_US = 1_709_251_200_000_000
 TTL_US = 15_000_000
@@ -520,6 +522,20 @@ def test_a_snapshot_is_read_beside_the_store_stream_53(tmp_path: Path) -> None:
         assert (snapshot.seq, snapshot.count) == (head, len(before))
         assert read == before
         assert len(list(store.iter_objects())) == len(before) + 1
+
+
+def test_a_snapshot_body_never_entered_closes_its_file_stream_53(tmp_path: Path) -> None:
+    """STREAM-53: a snapshot file's response body that is dropped before it is sent (its client
+    went away between the handler and the send) closes its file when it is collected, without
+    an unclosed-file warning (which this suite turns into a failure)."""
+    path = tmp_path / "snapshot.snap"
+    path.write_bytes(b"\x1f\x8b" * 100)
+    file = open(path, "rb")  # noqa: SIM115 (the body owns it)
+    body = SnapshotBody(file)
+    assert body.size == 200
+    del body
+    gc.collect()
+    assert file.closed
 
 
 async def test_a_snapshot_file_is_served_in_chunks_stream_53(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
@@ -69,6 +70,9 @@ class SnapshotBody(ResponseBody):
     def __init__(self, file: BinaryIO) -> None:
         self._file = file
         self.size = os.fstat(file.fileno()).st_size
+        # A client gone before the body is entered (quart cancels the request between the
+        # handler and the send) leaves it unentered: the file then closes when it is collected.
+        weakref.finalize(self, file.close)
 
     async def __aenter__(self) -> SnapshotBody:
         return self
