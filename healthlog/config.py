@@ -159,7 +159,8 @@ _SHOWN_CHARS = 40
 def _value(name: str, raw: object) -> object:
     """``raw`` (from the file, or a string from the environment or a flag) as setting ``name``
     holds it, for its validator to judge; ValueError when it is not even of the setting's
-    kind. A truth value is never a number, nor a number with a fraction a whole number."""
+    kind. A truth value is never a number, nor a number with a fraction a whole number (a
+    whole number written as a float is one)."""
     kind = accepts(name).kind
     if isinstance(raw, bool):
         raise ValueError(name)
@@ -172,10 +173,13 @@ def _value(name: str, raw: object) -> object:
         if kind is int and not _WHOLE.fullmatch(text):
             raise ValueError(name)
         return kind(text)
-    if kind is int and not isinstance(raw, int):
-        raise ValueError(name)
     if not isinstance(raw, int | float):
         raise ValueError(name)
+    if kind is int and isinstance(raw, float):
+        # TOML writes a whole number as a float too (``8787.0``, ``1e5``), which was taken.
+        if not raw.is_integer():
+            raise ValueError(name)
+        return int(raw)
     return kind(raw)
 
 

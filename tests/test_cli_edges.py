@@ -220,6 +220,21 @@ def test_token_takes_data_after_its_own_name_and_lists_names_alone_cli_33(
 TOML = "healthlog.toml"
 
 
+def test_settings_an_earlier_healthlog_took_are_still_taken_cli_37(tmp_path: Path) -> None:
+    """CLI-37: settings written as earlier versions took them still load: whole numbers as TOML
+    floats (`port = 8787.0`, `stream_window_events = 1e5`), numbers as strings, a level in
+    capitals, whole numbers for seconds and MiB."""
+    (tmp_path / TOML).write_text(
+        "[serve]\nport = 8787.0\nstream_window_events = 1e5\nmax_body_mib = 256\n"
+        'lease_ttl_s = 15\nwake_period_s = "30"\nlog_level = "WARNING"\n'
+    )
+    config = load_serve_config(tmp_path / TOML, {}, {"HEALTHLOG_PORT": " 8788\n"})
+    assert (config.port, config.stream_window_events) == (8788, 100_000)
+    assert (config.max_body_mib, config.lease_ttl_s, config.wake_period_s) == (256.0, 15.0, 30.0)
+    assert config.log_level == "warning"
+    assert load_serve_config(tmp_path / TOML, {}, {}).port == 8787
+
+
 @pytest.mark.parametrize(
     ("toml", "env", "flags", "says"),
     [
