@@ -318,13 +318,21 @@ async def test_longest_subscriber_name_accepted(tmp_path: Path) -> None:
     [pytest.param(lambda _: [], id="missing"), pytest.param(bearer, id="wrong")],
 )
 async def test_unauthorized(
-    tmp_path: Path, headers: Callable[[str], list[tuple[bytes, bytes]]]
+    tmp_path: Path,
+    headers: Callable[[str], list[tuple[bytes, bytes]]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """STREAM-8: no token or a wrong one: UNAUTHORIZED and close 4401."""
+    """STREAM-8: no token or a wrong one: UNAUTHORIZED and close 4401, logged once at INFO as
+    the HTTP routes' refusals are, never with the token presented."""
     async with serving(tmp_path) as service:
         await post_small(service, 0)
-        refused = await refused_beside_witness(service, resource(0), headers("hl_wrong"))
+        with caplog.at_level(logging.INFO, "healthlog.http"):
+            refused = await refused_beside_witness(service, resource(0), headers("hl_wrong_a1b2c3"))
         assert refused == ({"type": "error", "code": "UNAUTHORIZED"}, 4401)
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("refused 4401 GET /v1/stream from 127.0.0.1: ")
+        assert "a1b2c3" not in caplog.text
 
 
 @pytest.mark.parametrize(

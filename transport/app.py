@@ -39,10 +39,15 @@ from transport.intake import INTAKE_PATH, IntakeEndpoint
 from transport.metrics import render_metrics
 from transport.refusals import RefusalLog
 from transport.snapshots import SnapshotService
-from transport.stream import HUB_ACTOR, EventHub, StreamEndpoint, snapshot_failure
+from transport.stream import (
+    HUB_ACTOR,
+    STREAM_PATH,
+    EventHub,
+    StreamEndpoint,
+    snapshot_failure,
+)
 
 JSONL = "application/x-ndjson"
-STREAM_PATH = "/v1/stream"
 MAX_HEADER_BYTES = 64 * 1024
 SQLITE_MAX_INTEGER = 2**63 - 1
 RESPONSE_TIMEOUT_S = 60.0
@@ -352,6 +357,7 @@ def create_app(
         snapshots.covering,
         config.stream_send_timeout_s,
         closing,
+        refusals,
     )
     return HealthlogApp(
         app,

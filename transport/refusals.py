@@ -61,11 +61,14 @@ class RefusalLog:
             else "",
         )
 
-    def unauthorized(self, method: str, route: str, address: str | None, presented: bool) -> None:
-        """A 401: no token presented, or one that is not (or no longer) a client's."""
+    def unauthorized(
+        self, method: str, route: str, address: str | None, presented: bool, status: int = 401
+    ) -> None:
+        """A 401 (or the stream's 4401): no token presented, or one that is not (or no longer)
+        a client's."""
         why = (
             "the token is not a client's (mistyped, or revoked)"
             if presented
             else "no token (send Authorization: Bearer TOKEN, or api-key: TOKEN)"
         )
-        self.refused(401, method, route, address, why)
+        self.refused(status, method, route, address, why)

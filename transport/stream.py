@@ -41,7 +41,7 @@ import errno
 import functools
 import logging
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -54,10 +54,13 @@ from healthlog.objects import HourlyObject, to_wire
 from healthlog.snapshots import Manifest
 from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Event, Store
+from transport.refusals import RefusalLog
 
 log = logging.getLogger("healthlog.stream")
 
 T = TypeVar("T")
+
+STREAM_PATH = "/v1/stream"
 
 PAGE = 256
 PAGE_BYTES = 4 * 2**20
@@ -179,6 +182,7 @@ class StreamEndpoint:
     snapshot_for: SnapshotFor
     send_timeout_s: float
     closing: trio.Event
+    refusals: RefusalLog = attrs.field(factory=RefusalLog)
     idle_recheck_s: float = IDLE_RECHECK_S
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -207,7 +211,7 @@ class StreamEndpoint:
                 # First, so that a shutdown also ends a subscription still opening (its reads
                 # wait while the store is busy).
                 nursery.start_soon(self._going_away)
-                token = await self._authenticate(headers, query)
+                token = await self._authenticate(headers, query, scope.get("client"))
                 sub = await self._open(query, token)
                 nursery.start_soon(self._send_loop, sub, send)
                 await self._receive_loop(sub, receive)
@@ -260,15 +264,25 @@ class StreamEndpoint:
         await self.closing.wait()
         raise StreamRefused("GOING_AWAY", CLOSE_GOING_AWAY, frame=False)
 
-    async def _authenticate(self, headers: dict[str, str], query: dict[str, str]) -> str:
-        """The presented token, once it is known to be live."""
+    async def _authenticate(
+        self, headers: dict[str, str], query: dict[str, str], client: Sequence[Any] | None
+    ) -> str:
+        """The presented token, once it is known to be live; a refusal is logged as the HTTP
+        routes' are (never the token)."""
         presented = headers.get("api-key") or query.get("token")
         authorization = headers.get("authorization", "")
         if authorization[:7].lower() == "bearer ":
             presented = authorization[7:].strip()
-        if not presented:
-            raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
-        await self._still_authorized(presented)
+        try:
+            if not presented:
+                raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
+            await self._still_authorized(presented)
+        except StreamRefused:
+            address = str(client[0]) if client else None
+            self.refusals.unauthorized(
+                "GET", STREAM_PATH, address, bool(presented), status=CLOSE_UNAUTHORIZED
+            )
+            raise
         return presented
 
     async def _still_authorized(self, token: str) -> None:
