@@ -143,6 +143,9 @@ class ServeConfig:
         return int(self.max_body_mib * 2**20)
 
 
+DEFAULTS = ServeConfig()
+
+
 def accepts(name: str) -> Accepts:
     """What setting ``name`` accepts."""
     validator = attrs.fields_dict(ServeConfig)[name].validator
@@ -236,4 +239,11 @@ def load_serve_config(
     try:
         return ServeConfig(**values)
     except ValueError as exc:
-        raise ConfigError(f"invalid settings: {exc}") from None
+        # Each value passed its own check: what is left is how the lease's two relate.
+        given = [
+            f"{name} {_shown(merged[name][0])} (from {merged[name][1]})"
+            if name in merged
+            else f"{name} {getattr(DEFAULTS, name)} (the default)"
+            for name in ("lease_renew_s", "lease_ttl_s")
+        ]
+        raise ConfigError(f"invalid settings: {exc}: {', '.join(given)}") from None

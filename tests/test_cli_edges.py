@@ -118,7 +118,12 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
         ([], "serve = 1\n", "serve must be a table"),
         ([], "port = 8788\n", "unknown settings ['port'] (outside [serve])"),
         ([], "[serve]\nwake_period_s = 0\n", "invalid wake_period_s"),
-        ([], "[serve]\nlease_ttl_s = 4\n", "lease_renew_s must be shorter than lease_ttl_s"),
+        (
+            [],
+            "[serve]\nlease_ttl_s = 4\n",
+            "lease_renew_s must be shorter than lease_ttl_s: lease_renew_s 5.0 (the default),"
+            " lease_ttl_s 4 (from ",
+        ),
     ],
 )
 def test_serve_refuses_settings_out_of_range_with_exit_2_cli_27(
