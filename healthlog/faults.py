@@ -24,8 +24,10 @@ POINTS = (
     "fold.before_commit",
     "fold.after_commit",
     "lease.renew",
+    "stream.head",
     "stream.send",
     "stream.page",
+    "stream.ack",
     "snapshot.build",
     "snapshot.write",
 )

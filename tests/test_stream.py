@@ -513,6 +513,21 @@ async def test_an_ack_waits_for_a_busy_store_stream_41(
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
+async def head_reads_failing(*errors: Exception) -> None:
+    """The event hub's next reads of the store's head raise ``errors``, one each, through the
+    fault point ``stream.head``; returns once all were raised."""
+    pending = list(errors)
+
+    def next_error(_name: str) -> None:
+        raise pending.pop(0)
+
+    hits = frozenset(range(1, len(errors) + 1))
+    with faults.loaded(faults.Plan({"stream.head": faults.Action(hits, next_error)})):
+        with trio.fail_after(FRAME_LIMIT_S):
+            while pending:
+                await trio.sleep(POLL_S)
+
+
 async def test_live_events_outlive_a_failed_head_read_stream_45(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -521,38 +536,24 @@ async def test_live_events_outlive_a_failed_head_read_stream_45(
     and live events keep waking the subscriber, one WARNING names the error's type only, and
     nothing is logged above WARNING.
 
-    A read in WAL mode is never busy and SQLite cannot be made to fail one on demand, so
-    ``Store.event_window`` fails here; the subscribers' idle recheck is set to an hour, so
+    A read in WAL mode is never busy and SQLite cannot be made to fail one on demand, so the
+    fault point ``stream.head`` raises; the subscribers' idle recheck is set to an hour, so
     only the hub can wake the subscriber before the frame limit."""
     monkeypatch.setattr(
         app_module, "StreamEndpoint", functools.partial(StreamEndpoint, idle_recheck_s=3600.0)
     )
-    failures: list[StorageError] = []
-    real = Store.event_window
-
-    def failing(store: Store) -> tuple[int, int]:
-        if failures:
-            raise failures.pop(0)
-        return real(store)
-
-    monkeypatch.setattr(Store, "event_window", failing)
     async with serving(tmp_path) as service:
         total = await post_small(service, 0)
         async with subscribe(service, after=total) as ws:
             await post(service, small(60))
             assert consecutive(await receive(ws, 2), total)
             with caplog.at_level(logging.DEBUG, logger="healthlog.stream"):
-                failures.extend(
-                    [
-                        Deferred("database busy"),
-                        Deferred("database busy"),
-                        StorageError("database error: disk I/O error"),
-                        StorageError("database error: disk I/O error"),
-                    ]
+                await head_reads_failing(
+                    Deferred("database busy"),
+                    Deferred("database busy"),
+                    StorageError("database error: disk I/O error"),
+                    StorageError("database error: disk I/O error"),
                 )
-                with trio.fail_after(FRAME_LIMIT_S):
-                    while failures:
-                        await trio.sleep(POLL_S)
                 for n, minute in enumerate((120, 180)):
                     await post(service, small(minute))
                     assert consecutive(await receive(ws, 2), total + 2 + 2 * n)
@@ -585,8 +586,8 @@ async def test_a_crashed_event_hub_is_restarted_stream_54(
     ``/readyz`` 503) until it has run well for ``healthy_s`` (here 2 s) after its restart, which
     comes after its backoff (0.5 s, then 1 s), and live events keep waking the subscriber.
 
-    As in STREAM-45 ``Store.event_window`` fails, and the subscribers' idle recheck is an hour,
-    so only a running hub can wake the subscriber before the frame limit."""
+    As in STREAM-45 the fault point ``stream.head`` raises, and the subscribers' idle recheck
+    is an hour, so only a running hub can wake the subscriber before the frame limit."""
     monkeypatch.setattr(
         app_module, "StreamEndpoint", functools.partial(StreamEndpoint, idle_recheck_s=3600.0)
     )
@@ -595,25 +596,13 @@ async def test_a_crashed_event_hub_is_restarted_stream_54(
         "configured",
         lambda *args, **kwargs: attrs.evolve(configured(*args, **kwargs), healthy_s=2.0),
     )
-    failures: list[Exception] = []
-    real = Store.event_window
-
-    def failing(store: Store) -> tuple[int, int]:
-        if failures:
-            raise failures.pop(0)
-        return real(store)
-
-    monkeypatch.setattr(Store, "event_window", failing)
     async with serving(tmp_path) as service:
         total = await post_small(service, 0)
         async with subscribe(service, after=total) as ws:
             await post(service, small(60))
             assert consecutive(await receive(ws, 2), total)
             with caplog.at_level(logging.DEBUG):
-                failures.extend([RuntimeError("secret 42"), RuntimeError("secret 43")])
-                with trio.fail_after(FRAME_LIMIT_S):
-                    while failures:
-                        await trio.sleep(POLL_S)
+                await head_reads_failing(RuntimeError("secret 42"), RuntimeError("secret 43"))
                 assert (await service.client.get("/readyz")).status_code == 503
                 assert await metric(service, "healthlog_actors_down") == 1
                 for n, minute in enumerate((120, 180)):
@@ -688,22 +677,13 @@ async def test_a_storage_error_ends_only_its_subscription_stream_56(
     nothing is logged above WARNING; a witness subscriber goes on, and the subscriber reconnects
     from its cursor, gets the events it had not, and has its ACK stored.
 
-    The page read fails at the fault point ``stream.page``: the witness waits at the head with
-    an idle recheck of an hour, so after its first two reads (its page, then an empty one) only
-    the subscriber reads pages until the next delivery."""
+    The page read fails at the fault point ``stream.page``, the ACK at ``stream.ack``: the
+    witness waits at the head with an idle recheck of an hour, so after its first two reads (its
+    page, then an empty one) only the subscriber reads pages until the next delivery."""
     monkeypatch.setattr(
         app_module, "StreamEndpoint", functools.partial(StreamEndpoint, idle_recheck_s=3600.0)
     )
     failure = StorageError("database error: disk I/O error")
-    real_ack = Store.ack
-    failing_acks: list[StorageError] = []
-
-    def ack(store: Store, subscriber: str, seq: int) -> int:
-        if failing_acks:
-            raise failing_acks.pop()
-        return real_ack(store, subscriber, seq)
-
-    monkeypatch.setattr(Store, "ack", ack)
     plan = faults.Plan()
     async with serving(tmp_path) as service:
         total = await post_small(service, 0, 60)
@@ -721,7 +701,9 @@ async def test_a_storage_error_ends_only_its_subscription_stream_56(
                 async with subscribe(service, after=0, subscriber="nas") as ws:
                     assert consecutive(await receive(ws, total), 0)
                     if where == "ack":
-                        failing_acks.append(failure)
+                        plan.actions["stream.ack"] = faults.Action(
+                            frozenset({1}), faults.raise_fault(lambda _: failure)
+                        )
                         await send_ack(ws, total)
                     frames, code, reason = await closed_after(ws)
                 with trio.fail_after(FRAME_LIMIT_S):

@@ -106,6 +106,7 @@ class EventHub:
         failing = False
         while True:
             try:
+                faults.point("stream.head")
                 _, head = await self._runtime.read_store(Store.event_window)
             except Deferred:
                 log.debug("stream: the store is busy; the event hub reads its head again")
@@ -373,6 +374,7 @@ class StreamEndpoint:
             while True:
                 try:
                     with trio.CancelScope(shield=True):
+                        faults.point("stream.ack")
                         sub.acked = await self.runtime.read_store(
                             functools.partial(Store.ack, subscriber=sub.name, seq=seq)
                         )
