@@ -12,6 +12,7 @@ import logging
 import attrs
 import trio
 
+from healthlog import faults
 from healthlog.clock import now_us
 from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.store import Store
@@ -51,6 +52,7 @@ class RetentionActor:
             await trio.sleep(self._period_s)
             cutoff = now_us() - self._max_age_us
             try:
+                faults.point("retention.prune")
                 prune = functools.partial(
                     self._store.prune_events, keep=self._keep, older_than_us=cutoff
                 )

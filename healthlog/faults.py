@@ -18,12 +18,14 @@ log = logging.getLogger("healthlog.faults")
 
 POINTS = (
     "journal.append",
+    "journal.read_body",
     "fold.begin",
     "fold.object_write",
     "fold.outcome_write",
     "fold.before_commit",
     "fold.after_commit",
     "lease.renew",
+    "retention.prune",
     "stream.head",
     "stream.send",
     "stream.page",

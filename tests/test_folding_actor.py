@@ -49,7 +49,7 @@ from healthlog.folding import OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
-from healthlog.storage.journal import Journal, NewDelivery
+from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
 from healthlog.storage.rebuild import verify
 from healthlog.storage.store import WORKER_DIED, Store, default_holder
@@ -635,25 +635,20 @@ async def test_a_delivery_that_kills_every_worker_is_failed_and_the_queue_moves_
 
 
 async def test_a_body_that_cannot_be_read_is_failed_and_the_queue_moves_on_run_34(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """RUN-34: a delivery whose body cannot be read for a reason that is not a storage error
-    (no memory to inflate it) is recorded failed with one ERROR, the delivery after it folds,
+    (no memory to inflate it: the fault point ``journal.read_body`` raises MemoryError at the
+    second delivery's read) is recorded failed with one ERROR, the delivery after it folds,
     and no actor crashes: the folder does not restart on it for ever."""
     ids = journal_directly(tmp_path, [new_delivery(n) for n in range(3)])
-    read_body = Journal.read_body
-
-    def no_memory_for_the_second(journal: Journal, delivery_id: int) -> bytes:
-        if delivery_id == ids[1]:
-            raise MemoryError
-        return read_body(journal, delivery_id)
-
-    monkeypatch.setattr(Journal, "read_body", no_memory_for_the_second)
-    async with open_runtime(config(tmp_path)) as runtime:
-        await wait_folded(tmp_path, ids)
-        await until(lambda: not runtime.statistics().folding.running)
-        stats = runtime.statistics()
-        ready = runtime.ready()
+    no_memory = faults.Action(frozenset({2}), faults.raise_fault(lambda _: MemoryError()))
+    with faults.loaded(faults.Plan({"journal.read_body": no_memory})):
+        async with open_runtime(config(tmp_path)) as runtime:
+            await wait_folded(tmp_path, ids)
+            await until(lambda: not runtime.statistics().folding.running)
+            stats = runtime.statistics()
+            ready = runtime.ready()
 
     statuses = table(DataDir(tmp_path).store_path, "SELECT status, reason FROM outcomes")
     assert statuses == [
@@ -666,26 +661,21 @@ async def test_a_body_that_cannot_be_read_is_failed_and_the_queue_moves_on_run_3
 
 
 async def test_an_actor_down_after_a_crash_makes_the_runtime_not_ready_run_35(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
-    """RUN-35: a ready runtime whose retention actor crashes at every run is not ready while
-    it is down (statistics name it), and ready again once it has run well for ``healthy_s``."""
-    crashing = True
-    prune_events = Store.prune_events
-
-    def prune(store: Store, *, keep: int, older_than_us: int) -> int:
-        if crashing:
-            raise RuntimeError("boom")
-        return prune_events(store, keep=keep, older_than_us=older_than_us)
-
+    """RUN-35: a ready runtime whose retention actor crashes at every run (the fault point
+    ``retention.prune`` raises) is not ready while it is down (statistics name it), and ready
+    again once it has run well for ``healthy_s``."""
     journal_directly(tmp_path, [new_delivery(0)])
     async with open_runtime(config(tmp_path, retention_period_s=0.05, healthy_s=1.0)) as runtime:
         await until(runtime.ready)
-        monkeypatch.setattr(Store, "prune_events", prune)
-        await until(lambda: runtime.statistics().crashes.get("retention", 0) >= 2)
-        assert not runtime.ready()
-        assert runtime.statistics().down == ("retention",)
-        crashing = False
+        every_run = faults.Action(
+            frozenset(range(1, 10_000)), faults.raise_fault(lambda _: RuntimeError("boom"))
+        )
+        with faults.loaded(faults.Plan({"retention.prune": every_run})):
+            await until(lambda: runtime.statistics().crashes.get("retention", 0) >= 2)
+            assert not runtime.ready()
+            assert runtime.statistics().down == ("retention",)
         await until(runtime.ready)
         assert runtime.statistics().down == ()
 

@@ -25,6 +25,7 @@ from typing import Any, Final
 
 import attrs
 
+from healthlog import faults
 from healthlog.clock import now_us
 from healthlog.content import content_digest
 from healthlog.storage._sqlite import (
@@ -444,6 +445,7 @@ class Journal:
             ).fetchone()
         if row is None:
             raise KeyError(delivery_id)
+        faults.point("journal.read_body")
         sha256, length, encoding, stored = bytes(row[0]), row[1], row[2], bytes(row[3])
         if encoding == _IDENTITY:
             body = stored
