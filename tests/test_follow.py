@@ -1149,6 +1149,15 @@ def file_answer(content: bytes) -> bytes:
     )
 
 
+async def fall_behind(service: Service, replica: Replica) -> None:
+    """The replica catches up, then the service moves on past it: more deliveries, and its
+    events pruned to the newest two, so the replica's cursor is out of the window."""
+    await post_small(service, 0, 60)
+    await follow(service.url, service.token, replica, until_caught_up=True)
+    await post_small(service, *range(120, 720, 60))
+    await prune(service.data, keep=2)
+
+
 @pytest.mark.parametrize(
     ("corrupt", "signer", "says"), [pytest.param(*case[1:], id=case[0]) for case in CORRUPTED]
 )
@@ -1163,10 +1172,7 @@ async def test_a_bad_snapshot_leaves_the_replica_as_it_was_stream_59(
     directory = tmp_path / "replica"
     with Replica(directory) as replica:
         async with serving(tmp_path / "server") as service:
-            await post_small(service, 0, 60)
-            await follow(service.url, service.token, replica, until_caught_up=True)
-            await post_small(service, *range(120, 720, 60))
-            await prune(service.data, keep=2)
+            await fall_behind(service, replica)
             response = await service.get("/v1/snapshots")
             assert response.status_code == 200, response.text
             manifest = converter.structure(response.json(), Manifest)
@@ -1237,10 +1243,7 @@ async def test_a_snapshot_larger_than_the_disk_has_room_for_stops_follow_stream_
     directory = tmp_path / "replica"
     with Replica(directory) as replica:
         async with serving(tmp_path / "server") as service:
-            await post_small(service, 0, 60)
-            await follow(service.url, service.token, replica, until_caught_up=True)
-            await post_small(service, *range(120, 720, 60))
-            await prune(service.data, keep=2)
+            await fall_behind(service, replica)
             before = rows(directory / REPLICA_FILE)
             files = sorted(os.listdir(directory))
             follower = Follower(
