@@ -30,7 +30,7 @@ from healthlog.storage.journal import (
 )
 from healthlog.timestamps import format_instant
 from transport.auth import TokenCache, presented_token
-from transport.refusals import RefusalLog
+from transport.refusals import RefusalLog, client_address
 
 log = logging.getLogger("healthlog.http")
 
@@ -120,11 +120,11 @@ class IntakeEndpoint:
         runtime: Runtime,
         tokens: TokenCache,
         config: ServeConfig,
-        refusals: RefusalLog | None = None,
+        refusals: RefusalLog,
     ) -> None:
         self._runtime = runtime
         self._tokens = tokens
-        self._refusals = RefusalLog() if refusals is None else refusals
+        self._refusals = refusals
         self._limit = config.max_body_bytes
         mib = config.max_body_mib
         # The limit is configuration, not a secret: the client is told it (256, not 256.0).
@@ -174,7 +174,9 @@ class IntakeEndpoint:
         presented = presented_token(headers.get("authorization"), headers.get("api-key"))
         name = None if presented is None else await self._tokens.authenticate(presented)
         if name is None:
-            self._refusals.unauthorized("POST", INTAKE_PATH, _address(scope), presented is not None)
+            self._refusals.unauthorized(
+                "POST", INTAKE_PATH, client_address(scope), presented is not None
+            )
             return _answer(401, _error("UNAUTHORIZED"), ((b"www-authenticate", b"Bearer"),))
         if int(headers.get("content-length") or 0) > self._limit:
             return self._refuse_too_large(scope)
@@ -190,7 +192,7 @@ class IntakeEndpoint:
                 self._in_flight.discard((name, key))
 
     def _refuse_too_large(self, scope: Any) -> _Answer:
-        self._refusals.refused(413, "POST", INTAKE_PATH, _address(scope), self._too_large_why)
+        self._refusals.refused(413, "POST", INTAKE_PATH, client_address(scope), self._too_large_why)
         return _answer(413, self._too_large, CLOSE)
 
     async def _take(
@@ -312,12 +314,6 @@ def _headers(raw: Headers) -> dict[str, str]:
     for name, value in raw:
         headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
     return headers
-
-
-def _address(scope: Any) -> str | None:
-    """The client's address (its host, not its port), when the server knows it."""
-    client = scope.get("client")
-    return None if not client else str(client[0])
 
 
 def _error(code: str) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import trio
 
@@ -72,3 +73,10 @@ class RefusalLog:
             else "no token (send Authorization: Bearer TOKEN, or api-key: TOKEN)"
         )
         self.refused(status, method, route, address, why)
+
+
+def client_address(scope: dict[str, Any]) -> str | None:
+    """The client's address in an ASGI scope (its host, not its port), when the server knows
+    it."""
+    client = scope.get("client")
+    return None if not client else str(client[0])

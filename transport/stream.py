@@ -41,7 +41,7 @@ import errno
 import functools
 import logging
 import urllib.parse
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import attrs
@@ -54,7 +54,7 @@ from healthlog.objects import HourlyObject, to_wire
 from healthlog.snapshots import Manifest
 from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Event, Store
-from transport.refusals import RefusalLog
+from transport.refusals import RefusalLog, client_address
 
 log = logging.getLogger("healthlog.stream")
 
@@ -183,7 +183,7 @@ class StreamEndpoint:
     snapshot_for: SnapshotFor
     send_timeout_s: float
     closing: trio.Event
-    refusals: RefusalLog = attrs.field(factory=RefusalLog)
+    refusals: RefusalLog
     idle_recheck_s: float = IDLE_RECHECK_S
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -212,7 +212,7 @@ class StreamEndpoint:
                 # First, so that a shutdown also ends a subscription still opening (its reads
                 # wait while the store is busy).
                 nursery.start_soon(self._going_away)
-                token = await self._authenticate(headers, query, scope.get("client"))
+                token = await self._authenticate(headers, query, client_address(scope))
                 sub = await self._open(query, token)
                 nursery.start_soon(self._send_loop, sub, send)
                 await self._receive_loop(sub, receive)
@@ -243,19 +243,27 @@ class StreamEndpoint:
         with trio.move_on_after(self.send_timeout_s):
             await send({"type": "websocket.close", "code": refused.close, "reason": refused.code})
 
-    async def _read(self, fn: Callable[[Store], T]) -> T:
+    async def _read(
+        self,
+        fn: Callable[[Store], T],
+        *,
+        waiting: str = "a subscriber waits",
+        shield: bool = False,
+    ) -> T:
         """``fn(store)`` in the store's worker thread, tried again every ``BUSY_RETRY_S`` while
         the store is busy (:class:`Deferred`: another connection holds a lock for long), with one
-        WARNING once it has waited ``BUSY_WARN_S`` in all. Another :class:`StorageError` is
-        raised: ``__call__`` ends the subscription with close 1011."""
+        WARNING (``waiting`` until it is free) once it has waited ``BUSY_WARN_S`` in all; with
+        ``shield`` a call under way is not cancelled (the waits between are). Another
+        :class:`StorageError` is raised: ``__call__`` ends the subscription with close 1011."""
         since = trio.current_time()
         warned = False
         while True:
             try:
-                return await self.runtime.read_store(fn)
+                with trio.CancelScope(shield=shield):
+                    return await self.runtime.read_store(fn)
             except Deferred:
                 if not warned and trio.current_time() - since >= BUSY_WARN_S:
-                    log.warning("stream: the store is busy; a subscriber waits until it is free")
+                    log.warning("stream: the store is busy; %s until it is free", waiting)
                     warned = True
                 else:
                     log.debug("stream: the store is busy; a subscriber's read is tried again")
@@ -266,7 +274,7 @@ class StreamEndpoint:
         raise StreamRefused("GOING_AWAY", CLOSE_GOING_AWAY, frame=False)
 
     async def _authenticate(
-        self, headers: dict[str, str], query: dict[str, str], client: Sequence[Any] | None
+        self, headers: dict[str, str], query: dict[str, str], address: str | None
     ) -> str:
         """The presented token, once it is known to be live; a refusal is logged as the HTTP
         routes' are (never the token)."""
@@ -279,7 +287,6 @@ class StreamEndpoint:
                 raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
             await self._still_authorized(presented)
         except StreamRefused:
-            address = str(client[0]) if client else None
             self.refusals.unauthorized(
                 "GET", STREAM_PATH, address, bool(presented), status=CLOSE_UNAUTHORIZED
             )
@@ -369,23 +376,13 @@ class StreamEndpoint:
             raise StreamRefused("ACK_BEYOND_SENT", CLOSE_BAD_REQUEST, {"sent": sub.sent})
         if sub.name is not None and seq > sub.acked:
             await self._still_authorized(sub.token)
-            since = trio.current_time()
-            warned = False
-            while True:
-                try:
-                    with trio.CancelScope(shield=True):
-                        faults.point("stream.ack")
-                        sub.acked = await self.runtime.read_store(
-                            functools.partial(Store.ack, subscriber=sub.name, seq=seq)
-                        )
-                    return
-                except Deferred:
-                    # Another connection holds the store's write lock (a fold, a reindex's
-                    # swap): a normal condition. The ACK is stored once the lock is free.
-                    if not warned and trio.current_time() - since >= BUSY_WARN_S:
-                        log.warning("stream: the store is busy; an ACK waits until it is free")
-                        warned = True
-                await trio.sleep(BUSY_RETRY_S)
+            # Another connection may hold the store's write lock (a fold, a reindex's swap): a
+            # normal condition. The ACK is stored once the lock is free.
+            sub.acked = await self._read(
+                functools.partial(_store_ack, subscriber=sub.name, seq=seq),
+                waiting="an ACK waits",
+                shield=True,
+            )
 
 
 def _kinds(exc: BaseException) -> str:
@@ -393,6 +390,12 @@ def _kinds(exc: BaseException) -> str:
     if not isinstance(exc, BaseExceptionGroup):
         return type(exc).__name__
     return ", ".join(sorted({_kinds(inner) for inner in exc.exceptions}))
+
+
+def _store_ack(store: Store, subscriber: str, seq: int) -> int:
+    """Store a subscriber's ACK, in the store's worker thread; the stored cursor."""
+    faults.point("stream.ack")
+    return store.ack(subscriber, seq)
 
 
 def _page(store: Store, after: int) -> list[tuple[Event, HourlyObject | None]]:
