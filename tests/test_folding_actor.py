@@ -593,6 +593,8 @@ async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     settings = {"executor": Executor.PROCESS, "wake_period_s": 0.2}
     async with open_runtime(config(tmp_path, **settings)) as runtime:
         await wait_folded(tmp_path, ids, timeout=60)
+        # The outcomes are in the store before the folder has taken the worker's reports.
+        await until(lambda: runtime.statistics().folding.folded >= len(ids))
         stats = runtime.statistics()
 
     assert folded_in_order(tmp_path) == ids
