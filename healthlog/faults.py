@@ -19,6 +19,7 @@ log = logging.getLogger("healthlog.faults")
 POINTS = (
     "journal.append",
     "journal.read_body",
+    "fold.select",
     "fold.begin",
     "fold.object_write",
     "fold.outcome_write",

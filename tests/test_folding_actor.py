@@ -15,7 +15,6 @@ import sys
 import time
 from contextlib import closing
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
@@ -260,31 +259,26 @@ async def test_a_deferred_barrier_writes_the_lag_mark_but_not_the_first_pass_fla
 
 
 async def test_a_failed_selection_ends_the_pass_not_the_loop_run_21(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """RUN-21: when the pass cannot read its selection it logs one ERROR and ends, writing no
     mark; the folding loop goes on and the next wake folds everything."""
     ids = journal_directly(tmp_path, [new_delivery(0)])
-    async with open_runtime(config(tmp_path)) as runtime:
-        iter_order = runtime.journal.iter_order
-        calls = 0
 
-        def fails_once(**where: Any) -> object:
-            nonlocal calls
-            calls += 1
-            if calls == 1:
-                raise StorageError("database error: disk I/O error")
-            return iter_order(**where)
+    def disk_error(_: str) -> None:
+        raise StorageError("database error: disk I/O error")
 
-        monkeypatch.setattr(runtime.journal, "iter_order", fails_once)
-        await passes_ended(runtime, 1)
-        assert runtime.statistics().folding.passes_by_stop == {"selection_failed": 1}
-        assert (mark(tmp_path, LAG_MARK), mark(tmp_path, FIRST_PASS_MARK)) == (None, None)
-        later = await runtime.submit(new_delivery(1))
-        await wait_folded(tmp_path, [*ids, later.delivery_id])
-        await passes_ended(runtime, 2)
-        stats = runtime.statistics()
+    with faults.loaded(faults.Plan(actions={"fold.select": action({1}, disk_error)})) as plan:
+        async with open_runtime(config(tmp_path)) as runtime:
+            await passes_ended(runtime, 1)
+            assert runtime.statistics().folding.passes_by_stop == {"selection_failed": 1}
+            assert (mark(tmp_path, LAG_MARK), mark(tmp_path, FIRST_PASS_MARK)) == (None, None)
+            later = await runtime.submit(new_delivery(1))
+            await wait_folded(tmp_path, [*ids, later.delivery_id])
+            await passes_ended(runtime, 2)
+            stats = runtime.statistics()
 
+    assert plan.fired == {"fold.select": 1}
     assert logged(caplog, logging.ERROR) == ["folding pass: selection failed: StorageError"]
     assert stats.folding.passes_by_stop["selection_failed"] == 1
     assert stats.crashes == {}

@@ -36,10 +36,13 @@ from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
 
 # Every fault point but those off the serving path (specs/proof.md): the workload has no
-# follower, builds no snapshot and ends before the first pruning of events, so they never fire.
+# follower, builds no snapshot and ends before the first pruning of events, so they never fire;
+# and ``fold.select``, which fires at every pass, idle ones too, so that no step number is ever
+# the last (a kill there is one between two folds, as at ``fold.begin``'s first hit).
 # A new point is walked unless listed here.
-OFF_SERVING_PATH = frozenset(
+NOT_WALKED = frozenset(
     {
+        "fold.select",
         "retention.prune",
         "stream.head",
         "stream.send",
@@ -49,8 +52,8 @@ OFF_SERVING_PATH = frozenset(
         "snapshot.write",
     }
 )
-assert OFF_SERVING_PATH.issubset(faults.POINTS), "an excluded fault point no longer exists"
-KILL_POINTS = tuple(name for name in faults.POINTS if name not in OFF_SERVING_PATH)
+assert NOT_WALKED.issubset(faults.POINTS), "an excluded fault point no longer exists"
+KILL_POINTS = tuple(name for name in faults.POINTS if name not in NOT_WALKED)
 MAX_STEP = 12
 # Short lease and wake periods, so a restart takes the lease over and folds within a second or
 # two; a renewal every 0.5 s keeps the hits of ``lease.renew`` in one run well under MAX_STEP.

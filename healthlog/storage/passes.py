@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import attrs
 
-from healthlog import clock
+from healthlog import clock, faults
 from healthlog.fold import BudgetExceeded
 from healthlog.folding import FoldPass
 from healthlog.storage._sqlite import StorageError, describe
@@ -56,6 +56,7 @@ def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     The journal is read after the store's snapshot, so a delivery it holds that the snapshot
     has no outcome for is pending.
     """
+    faults.point("fold.select")
     view = store.folded_view(_agrees(journal))
     return [meta for meta in journal.iter_order(after=view.after) if meta.id not in view.folded]
 
