@@ -25,9 +25,10 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from healthlog import faults
 from healthlog.fold import NO_LAYER, UNKNOWN_HEADER
 from healthlog.hae import RECORD_SECTIONS
+from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir
-from healthlog.storage.store import GIVEN_UP
+from healthlog.storage.store import GIVEN_UP, MIGRATIONS, Store, listing_queries
 from healthlog.timestamps import format_instant, hour_of, parse_instant
 
 if TYPE_CHECKING:
@@ -747,6 +748,90 @@ def test_status_list_usage_errors_exit_2_cli_44(
     assert run.code == 2
     assert message in run.err
     assert run.out == b""
+
+
+# The store's schema before the index of the failed and partial outcomes (migration 5).
+BEFORE_LISTED_INDEX = MIGRATIONS[:4]
+LISTED_INDEX_READ = re.compile(
+    r"SEARCH outcomes USING (COVERING )?INDEX outcomes_listed \(status=\?\)"
+)
+LISTINGS = [["failed"], ["partial"], ["failed", "partial"]]
+
+
+def listing_plans(path: Path, statuses: list[str], limit: int) -> list[list[str]]:
+    """The query plan of each statement ``status`` runs to list ``statuses``."""
+    with closing(sqlite3.connect(path)) as conn:
+        return [
+            [step[3] for step in conn.execute(f"EXPLAIN QUERY PLAN {sql}", args)]
+            for sql, args in listing_queries(statuses, limit)
+        ]
+
+
+def test_status_lists_read_an_index_of_failed_and_partial_outcomes_cli_45(tmp_path: Path) -> None:
+    """CLI-45: a store of the previous schema gets `outcomes_listed` when opened; every
+    statement of a list then reads that index alone (no scan, no sort), where it scanned the
+    outcomes before, and lists what the whole table holds, newest first, for any limit."""
+    assert "outcomes_listed" in MIGRATIONS[len(BEFORE_LISTED_INDEX)]
+    path = tmp_path / "store.sqlite"
+    base = 1_700_000_000_000_000
+    rows = []
+    for n in range(1, 2001):
+        status = "failed" if n % 97 == 0 else "partial" if n % 61 == 0 else "parsed"
+        # pairs share a stamp (the id decides between them); every 400th is a backfill
+        received_at = base - n * 10**9 if n % 400 == 0 else base + (n // 2) * 60 * 10**6
+        reason = None if status == "parsed" else f"reason {n}"
+        rows.append((n, received_at, None, status, reason, "minutes", '{"points": 1}', 1))
+    with closing(_sqlite.connect(path)) as conn:
+        _sqlite.migrate(conn, BEFORE_LISTED_INDEX)
+        with _sqlite.write_transaction(conn):
+            conn.executemany("INSERT INTO outcomes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    for statuses in LISTINGS:
+        for plan in listing_plans(path, statuses, 20):
+            assert any(step.startswith("SCAN outcomes") for step in plan), plan
+    with Store(path) as store:
+        for statuses in LISTINGS:
+            for plan in listing_plans(path, statuses, 20):
+                reads = [step for step in plan if "outcomes" in step]
+                assert reads, plan
+                assert all(LISTED_INDEX_READ.fullmatch(step) for step in reads), plan
+                assert not any(step.startswith("SCAN") or "TEMP B-TREE" in step for step in plan)
+            kept = sorted(
+                (row for row in rows if row[3] in statuses),
+                key=lambda row: (row[1], row[0]),
+                reverse=True,
+            )
+            for limit in (1, 2, 7, 20, 1000):
+                total, newest = store.newest_outcomes(statuses, limit)
+                assert total == len(kept)
+                assert [(o.delivery_id, o.received_at, o.status, o.reason) for o in newest] == [
+                    (row[0], row[1], row[3], row[4]) for row in kept[:limit]
+                ]
+        with pytest.raises(ValueError, match="among failed, partial"):
+            store.newest_outcomes(["parsed"], 20)
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (len(MIGRATIONS),)
+
+
+def test_a_data_directory_of_the_previous_schema_lists_the_same_cli_45(
+    cli: Cli, failing_data: Path
+) -> None:
+    """CLI-45: `status --failed`, `--partial` and both print the same over a data directory
+    whose store is of the previous schema, which the first of them migrates."""
+    data = failing_data
+    flags = [["--failed"], ["--partial"], ["--failed", "--partial", "--limit", "2"]]
+    documents = [listed(cli, data, *f) for f in flags]
+    plain = cli("status", "--failed", "--partial", "--data", data).out
+    with closing(sqlite3.connect(data / "store.sqlite")) as conn:
+        conn.execute("DROP INDEX outcomes_listed")
+        conn.execute(f"PRAGMA user_version = {len(BEFORE_LISTED_INDEX)}")
+    assert cli("status", "--failed", "--partial", "--data", data).out == plain
+    assert [listed(cli, data, *f) for f in flags] == documents
+    assert listed_ids(documents[2]) == [4, 3]
+    with closing(sqlite3.connect(data / "store.sqlite")) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (len(MIGRATIONS),)
+        assert conn.execute(
+            "SELECT count(*) FROM sqlite_schema WHERE name = 'outcomes_listed'"
+        ).fetchone() == (1,)
 
 
 def test_export_of_a_damaged_object_exits_3_naming_it_cli_34(cli: Cli, tmp_path: Path) -> None:

@@ -16,15 +16,15 @@ from healthlog.documents import (
     Status,
     StreamInfo,
 )
-from healthlog.fold import FAILED, PARTIAL
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted
-from healthlog.storage.store import Store
+from healthlog.storage.store import LISTED_OUTCOMES, Store
 from healthlog.timestamps import format_instant
 
 # The statuses a delivery list may ask for, in the order the list document names them: a
-# failed delivery stored no point, a partial one some (the others were rejected).
-LISTED_STATUSES = (FAILED, PARTIAL)
+# failed delivery stored no point, a partial one some (the others were rejected). The store
+# indexes the outcomes of these statuses for the lists.
+LISTED_STATUSES = LISTED_OUTCOMES
 # How many deliveries a list holds unless asked for fewer or more, and at most.
 DEFAULT_LISTED = 20
 MAX_LISTED = 1000

@@ -26,6 +26,7 @@ from healthlog.fold import (
     FAILED,
     NO_LAYER,
     PARSED,
+    PARTIAL,
     BudgetExceeded,
     DeliveryFold,
     DeliveryInfo,
@@ -133,7 +134,16 @@ MIGRATIONS = (
         layer TEXT
     );
     """,
+    """
+    CREATE INDEX outcomes_listed ON outcomes (status, received_at, delivery_id)
+        WHERE status IN ('failed', 'partial');
+    """,
 )
+# The statuses of the outcomes a delivery list holds (:meth:`Store.newest_outcomes`), which the
+# partial index ``outcomes_listed`` indexes, and its WHERE clause: SQLite takes a partial index
+# only for a query whose own WHERE holds that term, so each query of the lists holds it as is.
+LISTED_OUTCOMES = (FAILED, PARTIAL)
+_LISTED = "status IN ('failed', 'partial')"
 
 
 class Fenced(StorageError):
@@ -222,6 +232,33 @@ _SAME_ROW = (
     " AND o.created_by = n.created_by AND o.hash = n.hash AND o.sealed = n.sealed"
     " AND o.body = n.body"
 )
+
+
+def listing_queries(
+    statuses: Sequence[str], limit: int
+) -> tuple[tuple[str, tuple[str | int, ...]], tuple[str, tuple[str | int, ...]]]:
+    """The statements of :meth:`Store.newest_outcomes` with their arguments: how many outcomes
+    have one of ``statuses`` (of :data:`LISTED_OUTCOMES`), and the newest ``limit`` of them.
+
+    Both read ``outcomes_listed`` (status, received_at, delivery_id), never every outcome: the
+    count counts its entries of those statuses; the list reads each status's entries newest
+    first, one arm of a UNION ALL per status, and SQLite merges the arms in journal order and
+    stops after ``limit`` rows, sorting nothing, as the query plan shows (CLI-45).
+    """
+    wanted = [status for status in LISTED_OUTCOMES if status in statuses]
+    if not wanted or len(wanted) != len(set(statuses)):
+        raise ValueError(f"statuses are among {', '.join(LISTED_OUTCOMES)}")
+    marks = ", ".join("?" for _ in wanted)
+    count = f"SELECT count(*) FROM outcomes WHERE {_LISTED} AND status IN ({marks})"
+    arm = (
+        "SELECT delivery_id, received_at, status, reason, layer, counters FROM outcomes"
+        f" WHERE {_LISTED} AND status = ?"
+    )
+    newest = (
+        " UNION ALL ".join(arm for _ in wanted)
+        + " ORDER BY received_at DESC, delivery_id DESC LIMIT ?"
+    )
+    return (count, tuple(wanted)), (newest, (*wanted, limit))
 
 
 def automation_of(meta: DeliveryMeta) -> str | None:
@@ -736,19 +773,13 @@ class Store(_objects.ObjectDatabase):
         return OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5]))
 
     def newest_outcomes(self, statuses: Sequence[str], limit: int) -> tuple[int, list[OutcomeRow]]:
-        """How many recorded outcomes have one of ``statuses``, and the newest ``limit`` of
-        them, last in journal order first, read in one transaction (so they agree)."""
-        marks = ", ".join("?" for _ in statuses)
+        """How many recorded outcomes have one of ``statuses`` (of :data:`LISTED_OUTCOMES`),
+        and the newest ``limit`` of them, last in journal order first, read in one transaction
+        (so they agree), through the index ``outcomes_listed``."""
+        (count, count_args), (newest, newest_args) = listing_queries(statuses, limit)
         with self._lock, read_transaction(self._conn):
-            (total,) = self._conn.execute(
-                f"SELECT count(*) FROM outcomes WHERE status IN ({marks})", tuple(statuses)
-            ).fetchone()
-            rows = self._conn.execute(
-                "SELECT delivery_id, received_at, status, reason, layer, counters FROM outcomes"
-                f" WHERE status IN ({marks})"
-                " ORDER BY received_at DESC, delivery_id DESC LIMIT ?",
-                (*statuses, limit),
-            ).fetchall()
+            (total,) = self._conn.execute(count, count_args).fetchone()
+            rows = self._conn.execute(newest, newest_args).fetchall()
         return int(total), [
             OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5])) for row in rows
         ]
