@@ -16,6 +16,7 @@ import itertools
 import logging
 import random
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -314,24 +315,38 @@ async def test_longest_subscriber_name_accepted(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "headers",
-    [pytest.param(lambda _: [], id="missing"), pytest.param(bearer, id="wrong")],
+    ("headers", "why"),
+    [
+        pytest.param(
+            lambda _: [],
+            "no token (send Authorization: Bearer TOKEN, or api-key: TOKEN)",
+            id="missing",
+        ),
+        pytest.param(bearer, "the token is not a client's (mistyped, or revoked)", id="wrong"),
+    ],
 )
 async def test_unauthorized(
     tmp_path: Path,
     headers: Callable[[str], list[tuple[bytes, bytes]]],
+    why: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """STREAM-8: no token or a wrong one: UNAUTHORIZED and close 4401, logged once at INFO as
-    the HTTP routes' refusals are, never with the token presented."""
+    """STREAM-8: no token or a wrong one: UNAUTHORIZED and close 4401, logged once at INFO
+    through the HTTP routes' refusal log (``healthlog.http``), saying why, never with the token
+    presented."""
     async with serving(tmp_path) as service:
         await post_small(service, 0)
         with caplog.at_level(logging.INFO, "healthlog.http"):
             refused = await refused_beside_witness(service, resource(0), headers("hl_wrong_a1b2c3"))
         assert refused == ({"type": "error", "code": "UNAUTHORIZED"}, 4401)
-        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
-        assert len(lines) == 1, lines
-        assert lines[0].startswith("refused 4401 GET /v1/stream from 127.0.0.1: ")
+        logged = [
+            (r.name, r.levelno, r.getMessage())
+            for r in caplog.records
+            if r.getMessage().startswith("refused ")
+        ]
+        assert logged == [
+            ("healthlog.http", logging.INFO, f"refused 4401 GET /v1/stream from 127.0.0.1: {why}")
+        ]
         assert "a1b2c3" not in caplog.text
 
 
@@ -564,6 +579,11 @@ async def test_live_events_outlive_a_failed_head_read_stream_45(
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
+# How much earlier than its backoff and ``healthy_s`` a restarted task may count as up in these
+# measurements (the wall clock of a log record against trio's clock).
+DOWN_SLACK_S = 0.1
+
+
 async def metric(service: Service, name: str) -> float:
     """The value of the unlabelled sample ``name`` in ``/metrics``."""
     response = await service.client.get("/metrics")
@@ -608,12 +628,18 @@ async def test_a_crashed_event_hub_is_restarted_stream_54(
                 for n, minute in enumerate((120, 180)):
                     await post(service, small(minute))
                     assert consecutive(await receive(ws, 2), total + 2 + 2 * n)
+                # The hub runs again (it woke the subscriber), but has not yet run well for 2 s.
+                assert (await service.client.get("/readyz")).status_code == 503
             assert await metric(service, "healthlog_actor_crashes_total") == 2
             with trio.fail_after(FRAME_LIMIT_S):
                 while (await service.client.get("/readyz")).status_code != 200:
                     await trio.sleep(POLL_S)
+            ready_at = time.time()
             assert await metric(service, "healthlog_actors_down") == 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # Down from the second crash through its backoff (1 s) and 2 s of running well after it.
+    assert len(errors) == 2
+    assert ready_at - errors[1].created >= 1.0 + 2.0 - DOWN_SLACK_S
     assert [(r.name, r.getMessage(), r.exc_info) for r in errors] == [
         (
             "healthlog.supervisor",
