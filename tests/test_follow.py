@@ -1216,20 +1216,26 @@ async def test_a_bad_snapshot_leaves_the_replica_as_it_was_stream_59(
 def test_a_killed_restore_leaves_no_download_for_good_stream_60(tmp_path: Path) -> None:
     """STREAM-60: a download file a killed follower left beside its replica (untouched for over
     an hour) is removed when the next restore makes its own; one written to within the hour (a
-    restore running in another process) is left alone."""
+    restore running in another process) is left alone.
+
+    Both are download files as restores make them, whose blocks never end (as when the
+    follower is killed), so that they are named as the files a killed follower leaves."""
     directory = tmp_path / "replica"
-    with Replica(directory) as replica:
-        left = directory / "snapshot-killed.tmp"
-        running = directory / "snapshot-running.tmp"
+    with Replica(directory) as replica, contextlib.ExitStack() as never_ended:
+        left = never_ended.enter_context(replica.snapshot_file())
+        running = never_ended.enter_context(replica.snapshot_file())
         left.write_bytes(b"\x1f\x8b half a snapshot")
         running.write_bytes(b"\x1f\x8b")
         hours_ago = time.time() - 2 * 3600
         os.utime(left, (hours_ago, hours_ago))
+        within_the_hour = time.time() - 50 * 60
+        os.utime(running, (within_the_hour, within_the_hour))
         with replica.snapshot_file() as download:
             assert download.exists()
             assert not left.exists()
             assert running.exists()
         assert not download.exists()
+        assert [path.name for path in directory.glob("*.tmp")] == [running.name]
 
 
 async def test_a_snapshot_larger_than_the_disk_has_room_for_stops_follow_stream_61(
@@ -1261,14 +1267,22 @@ async def test_a_snapshot_larger_than_the_disk_has_room_for_stops_follow_stream_
             chunk = b"x" * 2**16
             endless = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
             endless += b"%x\r\n%s\r\n" % (len(chunk), chunk) * 64 + b"0\r\n\r\n"
+            announced = file_answer(chunk * 16)
+            answers = {b"/v1/snapshots/1": endless, b"/v1/snapshots/2": announced}
             async with (
-                fronting(service, answers={b"/v1/snapshots/1": endless}) as front,
+                fronting(service, answers=answers) as front,
                 httpx.AsyncClient(base_url=front.url("http")) as http,
             ):
                 path = tmp_path / "download"
                 with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="room for"):
                     await _download(http, "/v1/snapshots/1", path, room=2**18)
                 assert path.stat().st_size <= 2**18
+                # A length announced over the room is refused before the file is even opened,
+                # though the first quarter of the body would fit.
+                path = tmp_path / "announced"
+                with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="room for"):
+                    await _download(http, "/v1/snapshots/2", path, room=2**18)
+                assert not path.exists()
 
 
 RESTORE_PEAK_BYTES = 1_000_000
