@@ -676,6 +676,11 @@ async def test_an_actor_down_after_a_crash_makes_the_runtime_not_ready_run_35(
         assert runtime.statistics().down == ()
 
 
+# How much later a restarted task's run begins than the supervisor's restart (its crash is
+# recorded, then it sleeps out its backoff, then the run is called).
+RESTART_SLACK_S = 0.05
+
+
 async def test_a_task_supervised_by_the_runtime_is_down_like_an_actor_run_36(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -684,12 +689,11 @@ async def test_a_task_supervised_by_the_runtime_is_down_like_an_actor_run_36(
     and the type only, restarts after 0.5 s then 1 s, its crashes counted and itself down (the
     runtime not ready) until it has run well for ``healthy_s``; cancelled, it ends without an
     ERROR."""
-    crashes_left = 2
+    started: list[float] = []
 
     async def task() -> None:
-        nonlocal crashes_left
-        if crashes_left:
-            crashes_left -= 1
+        started.append(trio.current_time())
+        if len(started) <= 2:
             raise KeyError("secret")
         await trio.sleep_forever()
 
@@ -702,9 +706,18 @@ async def test_a_task_supervised_by_the_runtime_is_down_like_an_actor_run_36(
                 await until(lambda: runtime.statistics().crashes.get("helper", 0) == 2)
                 assert not runtime.ready()
                 assert runtime.statistics().down == ("helper",)
+                await until(lambda: len(started) == 3)
+                assert not runtime.ready()
+                assert runtime.statistics().down == ("helper",)
                 await until(runtime.ready)
+                ready_at = trio.current_time()
                 assert runtime.statistics().down == ()
                 nursery.cancel_scope.cancel()
+    # Restarted after 0.5 s, then 1 s; down until it has run well for healthy_s (1 s).
+    first, second, third = started
+    assert second - first >= 0.5
+    assert third - second >= 1.0
+    assert ready_at - third >= 1.0 - RESTART_SLACK_S
     assert logged(caplog, logging.ERROR) == [
         f"actor helper crashed (KeyError); restarting in {delay}" for delay in ("0.5 s", "1.0 s")
     ]
