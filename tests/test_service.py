@@ -7,6 +7,7 @@ test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -47,6 +48,7 @@ from wsproto.events import CloseConnection, Request, TextMessage
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.storage.datadir import DataDir
 from healthlog.timestamps import format_instant
+from transport import app as app_module
 from transport.refusals import RefusalLog
 
 MiB = 2**20
@@ -706,9 +708,12 @@ async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(
     assert refused.json() == {"error": "JOURNAL_UNAVAILABLE"}
     assert "retry-after" in refused.headers
     assert answered.status_code == 200
-    [line] = [m for m in caplog.messages if m.startswith("intake: journal could not commit")]
+    [record] = [
+        r for r in caplog.records if r.getMessage().startswith("intake: journal could not commit")
+    ]
+    assert record.levelno == logging.WARNING
     expected = rf"intake: journal could not commit: StorageError: {DISK_ERROR} \(journal\.sqlite\)"
-    assert re.fullmatch(expected, line), line
+    assert re.fullmatch(expected, record.getMessage()), record.getMessage()
 
 
 async def test_metrics_count_failed_journal_commits_and_show_the_process_serve_42(
@@ -1175,11 +1180,12 @@ async def test_points_layer_in_any_case_is_that_layer_serve_43(service: Service)
 
 
 def refusals_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        record.getMessage()
-        for record in caplog.records
-        if record.name == "healthlog.http" and record.getMessage().startswith("refused ")
-    ]
+    """The refusal lines logged, each checked to be an INFO of ``healthlog.http``."""
+    records = [r for r in caplog.records if r.getMessage().startswith("refused ")]
+    assert [(r.name, r.levelno) for r in records] == [("healthlog.http", logging.INFO)] * len(
+        records
+    )
+    return [record.getMessage() for record in records]
 
 
 async def test_413_states_the_limit_and_refusals_are_logged_without_secrets_serve_44(
@@ -1214,24 +1220,44 @@ async def test_413_states_the_limit_and_refusals_are_logged_without_secrets_serv
         " client's (mistyped, or revoked)",
     ]
     logged = "\n".join(caplog.messages)
-    for never in (secret, service.token, "Anna", "xxxx", TOKEN_NAME):
+    for never in (secret, service.token, "Anna", "xxxx", "yyyy", TOKEN_NAME):
         assert never not in logged
 
 
 async def test_a_flood_of_401s_logs_a_few_lines_and_counts_the_rest_serve_44(
-    service: Service, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SERVE-44: 300 requests with a wrong token in a burst are logged as at most a handful
-    of lines (a token bucket: 5, then one per 12 s); the next line logged says how many were
-    not."""
+    of lines (a token bucket: 5, then one per 12 s); the lines after the first five, and the
+    line of the next refusal after a quiet minute, say how many were not logged before each,
+    which adds up to every refusal held back.
+
+    The service's refusal log reads trio's clock plus ``quiet``, so that the quiet minute
+    passes without being waited out."""
+    quiet = [0.0]
+    monkeypatch.setattr(
+        app_module,
+        "RefusalLog",
+        functools.partial(RefusalLog, clock=lambda: trio.current_time() + quiet[0]),
+    )
     wrong = {"Authorization": "Bearer hl_wrong"}
-    with caplog.at_level(logging.INFO, "healthlog.http"):
-        for _ in range(300):
+    async with serving(tmp_path / "data") as service:
+        with caplog.at_level(logging.INFO, "healthlog.http"):
+            for _ in range(300):
+                assert (await service.client.get("/v1/status", headers=wrong)).status_code == 401
+            flood = refusals_logged(caplog)
+            quiet[0] += 60.0
             assert (await service.client.get("/v1/status", headers=wrong)).status_code == 401
     lines = refusals_logged(caplog)
-    assert 5 <= len(lines) <= 7, lines
+    assert lines[:-1] == flood
+    assert 5 <= len(flood) <= 7, flood
     assert not any("not logged" in line for line in lines[:5])
-    assert 300 - len(lines) >= 290
+    held_back = [
+        re.search(r"; (\d+) more refused requests were not logged before this one$", line)
+        for line in lines[5:]
+    ]
+    assert all(held_back), lines[5:]
+    assert sum(int(m.group(1)) for m in held_back if m) == 301 - len(lines)
 
 
 def test_refusal_log_counts_what_it_holds_back_serve_44(caplog: pytest.LogCaptureFixture) -> None:
