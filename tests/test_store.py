@@ -274,7 +274,10 @@ def test_a_fold_the_disk_cannot_hold_names_the_error_and_the_file_store_32(
         report = fold(journal, store, meta, epoch)
 
     assert report.outcome_class is OutcomeClass.UNWRITTEN
-    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    [(level, warning)] = [
+        (r.levelno, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING
+    ]
+    assert level == logging.WARNING
     assert re.fullmatch(
         rf"delivery {meta.id}: fold not written: StorageError: {DISK_ERROR} \(store\.sqlite\)",
         warning,
