@@ -21,7 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from healthlog.storage import _sqlite
-from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred, StorageError
+from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Database, Deferred, StorageError
+from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import (
     CorruptBody,
     IdempotencyCollision,
@@ -29,6 +30,9 @@ from healthlog.storage.journal import (
     NewDelivery,
     Receipt,
 )
+from healthlog.storage.replica import Replica
+from healthlog.storage.store import Store
+from healthlog.storage.tokens import Tokens
 from healthlog.workload import big_body, encode
 
 
@@ -740,4 +744,44 @@ def test_a_wal_grown_by_a_large_commit_shrinks_after_a_checkpoint_journal_32(
         shrunk = wal.stat().st_size
         assert journal.read_body(2) == b'{"n": 1}'
     assert grown > len(large)
+    assert shrunk <= WAL_SIZE_LIMIT
+
+
+# Each writer of a file other than the journal, and a small write it makes.
+OTHER_WRITERS: dict[str, tuple[Callable[[Path], Database], Callable[[Database], object]]] = {
+    "store": (
+        lambda directory: DataDir(directory).open_store(),
+        lambda store: cast(Store, store).acquire_lease("a", now=1, ttl=10**6),
+    ),
+    "tokens": (
+        lambda directory: DataDir(directory).open_tokens(),
+        lambda tokens: cast(Tokens, tokens).add("phone"),
+    ),
+    "replica": (
+        lambda directory: Replica(directory / "replica"),
+        lambda replica: cast(Replica, replica).bind("instance", "key"),
+    ),
+}
+
+
+@pytest.mark.parametrize("writer", list(OTHER_WRITERS))
+def test_every_writers_wal_shrinks_after_a_checkpoint_journal_32(
+    tmp_path: Path, writer: str
+) -> None:
+    """JOURNAL-32: the store's, the tokens' and a replica's connections (every writer's comes
+    from ``connect``) cut a WAL grown past WAL_SIZE_LIMIT back to it at their next write once
+    it has been checkpointed. The WAL is grown by a plain sqlite3 connection, which has no
+    such limit, so only the writer's own setting can cut it."""
+    open_writer, write = OTHER_WRITERS[writer]
+    with open_writer(tmp_path) as database:
+        path = Path(database.path)
+        with closing(sqlite3.connect(path, isolation_level=None)) as other:
+            other.execute("CREATE TABLE ballast (b BLOB)")
+            ballast = random.Random(32).randbytes(WAL_SIZE_LIMIT + 8 * 2**20)
+            other.execute("INSERT INTO ballast VALUES (?)", (ballast,))
+            grown = Path(f"{path}-wal").stat().st_size
+            other.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        write(database)
+        shrunk = Path(f"{path}-wal").stat().st_size
+    assert grown > len(ballast)
     assert shrunk <= WAL_SIZE_LIMIT
