@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -266,7 +267,8 @@ def test_settings_an_earlier_healthlog_took_are_still_taken_cli_37(tmp_path: Pat
             "stream_window_events = 10000000000000000000000",
             {},
             [],
-            "it must be a whole number from 1 to 9223372036854775807",
+            "invalid stream_window_events: 10000000000000000000000 (from {toml}); it must be a"
+            " whole number from 1 to 9223372036854775807",
         ),
         (
             "lease_ttl_s = 1e17",
@@ -328,6 +330,8 @@ def test_serve_refuses_a_setting_of_the_wrong_kind_or_beyond_what_works_cli_37(
     assert run.code == 2
     one_line_error(run.err, says.format(toml=data / TOML))
     assert run.err.startswith("healthlog: invalid ")
+    # Every line names the setting, the value, where it came from and what it accepts.
+    assert re.fullmatch(r"healthlog: invalid \w+: .+ \(from [^()]+\); it must be .+\n", run.err)
     assert len(run.err) < 300
     assert b"serving" not in run.out
     assert sorted(path.name for path in data.iterdir()) == ([TOML] if toml is not None else [])
