@@ -691,7 +691,7 @@ REASON_PART = re.compile(
 )
 
 
-def test_listed_reasons_carry_no_value_cli_43(cli: Cli, tmp_path: Path) -> None:
+def test_listed_reasons_carry_no_value_cli_43(cli: Cli, outcomes: Outcomes, tmp_path: Path) -> None:
     """CLI-43: over the hostile corpus and bodies with distinctive values, device names and a
     token-like field, `status --failed --partial` (plain and `--json`) prints none of them, and
     every reason it lists is made of named kinds of failure and rejection only."""
@@ -715,8 +715,11 @@ def test_listed_reasons_carry_no_value_cli_43(cli: Cli, tmp_path: Path) -> None:
     files += [write(tmp_path / f"secret-{n}.json", content) for n, content in enumerate(secret)]
     import_ok(cli, data, "--aggregation", "minutes", *files)
     expected = sum(case.status != "parsed" for case in cases) + len(secret)
+    not_parsed = [i for i, status in outcomes(data).items() if status != "parsed"]
+    assert len(not_parsed) == expected
     document = listed(cli, data, "--failed", "--partial", "--limit", "1000")
     assert document["total"] == len(document["deliveries"]) == expected
+    assert listed_ids(document) == not_parsed[::-1]
     for delivery in document["deliveries"]:
         for part in delivery["reason"].split("; "):
             assert REASON_PART.fullmatch(part), (delivery["delivery_id"], part)
