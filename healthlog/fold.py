@@ -197,9 +197,9 @@ class DeliveryFold:
         return present[0]
 
     def _count_rejected(self, series: hae.Series) -> None:
-        for reason in series.rejected.values():
-            self._counters.points_rejected += 1
-            self._rejections[f"point rejected: {reason}"] += 1
+        for reason, count in series.rejections.items():
+            self._counters.points_rejected += count
+            self._rejections[f"point rejected: {reason}"] += count
 
     def _fold_series(
         self, metric: str, layer: str, units: str | None, series: hae.Series

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import operator
 from array import array
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from itertools import islice
 from typing import Any, NamedTuple
@@ -193,13 +194,16 @@ class Series:
     differ from the start, and a point's bytes stay where they are (the body, or its points
     compacted one by one if its array came with whitespace), so a metric costs a few bytes
     per point until its hours are folded one at a time. A point is decoded again only if it
-    meets another.
+    meets another. A rejected point costs its index, and its reason is counted: a body of
+    nothing but elements that cannot be points holds one reason per kind, not one per element.
     """
 
     sources: list[_Source]
     starts: array[int]
     ends: dict[int, int]
-    rejected: dict[int, str]
+    # The indices of the rejected points, increasing, and how many were rejected for each reason.
+    rejected: array[int]
+    rejections: Counter[str]
     spacing: int | None
 
     @property
@@ -228,9 +232,12 @@ class Series:
                 )
                 first = last
             return
+        refused = bytearray(len(starts))
+        for index in self.rejected:
+            refused[index] = 1
         by_hour: dict[int, list[int]] = {}
         for index, start in enumerate(starts):
-            if index not in self.rejected:
+            if not refused[index]:
                 by_hour.setdefault(hour_of(start), []).append(index)
         for hour in sorted(by_hour):
             members = by_hour.pop(hour)
@@ -268,7 +275,7 @@ def read_series(arrays: list[msgspec.Raw], *, spacing: bool) -> Series:
     """Read the coordinates of every point of raw arrays, and their spacing when asked.
 
     A point is kept verbatim, compacted (whitespace between tokens removed); one that cannot
-    be read keeps its index, with the reason it was rejected.
+    be read keeps its index, and the reason it was rejected is counted.
     """
     reading = _Reading(spacing)
     for raw_array in arrays:
@@ -334,7 +341,8 @@ class _Reading:
     sources: list[_Source] = attrs.Factory(list)
     starts: array[int] = attrs.Factory(lambda: array("q"))
     ends: dict[int, int] = attrs.Factory(dict)
-    rejected: dict[int, str] = attrs.Factory(dict)
+    rejected: array[int] = attrs.Factory(lambda: array("q"))
+    rejections: Counter[str] = attrs.Factory(Counter)
     # The starts that give the spacing; None while they are all the starts read so far (every
     # point stamped by ``date`` alone), so that the app's shape costs no second array.
     stamps: array[int] | None = None
@@ -372,7 +380,8 @@ class _Reading:
             value = point_object(element)
             start, end = coordinates(value)
         except PointError as exc:
-            self.rejected[index] = str(exc)
+            self.rejected.append(index)
+            self.rejections[str(exc)] += 1
             self.starts.append(0)
             if self.stamps is not None:
                 stamp = layers.spacing_start(original)
@@ -388,7 +397,7 @@ class _Reading:
     def series(self) -> Series:
         stamps = self.starts if self.stamps is None else self.stamps
         gap = layers.smallest_spacing(stamps) if self.spacing else None
-        return Series(self.sources, self.starts, self.ends, self.rejected, gap)
+        return Series(self.sources, self.starts, self.ends, self.rejected, self.rejections, gap)
 
 
 def _compacted(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -415,9 +416,35 @@ def test_flat_reading_agrees_with_point_by_point(raws: list[bytes]) -> None:
         read = [hae.read_series([msgspec.Raw(data)], spacing=spacing) for data in (fast, slow)]
         assert isinstance(read[0].sources[0], msgspec.Raw)
         assert isinstance(read[1].sources[0], list)
-        for attribute in ("starts", "ends", "rejected", "spacing"):
+        for attribute in ("starts", "ends", "rejected", "rejections", "spacing"):
             assert getattr(read[0], attribute) == getattr(read[1], attribute)
         assert list(read[0].hours()) == list(read[1].hours())
+
+
+# Elements that cannot be points, and the most a fold of 20,000 of them may trace, as a multiple
+# of the body (each rejection kept its own reason: 106 and 21 times).
+DENSE_REJECTIONS = [(b"7", 60), (b'{"date":"x"}', 15)]
+
+
+@pytest.mark.parametrize(("element", "most"), DENSE_REJECTIONS, ids=["ints", "bad dates"])
+def test_rejections_cost_an_index_each_parse_38(element: bytes, most: int) -> None:
+    """PARSE-38: a metric of nothing but elements that cannot be points fails with one reason
+    counted for all of them, in memory a small multiple of the body: a rejected point keeps its
+    index, not a reason of its own."""
+    count = 20_000
+    body = encoded(envelope(metric([0]))).replace(b"[0]", b"[%s]" % b",".join([element] * count))
+    tracemalloc.start()
+    try:
+        projection, outcome = folded(body, aggregation="minutes")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert outcome.status == FAILED
+    assert outcome.counters.points_rejected == count
+    assert outcome.reason.startswith("nothing could be read; point rejected: ")
+    assert outcome.reason.endswith(f" (x{count})")
+    assert stored(projection) == {}
+    assert peak <= most * len(body), peak / len(body)
 
 
 def test_sleep_segments_sharing_a_start() -> None:
