@@ -62,14 +62,23 @@ class CliError(Exception):
     """A user-facing error: printed without a traceback, exit status 2."""
 
 
+class Stopped(BaseException):
+    """A long command stopped by a signal (:meth:`Progress.stopping`): it exits with 128 plus
+    the signal's number, as a shell reports a process the signal ended."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 class Progress:
     """Progress on stderr: a rewritten line on a terminal, else at most a line a second.
 
     It is also where a long command stops on SIGTERM or SIGINT (:meth:`stopping`): the signal
-    is noted and SystemExit raised at the next report, so ``finally`` blocks (a lease release)
-    run. Raising from the signal handler itself could interrupt the main thread inside a lock
-    that the rebuild's worker-pool thread needs next (the logging lock, say), and the pool's
-    shutdown would then wait forever. A second signal stops at once.
+    is noted and :class:`Stopped` raised at the next report, so ``finally`` blocks (a lease
+    release) run. Raising from the signal handler itself could interrupt the main thread inside
+    a lock that the rebuild's worker-pool thread needs next (the logging lock, say), and the
+    pool's shutdown would then wait forever. A second signal stops at once.
     """
 
     def __init__(self, what: str) -> None:
@@ -93,12 +102,12 @@ class Progress:
 
     def _request_stop(self, signum: int, frame: object) -> None:
         if self._signal is not None:
-            raise SystemExit(128 + signum)
+            raise Stopped(signum)
         self._signal = signum
 
     def __call__(self, done: int, total: int) -> None:
         if self._signal is not None:
-            raise SystemExit(128 + self._signal)
+            raise Stopped(self._signal)
         now = time.monotonic()
         if done < total and now - self._last < (0.1 if self._tty else 1.0):
             return
@@ -656,6 +665,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 0
+    except Stopped as exc:
+        print("healthlog: interrupted", file=sys.stderr)
+        return 128 + exc.signum
     except BaseException as exc:
         if _interrupted(exc):
             print("healthlog: interrupted", file=sys.stderr)

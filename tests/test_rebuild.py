@@ -755,7 +755,8 @@ def test_a_killed_rebuild_leaves_no_worker_and_its_scratch_goes_store_29(tmp_pat
 def test_a_rebuild_stopped_with_its_process_group_exits_143_store_30(tmp_path: Path) -> None:
     """STORE-30: SIGTERM to the whole process group of `healthlog reindex` once its workers
     fold into their scratch files (as a service manager's stop sends it): the command stops at
-    its next report with exit 143, no error, and its workers are gone."""
+    its next report with exit 143 and one line saying so, no error, the lease is released, and
+    its workers are gone."""
     data = DataDir(tmp_path / "data")
     with data.open_journal() as journal:
         journal.append_many(
@@ -773,7 +774,11 @@ def test_a_rebuild_stopped_with_its_process_group_exits_143_store_30(tmp_path: P
         os.killpg(stopped.pid, signal.SIGTERM)
         _, err = stopped.communicate(timeout=60)
     assert stopped.returncode == 143, err.decode()
-    assert "healthlog:" not in err.decode()
+    assert err.decode().splitlines()[-1] == "healthlog: interrupted"
+    assert "Traceback" not in err.decode()
+    assert "level=ERROR" not in err.decode()
+    with data.open_store() as store:
+        assert store.lease().holder is None
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in workers):
         assert time.monotonic() < deadline, "a worker outlived the stopped reindex"
