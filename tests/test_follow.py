@@ -1075,12 +1075,15 @@ async def test_follow_command_refuses_a_token_it_cannot_send_cli_36(
     assert not (tmp_path / "replica").exists()
 
 
-async def test_a_follower_that_gets_nowhere_says_so_once_stream_52(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
-) -> None:
-    """STREAM-52: a follower whose server cannot be reached retries at INFO while its backoff
-    grows (a command's default level shows nothing of that), then logs one WARNING once the
-    backoff has reached its cap, and no other while it keeps failing."""
+async def follow_nowhere(
+    tmp_path: Path, clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, *, met: bool
+) -> tuple[list[str], list[str]]:
+    """What a follower that retries for 300 s against a port nothing listens on logs: its
+    lines at INFO and above, and those at WARNING. With ``met``, its replica is bound to a
+    service already (it followed one before). The clock jumps only once nothing has run for
+    20 ms, so that the follower's first reading of its replica, in a thread, is not taken for
+    an idle wait."""
+    clock.autojump_threshold = 0.02
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     port = closed.getsockname()[1]
@@ -1090,15 +1093,46 @@ async def test_a_follower_that_gets_nowhere_says_so_once_stream_52(
         caplog.at_level(logging.INFO, "healthlog.follow"),
         trio.move_on_after(300),
     ):
+        if met:
+            replica.bind("a1b2c3", "S2V5")
         endpoints = Endpoints.parse(f"http://127.0.0.1:{port}")
         await Follower(endpoints, "hl_x", replica, until_caught_up=True).run()
     said = [r for r in caplog.records if r.name == "healthlog.follow"]
-    warned = [r.getMessage() for r in said if r.levelno == logging.WARNING]
+    return [r.getMessage() for r in said], [
+        r.getMessage() for r in said if r.levelno == logging.WARNING
+    ]
+
+
+async def test_a_follower_that_gets_nowhere_says_so_once_stream_52(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-52: a follower whose replica has met its service, and whose server cannot be
+    reached now, retries at INFO while its backoff grows (a command's default level shows
+    nothing of that), then logs one WARNING once the backoff has reached its cap, and no other
+    while it keeps failing."""
+    said, warned = await follow_nowhere(tmp_path, autojump_clock, caplog, met=True)
     assert len(warned) == 1
     assert warned[0].startswith("follow: no progress for a while, the last connection lost (")
     assert warned[0].endswith("); retrying every 30 s")
-    lost = [r for r in said if r.getMessage().startswith("follow: connection lost")]
+    lost = [n for n, line in enumerate(said) if line.startswith("follow: connection lost")]
     assert len(lost) >= 10
+    # Backoffs of 0.5, 1, 2, 4, 8 and 16 s come first.
+    assert said.index(warned[0]) > lost[5]
+
+
+async def test_a_new_follower_that_cannot_reach_its_service_says_so_at_once_stream_62(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-62: a follower whose replica never met a service, and whose server cannot be
+    reached (a mistyped URL, a service not running), logs one WARNING at its first failure,
+    naming why and that it retries, and no other while it keeps failing."""
+    said, warned = await follow_nowhere(tmp_path, autojump_clock, caplog, met=False)
+    assert len(warned) == 1
+    assert warned[0].startswith("follow: the service cannot be reached (")
+    assert warned[0].endswith("); retrying, at most every 30 s")
+    lost = [n for n, line in enumerate(said) if line.startswith("follow: connection lost")]
+    assert len(lost) >= 10
+    assert said.index(warned[0]) == lost[0] + 1
 
 
 def snapshot_lines(content: bytes) -> list[bytes]:

@@ -153,10 +153,13 @@ class Follower:
     _backoff: float = attrs.field(default=BACKOFF_START_S, init=False)
     # Whether the WARNING that reconnecting gets nowhere was logged since the last progress.
     _warned: bool = attrs.field(default=False, init=False)
+    # Whether the replica has met its service (bound to it), in this run or an earlier one.
+    _met: bool = attrs.field(default=False, init=False)
 
     async def run(self) -> None:
         """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks."""
         context = ssl.create_default_context() if self.ssl_context is None else self.ssl_context
+        self._met = (await trio.to_thread.run_sync(self.replica.binding)).instance is not None
         async with httpx.AsyncClient(
             base_url=self.endpoints.http,
             headers={"Authorization": f"Bearer {self.token}"},
@@ -174,7 +177,17 @@ class Follower:
                     lost = True
                     reason = _reason(group)
                     log.info("follow: connection lost (%s)", reason)
-                    if self._backoff >= BACKOFF_MAX_S and not self._warned:
+                    if not self._met and not self._warned:
+                        # A replica that never met its service: a mistyped URL, or a service
+                        # not running, said at once rather than after a minute of retries.
+                        self._warned = True
+                        log.warning(
+                            "follow: the service cannot be reached (%s); retrying, at most"
+                            " every %.0f s",
+                            reason,
+                            BACKOFF_MAX_S,
+                        )
+                    elif self._backoff >= BACKOFF_MAX_S and not self._warned:
                         # Quiet retries at INFO are invisible at a command's default level.
                         self._warned = True
                         log.warning(
@@ -211,6 +224,7 @@ class Follower:
             "the server's status",
         )
         await trio.to_thread.run_sync(self.replica.bind, stream.instance, key.public_key)
+        self._met = True
         binding = await trio.to_thread.run_sync(self.replica.binding)
         if binding.stream is None and stream.oldest_cursor == 0:
             await trio.to_thread.run_sync(self.replica.restore, stream.id, 0, [])
