@@ -14,9 +14,9 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from healthlog import documents, layers
+from healthlog import clock, documents, layers
 from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
 from healthlog.export import FORMATS, export_lines
 from healthlog.fold import FAILED, PARTIAL
@@ -51,6 +51,9 @@ from healthlog.timestamps import (
     hour_of,
     parse_instant,
 )
+
+if TYPE_CHECKING:
+    from actors.runtime import Runtime
 
 IMPORT_CLIENT = "cli:import"
 T = TypeVar("T")
@@ -232,6 +235,7 @@ async def _import(
             )
         if args.no_wait:
             return 0
+        await _say_who_folds(runtime, "import")
         await runtime.wait_folded(ids)
         for delivery_id in ids:
             outcome = await runtime.read_store(
@@ -270,8 +274,23 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
         )
         if args.no_wait:
             return 0
+        await _say_who_folds(runtime, "seal")
         await runtime.wait_folded([receipt.delivery_id])
     return 0
+
+
+async def _say_who_folds(runtime: Runtime, command: str) -> None:
+    """One line when another process (a running ``serve``) holds the fold lease: the command
+    then waits for that process's next pass, which can be a minute away, and would otherwise
+    wait in silence."""
+    ours = runtime.statistics().lease.holder
+    lease = await runtime.read_store(Store.lease)
+    if lease.holder not in (None, ours) and lease.expires_at > clock.now_us():
+        print(
+            f"{command}: waiting for the running service, which holds the fold lease, to fold at"
+            " its next pass (within its wake_period_s, 60 s unless set; --no-wait does not wait)",
+            file=sys.stderr,
+        )
 
 
 def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
