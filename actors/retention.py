@@ -1,7 +1,9 @@
 """The retention actor: keeps the replay stream's online window bounded (R4, R5).
 
 Events beyond the newest ``keep`` that are also older than ``max_age_s`` are dropped from
-the projection; the journal is never touched, so nothing true is lost.
+the projection; the journal is never touched, so nothing true is lost. Then the subscribers
+that are gone are removed: their last ACK is older than ``max_age_s`` and their cursor older
+than the window, so they could only resume from a snapshot; their next ACK stores them again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ log = logging.getLogger("healthlog.retention")
 class RetentionStatistics:
     runs: int
     pruned: int
+    removed: int
+    """Subscribers removed as gone."""
 
 
 class RetentionActor:
@@ -43,9 +47,10 @@ class RetentionActor:
         self._period_s = period_s
         self._runs = 0
         self._pruned = 0
+        self._removed = 0
 
     def statistics(self) -> RetentionStatistics:
-        return RetentionStatistics(self._runs, self._pruned)
+        return RetentionStatistics(self._runs, self._pruned, self._removed)
 
     async def run(self) -> None:
         while True:
@@ -62,3 +67,18 @@ class RetentionActor:
                 continue
             self._runs += 1
             self._pruned += pruned
+            try:
+                remove = functools.partial(
+                    self._store.remove_gone_subscribers, older_than_us=cutoff
+                )
+                removed = await trio.to_thread.run_sync(remove, limiter=self._limiter)
+            except StorageError as exc:
+                log.warning("removal of gone subscribers deferred: %s", describe(exc))
+                continue
+            self._removed += removed
+            if removed:
+                # How many, never their names (a name is often a device's).
+                log.info(
+                    "removed %d gone subscriber(s) (last ACK and cursor older than the window)",
+                    removed,
+                )

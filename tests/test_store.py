@@ -1,6 +1,8 @@
 """The projection store and its fold transaction against real SQLite files.
 
-Scenarios: STORE-n in specs/storage.md, FOLD-n in specs/folding.md.
+Scenarios: STORE-n in specs/storage.md, FOLD-n in specs/folding.md; the replay stream's
+pruning and the removal of gone subscribers (STREAM-39, STREAM-63 to STREAM-65) in
+specs/stream.md.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ from typing import Any
 import attrs
 import orjson
 import pytest
+import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from _disk import DISK_ERROR, files_limited_to
 
+from actors.retention import RetentionActor, RetentionStatistics
 from healthlog import clock, faults
 from healthlog.fold import NO_LAYER
 from healthlog.folding import FoldReport, OutcomeClass
+from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
-from healthlog.storage.store import Lease, Store
+from healthlog.storage.store import MIGRATIONS, Lease, Store
 
 
 def fold(
@@ -556,6 +561,121 @@ def test_an_event_stamped_while_the_clock_was_ahead_does_not_stop_pruning_stream
 
     assert store.prune_events(keep=2, older_than_us=clock.now_us() + 1) == 6
     assert store.event_window() == (6, 8)
+
+
+DAY_S = 86400.0
+WINDOW_S = 30 * DAY_S
+
+
+def ack_days_ago(store: Store, name: str, seq: int, days: float) -> None:
+    """Store an ACK as if it came ``days`` ago (a negative ``days``: ahead of now)."""
+    clock.jump(-days * DAY_S)
+    try:
+        store.ack(name, seq)
+    finally:
+        clock.jump(days * DAY_S)
+
+
+def remove_gone(store: Store) -> int:
+    """What the retention pass does after pruning, with the default window of 30 days."""
+    return store.remove_gone_subscribers(older_than_us=clock.now_us() - int(WINDOW_S * 1e6))
+
+
+def test_gone_subscribers_are_removed_the_others_stay_stream_63_64(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STREAM-63, STREAM-64: a subscriber whose last ACK is older than the window and whose
+    cursor is older than the window's start is removed; one with a recent last ACK (even one
+    that did not move its cursor), or with its cursor at the window's start, stays; an ACK
+    stamped while the clock was a year ahead does not count as recent. Once every event is
+    pruned the window starts at the head. A removed subscriber's next ACK stores it again."""
+    for n in range(5):
+        store.fold(journal, append(journal, delivery(body({"hr": [point(n, n)]}))), epoch)
+    store.prune_events(keep=4, older_than_us=clock.now_us() + 1)
+    assert store.event_window() == (6, 10)
+    ack_days_ago(store, "gone", 5, days=31)
+    ack_days_ago(store, "at-start", 6, days=31)
+    ack_days_ago(store, "recent", 2, days=29)
+    ack_days_ago(store, "again", 3, days=31)
+    ack_days_ago(store, "again", 2, days=1)
+    ack_days_ago(store, "ahead", 2, days=-400)
+
+    assert remove_gone(store) == 2
+    assert store.subscribers() == {"at-start": 6, "recent": 2, "again": 3}
+    assert remove_gone(store) == 0
+
+    store.prune_events(keep=0, older_than_us=clock.now_us() + 1)
+    assert store.event_window() == (10, 10)
+    assert remove_gone(store) == 1
+    assert store.subscribers() == {"recent": 2, "again": 3}
+
+    store.ack("gone", 10)
+    assert remove_gone(store) == 0
+    assert store.subscribers() == {"recent": 2, "again": 3, "gone": 10}
+
+
+async def retention_pass(store: Store, *, keep: int) -> RetentionStatistics:
+    """Run the retention actor on ``store`` (a window of ``keep`` events and 30 days) until it
+    has completed a whole pass: pruning and the removal of gone subscribers."""
+    actor = RetentionActor(
+        store, trio.CapacityLimiter(1), keep=keep, max_age_s=WINDOW_S, period_s=0.01
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(actor.run)
+        with trio.fail_after(10):
+            # ``runs`` counts a pass once its events are pruned: the second count comes after
+            # the first pass has removed its subscribers.
+            while actor.statistics().runs < 2:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    return actor.statistics()
+
+
+async def test_subscribers_of_an_older_store_stay_through_the_next_retention_stream_65(
+    tmp_path: Path,
+) -> None:
+    """STREAM-65: a store of the schema before subscribers had the time of their last ACK,
+    holding subscribers behind a window of events 40 days old: opening it migrates it and
+    stamps them with the migration's time (healthlog.clock), so the next retention pass prunes
+    the events and keeps them all; a month later the one behind the window is removed."""
+    path = tmp_path / "store.sqlite"
+    conn = _sqlite.connect(path)
+    try:
+        # The schema up to the migration that gave subscribers the time of their last ACK.
+        version = next(n for n, script in enumerate(MIGRATIONS) if "acked_at" in script)
+        _sqlite.migrate(conn, MIGRATIONS[:version])
+        old = clock.now_us() - 40 * 86400 * 10**6
+        for n in range(10):
+            conn.execute(
+                "INSERT INTO events (id, kind, payload, at) VALUES (?, 'delivery.folded', '{}', ?)",
+                (f"e{n}", old),
+            )
+        conn.executemany(
+            "INSERT INTO subscribers (name, acked) VALUES (?, ?)", [("nas", 2), ("desk", 9)]
+        )
+    finally:
+        conn.close()
+
+    before = clock.now_us()
+    with Store(path) as store:
+        after = clock.now_us()
+        with closing(sqlite3.connect(path)) as reader:
+            stamps = dict(reader.execute("SELECT name, acked_at FROM subscribers"))
+        assert set(stamps) == {"nas", "desk"}
+        assert all(before <= stamp <= after for stamp in stamps.values())
+
+        statistics = await retention_pass(store, keep=4)
+        assert store.event_window() == (6, 10)
+        assert (statistics.pruned, statistics.removed) == (6, 0)
+        assert store.subscribers() == {"nas": 2, "desk": 9}
+
+        clock.jump(WINDOW_S + DAY_S)
+        try:
+            statistics = await retention_pass(store, keep=4)
+        finally:
+            clock.jump(-(WINDOW_S + DAY_S))
+        assert statistics.removed == 1
+        assert store.subscribers() == {"desk": 9}
 
 
 def test_event_window_is_read_in_one_snapshot_store_27(

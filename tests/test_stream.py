@@ -1,5 +1,6 @@
-"""``WS /v1/stream`` against a real ``healthlog serve`` (specs/stream.md, STREAM-1 to STREAM-15
-and STREAM-28), and the page of events the endpoint reads from a real store file (STREAM-25).
+"""``WS /v1/stream`` against a real ``healthlog serve`` (specs/stream.md, STREAM-1 to STREAM-15,
+STREAM-28 and later ones, among them gone subscribers: STREAM-63, STREAM-64, STREAM-66), and
+the page of events the endpoint reads from a real store file (STREAM-25).
 
 Every service test starts :func:`transport.serve.serve` on a free port in its own trio run and
 talks to it through real websocket clients: trio-websocket on a TCP stream the test owns, a raw
@@ -60,7 +61,7 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from websockets.sync.client import connect as websockets_connect
 
 from actors.runtime import configured
-from healthlog import faults
+from healthlog import clock, faults
 from healthlog.documents import converter
 from healthlog.export import export_lines
 from healthlog.objects import ObjectKey
@@ -445,6 +446,82 @@ async def test_cursor_older_than_window(tmp_path: Path) -> None:
             await post(service, small(400))
             assert consecutive(await receive(ws, 2), manifest.seq)
         assert rows(service.data.journal_path)["deliveries"] != journal_before["deliveries"]
+
+
+RETENTION_PERIOD_S = 0.05
+MONTH_S = 31 * 86400.0
+
+
+async def test_gone_subscribers_are_removed_and_listed_again_after_an_ack_stream_63_64_66(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-63, STREAM-64, STREAM-66: the retention actor of a serving instance, run every
+    50 ms, removes a subscriber whose last ACK and cursor fell out of the window once the
+    clock has moved a month on (healthlog.clock, as an NTP step would): /v1/status and the
+    subscriber gauge no longer list it, one INFO line says how many (never which); one with a
+    recent ACK and one at the head stay. Reconnecting with its name, it gets CURSOR_TOO_OLD
+    and is not listed; resuming at the snapshot, its next ACK lists it again."""
+    monkeypatch.setattr(
+        serve_module,
+        "configured",
+        lambda *args, **kwargs: attrs.evolve(
+            configured(*args, **kwargs), retention_period_s=RETENTION_PERIOD_S
+        ),
+    )
+    names = ("laptop-3", "desk-5", "nas-7")
+    jumped = 0.0
+    try:
+        with caplog.at_level(logging.INFO):
+            async with serving(tmp_path, stream_window_events=4) as service:
+                total = await post_small(service, *range(0, 360, 60))
+                async with subscribe(service, subscriber="laptop-3") as ws:
+                    assert consecutive(await receive(ws, total), 0)
+                    await send_ack(ws, 2)
+                    await acked(service, "laptop-3", 2)
+                async with subscribe(service, subscriber="nas-7") as ws:
+                    assert consecutive(await receive(ws, total), 0)
+                    await send_ack(ws, total)
+                    await acked(service, "nas-7", total)
+                async with subscribe(service, subscriber="desk-5") as desk:
+                    assert consecutive(await receive(desk, total), 0)
+                    clock.jump(MONTH_S)
+                    jumped = MONTH_S
+                    await send_ack(desk, 2)
+                    await acked(service, "desk-5", 2)
+                    with trio.fail_after(FRAME_LIMIT_S):
+                        while "laptop-3" in (await service.status())["subscribers"]:
+                            await trio.sleep(POLL_S)
+                    await trio.sleep(10 * RETENTION_PERIOD_S)
+                    status = await service.status()
+                    assert status["stream"]["oldest_cursor"] == total - 4
+                    assert status["subscribers"] == {"nas-7": total, "desk-5": 2}
+                    assert await metric(service, "healthlog_websocket_subscribers") == 2
+
+                async with subscribe(service, after=2, subscriber="laptop-3") as ws:
+                    frame, code = await refusal(ws)
+                assert (frame["code"], code, frame["snapshot"]["seq"]) == (
+                    "CURSOR_TOO_OLD",
+                    4410,
+                    total,
+                )
+                assert "laptop-3" not in (await service.status())["subscribers"]
+                async with subscribe(service, after=total, subscriber="laptop-3") as ws:
+                    await post(service, small(400))
+                    assert consecutive(await receive(ws, 2), total)
+                    await send_ack(ws, total + 2)
+                    await acked(service, "laptop-3", total + 2)
+                assert await metric(service, "healthlog_websocket_subscribers") == 3
+    finally:
+        clock.jump(-jumped)
+    removals = [r for r in caplog.records if r.name == "healthlog.retention"]
+    assert [(r.levelno, r.getMessage()) for r in removals] == [
+        (
+            logging.INFO,
+            "removed 1 gone subscriber(s) (last ACK and cursor older than the window)",
+        )
+    ]
+    healthlog_lines = [r.getMessage() for r in caplog.records if r.name.startswith("healthlog")]
+    assert not [line for line in healthlog_lines for name in names if name in line]
 
 
 async def test_a_snapshot_the_disk_cannot_hold_is_refused_cleanly_stream_58(

@@ -16,6 +16,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Self
 
+from healthlog import clock
+
 __all__ = [
     "WAL_SIZE_LIMIT",
     "ConnectionGuard",
@@ -88,7 +90,8 @@ def connect(
     journal mode alone (WAL is a property of the file, set by its writers). Another
     ``journal_mode`` is only for a file thrown away when anything fails (a rebuild's scratch
     file). The connection may be used from any thread (``check_same_thread=False``): callers
-    guard it with a lock.
+    guard it with a lock. SQL on it may call ``now_us()``, healthlog's wall clock
+    (:func:`healthlog.clock.now_us`), which a migration stamps rows with.
     """
     if busy_timeout_ms < 0:
         raise ValueError("busy_timeout_ms must not be negative")
@@ -125,6 +128,7 @@ def connect(
             conn.execute(f"PRAGMA journal_size_limit = {WAL_SIZE_LIMIT}")
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
+        conn.create_function("now_us", 0, clock.now_us)
     except BaseException as exc:
         conn.close()
         if isinstance(exc, sqlite3.Error):

@@ -138,6 +138,12 @@ MIGRATIONS = (
     CREATE INDEX outcomes_listed ON outcomes (status, received_at, delivery_id)
         WHERE status IN ('failed', 'partial');
     """,
+    # When each subscriber's last ACK was stored (healthlog.clock, µs). A subscriber stored
+    # before this migration counts as seen now, not at the epoch: an upgrade removes none.
+    """
+    ALTER TABLE subscribers ADD COLUMN acked_at INTEGER NOT NULL DEFAULT 0;
+    UPDATE subscribers SET acked_at = now_us();
+    """,
 )
 # The statuses of the outcomes a delivery list holds (:meth:`Store.newest_outcomes`), which the
 # partial index ``outcomes_listed`` indexes, and its WHERE clause: SQLite takes a partial index
@@ -850,7 +856,8 @@ class Store(_objects.ObjectDatabase):
 
     def subscribers(self) -> dict[str, int]:
         with self._lock:
-            return {str(n): int(a) for n, a in self._conn.execute("SELECT * FROM subscribers")}
+            rows = self._conn.execute("SELECT name, acked FROM subscribers")
+            return {str(n): int(a) for n, a in rows}
 
     # -- change events and subscribers (R1 to R5) -------------------------------------------
 
@@ -945,16 +952,34 @@ class Store(_objects.ObjectDatabase):
                 (keep, older_than_us, clock.now_us() + FUTURE_SKEW_US),
             ).rowcount
 
+    def remove_gone_subscribers(self, *, older_than_us: int) -> int:
+        """Remove the subscribers that are gone: whose last ACK is older than the given instant
+        and whose cursor is older than the online window (:meth:`event_window`), so that they
+        could only resume from a snapshot (``CURSOR_TOO_OLD``) anyway. As for events
+        (:meth:`prune_events`), an ACK stamped more than ``FUTURE_SKEW_US`` after now (while the
+        clock had jumped forward) does not count as recent. A removed subscriber's next ACK
+        stores it again. Returns how many were removed."""
+        with self._lock, write_transaction(self._conn):
+            return self._conn.execute(
+                "DELETE FROM subscribers WHERE acked < coalesce("
+                "(SELECT min(seq) - 1 FROM events),"
+                " (SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0)"
+                " AND NOT (acked_at >= ? AND acked_at <= ?)",
+                (older_than_us, clock.now_us() + FUTURE_SKEW_US),
+            ).rowcount
+
     def ack(self, subscriber: str, seq: int) -> int:
-        """Store a subscriber's durable cursor, only ever moving forward; returns the stored one.
+        """Store a subscriber's durable cursor, only ever moving forward, and the time of this
+        ACK (which keeps it from being removed as gone); returns the stored cursor.
 
         It waits for the write lock at most ``BRIEF_WAIT_MS`` (longer than a fold's commit),
         then raises :class:`Deferred`: the stream tries again later."""
         with self._lock, self._waiting_at_most(BRIEF_WAIT_MS), write_transaction(self._conn):
             self._conn.execute(
-                "INSERT INTO subscribers (name, acked) VALUES (?, ?)"
-                " ON CONFLICT (name) DO UPDATE SET acked = max(acked, excluded.acked)",
-                (subscriber, seq),
+                "INSERT INTO subscribers (name, acked, acked_at) VALUES (?, ?, ?)"
+                " ON CONFLICT (name) DO UPDATE SET acked = max(acked, excluded.acked),"
+                " acked_at = excluded.acked_at",
+                (subscriber, seq, clock.now_us()),
             )
             return int(
                 self._conn.execute(
