@@ -1103,36 +1103,47 @@ async def follow_nowhere(
     ]
 
 
-async def test_a_follower_that_gets_nowhere_says_so_once_stream_52(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    ("met", "warning", "losses_before"),
+    [
+        pytest.param(
+            True,
+            (
+                "follow: no progress for a while, the last connection lost (",
+                "); retrying every 30 s",
+            ),
+            7,
+            id="met-STREAM-52",
+        ),
+        pytest.param(
+            False,
+            ("follow: the service cannot be reached (", "); retrying, at most every 30 s"),
+            1,
+            id="new-STREAM-62",
+        ),
+    ],
+)
+async def test_a_follower_that_gets_nowhere_says_so_once_stream_52_62(
+    tmp_path: Path,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    met: bool,
+    warning: tuple[str, str],
+    losses_before: int,
 ) -> None:
     """STREAM-52: a follower whose replica has met its service, and whose server cannot be
     reached now, retries at INFO while its backoff grows (a command's default level shows
-    nothing of that), then logs one WARNING once the backoff has reached its cap, and no other
-    while it keeps failing."""
-    said, warned = await follow_nowhere(tmp_path, autojump_clock, caplog, met=True)
+    nothing of that: losses after 0.5, 1, 2, 4, 8 and 16 s), then logs one WARNING once the
+    backoff has reached its cap, and no other while it keeps failing. STREAM-62: one whose
+    replica never met a service (a mistyped URL, a service not running) logs its one WARNING
+    at its first failure, naming why and that it retries."""
+    said, warned = await follow_nowhere(tmp_path, autojump_clock, caplog, met=met)
     assert len(warned) == 1
-    assert warned[0].startswith("follow: no progress for a while, the last connection lost (")
-    assert warned[0].endswith("); retrying every 30 s")
+    assert warned[0].startswith(warning[0])
+    assert warned[0].endswith(warning[1])
     lost = [n for n, line in enumerate(said) if line.startswith("follow: connection lost")]
     assert len(lost) >= 10
-    # Backoffs of 0.5, 1, 2, 4, 8 and 16 s come first.
-    assert said.index(warned[0]) > lost[5]
-
-
-async def test_a_new_follower_that_cannot_reach_its_service_says_so_at_once_stream_62(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
-) -> None:
-    """STREAM-62: a follower whose replica never met a service, and whose server cannot be
-    reached (a mistyped URL, a service not running), logs one WARNING at its first failure,
-    naming why and that it retries, and no other while it keeps failing."""
-    said, warned = await follow_nowhere(tmp_path, autojump_clock, caplog, met=False)
-    assert len(warned) == 1
-    assert warned[0].startswith("follow: the service cannot be reached (")
-    assert warned[0].endswith("); retrying, at most every 30 s")
-    lost = [n for n, line in enumerate(said) if line.startswith("follow: connection lost")]
-    assert len(lost) >= 10
-    assert said.index(warned[0]) == lost[0] + 1
+    assert sum(n < said.index(warned[0]) for n in lost) == losses_before
 
 
 def snapshot_lines(content: bytes) -> list[bytes]:
