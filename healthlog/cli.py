@@ -559,7 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(
-        name: str, func: Command, help_text: str, *, needs_data: bool = False
+        name: str,
+        func: Command,
+        help_text: str,
+        *,
+        needs_data: bool = False,
+        makes_data: bool = False,
     ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument(
@@ -568,10 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="data directory (default: $HEALTHLOG_DATA, else ./var)",
         )
-        p.set_defaults(func=func, needs_data=needs_data)
+        p.set_defaults(func=func, needs_data=needs_data, makes_data=makes_data)
         return p
 
-    p = command("import", cmd_import, "journal files as deliveries, then fold them")
+    p = command(
+        "import", cmd_import, "journal files as deliveries, then fold them", makes_data=True
+    )
     p.add_argument("--automation-id", default=None)
     p.add_argument("--aggregation", type=_layer, default=None, help="the automation's layer")
     p.add_argument("--received-at", type=_instant, default=None, help="historical stamp")
@@ -604,7 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--subscriber", default=None, help="name under which ACKs are stored")
     p.add_argument("--until-caught-up", action="store_true", help="exit once at the head")
 
-    p = command("serve", cmd_serve, "run the service until SIGINT or SIGTERM")
+    p = command("serve", cmd_serve, "run the service until SIGINT or SIGTERM", makes_data=True)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="port (default 8787)")
     p.add_argument(
@@ -628,7 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--data", type=Path, default=argparse.SUPPRESS, help="data directory")
         # Only ``add`` makes a data directory (before ``serve``, say); ``list`` and ``revoke``
         # of a mistyped one say so instead of making it.
-        p.set_defaults(func=cmd_token, needs_data=action != "add")
+        p.set_defaults(func=cmd_token, needs_data=action != "add", makes_data=action == "add")
 
     p = command("chaos", cmd_chaos, "the fault-injection harness against real serve processes")
     p.add_argument("--seed", type=int, default=1)
@@ -680,6 +687,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CliError(f"no healthlog data in {data.path} (give --data DIR)")
         if data.path.exists() and not data.path.is_dir():
             raise CliError(f"{data.path} is not a directory")
+        if args.makes_data and not data.path.exists():
+            # A mistyped --data would otherwise start a data directory nobody looks in.
+            print(f"healthlog: no data directory at {data.path}: making a new one", file=sys.stderr)
         return func(args, data)
     except BrokenPipeError:
         _quiet_stdout()

@@ -403,6 +403,30 @@ def test_token_add_makes_the_data_directory_cli_39(cli: Cli, tmp_path: Path) -> 
     assert cli("token", "list", "--data", data).out == b"phone\n"
 
 
+@pytest.mark.parametrize("command", ["token add", "import"])
+def test_a_command_that_makes_a_data_directory_says_so_cli_48(
+    cli: Cli, tmp_path: Path, command: str
+) -> None:
+    """CLI-48: `token add` or `import` given a data directory that does not exist (the first
+    one, or a typo) says on stderr that it makes a new one there, and nothing more on stdout
+    than before (`token add`: the token alone); given it again, it says nothing of the kind."""
+    data = tmp_path / "new" / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    commands = {
+        "token add": [["token", "add", "phone"], ["token", "add", "laptop"]],
+        "import": [["import", "--no-wait", file]] * 2,
+    }
+    runs = [cli(*args, "--data", data) for args in commands[command]]
+    assert [run.code for run in runs] == [0, 0]
+    said = f"healthlog: no data directory at {data}: making a new one"
+    assert runs[0].err.splitlines()[0] == said
+    assert said not in runs[1].err
+    assert data.is_dir()
+    if command == "token add":
+        assert [len(run.out.splitlines()) for run in runs] == [1, 1]
+        assert all(run.out.startswith(b"hl_") for run in runs)
+
+
 @pytest.mark.parametrize(
     ("args", "flag"),
     [
