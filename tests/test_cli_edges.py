@@ -356,6 +356,7 @@ def test_serve_refuses_a_setting_of_the_wrong_kind_or_beyond_what_works_cli_37(
 def test_serve_that_cannot_listen_names_the_address_cli_38(run_cli: RunCli, tmp_path: Path) -> None:
     """CLI-38: `serve` on a port another process listens on exits 3 with one line naming the
     address it could not listen on, and no traceback."""
+    (tmp_path / "data").mkdir()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
