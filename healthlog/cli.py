@@ -307,6 +307,11 @@ def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
         raise CliError(str(exc)) from None
     setup_logging(config.log_format, config.log_level)
     _run(_serve, data, config)
+    # Stopped cleanly. The stopping signal delivered once more (``timeout``, a kill of the
+    # process group) must not kill the interpreter on its way out, which restores the default
+    # handlers: the exit is 0 whatever arrives now.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     return 0
 
 

@@ -4,6 +4,7 @@ through SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -283,3 +284,61 @@ async def test_serve_stops_cleanly_when_its_whole_process_group_gets_sigterm_ser
     with trio.fail_after(EXIT_MARGIN_S):
         while any(Path(f"/proc/{worker}").exists() for worker in workers):
             await trio.sleep(0.05)
+
+
+async def test_a_stop_signal_delivered_twice_stops_cleanly_serve_45(tmp_path: Path) -> None:
+    """SERVE-45: SIGINT delivered twice a moment apart, as `timeout -s INT` delivers it (to the
+    service, then to its process group): the service stops as at one signal, exit 0, without
+    `healthlog: interrupted` and without an ERROR."""
+    cli = [sys.executable, "-m", "healthlog.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    out, err = bytearray(), bytearray()
+    async with trio.open_nursery() as nursery:
+        serve = [*cli, "serve", "--data", tmp_path / "data", "--port", "0"]
+        process, _ = await start_serve(nursery, serve, env, out, err, start_new_session=True)
+        process.send_signal(signal.SIGINT)
+        await trio.sleep(0.02)
+        if process.returncode is None:
+            process.send_signal(signal.SIGINT)
+        with trio.fail_after(EXIT_MARGIN_S):
+            await process.wait()
+    assert process.returncode == 0, (process.returncode, err.decode()[-3000:])
+    assert "healthlog: interrupted" not in err.decode()
+    assert severe_lines(err.decode()) == []
+
+
+async def test_a_stop_signal_repeated_later_stops_at_once_serve_45(tmp_path: Path) -> None:
+    """SERVE-45: while the stop still runs (an upload that sends nothing holds it for up to
+    `graceful_timeout_s`, 20 s), SIGINT again more than a second after the first is someone
+    insisting: the service stops at once, `healthlog: interrupted`, exit 130."""
+    data = tmp_path / "data"
+    cli = [sys.executable, "-m", "healthlog.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    made = await trio.run_process(
+        [*cli, "token", "add", "phone", "--data", data], env=env, capture_stdout=True
+    )
+    auth = {"Authorization": f"Bearer {made.stdout.decode().strip()}"}
+    out, err = bytearray(), bytearray()
+    held = Drip([b'{"data": ', b"{}}"], gate=trio.Event())
+    async with trio.open_nursery() as nursery:
+        serve = [*cli, "serve", "--data", data, "--port", "0"]
+        process, url = await start_serve(nursery, serve, env, out, err, start_new_session=True)
+        async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+            uploading = trio.CancelScope()
+
+            async def send() -> None:
+                with uploading, contextlib.suppress(httpx.TransportError):
+                    await post_stream(client, held, auth)
+
+            nursery.start_soon(send)
+            await held.held.wait()
+            process.send_signal(signal.SIGINT)
+            await trio.sleep(1.5)
+            assert process.returncode is None, "the stop did not wait for the upload"
+            process.send_signal(signal.SIGINT)
+            with trio.fail_after(EXIT_MARGIN_S / 3):
+                await process.wait()
+            # The upload's body waits for a gate nobody opens.
+            uploading.cancel()
+    assert process.returncode == 130, err.decode()[-3000:]
+    assert err.decode().splitlines()[-1] == "healthlog: interrupted"

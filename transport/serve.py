@@ -40,6 +40,9 @@ from transport.snapshots import SnapshotService
 
 log = logging.getLogger("healthlog.http")
 
+# How soon after the stopping signal another one is the same signal delivered twice.
+REPEATED_SIGNAL_S = 1.0
+
 COMMIT_GRACE_S = 10.0
 """After the graceful timeout, the time a delivery already handed to the journal has to be
 committed and answered: the journal's busy timeout (5 s) and as much again."""
@@ -158,6 +161,20 @@ async def serve(
     stop = shutdown if shutdown is not None else trio.Event()
     if faultplan.load_environment() is not None:
         os.environ[faultplan.SERVE_PID_ENV] = str(os.getpid())
+    # The signals are watched until the runtime has stopped too, not only while HTTP is served.
+    async with trio.open_nursery() as watching:
+        watching.start_soon(_on_signals, stop)
+        await _serve(data, config, stop, response_timeout_s, task_status)
+        watching.cancel_scope.cancel()
+
+
+async def _serve(
+    data: DataDir,
+    config: ServeConfig,
+    stop: trio.Event,
+    response_timeout_s: float,
+    task_status: trio.TaskStatus[str],
+) -> None:
     with data.open_tokens() as tokens:
         async with (
             open_runtime(configured(data.path, config)) as runtime,
@@ -182,14 +199,22 @@ async def serve(
                 )
                 nursery.cancel_scope.cancel()
 
-            nursery.start_soon(_on_signals, stop)
             nursery.start_soon(app.intake.cut_uploads, stop, config.graceful_timeout_s)
             binds = await nursery.start(http)
             task_status.started(binds[0])
 
 
 async def _on_signals(stop: trio.Event) -> None:
+    """Stop at the first SIGINT or SIGTERM. One more within ``REPEATED_SIGNAL_S`` is the same
+    stop delivered twice (``timeout`` signals the service and then its process group; a kill of
+    the group reaches it beside its parent's) and changes nothing; a later one is someone
+    insisting, and stops at once, as a second Ctrl-C does (``healthlog: interrupted``, 130)."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        first: float | None = None
         async for _ in signals:
-            stop.set()
-            return
+            now = trio.current_time()
+            if first is None:
+                first = now
+                stop.set()
+            elif now - first > REPEATED_SIGNAL_S:
+                raise KeyboardInterrupt
