@@ -244,6 +244,17 @@ def _children(pid: int) -> set[int]:
     }
 
 
+async def with_a_token(data: Path) -> tuple[list[Any], dict[str, str], dict[str, str]]:
+    """The command line of healthlog as a process, an environment without ``HEALTHLOG_*``
+    settings, and the headers of a client token made in ``data`` with ``token add``."""
+    cli: list[Any] = [sys.executable, "-m", "healthlog.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    made = await trio.run_process(
+        [*cli, "token", "add", "phone", "--data", data], env=env, capture_stdout=True
+    )
+    return cli, env, {"Authorization": f"Bearer {made.stdout.decode().strip()}"}
+
+
 async def test_serve_stops_cleanly_when_its_whole_process_group_gets_sigterm_serve_40(
     tmp_path: Path,
 ) -> None:
@@ -251,12 +262,7 @@ async def test_serve_stops_cleanly_when_its_whole_process_group_gets_sigterm_ser
     stopped as systemd stops a service (SIGTERM to the whole group): it exits 0, logs nothing
     at ERROR or above, and leaves no worker process behind."""
     data = tmp_path / "data"
-    cli = [sys.executable, "-m", "healthlog.cli"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
-    made = await trio.run_process(
-        [*cli, "token", "add", "phone", "--data", data], env=env, capture_stdout=True
-    )
-    auth = {"Authorization": f"Bearer {made.stdout.decode().strip()}"}
+    cli, env, auth = await with_a_token(data)
     delivery = body(metric("heart_rate", "count/min", point("2024-03-01 10:00:00 +0000", qty=61)))
     out, err = bytearray(), bytearray()
     async with trio.open_nursery() as nursery:
@@ -312,12 +318,7 @@ async def test_a_stop_signal_repeated_later_stops_at_once_serve_45(tmp_path: Pat
     `graceful_timeout_s`, 20 s), SIGINT again more than a second after the first is someone
     insisting: the service stops at once, `healthlog: interrupted`, exit 130."""
     data = tmp_path / "data"
-    cli = [sys.executable, "-m", "healthlog.cli"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
-    made = await trio.run_process(
-        [*cli, "token", "add", "phone", "--data", data], env=env, capture_stdout=True
-    )
-    auth = {"Authorization": f"Bearer {made.stdout.decode().strip()}"}
+    cli, env, auth = await with_a_token(data)
     out, err = bytearray(), bytearray()
     held = Drip([b'{"data": ', b"{}}"], gate=trio.Event())
     async with trio.open_nursery() as nursery:
