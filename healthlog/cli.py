@@ -699,13 +699,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _quiet_stdout()
         return 0
-    except Stopped as exc:
-        print("healthlog: interrupted", file=sys.stderr)
-        return 128 + exc.signum
     except BaseException as exc:
-        if _interrupted(exc):
+        stopped = _stopped_by_signal(exc)
+        if stopped is not None:
             print("healthlog: interrupted", file=sys.stderr)
-            return INTERRUPTED
+            return stopped
         error = _user_error(exc)
         if error is None:
             raise
@@ -720,11 +718,15 @@ def _quiet_stdout() -> None:
     os.dup2(devnull, sys.stdout.fileno())
 
 
-def _interrupted(exc: BaseException) -> bool:
-    """Whether the command was stopped by Ctrl-C (SIGINT), also from inside a trio nursery."""
+def _stopped_by_signal(exc: BaseException) -> int | None:
+    """The exit status of a command that ``exc`` says was stopped by a signal: Ctrl-C
+    (SIGINT, also from inside a trio nursery), or SIGINT or SIGTERM noted by
+    :class:`Progress`; None for any other exception."""
+    if isinstance(exc, Stopped):
+        return 128 + exc.signum
     if isinstance(exc, BaseExceptionGroup):
-        return exc.split(KeyboardInterrupt)[0] is not None
-    return isinstance(exc, KeyboardInterrupt)
+        return INTERRUPTED if exc.split(KeyboardInterrupt)[0] is not None else None
+    return INTERRUPTED if isinstance(exc, KeyboardInterrupt) else None
 
 
 def _user_error(exc: BaseException) -> Exception | None:
