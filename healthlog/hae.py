@@ -42,6 +42,14 @@ RECORD_SECTIONS = frozenset(
     }
 )
 UTF8_BOM = b"\xef\xbb\xbf"
+# A body of more than ``DENSE_MIN_BYTES`` holding more JSON values than one per
+# ``MIN_BYTES_PER_VALUE`` bytes (counted by its commas and opening brackets) is not read. Its
+# values are read one by one, at about 60 bytes of memory each besides the body, so that a
+# body of one-digit elements would take 30 times its size; the app's own bodies hold one value
+# per 15 to 22 bytes, and such a body at most 8 times.
+MIN_BYTES_PER_VALUE = 8
+DENSE_MIN_BYTES = 2**20
+_NOT_SEPARATOR = bytes(c for c in range(256) if c not in b",[{")
 
 _Object = dict[str, msgspec.Raw]
 _Top = dict[str, msgspec.Raw] | list[msgspec.Raw]
@@ -76,6 +84,10 @@ def read_envelope(body: bytes) -> Envelope:
     """Decode the envelope of a body; raise EnvelopeError when it is not JSON or not an envelope."""
     if body.startswith(UTF8_BOM):
         body = body[len(UTF8_BOM) :]
+    if len(body) > DENSE_MIN_BYTES and len(
+        body.translate(None, _NOT_SEPARATOR)
+    ) * MIN_BYTES_PER_VALUE > len(body):
+        raise EnvelopeError(f"body holds more than one JSON value per {MIN_BYTES_PER_VALUE} bytes")
     envelope = Envelope()
     # The app's own shape, ``{"data": {sections}}``, in one reading of the body.
     wrapped = _decode(body, dict[str, _Object])
@@ -305,14 +317,13 @@ def _decoded_slices(
     raw_array: msgspec.Raw, elements: Sequence[msgspec.Raw | bytes]
 ) -> Iterator[list[Any] | None]:
     """For each slice of ``_SLICE_POINTS`` points of a compact array, its points decoded if
-    every one is an object nested at most ``MAX_NESTING`` levels, else None.
+    every one is nested at most ``MAX_NESTING`` levels, else None.
 
     The slice is decoded as each point is (plain JSON, no type), so it decodes exactly when
     each point does, and as an array it nests one level deeper than its deepest point: its
     depth is counted before it is decoded, as a point's is. A slice holding one brace per point
-    and no bracket but its own is not counted: were its elements all objects, none holds
-    another object or an array (two levels), and were one not an object, the slice is refused
-    once decoded.
+    and no bracket but its own is counted only if one of its elements is not an object: were
+    they all objects, none holds another object or an array (two levels).
     """
     view = memoryview(raw_array)
     at = 1
@@ -330,7 +341,10 @@ def _decoded_slices(
         except (msgspec.DecodeError, RecursionError):
             yield None
             continue
-        yield values if set(map(type, values)) <= {dict} else None
+        if flat and not set(map(type, values)) <= {dict} and nesting(text) > MAX_NESTING + 1:
+            yield None
+            continue
+        yield values
 
 
 @attrs.define
@@ -348,9 +362,10 @@ class _Reading:
     stamps: array[int] | None = None
 
     def decoded(self, elements: Sequence[msgspec.Raw | bytes], values: list[Any]) -> None:
-        """Read points already decoded. The app's own shape (an object stamped by
-        ``date`` alone, in a form ``instant_of`` reads) is read here; any other point is
-        read on its own."""
+        """Read points already decoded, each from a compact element no deeper than points may
+        nest. The app's own shape (an object stamped by ``date`` alone, in a form
+        ``instant_of`` reads) is read here at once; any other value as :meth:`point` reads
+        it once decoded."""
         starts = self.starts
         for element, value in zip(elements, values, strict=True):
             if type(value) is dict and _OTHER_STAMPS.isdisjoint(value):
@@ -365,34 +380,53 @@ class _Reading:
                         if self.stamps is not None:
                             self.stamps.append(start)
                         continue
-            self.point(element, element)
+            self.value(value, element)
 
     def point(self, element: msgspec.Raw | bytes, original: msgspec.Raw | bytes) -> None:
         """Read one point, decoding it whole; ``original`` is the element as it came."""
-        index = len(self.starts)
-        if self.spacing and self.stamps is None:
-            self.stamps = array("q", self.starts)
         try:
             if not element:
                 raise PointError("point is not valid JSON")
             if nesting(bytes(element)) > MAX_NESTING:
                 raise PointError(f"point nested deeper than {MAX_NESTING} levels")
             value = point_object(element)
+        except PointError as exc:
+            self._reject(str(exc), original)
+            return
+        self.value(value, original)
+
+    def value(self, value: Any, original: msgspec.Raw | bytes) -> None:
+        """Read one point from its decoded value; ``original`` is its element as it came."""
+        if type(value) is not dict:
+            # As point_object rejects it; nor does a value that is not an object bring a
+            # start to the spacing (``layers.spacing_start`` reads objects only).
+            self._reject(f"point is a JSON {type(value).__name__}, not an object", None)
+            return
+        try:
             start, end = coordinates(value)
         except PointError as exc:
-            self.rejected.append(index)
-            self.rejections[str(exc)] += 1
-            self.starts.append(0)
-            if self.stamps is not None:
-                stamp = layers.spacing_start(original)
-                if stamp is not None:
-                    self.stamps.append(stamp)
+            self._reject(str(exc), original)
             return
-        self.starts.append(start)
+        if self.spacing and self.stamps is None:
+            self.stamps = array("q", self.starts)
         if end != start:
-            self.ends[index] = end
+            self.ends[len(self.starts)] = end
+        self.starts.append(start)
         if self.stamps is not None and ("start" in value or "startDate" not in value):
             self.stamps.append(start)
+
+    def _reject(self, reason: str, original: msgspec.Raw | bytes | None) -> None:
+        """Reject the next point; ``original`` (its element as it came) may still bring a
+        start to the spacing."""
+        if self.spacing and self.stamps is None:
+            self.stamps = array("q", self.starts)
+        self.rejected.append(len(self.starts))
+        self.rejections[reason] += 1
+        self.starts.append(0)
+        if self.stamps is not None and original is not None:
+            stamp = layers.spacing_start(original)
+            if stamp is not None:
+                self.stamps.append(stamp)
 
     def series(self) -> Series:
         stamps = self.starts if self.stamps is None else self.stamps

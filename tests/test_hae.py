@@ -410,6 +410,27 @@ def test_flat_reading_agrees_with_point_by_point(raws: list[bytes]) -> None:
     """PARSE-36: a compact array read a slice at a time (its points decoded together when
     they nest no deeper than points may) gives exactly what reading each point on its own
     gives."""
+    assert_read_alike(raws)
+
+
+def test_deep_object_among_values_that_are_not_objects_parse_36() -> None:
+    """PARSE-36: a slice holding one brace per element and no bracket but its own looks flat,
+    but its braces may all be one point's, nested deeper than points may, beside values
+    that are not objects: that point is rejected for its depth, as on its own."""
+    deep = b'{"date":"%s","m":%s1%s}' % (D0.encode(), b'{"a":' * 64, b"}" * 64)
+    assert deep.count(b"{") == 65
+    raws = [b"7"] * 32 + [deep] + [b'"x"'] * 32
+    assert_read_alike(raws)
+    series = hae.read_series([msgspec.Raw(b"[%s]" % b",".join(raws))], spacing=False)
+    assert series.rejections == {
+        "point is a JSON int, not an object": 32,
+        "point is a JSON str, not an object": 32,
+        f"point nested deeper than {MAX_NESTING} levels": 1,
+    }
+
+
+def assert_read_alike(raws: list[bytes]) -> None:
+    """The points of ``raws`` read from a compact array as from a spaced one (point by point)."""
     fast = b"[%s]" % b",".join(raws)
     slow = b"[ %s]" % b",".join(raws)
     for spacing in (False, True):
@@ -445,6 +466,51 @@ def test_rejections_cost_an_index_each_parse_38(element: bytes, most: int) -> No
     assert outcome.reason.endswith(f" (x{count})")
     assert stored(projection) == {}
     assert peak <= most * len(body), peak / len(body)
+
+
+def dense_body(element: bytes, size: int) -> bytes:
+    """A body of about ``size`` bytes whose one metric array holds ``element`` repeated."""
+    count = size // (len(element) + 1)
+    return encoded(envelope(metric([0]))).replace(b"[0]", b"[%s]" % b",".join([element] * count))
+
+
+@pytest.mark.parametrize("element", [b"7", b"123456", b'"abcd"'], ids=["1", "6", "str"])
+def test_body_too_dense_is_failed_whole_parse_39(element: bytes) -> None:
+    """PARSE-39: a body over 1 MiB holding more than one JSON value per 8 bytes is failed as
+    undecodable without reading an element, in memory less than twice the body (the fold's
+    copy of it): 38 times before."""
+    body = dense_body(element, 2 * 2**20)
+    tracemalloc.start()
+    try:
+        projection, outcome = folded(body, aggregation="minutes")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert outcome.status == FAILED
+    assert outcome.reason == "undecodable body: body holds more than one JSON value per 8 bytes"
+    assert outcome.counters.points_rejected == 0
+    assert stored(projection) == {}
+    assert peak < 2 * len(body), peak / len(body)
+
+
+@pytest.mark.parametrize(
+    ("element", "size"),
+    [(b"12345678", 2 * 2**20), (b"7", 2**20 - 2**10)],
+    ids=["8 bytes a value", "1 MiB"],
+)
+def test_bodies_not_too_dense_are_read_parse_39(element: bytes, size: int) -> None:
+    """PARSE-39: one value per 8 bytes, or a dense body of 1 MiB or less, is read element by
+    element."""
+    body = dense_body(element, size)
+    assert len(body) <= 2**20 or len(body) >= 2 * 2**20 - 2**10
+    _, outcome = folded(body, aggregation="minutes")
+    count = size // (len(element) + 1)
+    assert outcome.status == FAILED
+    assert (
+        outcome.reason
+        == f"nothing could be read; point rejected: point is a JSON int, not an object (x{count})"
+    )
+    assert outcome.counters.points_rejected == count
 
 
 def test_sleep_segments_sharing_a_start() -> None:
