@@ -45,8 +45,8 @@ UTF8_BOM = b"\xef\xbb\xbf"
 # A body of more than ``DENSE_MIN_BYTES`` holding more JSON values than one per
 # ``MIN_BYTES_PER_VALUE`` bytes (counted by its commas and opening brackets) is not read. Its
 # values are read one by one, at about 60 bytes of memory each besides the body, so that a
-# body of one-digit elements would take 30 times its size; the app's own bodies hold one value
-# per 15 to 22 bytes, and such a body at most 8 times.
+# body of one-digit elements would take 30 times its size, one at the limit about 10 times;
+# the app's own bodies hold one value per 15 to 22 bytes.
 MIN_BYTES_PER_VALUE = 8
 DENSE_MIN_BYTES = 2**20
 _NOT_SEPARATOR = bytes(c for c in range(256) if c not in b",[{")
@@ -84,10 +84,12 @@ def read_envelope(body: bytes) -> Envelope:
     """Decode the envelope of a body; raise EnvelopeError when it is not JSON or not an envelope."""
     if body.startswith(UTF8_BOM):
         body = body[len(UTF8_BOM) :]
-    if len(body) > DENSE_MIN_BYTES and len(
-        body.translate(None, _NOT_SEPARATOR)
-    ) * MIN_BYTES_PER_VALUE > len(body):
-        raise EnvelopeError(f"body holds more than one JSON value per {MIN_BYTES_PER_VALUE} bytes")
+    if len(body) > DENSE_MIN_BYTES:
+        values = len(body.translate(None, _NOT_SEPARATOR))
+        if values * MIN_BYTES_PER_VALUE > len(body):
+            raise EnvelopeError(
+                f"body holds more than one JSON value per {MIN_BYTES_PER_VALUE} bytes"
+            )
     envelope = Envelope()
     # The app's own shape, ``{"data": {sections}}``, in one reading of the body.
     wrapped = _decode(body, dict[str, _Object])
