@@ -414,6 +414,21 @@ def empty() -> Iterator[Case]:
     yield Case("empty-array", b"[]", "parsed")
 
 
+def dense() -> Iterator[Case]:
+    """Bodies over 1 MiB holding more than one value per 8 bytes (PARSE-39), one of them with
+    valid points among its values, are failed whole; one value per 8 bytes is read."""
+    count = 2**21 // 2
+    yield Case("dense-digits", envelope("dense-digits", *[b"7"] * count), "failed")
+    yield Case(
+        "dense-among-points",
+        envelope("dense-among-points", first_point(), *[b"[]"] * count, SECOND),
+        "failed",
+    )
+    yield Case(
+        "dense-at-the-limit", envelope("dense-at-the-limit", *[b"1234567"] * 2**18), "failed"
+    )
+
+
 def hand_written() -> Iterator[Case]:
     """The files of ``tests/hostile/``, named ``NAME.STATUS.EXT``."""
     for path in sorted(HOSTILE_DIR.iterdir()):
@@ -438,6 +453,7 @@ def corpus() -> list[Case]:
         *dates(),
         *html(),
         *empty(),
+        *dense(),
         *hand_written(),
     ]
     names = [case.name for case in cases]
