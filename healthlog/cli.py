@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from healthlog import clock, documents, layers
-from healthlog.config import LOG_FORMATS, ConfigError, ServeConfig, load_serve_config
+from healthlog.config import (
+    LOG_FORMATS,
+    ConfigError,
+    ServeConfig,
+    load_log_config,
+    load_serve_config,
+)
 from healthlog.export import FORMATS, export_lines
 from healthlog.fold import FAILED, PARTIAL
 from healthlog.logs import LEVELS, setup_logging
@@ -680,18 +686,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
-    )
     args = build_parser().parse_args(argv)
     data = DataDir(args.data if args.data is not None else default_data_dir())
     func: Command = args.func
     try:
-        needs_data = args.needs_data and getattr(args, "replica", None) is None
-        if needs_data and not data.path.exists():
+        # export --replica reads the replica, not the data directory.
+        uses_data = (args.needs_data or args.makes_data) and getattr(args, "replica", None) is None
+        if uses_data and args.needs_data and not data.path.exists():
             raise CliError(f"no healthlog data in {data.path} (give --data DIR)")
         if data.path.exists() and not data.path.is_dir():
             raise CliError(f"{data.path} is not a directory")
+        if func is not cmd_serve:
+            # serve's own flags come first: it sets its logging up itself.
+            _log_as_configured(data if uses_data else None)
         if args.makes_data and not data.path.exists():
             # A mistyped --data would otherwise start a data directory nobody looks in.
             print(f"healthlog: no data directory at {data.path}: making a new one", file=sys.stderr)
@@ -709,6 +716,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"healthlog: {error}", file=sys.stderr)
         return 2 if isinstance(error, CliError) else 3
+
+
+def _log_as_configured(data: DataDir | None) -> None:
+    """Log as ``HEALTHLOG_LOG_FORMAT`` and ``HEALTHLOG_LOG_LEVEL`` say, else as the ``[serve]``
+    table of the data directory's ``healthlog.toml`` (``data``, None for a command without
+    one) does, else in ``kv`` at WARNING; the fold workers of ``import`` and ``seal`` log alike."""
+    try:
+        config = load_log_config(None if data is None else data.config_path)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    setup_logging(config.log_format, config.log_level)
 
 
 def _quiet_stdout() -> None:

@@ -1,5 +1,6 @@
 """Service configuration: flags over ``HEALTHLOG_*`` environment variables over the
-``[serve]`` table of ``healthlog.toml`` in the data directory, over defaults.
+``[serve]`` table of ``healthlog.toml`` in the data directory, over defaults. The other commands
+take the log settings from the same layers, without flags (:func:`load_log_config`).
 
 Every setting is checked before anything starts: a value of the wrong kind (a port with a
 fraction, ``true`` for a number) or out of its range is refused with one line naming the
@@ -144,6 +145,16 @@ class ServeConfig:
 
 
 DEFAULTS = ServeConfig()
+LOG_SETTINGS = ("log_format", "log_level")
+
+
+@attrs.frozen
+class LogConfig:
+    """How a command other than ``serve`` logs. Nothing set, it logs at WARNING, so that a
+    command says only what needs saying; ``serve`` logs at INFO."""
+
+    log_format: str = DEFAULTS.log_format
+    log_level: str = "warning"
 
 
 def accepts(name: str) -> Accepts:
@@ -192,12 +203,14 @@ def _shown(value: object) -> str:
     return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
 
 
-def load_serve_config(
-    config_file: Path, flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ
-) -> ServeConfig:
-    """Merge the layers; unknown keys in the file are an error, not silently ignored."""
+def _layers(
+    config_file: Path | None, flags: Mapping[str, Any], environ: Mapping[str, str]
+) -> dict[str, tuple[object, str]]:
+    """Each setting given, as given, with where it came from: a flag over its ``HEALTHLOG_*``
+    variable over the ``[serve]`` table of ``config_file``, if any. The file must be one that
+    ``serve`` reads: unknown keys in it are an error, not silently ignored."""
     merged: dict[str, tuple[object, str]] = {}
-    if config_file.exists():
+    if config_file is not None and config_file.exists():
         try:
             document = tomllib.loads(config_file.read_text())
         except (ValueError, RecursionError) as exc:
@@ -224,18 +237,30 @@ def load_serve_config(
         for name, value in flags.items()
         if value is not None
     )
-    fields = attrs.fields_dict(ServeConfig)
-    values: dict[str, Any] = {}
-    for name, (raw, source) in merged.items():
-        rule = accepts(name)
-        try:
-            value = _value(name, raw)
-            rule(None, fields[name], value)
-        except (ValueError, OverflowError):
-            raise ConfigError(
-                f"invalid {name}: {_shown(raw)} (from {source}); it must be {rule.text}"
-            ) from None
-        values[name] = value
+    return merged
+
+
+def _checked(name: str, raw: object, source: str) -> object:
+    """The value of setting ``name`` given as ``raw`` by ``source``, if the setting accepts it."""
+    rule = accepts(name)
+    try:
+        value = _value(name, raw)
+        rule(None, attrs.fields_dict(ServeConfig)[name], value)
+    except (ValueError, OverflowError):
+        raise ConfigError(
+            f"invalid {name}: {_shown(raw)} (from {source}); it must be {rule.text}"
+        ) from None
+    return value
+
+
+def load_serve_config(
+    config_file: Path, flags: Mapping[str, Any], environ: Mapping[str, str] = os.environ
+) -> ServeConfig:
+    """Merge the layers; unknown keys in the file are an error, not silently ignored."""
+    merged = _layers(config_file, flags, environ)
+    values: dict[str, Any] = {
+        name: _checked(name, raw, source) for name, (raw, source) in merged.items()
+    }
     try:
         return ServeConfig(**values)
     except ValueError as exc:
@@ -247,3 +272,17 @@ def load_serve_config(
             for name in ("lease_renew_s", "lease_ttl_s")
         ]
         raise ConfigError(f"invalid settings: {exc}: {', '.join(given)}") from None
+
+
+def load_log_config(config_file: Path | None, environ: Mapping[str, str] = os.environ) -> LogConfig:
+    """How a command other than ``serve`` logs: ``HEALTHLOG_LOG_FORMAT`` and
+    ``HEALTHLOG_LOG_LEVEL`` over the ``[serve]`` table of ``config_file`` (the data directory's
+    ``healthlog.toml``; None for a command without a data directory), over :class:`LogConfig`'s
+    defaults. The file is read as ``serve`` reads it, but only the log settings' values are
+    checked here: the others are checked by the commands that use them (``import`` and ``seal``
+    fold under them), so that a port ``serve`` refuses does not stop ``export``."""
+    merged = _layers(config_file, {}, environ)
+    values: dict[str, Any] = {
+        name: _checked(name, *merged[name]) for name in LOG_SETTINGS if name in merged
+    }
+    return LogConfig(**values)

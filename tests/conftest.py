@@ -6,7 +6,9 @@ the arguments after ``healthlog`` and return a :class:`CliRun`, so a test can us
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import pytest
 from _bodies import NOW, TTL
 
 from healthlog.cli import main
+from healthlog.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
@@ -90,16 +93,37 @@ def run_cli() -> RunCli:
     return run
 
 
+@contextlib.contextmanager
+def logging_kept() -> Iterator[None]:
+    """Put back the root logger's handlers and level and the log settings of the environment,
+    which ``main`` sets up as a command does (its handler writes to this test's captured
+    stderr, and the variables would reach every later test's subprocesses)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    environ = {name: os.environ.get(name) for name in (LOG_FORMAT_ENV, LOG_LEVEL_ENV)}
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name, value in environ.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 @pytest.fixture
 def cli(capsysbinary: pytest.CaptureFixture[bytes]) -> Cli:
     """Run ``healthlog.cli.main(ARGS)`` in this process; argparse exits become exit codes."""
 
     def run(*args: str | os.PathLike[str]) -> CliRun:
         capsysbinary.readouterr()
-        try:
-            code = main([os.fspath(a) for a in args])
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+        with logging_kept():
+            try:
+                code = main([os.fspath(a) for a in args])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
         out, err = capsysbinary.readouterr()
         return CliRun(code, out, err.decode())
 

@@ -5,6 +5,7 @@ CLI-40). Most commands run as a real process."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import select
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _cli_bodies import body, metric, point, write
@@ -71,7 +72,7 @@ def test_verify_with_differences_exits_1_when_its_reader_goes_cli_25(
 
 
 # A log record as a command other than ``serve`` writes it to stderr.
-LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} level=")
+LOG_RECORD = re.compile(r"time=\S+ level=")
 
 
 def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_26(
@@ -469,3 +470,175 @@ def test_export_layer_names_a_stored_layer_in_any_case_cli_40(cli: Cli, tmp_path
     assert len(exported.out.splitlines()) == 1
     assert cli("export", "--layer", "MINUTES", "--data", data).out == exported.out
     assert cli("export", "--layer", "records", "--data", data).out == b""
+
+
+def log_records(err: str, own: str) -> list[dict[str, Any]]:
+    """The log records of a command's stderr, each a JSON object: every line that does not
+    match ``own`` (the command's own lines) must be one."""
+    records = []
+    for line in err.splitlines():
+        if not re.match(own, line):
+            record = json.loads(line)
+            assert isinstance(record, dict), line
+            records.append(record)
+    return records
+
+
+def without_log_settings() -> dict[str, str]:
+    """This environment without any ``HEALTHLOG_*`` setting."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+
+
+def test_follow_logs_in_the_format_the_environment_sets_cli_49(tmp_path: Path) -> None:
+    """CLI-49: `follow` (a command without a data directory) with `HEALTHLOG_LOG_FORMAT=json`
+    that cannot reach its service logs that WARNING as a JSON object, like every log line on its
+    stderr (it was a `key=value` line whatever the setting)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with subprocess.Popen(
+        healthlog("follow", "--url", url, "--token", "hl_x", "--replica", tmp_path / "replica"),
+        stderr=subprocess.PIPE,
+        env={**without_log_settings(), "HEALTHLOG_LOG_FORMAT": "json"},
+    ) as following:
+        assert following.stderr is not None
+        try:
+            assert select.select([following.stderr], [], [], LIMIT_S)[0]
+            first = following.stderr.readline()
+            following.send_signal(signal.SIGTERM)
+            _, rest = following.communicate(timeout=LIMIT_S)
+        finally:
+            if following.poll() is None:
+                following.kill()
+    assert following.returncode == 0
+    records = log_records((first + rest).decode(), r"follow: replica at seq 0$")
+    assert records[0]["level"] == "WARNING"
+    assert records[0]["logger"] == "healthlog.follow"
+    assert records[0]["msg"].startswith("follow: the service cannot be reached")
+
+
+def resend(tmp_path: Path) -> list[Path]:
+    """Two deliveries of one point, the second a re-send that changes it: a point collision."""
+    at = "2024-02-06 07:00:00 -0800"
+    return [
+        write(tmp_path / f"{n}.json", body(metric(HR, BPM, point(at, qty=n, source="w"))))
+        for n in (1, 2)
+    ]
+
+
+IMPORTED = r"journaled .* as delivery \d+ |delivery \d+: \w+$"
+REINDEXED = r"reindex: "
+
+
+def test_import_and_reindex_log_as_the_data_directory_and_the_environment_set_cli_49(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-49: the `[serve]` table of `healthlog.toml` sets the log format and level of the
+    commands on its data directory, `import`'s fold workers included, and `HEALTHLOG_LOG_*`
+    wins over it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / TOML).write_text('[serve]\nlog_format = "json"\nlog_level = "info"\n')
+    imported = run_cli("import", "--aggregation", "minutes", "--data", data, *resend(tmp_path))
+    assert imported.code == 0
+    records = log_records(imported.err, IMPORTED)
+    said = {(r["level"], r["logger"], r["msg"].split(" kind=")[0]) for r in records}
+    # The collision by the fold worker, the lease by the command itself.
+    assert ("WARNING", "healthlog.fold", "point collision") in said
+    assert any(level == "INFO" and logger == "healthlog.lease" for level, logger, _ in said)
+    reindexed = run_cli("reindex", "--data", data)
+    assert reindexed.code == 0
+    (record,) = log_records(reindexed.err, REINDEXED)
+    assert record["level"] == "INFO"
+    assert record["msg"].startswith("reindex swapped in")
+    quiet = run_cli("reindex", "--data", data, env={"HEALTHLOG_LOG_LEVEL": "WARNING"})
+    assert quiet.code == 0
+    assert log_records(quiet.err, REINDEXED) == []
+
+
+def test_commands_log_in_kv_at_warning_when_nothing_is_set_cli_49(tmp_path: Path) -> None:
+    """CLI-49: with nothing set, `import` logs its point collision as a `key=value` line and
+    `reindex` logs nothing at INFO: the commands are no louder than before."""
+    data = tmp_path / "data"
+    env = without_log_settings()
+    imported = subprocess.run(
+        healthlog("import", "--aggregation", "minutes", "--data", data, *resend(tmp_path)),
+        capture_output=True,
+        env=env,
+        timeout=LIMIT_S,
+        check=True,
+    )
+    logged = [
+        line for line in imported.stderr.decode().splitlines()[1:] if not re.match(IMPORTED, line)
+    ]
+    assert len(logged) == 1
+    assert re.fullmatch(
+        r'time=\S+ level=WARNING logger=healthlog\.fold msg="point collision .*"', logged[0]
+    )
+    reindexed = subprocess.run(
+        healthlog("reindex", "--data", data),
+        capture_output=True,
+        env=env,
+        timeout=LIMIT_S,
+        check=True,
+    )
+    assert all(line.startswith(REINDEXED) for line in reindexed.stderr.decode().splitlines())
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "toml", "says"),
+    [
+        (
+            ["status"],
+            {"HEALTHLOG_LOG_LEVEL": "loud"},
+            None,
+            "invalid log_level: 'loud' (from HEALTHLOG_LOG_LEVEL); it must be debug, info,"
+            " warning or error",
+        ),
+        (["verify"], {}, '[serve]\nlog_format = "xml"\n', "invalid log_format: 'xml' (from "),
+        (["export"], {}, "[serve]\nlog_fromat = 1\n", "unknown settings ['log_fromat']"),
+        (["token", "add", "phone"], {"HEALTHLOG_LOG_FORMAT": "xml"}, None, "invalid log_format"),
+    ],
+    ids=["status", "verify", "export", "token-add"],
+)
+def test_a_log_setting_that_is_not_valid_stops_a_command_with_exit_2_cli_49(
+    run_cli: RunCli,
+    tmp_path: Path,
+    args: list[str],
+    env: dict[str, str],
+    toml: str | None,
+    says: str,
+) -> None:
+    """CLI-49: a log level or format that is not valid, from the environment or the data
+    directory's `healthlog.toml`, or a file `serve` would refuse, stops a command other than
+    `serve` as it stops `serve`: exit 2, one line naming it, nothing done."""
+    data = tmp_path / "data"
+    assert run_cli("token", "add", "phone", "--data", data).code == 0
+    if toml is not None:
+        (data / TOML).write_text(toml)
+    run = run_cli(*args, "--data", data, env=env)
+    assert run.code == 2
+    one_line_error(run.err, says)
+    assert run.out == b""
+
+
+def test_a_command_without_a_data_directory_takes_the_environment_alone_cli_49(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-49: `follow` with a log format that is not valid exits 2 with one line and makes no
+    replica; the settings of `serve` alone (a port it would refuse) stop no other command."""
+    replica = tmp_path / "replica"
+    run = run_cli(
+        "follow",
+        *("--url", "http://127.0.0.1:1", "--token", "hl_x", "--replica", replica),
+        env={"HEALTHLOG_LOG_FORMAT": "xml"},
+    )
+    assert run.code == 2
+    one_line_error(run.err, "invalid log_format: 'xml' (from HEALTHLOG_LOG_FORMAT)")
+    assert not replica.exists()
+    data = tmp_path / "data"
+    assert run_cli("token", "add", "phone", "--data", data).code == 0
+    (data / TOML).write_text("[serve]\nport = 99999\n")
+    assert run_cli("status", "--data", data).code == 0
+    assert run_cli("serve", "--data", data).code == 2
