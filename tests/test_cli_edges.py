@@ -1,6 +1,7 @@
 """The command line at its edges: a closed pipe, Ctrl-C, settings out of range, a data
-directory that does not exist and timestamps or layers it cannot read (specs/cli.md, CLI-25 to
-CLI-40). Most commands run as a real process."""
+directory that does not exist, timestamps or layers it cannot read, another process holding
+the lease and the log settings (specs/cli.md, CLI-25 to CLI-40, CLI-46, CLI-48, CLI-49). Most
+commands run as a real process."""
 
 from __future__ import annotations
 
