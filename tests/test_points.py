@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from healthlog.points import (
@@ -163,16 +164,18 @@ def test_canonical_normalises_nested_objects() -> None:
         "start": "2024-02-06 07:00:00 -0800",
         "distance": {"units": "mi", "qty": 2.0, "note": None},
         "route": [{"timestamp": "x", "speed": 1.10000000000001, "extra": {"a": ""}}],
+        "laps": [2.0, 1.10000000000001],
     }
     second = {
+        "laps": [2, 1.1],
         "route": [{"speed": 1.1, "timestamp": "x"}],
         "distance": {"qty": 2, "units": "mi"},
         "start": "2024-02-06 15:00:00 +0000",
     }
     assert canonical_form(first) == canonical_form(second)
     assert canonical_form(first) == (
-        b'{"distance":{"qty":2,"units":"mi"},"route":[{"speed":1.1,"timestamp":"x"}],'
-        b'"start":%d}' % FEB_6_15H
+        b'{"distance":{"qty":2,"units":"mi"},"laps":[2,1.1],'
+        b'"route":[{"speed":1.1,"timestamp":"x"}],"start":%d}' % FEB_6_15H
     )
 
 
@@ -292,11 +295,28 @@ _FIELDS = st.dictionaries(
 )
 
 
+# Values Python calls equal whose canonical forms differ (a bool and its number, an integer
+# beyond twelve digits and its double), and two spellings of one canonical value.
+_PYTHON_EQUAL = [
+    ({"qty": True}, {"qty": 1}),
+    ({"meta": {"x": False}}, {"meta": {"x": 0}}),
+    ({"qty": 2**70}, {"qty": float(2**70)}),
+]
+_RESPELLED = [({"qty": 46}, {"qty": 46.0}), ({"qty": 46}, {"qty": 46.00000000000001})]
+
+
 @given(_FIELDS, _FIELDS, st.randoms(use_true_random=False))
+@example(*_PYTHON_EQUAL[0], random.Random(0))
+@example(*_PYTHON_EQUAL[1], random.Random(0))
+@example(*_PYTHON_EQUAL[2], random.Random(0))
+@example(*_RESPELLED[0], random.Random(0))
+@example(*_RESPELLED[1], random.Random(0))
 def test_meeting_decided_as_canonical_forms_decide(
     left: dict[str, Any], right: dict[str, Any], rng: Any
 ) -> None:
-    """MERGE-23: the cheap answers agree with the canonical forms, in either key order."""
+    """MERGE-23: the cheap answers agree with the canonical forms, in either key order, also
+    for values Python calls equal and numbers in other spellings."""
+    left, right = dict(left), dict(right)
     for fields in (left, right):
         fields["start"] = "2024-02-06 15:00:00 +0000"
         fields.pop("end", None)
@@ -309,6 +329,7 @@ def test_meeting_decided_as_canonical_forms_decide(
 
 
 @given(st.lists(st.tuples(_FIELDS, _FIELDS, st.booleans()), min_size=1, max_size=4))
+@example([(*pair, False) for pair in _PYTHON_EQUAL])
 def test_meetings_settled_at_once_only_when_every_pair_is_the_same_merge_24(
     pairs: list[tuple[dict[str, Any], dict[str, Any], bool]],
 ) -> None:
