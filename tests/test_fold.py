@@ -181,7 +181,8 @@ def test_reduction_within_a_delivery(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_one_warn_per_collision_without_values(caplog: pytest.LogCaptureFixture) -> None:
-    """MERGE-11: each collision kind adds one overwrite and one WARN naming metric/layer/hour."""
+    """MERGE-11: each collision kind adds one overwrite and one WARN naming metric/layer/hour;
+    three forms at one coordinate within the delivery add two overwrites and one WARN."""
     source = "Secret Watch of Anna 0xBEEF"
     stored = [
         {"date": at(0), "qty": 123.456},
@@ -194,6 +195,7 @@ def test_one_warn_per_collision_without_values(caplog: pytest.LogCaptureFixture)
         {"date": at(2), "qty": 654.321},
         {"date": at(3), "qty": 111.222},
         {"date": at(3), "qty": 333.444},
+        {"date": at(3), "qty": 555.666},
     ]
     projection = MemoryProjection()
     fold(body(stored), projection, aggregation="minutes")
@@ -201,7 +203,7 @@ def test_one_warn_per_collision_without_values(caplog: pytest.LogCaptureFixture)
     _, outcome = fold(body(incoming), projection, delivery_id=2, aggregation="minutes")
     counters = outcome.counters
     assert (counters.points_replaced, counters.points_held, counters.points_erased) == (1, 1, 1)
-    assert counters.overwrites == 4
+    assert counters.overwrites == 5
     messages = warn_messages(caplog)
     assert len(messages) == 4
     kinds = sorted(m.split("kind=")[1].split()[0] for m in messages)
@@ -212,7 +214,7 @@ def test_one_warn_per_collision_without_values(caplog: pytest.LogCaptureFixture)
         assert f"hour={format_instant(HOUR_15Z)}" in message
         assert "delivery=2" in message
     text = loud_text(caplog)
-    for secret in ("123.456", "654.321", "111.222", "333.444", source, "resting", at(0)):
+    for secret in ("123.456", "654.321", "111.222", "333.444", "555.666", source, "resting", at(0)):
         assert secret not in text
 
 
@@ -245,14 +247,15 @@ def test_units(caplog: pytest.LogCaptureFixture) -> None:
                 {"name": "flights", "units": "steps", "data": [{"date": at(0), "qty": 1}]},
                 {"name": "flights", "units": "count", "data": [{"date": at(1), "qty": 2}]},
                 {"name": "flights", "data": [{"date": at(2), "qty": 3}]},
+                {"name": "flights", "units": "steps", "data": [{"date": at(3), "qty": 4}]},
             ]
         }
     }
     fresh = MemoryProjection()
     written, outcome = fold(json.dumps(twice).encode(), fresh, aggregation="minutes")
-    assert outcome.counters.unit_mismatches == 1
+    assert outcome.counters.unit_mismatches == 2
     assert [obj.units for obj in written] == ["count"]
-    assert sum(obj.count for obj in written) == 3
+    assert sum(obj.count for obj in written) == 4
 
 
 def test_units_unchanged_or_missing_are_no_mismatch() -> None:
