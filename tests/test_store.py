@@ -219,7 +219,8 @@ def test_lease_acquire_renew_refuse_takeover_release_force_store_5(store: Store)
 def test_expiry_beyond_one_term_is_cut_to_one_term_fence_11(store: Store) -> None:
     """FENCE-11: a holder whose clock ran an hour ahead left an expiry an hour away; the next
     candidate cuts it to one term and takes over after that term, not after the hour. A longer
-    term (a reindex's) within its own term is not cut."""
+    term (a reindex's) within its own term is not cut; a candidate whose TTL is longer than the
+    row's term cuts to its own TTL."""
     hour = 3600 * 10**6
     assert store.acquire_lease("ahead", now=1000 + hour, ttl=10) == 1
     assert store.acquire_lease("next", now=1000, ttl=10) is None
@@ -231,6 +232,10 @@ def test_expiry_beyond_one_term_is_cut_to_one_term_fence_11(store: Store) -> Non
     assert store.acquire_lease("reindex", now=2000, ttl=300, force=True) == 3
     assert store.acquire_lease("next", now=2001, ttl=10) is None
     assert store.lease() == Lease("reindex", 3, 2300)
+
+    assert store.acquire_lease("ahead", now=3000 + hour, ttl=10, force=True) == 4
+    assert store.acquire_lease("longer", now=3000, ttl=20) is None
+    assert store.lease() == Lease("ahead", 4, 3020)
 
 
 def test_busy_store_defers_and_writes_nothing_store_6(journal: Journal, tmp_path: Path) -> None:
