@@ -451,6 +451,8 @@ def test_deliveries_journaled_while_another_process_locks_the_store_fold_after_f
     assert sorted(final.folded_events) == sorted(final.order)
     assert_folded_once_in_journal_order(final)
     assert "lease renewal deferred: the store is busy" in live.stderr()
+    assert "fold lease lost" not in live.stderr(), "a busy store cost the epoch"
+    assert set(final.epochs.values()) == {final.epoch}
     live.stop()
     run = run_cli("verify", "--data", data)
     assert run.code == 0, run.err[-3000:]
