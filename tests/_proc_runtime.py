@@ -2,12 +2,15 @@
 
     python -m tests._proc_runtime DATA_DIR [--holder NAME] [--submit N]
         [--executor thread|process] [--period S] [--ttl S] [--renew S] [--busy-timeout-ms MS]
+        [--stop-at-read N]
 
 Opens a runtime on DATA_DIR (wake period, lease TTL and renewal in seconds: short by default,
 for tests), journals N small deliveries through its intake, prints ``ready`` on stdout, then
 serves (holds or waits for the fold lease, folds) until SIGTERM or SIGINT, when it shuts the
 runtime down, releasing the lease, and exits 0. Nothing else goes to stdout; log records at
-WARNING and above go to stderr.
+WARNING and above go to stderr. With ``--stop-at-read N`` the process stops itself (SIGSTOP) once
+it has read the body of the N-th delivery it folds, before the fold's transaction: a holder
+frozen in the middle of its pass, under the epoch it folds with, until SIGCONT.
 
 :func:`payload` also builds the bodies that the tests journal themselves.
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -27,6 +31,7 @@ import trio
 
 from actors.folding import Executor
 from actors.runtime import RuntimeConfig, open_runtime
+from healthlog import faults
 from healthlog.storage.journal import Journal, NewDelivery
 from healthlog.storage.store import default_holder
 
@@ -67,9 +72,17 @@ def new_delivery(n: int, points: int = POINTS) -> NewDelivery:
     )
 
 
-async def serve(config: RuntimeConfig, submit: int) -> None:
+def stop_self(_: str) -> None:
+    """Freeze this whole process, as a SIGSTOP from outside would."""
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+async def serve(config: RuntimeConfig, submit: int, stop_at_read: int | None) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with open_runtime(config) as runtime:
+            if stop_at_read is not None:
+                read = faults.Action(frozenset({stop_at_read}), stop_self)
+                faults.install(faults.Plan({"journal.read_body": read}))
             first, _ = await runtime.read_journal(Journal.count)
             for n in range(first, first + submit):
                 await runtime.submit(new_delivery(n))
@@ -88,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ttl", type=float, default=2.0)
     parser.add_argument("--renew", type=float, default=0.5)
     parser.add_argument("--busy-timeout-ms", type=int, default=5000)
+    parser.add_argument("--stop-at-read", type=int, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
@@ -101,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         executor=Executor(args.executor),
         busy_timeout_ms=args.busy_timeout_ms,
     )
-    trio.run(serve, config, args.submit)
+    trio.run(serve, config, args.submit, args.stop_at_read)
     return 0
 
 

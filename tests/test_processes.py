@@ -677,3 +677,74 @@ def test_a_paused_holder_resumes_fenced_and_writes_nothing_fence_10(
     beta.stop()
     run = run_cli("verify", "--data", data)
     assert run.code == 0, run.err[-3000:]
+
+
+def stopped(child: Child) -> bool:
+    """Whether ``child`` is stopped (SIGSTOP), as the kernel reports its state."""
+    stat = Path(f"/proc/{child.proc.pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+def wait_stopped(child: Child) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not stopped(child):
+        code = child.proc.poll()
+        assert code is None, f"{child.name} exited {code}:\n{child.stderr()[-3000:]}"
+        assert time.monotonic() < deadline, f"{child.name} never stopped itself"
+        time.sleep(POLL_S)
+
+
+def test_a_holder_frozen_inside_its_pass_resumes_fenced_fence_10(
+    children: Children, run_cli: RunCli, data: Path
+) -> None:
+    """FENCE-10, with the holder frozen in the middle of its pass: it stops itself once it has
+    read the body of a delivery it is folding under its epoch, before the fold's transaction,
+    and the lease is taken over meanwhile. Resumed, it goes on with that fold, and only the
+    epoch checked inside the fold transaction stands in its way: it writes nothing and logs the
+    loss. Once the lease is free again it takes it at a new epoch and folds everything, once
+    each, in journal order; `verify` exits 0."""
+    alpha = children.runtime(
+        data,
+        "alpha",
+        "--executor",
+        "thread",
+        "--submit",
+        "3",
+        "--busy-timeout-ms",
+        "250",
+        "--stop-at-read",
+        "4",
+    )
+    held = wait_state(
+        data, "alpha folds", lambda s: quiescent(s) and s.holder == "alpha", watch=[alpha]
+    )
+    # alpha stops itself while another process holds the store's write lock, as in pause().
+    locker = children.locker(DataDir(data).store_path)
+    [frozen] = journal(data, 1, points=24)
+    wait_stopped(alpha)
+    locker.release()
+    with DataDir(data).open_store() as store:
+        taken = store.acquire_lease("other", now=wall_us(), ttl=30_000_000, force=True)
+        assert taken == held.epoch + 1
+        later = journal(data, 3, points=24)
+
+        alpha.proc.send_signal(signal.SIGCONT)
+        lost = f"fold lease lost (epoch {held.epoch})"
+        deadline = time.monotonic() + WAIT_S
+        while lost not in alpha.stderr():
+            assert time.monotonic() < deadline, "alpha never said it lost the lease"
+            time.sleep(POLL_S)
+        stale = state(data)
+        assert {frozen, *later} <= set(stale.pending), "a stale holder folded"
+        assert (stale.holder, stale.epoch) == ("other", taken)
+        assert f"delivery {frozen}: fold fenced, lease epoch {held.epoch} lost" in alpha.stderr()
+        store.release_lease("other", taken)
+
+    final = wait_state(data, "alpha folds again", quiescent, watch=[alpha])
+    assert (final.holder, final.epoch) == ("alpha", taken + 1)
+    assert {final.epochs[i] for i in (frozen, *later)} == {taken + 1}
+    assert sorted(final.folded_events) == sorted(final.order)
+    assert_folded_once_in_journal_order(final)
+    alpha.stop()
+    run = run_cli("verify", "--data", data)
+    assert run.code == 0, run.err[-3000:]
