@@ -39,6 +39,7 @@ from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.storage.status import (
     DEFAULT_LISTED,
     MAX_LISTED,
+    NO_PASS_YET,
     collect_status,
     list_deliveries,
 )
@@ -507,11 +508,12 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         if lag.oldest_pending_id is None
         else f"oldest pending {lag.oldest_pending_id}, waited {lag.waited_s} s"
     )
+    stopped_text = "no pass yet" if lag.stopped_because == NO_PASS_YET else lag.stopped_because
     lines = [
         f"journal     {status.journal.deliveries} deliveries, {status.journal.bytes} bytes",
         f"deliveries  pending {d.pending}, parsed {d.parsed}, partial {d.partial},"
         f" failed {d.failed}",
-        f"lag         {pending_text}, last pass stopped: {lag.stopped_because or 'no pass yet'}",
+        f"lag         {pending_text}, last pass stopped: {stopped_text}",
         f"lease       {'free' if status.lease.holder is None else 'holder ' + status.lease.holder},"
         f" epoch {status.lease.epoch}",
         f"first pass  {'completed' if status.first_pass_completed else 'not completed'}",

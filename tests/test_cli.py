@@ -540,6 +540,42 @@ def test_plain_status_prints_the_same_figures_as_lines_cli_14(
     assert not text.lstrip().startswith("{")
 
 
+def test_status_before_any_pass_says_so_in_words_cli_13_cli_14_cli_50(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """CLI-13, CLI-14, CLI-50: a delivery journaled while another process holds the fold lease,
+    no pass run yet, one subscriber: the document has them (`no_pass_yet`, first pass false),
+    plain status says them in words (`no pass yet`, the oldest pending, the holder, `not
+    completed`, the subscriber), never `no_pass_yet` or `None`."""
+    data = tmp_path / "data"
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    with DataDir(data).open_store() as store:
+        epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        assert epoch is not None
+        store.ack("nas", 0)
+    import_ok(cli, data, "--no-wait", "--aggregation", "minutes", sent)
+    status = status_of(cli, data)
+    assert status["deliveries"] == {"pending": 1, "parsed": 0, "partial": 0, "failed": 0}
+    assert status["lag"]["oldest_pending_id"] == 1
+    assert status["lag"]["stopped_because"] == "no_pass_yet"
+    assert status["lease"] == {"holder": "elsewhere", "epoch": epoch}
+    assert status["first_pass_completed"] is False
+    assert status["subscribers"] == {"nas": 0}
+    run = cli("status", "--data", data)
+    assert run.code == 0, run.err
+    text = run.out.decode()
+    lines = text.splitlines()
+    assert re.fullmatch(
+        r"lag {9}oldest pending 1, waited \d+(\.\d+)? s, last pass stopped: no pass yet",
+        lines[2],
+    ), lines[2]
+    assert lines[3] == f"lease       holder elsewhere, epoch {epoch}"
+    assert lines[4] == "first pass  not completed"
+    assert "subscriber  nas acked 0" in lines[5:]
+    assert "no_pass_yet" not in text
+    assert "None" not in text
+
+
 # -- status --failed / --partial ------------------------------------------------------------
 
 LIST_KEYS = ["statuses", "total", "limit", "deliveries"]

@@ -28,6 +28,8 @@ LISTED_STATUSES = LISTED_OUTCOMES
 # How many deliveries a list holds unless asked for fewer or more, and at most.
 DEFAULT_LISTED = 20
 MAX_LISTED = 1000
+# Why the last pass stopped, before any pass has run.
+NO_PASS_YET = "no_pass_yet"
 
 
 def collect_status(journal: Journal, store: Store, public_key: str | None = None) -> Status:
@@ -55,7 +57,7 @@ def collect_status(journal: Journal, store: Store, public_key: str | None = None
         lag=Lag(
             oldest_pending_id=oldest.id if oldest else None,
             waited_s=round(max(0, now - oldest.received_at) / 1e6, 3) if oldest else 0.0,
-            stopped_because=str(mark.get("stopped_because", "no_pass_yet")),
+            stopped_because=str(mark.get("stopped_because", NO_PASS_YET)),
         ),
         lease=LeaseInfo(lease.holder, lease.epoch),
         first_pass_completed=bool(store.mark(FIRST_PASS_MARK)),
