@@ -130,6 +130,7 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
     [
         ([], '[serve]\nlog_level = "loud"\n', "invalid log_level"),
         (["--port", "99999"], None, "invalid port"),
+        (["--port", "65536"], None, "invalid port"),
         (["--port", "-1"], None, "invalid port"),
         (["--max-body-mib", "-3"], None, "invalid max_body_mib"),
         (["--max-body-mib", "nan"], None, "invalid max_body_mib"),
@@ -194,10 +195,11 @@ def test_chaos_refuses_runs_or_minutes_that_would_check_nothing_cli_29(
     assert "chaos: runs" not in run.out.decode()
 
 
-def test_follow_with_a_port_out_of_range_exits_2_cli_30(cli: Cli, tmp_path: Path) -> None:
-    """CLI-30: `follow --url` with a port outside 0 to 65535 exits 2 with one line."""
+def test_follow_with_a_port_out_of_range_exits_2_cli_30(run_cli: RunCli, tmp_path: Path) -> None:
+    """CLI-30: `follow --url` with a port outside 0 to 65535 exits 2 with one line (a real
+    process: one that took the URL would try to connect until its time limit)."""
     url = "http://127.0.0.1:99999"
-    run = cli("follow", "--url", url, "--token", "t", "--replica", tmp_path / "replica")
+    run = run_cli("follow", "--url", url, "--token", "t", "--replica", tmp_path / "replica")
     assert run.code == 2
     one_line_error(run.err, f"not a service or stream URL: {url}")
 
@@ -219,11 +221,14 @@ def test_verify_says_what_is_not_folded_yet_cli_32(cli: Cli, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("before", [True, False])
 def test_token_takes_data_after_its_own_name_and_lists_names_alone_cli_33(
-    cli: Cli, tmp_path: Path, before: bool
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: bool
 ) -> None:
     """CLI-33: `token` takes `--data DIR` after its own name and after the action alike, and
     `token list` prints one name per line and nothing else (never a secret)."""
     data = tmp_path / "data"
+    # Where a `--data` that was not taken would lead: $HEALTHLOG_DATA, else ./var.
+    monkeypatch.delenv("HEALTHLOG_DATA", raising=False)
+    monkeypatch.chdir(tmp_path)
 
     def token(action: str, *args: str) -> CliRun:
         if before:
@@ -238,6 +243,8 @@ def test_token_takes_data_after_its_own_name_and_lists_names_alone_cli_33(
     assert not any(run.out.strip() in listed.out for run in added)
     assert token("revoke", "phone").code == 0
     assert token("list").out.decode().splitlines() == ["watch"]
+    with DataDir(data).open_tokens() as tokens:
+        assert [info.name for info in tokens.list()] == ["watch"]
     assert not (tmp_path / "var").exists()
 
 
