@@ -1071,6 +1071,36 @@ def test_verify_is_clean_after_imports_in_journal_order_cli_15(cli: Cli, tmp_pat
     assert cli("verify", "--data", data).code == 0
 
 
+def test_verify_names_missing_and_extra_objects_cli_16(cli: Cli, tmp_path: Path) -> None:
+    """CLI-16: an object the live store lost is `missing`, one it holds that no delivery made is
+    `extra`, each one line with its key and no value; verify exits 1, and 0 after reindex."""
+    data = tmp_path / "data"
+    sent = body(metric(HR, BPM, point(minute(0), qty=71.2468), point(minute(60), qty=72.1357)))
+    import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "a.json", sent))
+    with sqlite3.connect(data / "store.sqlite") as store:
+        (lost,) = store.execute("SELECT min(hour) FROM objects").fetchone()
+        store.execute("DELETE FROM objects WHERE hour = ?", (lost,))
+        store.execute(
+            "INSERT INTO objects SELECT metric, layer, hour + ?, units, first, last, points,"
+            " created_by, hash, sealed, body FROM objects",
+            (2 * 3_600_000_000,),
+        )
+    store.close()
+    found = cli("verify", "--data", data)
+    assert found.code == 1, found.err
+    assert [line.split("\t") for line in found.out.decode().splitlines()] == [
+        ["missing", HR, "minutes", "2024-02-06T15:00:00Z"],
+        ["extra", HR, "minutes", "2024-02-06T18:00:00Z"],
+    ]
+    assert found.err.splitlines()[-1] == "verify: 2 objects differ"
+    for value in ("71.2468", "72.1357"):
+        assert value not in found.out.decode() + found.err
+    fixed = cli("reindex", "--data", data)
+    assert fixed.code == 0, fixed.err
+    assert fixed.err.splitlines()[-1] == "reindex: done, 2 objects changed"
+    assert cli("verify", "--data", data).code == 0
+
+
 def test_colliding_backfill_is_found_by_verify_and_fixed_by_reindex_cli_16(
     run_cli: RunCli, cli: Cli, tmp_path: Path
 ) -> None:
