@@ -971,17 +971,22 @@ def test_import_folds_under_the_data_directorys_settings_cli_35(
         assert journal.count()[0] == 2
 
 
-def test_storage_error_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) -> None:
-    """CLI-23: a store file that is not a database: exit 3, a message naming the file, no
-    traceback."""
+@pytest.mark.parametrize(
+    ("name", "command"),
+    [("store.sqlite", ["status"]), ("tokens.sqlite", ["token", "list"])],
+    ids=["status", "token list"],
+)
+def test_storage_error_exits_3_with_one_line_cli_23(
+    cli: Cli, tmp_path: Path, name: str, command: list[str]
+) -> None:
+    """CLI-23: a store (or tokens) file that is not a database: exit 3, a message naming the
+    file, no traceback."""
     data = tmp_path / "data"
     data.mkdir()
-    (data / "store.sqlite").write_bytes(b"this is not an SQLite file" * 200)
-    run = cli("status", "--data", data)
+    (data / name).write_bytes(b"this is not an SQLite file" * 200)
+    run = cli(*command, "--data", data)
     assert run.code == 3
-    assert run.err.startswith("healthlog: ")
-    assert len(run.err.splitlines()) == 1
-    assert f"({data / 'store.sqlite'})" in run.err
+    assert run.err == f"healthlog: database error: file is not a database ({data / name})\n"
     assert run.out == b""
 
 
