@@ -76,22 +76,30 @@ def test_verify_with_differences_exits_1_when_its_reader_goes_cli_25(
 LOG_RECORD = re.compile(r"time=\S+ level=")
 
 
+@pytest.mark.parametrize("command", ["import", "seal"])
 def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_26(
-    tmp_path: Path,
+    tmp_path: Path, command: str
 ) -> None:
-    """CLI-26, CLI-46: while another process holds the fold lease, `import` says after the
-    line that names the journaled delivery that it waits for the running service's next pass;
-    Ctrl-C (SIGINT) then: exit 130, one line saying so, and no traceback; the delivery stays
-    journaled."""
+    """CLI-26, CLI-46: while another process holds the fold lease, `import` (or `seal`) says
+    after the line that names the journaled delivery that it waits for the running service's
+    next pass; Ctrl-C (SIGINT) then: exit 130, one line saying so, and no traceback; the
+    delivery stays journaled."""
     data = tmp_path / "data"
     file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    args, journaled = {
+        "import": (["--aggregation", "minutes", file], f"journaled {file} as delivery 1"),
+        "seal": (
+            ["--before", "2024-02-06T00:00:00Z"],
+            "journaled the seal of the hours before 2024-02-06T00:00:00Z as delivery 1",
+        ),
+    }[command]
     with DataDir(data).open_store() as store:
         epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
         assert epoch is not None
     # SIGINT as a terminal delivers it, even when the suite runs with it ignored (a shell's
     # background job), which the command would inherit; killed if the test fails.
     with subprocess.Popen(
-        healthlog("import", "--aggregation", "minutes", "--data", data, file),
+        healthlog(command, "--data", data, *args),
         stderr=subprocess.PIPE,
         preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),
     ) as importing:
@@ -99,7 +107,7 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
         try:
             deadline = time.monotonic() + LIMIT_S
             said: list[str] = []
-            while not said or not said[-1].startswith("import: waiting"):
+            while not said or not said[-1].startswith(f"{command}: waiting"):
                 left = deadline - time.monotonic()
                 assert left > 0, said
                 assert select.select([importing.stderr], [], [], left)[0], said
@@ -115,9 +123,9 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
     # The command's own lines; a log record (a busy store on a loaded machine) is not one.
     lines = [line for line in said + err.decode().splitlines() if not LOG_RECORD.match(line)]
     assert "Traceback" not in err.decode()
-    assert lines[0].startswith(f"journaled {file} as delivery 1")
+    assert lines[0].startswith(journaled)
     assert lines[1:] == [
-        "import: waiting for the running service, which holds the fold lease, to fold at its"
+        f"{command}: waiting for the running service, which holds the fold lease, to fold at its"
         " next pass (within its wake_period_s, 60 s unless set; --no-wait does not wait)",
         "healthlog: interrupted",
     ]
