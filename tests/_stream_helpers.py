@@ -155,9 +155,9 @@ def subscribe(
 
 
 async def receive(ws: WebSocketConnection, count: int) -> list[dict[str, Any]]:
-    """The next ``count`` frames."""
+    """The next ``count`` frames, each a text frame."""
     with trio.fail_after(FRAME_LIMIT_S):
-        return [orjson.loads(await ws.get_message()) for _ in range(count)]
+        return [text_frame(await ws.get_message()) for _ in range(count)]
 
 
 async def receive_through(ws: WebSocketConnection, seq: int) -> list[dict[str, Any]]:
@@ -165,8 +165,16 @@ async def receive_through(ws: WebSocketConnection, seq: int) -> list[dict[str, A
     frames: list[dict[str, Any]] = []
     with trio.fail_after(FRAME_LIMIT_S):
         while not frames or frames[-1]["seq"] < seq:
-            frames.append(orjson.loads(await ws.get_message()))
+            frames.append(text_frame(await ws.get_message()))
     return frames
+
+
+def text_frame(message: str | bytes) -> dict[str, Any]:
+    """A frame the server sent: a text frame (never a binary one) holding one JSON object."""
+    assert isinstance(message, str), f"a binary frame: {message[:40]!r}"
+    frame = orjson.loads(message)
+    assert isinstance(frame, dict)
+    return frame
 
 
 async def refusal(

@@ -54,6 +54,7 @@ from _stream_helpers import (
     stalled,
     stream_handlers,
     subscribe,
+    text_frame,
     validate,
 )
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,7 +65,7 @@ from actors.runtime import configured
 from healthlog import clock, faults
 from healthlog.documents import converter
 from healthlog.export import export_lines
-from healthlog.objects import ObjectKey
+from healthlog.objects import ObjectKey, to_wire
 from healthlog.snapshots import Manifest
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
@@ -130,6 +131,7 @@ async def test_replay_then_live(tmp_path: Path) -> None:
     assert all(f["type"] == "event" and f["id"] == f"{stream}:{f['seq']}" for f in frames)
     assert [f["kind"] for f in frames] == ["object.changed", "delivery.folded"] * 3
     first, first_folded, second, _, third, _ = frames
+    first_hour = parse_instant(first["hour"])
     assert {k: first[k] for k in ("metric", "layer", "hour", "points", "delivery_id")} == {
         "metric": "step_count",
         "layer": "minutes",
@@ -144,6 +146,10 @@ async def test_replay_then_live(tmp_path: Path) -> None:
     assert first["object"] == second["object"]
     current = second["object"]
     assert (current["hash"], current["points"], current["units"]) == (second["hash"], 2, "count")
+    assert current == stored_state(service.data, ObjectKey("step_count", "minutes", first_hour))
+    assert third["object"] == stored_state(
+        service.data, ObjectKey("step_count", "minutes", parse_instant(third["hour"]))
+    )
     plain = gzip.decompress(base64.b64decode(current["body"]))
     stored = [line.split(b"\t") for line in plain.splitlines()]
     points = [e["point"] for e in exported if e["start"].startswith("2024-04-01T00:")]
@@ -154,6 +160,14 @@ async def test_replay_then_live(tmp_path: Path) -> None:
     }
     assert first_folded["counters"]["points_new"] == 1
     assert first_folded["counters"]["objects_written"] == 1
+
+
+def stored_state(data: DataDir, key: ObjectKey) -> dict[str, Any]:
+    """The object's state in the store, as a frame carries it (every field of ``to_wire``)."""
+    with data.open_store() as store:
+        stored = store.object(key)
+    assert stored is not None
+    return to_wire(stored)
 
 
 async def test_switch_over_under_continuous_deliveries(tmp_path: Path) -> None:
@@ -216,10 +230,17 @@ async def test_acks_stored_per_subscriber_and_never_back(tmp_path: Path) -> None
             await send_ack(anonymous, total)
             await acked(service, "nas", 4)
             await acked(service, "desk", total)
+            # The unnamed subscriber's ACK was handled (not stored) and its connection goes on.
+            await post(service, small(180))
+            for ws in (nas, desk, anonymous):
+                assert consecutive(await receive(ws, 2), total)
+            await send_ack(anonymous, total + 2)
             await send_ack(nas, 2)
             # An error right after it proves the server has handled the lower ACK.
             await nas.send_message("not json")
             assert (await refusal(nas))[0]["code"] == "BAD_FRAME"
+            await anonymous.send_message("not json")
+            assert (await refusal(anonymous))[0]["code"] == "BAD_FRAME"
         async with subscribe(service, after=1, subscriber="desk") as desk:
             assert consecutive(await receive(desk, 2), 1)
             await send_ack(desk, 3)
@@ -886,7 +907,7 @@ async def test_independent_client_library(tmp_path: Path) -> None:
 
         def replay() -> list[dict[str, Any]]:
             with websockets_connect(url, additional_headers=service.auth, max_size=None) as ws:
-                frames = [orjson.loads(ws.recv(timeout=FRAME_LIMIT_S)) for _ in range(total)]
+                frames = [text_frame(ws.recv(timeout=FRAME_LIMIT_S)) for _ in range(total)]
                 ws.send(orjson.dumps({"type": "ack", "seq": total}).decode())
             return frames
 
