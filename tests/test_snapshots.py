@@ -22,20 +22,23 @@ from pathlib import Path
 import attrs
 import orjson
 import pytest
-from _bodies import body, delivery, point
+from _bodies import BASE_US, body, delivery, point
 from _service_helpers import Service, serving
 from _stream_helpers import HOURS, fold_metrics, post_small, prune, validate
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import snapshots
 from healthlog.objects import HourlyObject, to_wire
+from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.snapshots import SCHEMA, Manifest, SnapshotError
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV
+from healthlog.storage.journal import NewDelivery
 from transport.snapshots import SnapshotBody
 
 NOW_US = 1_709_251_200_000_000
+HOUR_US = 3600 * 10**6
 TTL_US = 15_000_000
 URL = "/v1/snapshots"
 
@@ -76,8 +79,9 @@ class Attempt:
 
 @pytest.fixture
 def store_objects(tmp_path: Path) -> tuple[Attempt, list[HourlyObject]]:
-    """Three deliveries folded into a real store, a snapshot of it at its head (checked as a
-    client bound to that instance and stream at that sequence would), and the store's objects."""
+    """Three deliveries and a seal folded into a real store, a snapshot of it at its head
+    (checked as a client bound to that instance and stream at that sequence would), and the
+    store's objects."""
     data = DataDir(tmp_path)
     deliveries = [
         body({"heart_rate": [point(1, 60), point(61, 62)]}),
@@ -87,8 +91,14 @@ def store_objects(tmp_path: Path) -> tuple[Attempt, list[HourlyObject]]:
     with data.open_journal() as journal, data.open_store() as store:
         epoch = store.acquire_lease("test", now=NOW_US, ttl=TTL_US)
         assert epoch is not None
-        for content in deliveries:
-            meta = journal.get_meta(journal.append(delivery(content)).delivery_id)
+        # The last one seals the first hour of heart_rate.
+        seal = NewDelivery(
+            Seal(BASE_US + HOUR_US, "heart_rate").encode(),
+            SEAL_CLIENT,
+            content_type=SEAL_CONTENT_TYPE,
+        )
+        for new in [*(delivery(content) for content in deliveries), seal]:
+            meta = journal.get_meta(journal.append(new).delivery_id)
             assert meta is not None
             store.fold(journal, meta, epoch)
         manifest = snapshot_files.build(data.snapshot_dir, journal, store, data.signing_key(), URL)
@@ -112,6 +122,9 @@ def test_snapshot_round_trip(store_objects: tuple[Attempt, list[HourlyObject]]) 
     """STREAM-16: a snapshot of a real store validates and holds exactly its objects."""
     attempt, objects = store_objects
     assert len(objects) == 4
+    assert [(o.key.metric, o.key.hour - BASE_US) for o in objects if o.sealed] == [
+        ("heart_rate", 0)
+    ]
     assert attempt.manifest.schema == SCHEMA
     assert attempt.manifest.url == f"{URL}/{attempt.manifest.seq}"
     assert attempt.validate() == objects
@@ -145,6 +158,14 @@ def other_key_signature(a: Attempt) -> Attempt:
     return attrs.evolve(a, manifest=forged)
 
 
+def other_file_same_signature(a: Attempt) -> Attempt:
+    """Another file (its last object left out), its sha256 in the manifest, the signature kept."""
+    data = with_header(a.data, objects=3)
+    data = gzip.compress(b"".join(gzip.decompress(data).splitlines(keepends=True)[:-1]), mtime=0)
+    digest = hashlib.sha256(data).hexdigest()
+    return attrs.evolve(a, manifest=attrs.evolve(a.manifest, sha256=digest), data=data)
+
+
 def damaged_signature(a: Attempt) -> Attempt:
     raw = flipped(base64.b64decode(a.manifest.signature))
     return attrs.evolve(
@@ -166,6 +187,23 @@ TAMPERED: list[tuple[str, Callable[[Attempt], Attempt], str]] = [
         lambda a: attrs.evolve(a, manifest=attrs.evolve(a.manifest, seq=a.manifest.seq + 1)),
         "signature",
     ),
+    (
+        "instance-changed-after-signing",
+        lambda a: attrs.evolve(
+            a,
+            manifest=attrs.evolve(a.manifest, instance="another-instance"),
+            instance="another-instance",
+        ),
+        "signature",
+    ),
+    (
+        "stream-changed-after-signing",
+        lambda a: attrs.evolve(
+            a, manifest=attrs.evolve(a.manifest, stream="another-stream"), stream="another-stream"
+        ),
+        "signature",
+    ),
+    ("file-and-sha256-changed-after-signing", other_file_same_signature, "signature"),
     ("other-instance", lambda a: attrs.evolve(a, instance="another-instance"), "another instance"),
     ("other-stream", lambda a: attrs.evolve(a, stream="another-stream"), "another stream"),
     ("older-than-cursor", lambda a: attrs.evolve(a, after=a.after + 1), "older than the cursor"),
@@ -296,6 +334,7 @@ _BUILD = """
 import os, resource, signal, sys
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import NewDelivery
 from healthlog.storage.faultplan import load_environment
 load_environment()
 data = DataDir(sys.argv[1])
@@ -392,6 +431,7 @@ _TAKE_KEY = """
 import sys, time
 from healthlog.snapshots import public_key_text
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.journal import NewDelivery
 start = float(sys.argv[2])
 while time.time() < start:
     pass
