@@ -77,6 +77,9 @@ from transport import serve as serve_module
 from transport.stream import StreamEndpoint
 
 SNAPSHOT_KEYS = {"url", "seq", "sha256", "schema", "instance", "stream", "signature"}
+FRAME_KEYS = {"type", "seq", "id", "kind"}
+CHANGED_KEYS = FRAME_KEYS | {"metric", "layer", "hour", "hash", "points", "delivery_id", "object"}
+FOLDED_KEYS = FRAME_KEYS | {"delivery_id", "status", "counters"}
 SEND_TIMEOUT_S = 1.0
 NOISY_POINTS = 2000
 NOISY_ADDITIONS = 36
@@ -130,6 +133,8 @@ async def test_replay_then_live(tmp_path: Path) -> None:
     assert later == frames[3:]
     assert all(f["type"] == "event" and f["id"] == f"{stream}:{f['seq']}" for f in frames)
     assert [f["kind"] for f in frames] == ["object.changed", "delivery.folded"] * 3
+    assert all(set(f) == CHANGED_KEYS for f in frames[::2])
+    assert all(set(f) == FOLDED_KEYS for f in frames[1::2])
     first, first_folded, second, _, third, _ = frames
     first_hour = parse_instant(first["hour"])
     assert {k: first[k] for k in ("metric", "layer", "hour", "points", "delivery_id")} == {
@@ -437,6 +442,7 @@ async def test_cursor_older_than_window(tmp_path: Path) -> None:
         async with subscribe(service, after=oldest - 1) as ws:
             frame, code = await refusal(ws)
         assert code == 4410
+        assert set(frame) == {"type", "code", "snapshot"}
         assert (frame["type"], frame["code"], set(frame["snapshot"])) == (
             "error",
             "CURSOR_TOO_OLD",
