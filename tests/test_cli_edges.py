@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +73,31 @@ def test_verify_with_differences_exits_1_when_its_reader_goes_cli_25(
     assert "verify: 1 objects differ" in err.decode()
 
 
+def signalled_after(
+    process: subprocess.Popen[bytes], signum: int, enough: Callable[[list[str]], bool]
+) -> tuple[list[str], str]:
+    """Read ``process``'s stderr line by line until what it said is ``enough``, then send it
+    ``signum`` and wait for it to end: the lines read, and the rest of its stderr. It is killed
+    if that fails."""
+    assert process.stderr is not None
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        said: list[str] = []
+        while not said or not enough(said):
+            left = deadline - time.monotonic()
+            assert left > 0, said
+            assert select.select([process.stderr], [], [], left)[0], said
+            line = process.stderr.readline()
+            assert line, f"stderr ended after {said}"
+            said.append(line.decode().rstrip("\n"))
+        process.send_signal(signum)
+        _, rest = process.communicate(timeout=LIMIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return said, rest.decode()
+
+
 # A log record as a command other than ``serve`` writes it to stderr.
 LOG_RECORD = re.compile(r"time=\S+ level=")
 
@@ -103,26 +129,13 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
         stderr=subprocess.PIPE,
         preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),
     ) as importing:
-        assert importing.stderr is not None
-        try:
-            deadline = time.monotonic() + LIMIT_S
-            said: list[str] = []
-            while not said or not said[-1].startswith(f"{command}: waiting"):
-                left = deadline - time.monotonic()
-                assert left > 0, said
-                assert select.select([importing.stderr], [], [], left)[0], said
-                line = importing.stderr.readline()
-                assert line, f"stderr ended after {said}"
-                said.append(line.decode().rstrip("\n"))
-            importing.send_signal(signal.SIGINT)
-            _, err = importing.communicate(timeout=LIMIT_S)
-        finally:
-            if importing.poll() is None:
-                importing.kill()
+        said, err = signalled_after(
+            importing, signal.SIGINT, lambda said: said[-1].startswith(f"{command}: waiting")
+        )
     assert importing.returncode == 130
     # The command's own lines; a log record (a busy store on a loaded machine) is not one.
-    lines = [line for line in said + err.decode().splitlines() if not LOG_RECORD.match(line)]
-    assert "Traceback" not in err.decode()
+    lines = [line for line in said + err.splitlines() if not LOG_RECORD.match(line)]
+    assert "Traceback" not in err
     assert lines[0].startswith(journaled)
     assert lines[1:] == [
         f"{command}: waiting for the running service, which holds the fold lease, to fold at its"
@@ -518,17 +531,11 @@ def test_follow_logs_in_the_format_the_environment_sets_cli_49(tmp_path: Path) -
         stderr=subprocess.PIPE,
         env={**without_log_settings(), "HEALTHLOG_LOG_FORMAT": "json"},
     ) as following:
-        assert following.stderr is not None
-        try:
-            assert select.select([following.stderr], [], [], LIMIT_S)[0]
-            first = following.stderr.readline()
-            following.send_signal(signal.SIGTERM)
-            _, rest = following.communicate(timeout=LIMIT_S)
-        finally:
-            if following.poll() is None:
-                following.kill()
+        said, rest = signalled_after(following, signal.SIGTERM, lambda said: True)
     assert following.returncode == 0
-    records = log_records((first + rest).decode(), r"follow: replica at seq 0$")
+    records = log_records(
+        "".join(line + "\n" for line in said) + rest, r"follow: replica at seq 0$"
+    )
     assert records[0]["level"] == "WARNING"
     assert records[0]["logger"] == "healthlog.follow"
     assert records[0]["msg"].startswith("follow: the service cannot be reached")

@@ -442,6 +442,21 @@ def assert_read_alike(raws: list[bytes]) -> None:
         assert list(read[0].hours()) == list(read[1].hours())
 
 
+def dense_body(element: bytes, count: int) -> bytes:
+    """A body whose one metric array holds ``element`` ``count`` times."""
+    return encoded(envelope(metric([0]))).replace(b"[0]", b"[%s]" % b",".join([element] * count))
+
+
+def folded_traced(body: bytes) -> tuple[MemoryProjection, Any, int]:
+    """:func:`folded` under ``minutes``, and the peak of the memory it traced."""
+    tracemalloc.start()
+    try:
+        projection, outcome = folded(body, aggregation="minutes")
+        return projection, outcome, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 # Elements that cannot be points, and the most a fold of 20,000 of them may trace, as a multiple
 # of the body (each rejection kept its own reason: 106 and 21 times).
 DENSE_REJECTIONS = [(b"7", 60), (b'{"date":"x"}', 15)]
@@ -453,13 +468,8 @@ def test_rejections_cost_an_index_each_parse_38(element: bytes, most: int) -> No
     counted for all of them, in memory a small multiple of the body: a rejected point keeps its
     index, not a reason of its own."""
     count = 20_000
-    body = encoded(envelope(metric([0]))).replace(b"[0]", b"[%s]" % b",".join([element] * count))
-    tracemalloc.start()
-    try:
-        projection, outcome = folded(body, aggregation="minutes")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    body = dense_body(element, count)
+    projection, outcome, peak = folded_traced(body)
     assert outcome.status == FAILED
     assert outcome.counters.points_rejected == count
     assert outcome.reason.startswith("nothing could be read; point rejected: ")
@@ -468,24 +478,13 @@ def test_rejections_cost_an_index_each_parse_38(element: bytes, most: int) -> No
     assert peak <= most * len(body), peak / len(body)
 
 
-def dense_body(element: bytes, size: int) -> bytes:
-    """A body of about ``size`` bytes whose one metric array holds ``element`` repeated."""
-    count = size // (len(element) + 1)
-    return encoded(envelope(metric([0]))).replace(b"[0]", b"[%s]" % b",".join([element] * count))
-
-
 @pytest.mark.parametrize("element", [b"7", b"123456", b'"abcd"'], ids=["1", "6", "str"])
 def test_body_too_dense_is_failed_whole_parse_39(element: bytes) -> None:
     """PARSE-39: a body over 1 MiB holding more than one JSON value per 8 bytes is failed as
     undecodable without reading an element, in memory less than twice the body (the fold's
     copy of it): 38 times before."""
-    body = dense_body(element, 2 * 2**20)
-    tracemalloc.start()
-    try:
-        projection, outcome = folded(body, aggregation="minutes")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    body = dense_body(element, 2 * 2**20 // (len(element) + 1))
+    projection, outcome, peak = folded_traced(body)
     assert outcome.status == FAILED
     assert outcome.reason == "undecodable body: body holds more than one JSON value per 8 bytes"
     assert outcome.counters.points_rejected == 0
@@ -501,10 +500,10 @@ def test_body_too_dense_is_failed_whole_parse_39(element: bytes) -> None:
 def test_bodies_not_too_dense_are_read_parse_39(element: bytes, size: int) -> None:
     """PARSE-39: one value per 8 bytes, or a dense body of 1 MiB or less, is read element by
     element."""
-    body = dense_body(element, size)
+    count = size // (len(element) + 1)
+    body = dense_body(element, count)
     assert len(body) <= 2**20 or len(body) >= 2 * 2**20 - 2**10
     _, outcome = folded(body, aggregation="minutes")
-    count = size // (len(element) + 1)
     assert outcome.status == FAILED
     assert (
         outcome.reason

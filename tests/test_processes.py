@@ -637,6 +637,14 @@ def pause(children: Children, data: Path, child: Child) -> None:
     locker.release()
 
 
+def wait_lost(child: Child, epoch: int) -> None:
+    """Wait until ``child`` has logged that it lost the fold lease of ``epoch``."""
+    deadline = time.monotonic() + WAIT_S
+    while f"fold lease lost (epoch {epoch})" not in child.stderr():
+        assert time.monotonic() < deadline, "the holder never said it lost the lease"
+        time.sleep(POLL_S)
+
+
 def test_a_paused_holder_resumes_fenced_and_writes_nothing_fence_10(
     children: Children, run_cli: RunCli, data: Path
 ) -> None:
@@ -658,11 +666,7 @@ def test_a_paused_holder_resumes_fenced_and_writes_nothing_fence_10(
     pause(children, data, beta)
     later = journal(data, 4, points=24)
     alpha.proc.send_signal(signal.SIGCONT)
-    lost = f"fold lease lost (epoch {held.epoch})"
-    deadline = time.monotonic() + WAIT_S
-    while lost not in alpha.stderr():
-        assert time.monotonic() < deadline, "alpha never said it lost the lease"
-        time.sleep(POLL_S)
+    wait_lost(alpha, held.epoch)
     time.sleep(1.0)
     stale = state(data)
     assert set(later) <= set(stale.pending), "a stale holder folded"
@@ -729,11 +733,7 @@ def test_a_holder_frozen_inside_its_pass_resumes_fenced_fence_10(
         later = journal(data, 3, points=24)
 
         alpha.proc.send_signal(signal.SIGCONT)
-        lost = f"fold lease lost (epoch {held.epoch})"
-        deadline = time.monotonic() + WAIT_S
-        while lost not in alpha.stderr():
-            assert time.monotonic() < deadline, "alpha never said it lost the lease"
-            time.sleep(POLL_S)
+        wait_lost(alpha, held.epoch)
         stale = state(data)
         assert {frozen, *later} <= set(stale.pending), "a stale holder folded"
         assert (stale.holder, stale.epoch) == ("other", taken)
