@@ -136,13 +136,20 @@ def test_rebuilds_reproduce_the_seals_seal_3(
     store.release_lease("folder", epoch)
 
     assert verify(journal, store) == []
+    live = rows(store.path)
     assert reindex(journal, store, "reindex") == 0
+    reindexed = rows(store.path)
 
     rebuild_into(journal, tmp_path / "one.sqlite", workers=1)
     rebuild_into(journal, tmp_path / "many.sqlite", workers=workers)
     one, many = rows(tmp_path / "one.sqlite"), rows(tmp_path / "many.sqlite")
     for table in ("objects", "outcomes", "seals", "checkpoint"):
         assert one[table] == many[table]
+    # The reindex swapped in what the rebuild has, which is what the live folder had: the
+    # same objects and seals, the same outcomes but for the epoch that recorded them.
+    assert reindexed["objects"] == live["objects"] == one["objects"]
+    assert reindexed["seals"] == live["seals"] == one["seals"] != []
+    assert [row[:-1] for row in reindexed["outcomes"]] == [row[:-1] for row in live["outcomes"]]
     assert sorted(sealed for *_, sealed, _ in one["objects"]) == [0, 0, 1, 1, 1, 1, 1]
     assert sum(json.loads(counters)["sealed_writes"] for *_, counters, _ in one["outcomes"]) == 2
 
@@ -179,6 +186,7 @@ def test_a_seal_cannot_be_forged_seal_4(
         b'{"seal": {"before": "2024-03-01T00:00:00Z", "metric": ""}}',
         b'{"seal": {"before": "2024-03-01T00:00:00Z", "colour": "red"}}',
         b'{"seal": {"before": "2024-03-01T00:00:00Z"}, "more": 1}',
+        b'{"seal": {"before": "2024-03-02T00:00:00Z"}, "more": {"before": "2024-03-02"}}',
     ],
 )
 def test_an_unreadable_seal_fails_and_seals_nothing_seal_5(
@@ -205,7 +213,8 @@ def test_verify_finds_a_flag_the_journal_does_not_give_seal_7(
     journal: Journal, store: Store, epoch: int
 ) -> None:
     """SEAL-7: an object sealed in the store without a journaled seal differs from the
-    rebuild, though its content is the same."""
+    rebuild, though its content is the same; a reindex swaps in the rebuild's flag and
+    announces the object as changed."""
     append(journal, delivery(TWO_HOURS))
     run_pass(journal, store, epoch)
     with closing(sqlite3.connect(store.path)) as conn, conn:
@@ -214,6 +223,13 @@ def test_verify_finds_a_flag_the_journal_does_not_give_seal_7(
     differences = verify(journal, store)
 
     assert [(d.key.metric, d.live == d.rebuilt) for d in differences] == [("steps", True)]
+    last = store.events_after(0, 1000)[-1].seq
+    store.release_lease("folder", epoch)
+    assert reindex(journal, store, "reindex") == 1
+    assert not any(flags(store).values())
+    announced = [e.payload["metric"] for e in store.events_after(last, 1000)]
+    assert announced == ["steps"]
+    assert verify(journal, store) == []
 
 
 def test_seal_from_the_command_line_seal_6(run_cli: RunCli, tmp_path: Path) -> None:
