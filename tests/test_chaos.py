@@ -9,20 +9,23 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
 import orjson
 import pytest
+from _bodies import body, point
 
 from healthlog import faults, objects, workload
+from healthlog.logs import KeyValueFormatter
 from healthlog.storage import faultplan
 from healthlog.storage._sqlite import Deferred
-from healthlog.storage.journal import NewDelivery
+from healthlog.storage.journal import DeliveryMeta, NewDelivery
 from healthlog.storage.passes import run_pass
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.workload import LEAK_MARKER
-from transport.chaos import CLIENT, KINDS, Run, _Accepted, _plan
+from transport.chaos import _OUT_OF_ORDER, CLIENT, KINDS, Run, _Accepted, _plan
 
 SUMMARY = re.compile(
     r"^chaos: runs (\d+), faults injected (\d+), crashes (\d+), deliveries (\d+),"
@@ -105,7 +108,8 @@ def test_point_values_and_the_tools_output_are_checked_chaos_2(tmp_path: Path) -
 def test_plan_from_the_environment_fires_and_logs_chaos_3(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """CHAOS-3: a JSON plan fires on the named hits, logs the point, and refuses unknowns."""
+    """CHAOS-3: a JSON plan fires on the named hits, logs the point, and refuses unknowns; a
+    busy fault raises SQLITE_BUSY's error, an I/O error the storage error, a delay sleeps."""
     plan = {"fold.begin": {"hits": [2], "do": "busy"}}
     monkeypatch.setenv(faultplan.PLAN_ENV, orjson.dumps(plan).decode())
     caplog.set_level(logging.INFO, logger="healthlog.faults")
@@ -120,6 +124,18 @@ def test_plan_from_the_environment_fires_and_logs_chaos_3(
         faults.install(None)
     assert loaded.fired["fold.begin"] == 1
     assert [r.getMessage() for r in caplog.records] == ["fault injected at fold.begin (hit 2)"]
+    kinds = faultplan.from_spec(
+        {
+            "fold.object_write": {"hits": [1], "do": "ioerror"},
+            "journal.append": {"hits": [1], "do": "delay", "seconds": 0.2},
+        }
+    )
+    with faults.loaded(kinds):
+        with pytest.raises(faultplan.InjectedIOError):
+            faults.point("fold.object_write")
+        started = time.monotonic()
+        faults.point("journal.append")
+        assert time.monotonic() - started >= 0.2
     with pytest.raises(ValueError, match="unknown fault points"):
         faults.install(faultplan.from_spec({"nowhere": {"hits": [1], "do": "busy"}}))
     with pytest.raises(ValueError, match="unknown fault kind"):
@@ -169,9 +185,10 @@ def test_every_kind_chosen_is_planned_chaos_7(tmp_path: Path) -> None:
 
 
 def test_the_journal_is_checked_against_what_was_posted_chaos_8(tmp_path: Path) -> None:
-    """CHAOS-8: a receipt whose journal row holds other bytes than those posted counts as lost;
-    an idempotency key journaled twice, or at another id than its receipts name, breaks the
-    run; a receipt naming the row of the bytes posted is neither."""
+    """CHAOS-8: a receipt whose journal row holds other bytes than those posted, or that names
+    no journal row, counts as lost; an idempotency key journaled twice, or at another id than
+    its receipts name, breaks the run, and so does a journal stamp earlier than the one before
+    it; a receipt naming the row of the bytes posted is neither."""
     run = Run(5, tmp_path)
     posted = [b'{"n":1}', b'{"n":2}', b'{"n":3}']
     with run.data.open_journal() as journal:
@@ -188,6 +205,28 @@ def test_the_journal_is_checked_against_what_was_posted_chaos_8(tmp_path: Path) 
     run.accepted.append(_Accepted(sha[0], ids[2], None))
     run.check_journal()
     assert run.result.lost == 1
+
+    run.accepted = [_Accepted(sha[1], ids[-1] + 10, None)]
+    run.result.broken = []
+    run.check_journal()
+    assert run.result.lost == 1
+    assert run.result.broken == ["1 accepted deliveries not journaled"]
+
+    run.accepted = [_Accepted(sha[2], ids[2], "a")]
+    run.result.broken = []
+    run.check_journal()
+    assert run.result.lost == 0
+    assert run.result.broken == [
+        f"idempotency key a journaled [{ids[0]}] for a receipt naming {ids[2]}"
+    ]
+
+    run.accepted = []
+    run.result.broken = []
+    with run.data.open_journal() as journal:
+        stamp = journal.iter_order()[-1].received_at - 1
+        journal.append(NewDelivery(body=b'{"n":5}', client=CLIENT, received_at=stamp))
+    run.check_journal()
+    assert run.result.broken == ["journal stamps went back in append order"]
 
     run = Run(6, tmp_path)
     with run.data.open_journal() as journal:
@@ -240,3 +279,118 @@ def test_the_replica_is_compared_whole_rows_chaos_9(tmp_path: Path) -> None:
         )
     run.check_replica(replica)
     assert run.result.broken == ["the follower's replica differs from the server"]
+
+
+HEART = body({"hr": [point(1, 60), point(2, 61)]})
+# The same minute as HEART with another value: the projection depends on which folds last.
+HEART_AGAIN = body({"hr": [point(1, 70)]})
+STEPS = body({"steps": [point(1, 5)]})
+
+
+def journaled(run: Run, *bodies: bytes) -> list[DeliveryMeta]:
+    """Journal ``bodies`` for ``run``; the journal in order."""
+    with run.data.open_journal() as journal:
+        for payload in bodies:
+            journal.append(
+                NewDelivery(body=payload, client=CLIENT, automation_aggregation="minutes")
+            )
+        return journal.iter_order()
+
+
+def fold_in(run: Run, metas: list[DeliveryMeta]) -> None:
+    """Fold ``metas`` into the run's store one by one, in the order given, as a live folder."""
+    with run.data.open_journal() as journal, run.data.open_store() as store:
+        epoch = store.acquire_lease("chaos-test", now=0, ttl=10**12)
+        assert epoch is not None
+        for meta in metas:
+            store.fold(journal, meta, epoch)
+        store.release_lease("chaos-test", epoch)
+
+
+def spoil(run: Run, metric: str) -> None:
+    """Give the live object of ``metric`` another hash than its content's, behind the checks."""
+    with sqlite3.connect(run.data.store_path) as conn:
+        conn.execute("UPDATE objects SET hash = zeroblob(32) WHERE metric = ?", (metric,))
+
+
+async def test_folds_and_the_projection_are_checked_chaos_10(tmp_path: Path) -> None:
+    """CHAOS-10: a journaled delivery left unfolded breaks the run; folds out of journal order
+    count as reordered and, without the service's warning, break it; a live object that differs
+    from a rebuild counts as mismatched and breaks it; folds in order to a faithful projection
+    break nothing."""
+    run = Run(5, tmp_path / "ordered")
+    run.log.write_text("")
+    metas = journaled(run, HEART, STEPS)
+    fold_in(run, metas[:1])
+    run.check_folds(metas)
+    assert run.result.broken == ["journaled deliveries left unfolded"]
+
+    run.result.broken = []
+    fold_in(run, metas[1:])
+    run.check_folds(metas)
+    await run._compare_projection()
+    assert (run.result.reordered, run.result.mismatched, run.result.broken) == (0, 0, [])
+
+    spoil(run, "steps")
+    await run._compare_projection()
+    assert run.result.mismatched == 1
+    assert run.result.broken == ["1 objects differ from a rebuild"]
+
+    run = Run(6, tmp_path / "reordered")
+    run.log.write_text("")
+    metas = journaled(run, HEART, HEART_AGAIN)
+    fold_in(run, metas[::-1])
+    run.check_folds(metas)
+    assert (run.result.reordered, run.result.broken) == (1, [])
+    await run._compare_projection()
+    assert run.result.broken == [
+        "folds left journal order without a warning",
+        "1 objects differ from a rebuild",
+    ]
+
+
+def test_an_out_of_order_warning_excuses_only_what_it_names_chaos_11(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """CHAOS-11: the store's out-of-order warning, as the service logs it, names the delivery
+    folded late; objects differing from a rebuild where that delivery writes are excused until
+    the reindex, one differing elsewhere is not."""
+    run = Run(5, tmp_path)
+    metas = journaled(run, HEART, HEART_AGAIN, STEPS)
+    with caplog.at_level(logging.WARNING, logger="healthlog.store"):
+        fold_in(run, [metas[1], metas[0], metas[2]])
+    lines = [KeyValueFormatter().format(record) for record in caplog.records]
+    assert [int(m.group(1)) for m in map(_OUT_OF_ORDER.search, lines) if m] == [metas[0].id]
+    assert run._unexplained([]) == 1
+    assert run._unexplained([metas[0].id]) == 0
+
+    spoil(run, "steps")
+    assert run._unexplained([metas[0].id]) == 1
+
+
+def test_a_token_in_a_record_breaks_the_run_chaos_2(tmp_path: Path) -> None:
+    """CHAOS-2: the run's token in a record above DEBUG breaks the run; at DEBUG it does not."""
+    for n, (level, broken) in enumerate([("DEBUG", False), ("INFO", True)]):
+        run = Run(5, tmp_path / str(n))
+        run.log.write_text(f'time=x level={level} logger=healthlog.auth msg="{run.token}"\n')
+        run._check_logs()
+        assert bool(run.result.broken) == broken, (level, run.result.broken)
+
+
+def test_a_failed_concurrent_reindex_breaks_the_run_chaos_12(tmp_path: Path) -> None:
+    """CHAOS-12: a concurrent reindex that failed breaks the run, unless the service's clock
+    jumped and the reindex failed for having lost its lease."""
+    lost = "reindex: the fold lease was lost during the reindex (epoch 3)"
+    fired = 'time=x level=INFO logger=healthlog.faults msg="fault injected at lease.renew (hit 1)"'
+    cases = [
+        ("", lost, True),
+        (fired, "reindex: the journal cannot be read", True),
+        (fired, lost, False),
+    ]
+    for n, (logged, failure, broken) in enumerate(cases):
+        run = Run(5, tmp_path / str(n))
+        run.planned = {"lease.renew": "clock"}
+        run.log.write_text(logged + "\n")
+        run.reindex_failure = failure
+        run._check_logs()
+        assert bool(run.result.broken) == broken, (logged, failure, run.result.broken)
