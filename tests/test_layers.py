@@ -193,6 +193,13 @@ def test_segments_do_not_count_for_spacing() -> None:
     sleep = {"name": "sleep_analysis", "units": "hr", "data": segments}
     arrays = [msgspec.Raw(json.dumps(segments).encode())]
     assert hae.read_series(arrays, spacing=True).spacing is None
+    # A segment rejected (here for ending before its start) brings no start either.
+    ended_early = [
+        {**segment, "endDate": app_date(START - timedelta(hours=1))} for segment in segments
+    ]
+    arrays = [msgspec.Raw(json.dumps(ended_early).encode())]
+    assert len(hae.read_series(arrays, spacing=True).rejected) == len(ended_early)
+    assert hae.read_series(arrays, spacing=True).spacing is None
     assert layer_of(body(sleep), inherited="days") == "days"
 
 
