@@ -118,8 +118,8 @@ def test_array_wrapped_bodies() -> None:
 
 def test_a_list_of_envelopes_in_data_is_read_at_any_wrapping_parse_3() -> None:
     """PARSE-3: ``data`` holding a list of envelopes is read inside an array-wrapped body too,
-    as it is at the top; envelopes in envelopes deeper than MAX_ENVELOPE_DEPTH are one
-    rejected entry each, not an error."""
+    as it is at the top; envelopes in envelopes MAX_ENVELOPE_DEPTH deep are read, deeper ones
+    are one rejected entry each, not an error."""
     sections = {"metrics": [metric(GOOD)]}
     plain, expected = folded(encoded(envelope(metric(GOOD))))
     for variant in ([{"data": [sections]}], {"data": [{"data": [sections]}]}):
@@ -127,13 +127,24 @@ def test_a_list_of_envelopes_in_data_is_read_at_any_wrapping_parse_3() -> None:
         assert outcome.status == PARSED
         assert outcome.counters.points == expected.counters.points == 2
         assert hashes(projection) == hashes(plain)
-    deep: Any = sections
-    for _ in range(hae.MAX_ENVELOPE_DEPTH + 1):
+    deepest, expected = folded(encoded(wrapped_in_data(sections, hae.MAX_ENVELOPE_DEPTH - 1)))
+    assert (expected.status, expected.counters.points) == (PARSED, 2)
+    assert hashes(deepest) == hashes(plain)
+    for times in (hae.MAX_ENVELOPE_DEPTH, hae.MAX_ENVELOPE_DEPTH + 1):
+        deep = wrapped_in_data(sections, times)
+        _, outcome = folded(encoded([deep, envelope(metric(GOOD))]))
+        assert outcome.status == PARTIAL
+        assert outcome.counters.entries_rejected == 1
+        assert "envelope nested too deep" in (outcome.reason or "")
+
+
+def wrapped_in_data(sections: dict[str, Any], times: int) -> dict[str, Any]:
+    """``sections`` as the one envelope of a ``data`` list, ``times`` times over: with the
+    sections object itself, ``times + 1`` envelopes deep."""
+    deep = sections
+    for _ in range(times):
         deep = {"data": [deep]}
-    _, outcome = folded(encoded([deep, envelope(metric(GOOD))]))
-    assert outcome.status == PARTIAL
-    assert outcome.counters.entries_rejected == 1
-    assert "envelope nested too deep" in (outcome.reason or "")
+    return deep
 
 
 def test_array_wrapped_bad_elements() -> None:
@@ -177,7 +188,7 @@ def test_empty_envelopes(body: bytes) -> None:
 def test_empty_metric(body: dict[str, Any], aggregation: str | None) -> None:
     """PARSE-5: a metric without points is an empty metric, not an error."""
     projection, outcome = folded(encoded(body), aggregation=aggregation)
-    assert outcome.status == PARSED
+    assert (outcome.status, outcome.reason, outcome.layer) == (PARSED, None, None)
     assert outcome.counters.points == len(body["data"].get("workouts", []))
     assert len(projection.objects) == outcome.counters.points
 
@@ -352,7 +363,12 @@ def array_body(data: bytes) -> bytes:
 
 @pytest.mark.parametrize(
     "variant",
-    ["one pretty point far in", "spaces between points", "out of order, one rejected"],
+    [
+        "one pretty point far in",
+        "spaces between points",
+        "out of order",
+        "out of order, one rejected",
+    ],
 )
 def test_whitespace_and_order_anywhere_in_a_large_array(variant: str) -> None:
     """PARSE-34: a large array compact but for one point far in, or spaced between its points,
@@ -368,6 +384,8 @@ def test_whitespace_and_order_anywhere_in_a_large_array(variant: str) -> None:
         data = b"[%s]" % b",".join(raws)
     elif variant == "spaces between points":
         data = b"[ %s ]" % b" , ".join(map(compact, points))
+    elif variant == "out of order":
+        data = b"[%s]" % b",".join(map(compact, [*points[3000:], *points[:3000]]))
     else:
         shuffled = [*points[3000:], {"qty": 1}, *points[:3000]]
         data = b"[%s]" % b",".join(map(compact, shuffled))
@@ -478,7 +496,9 @@ def test_rejections_cost_an_index_each_parse_38(element: bytes, most: int) -> No
     assert peak <= most * len(body), peak / len(body)
 
 
-@pytest.mark.parametrize("element", [b"7", b"123456", b'"abcd"'], ids=["1", "6", "str"])
+@pytest.mark.parametrize(
+    "element", [b"7", b"123456", b'"abcd"', b"[[[[]]]]"], ids=["1", "6", "str", "nested arrays"]
+)
 def test_body_too_dense_is_failed_whole_parse_39(element: bytes) -> None:
     """PARSE-39: a body over 1 MiB holding more than one JSON value per 8 bytes is failed as
     undecodable without reading an element, in memory less than twice the body (the fold's
@@ -494,15 +514,16 @@ def test_body_too_dense_is_failed_whole_parse_39(element: bytes) -> None:
 
 @pytest.mark.parametrize(
     ("element", "size"),
-    [(b"12345678", 2 * 2**20), (b"7", 2**20 - 2**10)],
+    [(b"12345678", 2 * 2**20), (b"7", 2**20)],
     ids=["8 bytes a value", "1 MiB"],
 )
 def test_bodies_not_too_dense_are_read_parse_39(element: bytes, size: int) -> None:
     """PARSE-39: one value per 8 bytes, or a dense body of 1 MiB or less, is read element by
-    element."""
-    count = size // (len(element) + 1)
+    element; the body is padded with trailing spaces to exactly ``size`` bytes."""
+    count = (size - len(dense_body(element, 0)) + 1) // (len(element) + 1)
     body = dense_body(element, count)
-    assert len(body) <= 2**20 or len(body) >= 2 * 2**20 - 2**10
+    body += b" " * (size - len(body))
+    assert len(body) == size
     _, outcome = folded(body, aggregation="minutes")
     assert outcome.status == FAILED
     assert (
@@ -769,11 +790,15 @@ def test_reasons_keep_values_private() -> None:
         987.654,
     ]
     body = envelope(metric(points), {"name": secrets[1], "data": secrets[1]})
-    _, outcome = folded(encoded(body), aggregation="minutes")
-    assert outcome.status == PARTIAL
-    assert outcome.counters.points_rejected == 4
-    assert outcome.counters.entries_rejected == 1
-    assert outcome.reason is not None
-    assert "(x2)" in outcome.reason
-    for secret in secrets:
-        assert secret not in outcome.reason
+    spaced = encoded(body)
+    # The app's bodies are compact, and their points are read a slice at a time (PARSE-36).
+    tight = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    for data in (spaced, tight):
+        _, outcome = folded(data, aggregation="minutes")
+        assert outcome.status == PARTIAL
+        assert outcome.counters.points_rejected == 4
+        assert outcome.counters.entries_rejected == 1
+        assert outcome.reason is not None
+        assert "(x2)" in outcome.reason
+        for secret in secrets:
+            assert secret not in outcome.reason
