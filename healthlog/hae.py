@@ -23,6 +23,7 @@ from healthlog import layers
 from healthlog.points import (
     MAX_NESTING,
     PointError,
+    body_nesting,
     coordinates,
     instant_of,
     nesting,
@@ -50,6 +51,12 @@ UTF8_BOM = b"\xef\xbb\xbf"
 MIN_BYTES_PER_VALUE = 8
 DENSE_MIN_BYTES = 2**20
 _NOT_SEPARATOR = bytes(c for c in range(256) if c not in b",[{")
+MAX_BODY_NESTING = 512
+"""The deepest a body may nest arrays and objects, counted without recursion before it is
+decoded. The decoder recurses and gives up at the recursion limit (1,000 frames) less the depth of
+the stack it runs on, which differs between a fold in a worker thread, one in a worker process
+and a rebuild; below this bound it never does on any of them, so whether a body is read never
+depends on where it is folded (PARSE-40). A point nests at most 64 levels, its envelope a few."""
 
 _Object = dict[str, msgspec.Raw]
 _Top = dict[str, msgspec.Raw] | list[msgspec.Raw]
@@ -90,6 +97,8 @@ def read_envelope(body: bytes) -> Envelope:
             raise EnvelopeError(
                 f"body holds more than one JSON value per {MIN_BYTES_PER_VALUE} bytes"
             )
+    if body_nesting(body) > MAX_BODY_NESTING:
+        raise EnvelopeError(f"body nests deeper than {MAX_BODY_NESTING} levels")
     envelope = Envelope()
     # The app's own shape, ``{"data": {sections}}``, in one reading of the body.
     wrapped = _decode(body, dict[str, _Object])

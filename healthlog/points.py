@@ -37,12 +37,41 @@ _STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 def nesting(raw: bytes) -> int:
     """How deep the JSON text ``raw`` nests arrays and objects, counted without recursion;
     brackets inside strings do not count."""
+    return _depth(_structure(raw))
+
+
+def body_nesting(body: bytes) -> int:
+    """:func:`nesting` of a whole body, read a piece of about ``_BODY_PIECE`` bytes at a time, so
+    that no copy of the body is made: only its quotes and brackets are kept."""
+    pieces = []
+    at = 0
+    while at < len(body):
+        end = at + _BODY_PIECE
+        # A run of backslashes stays in one piece, so its escapes pair up as in the whole.
+        while end < len(body) and body[end - 1] == _BACKSLASH:
+            end += 1
+        pieces.append(_structure(body[at:end]))
+        at = end
+    return _depth(b"".join(pieces))
+
+
+_BODY_PIECE = 2**20
+_BACKSLASH = ord("\\")
+
+
+def _structure(raw: bytes) -> bytes:
+    """The quotes and brackets of ``raw`` outside its escapes, two adjacent quotes dropped: a
+    string holding no bracket leaves nothing, and the quotes keep their parity."""
     if b"\\" in raw:
         raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    plain = raw.translate(None, _NOT_STRUCTURE)
-    # A string holding no bracket is left as an empty pair of quotes. When dropping those pairs
-    # leaves no quote, no string held one; else each string is cut out (a piece per string).
-    outside = plain.replace(b'""', b"")
+    return raw.translate(None, _NOT_STRUCTURE).replace(b'""', b"")
+
+
+def _depth(plain: bytes) -> int:
+    """The nesting of the quotes and brackets :func:`_structure` keeps of a JSON text."""
+    # When no quote is left, no string held a bracket; else each string is cut out (a piece
+    # per string).
+    outside = plain
     if b'"' in outside:
         outside = b"".join(plain.split(b'"')[::2])
     # Each opening bracket a step of 1, each closing one of -1 (the signed byte 0xff).

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from healthlog import faults
 from healthlog.fold import NO_LAYER, UNKNOWN_HEADER
-from healthlog.hae import MIN_BYTES_PER_VALUE, RECORD_SECTIONS
+from healthlog.hae import MAX_BODY_NESTING, MIN_BYTES_PER_VALUE, RECORD_SECTIONS
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir
@@ -723,6 +723,7 @@ _FAILURES = "|".join(
         UNKNOWN_HEADER,
         "undecodable body: body is not a JSON object or array",
         f"undecodable body: body holds more than one JSON value per {MIN_BYTES_PER_VALUE} bytes",
+        f"undecodable body: body nests deeper than {MAX_BODY_NESTING} levels",
         "nothing could be read",
         "body does not match its sha256",
         *GIVEN_UP,

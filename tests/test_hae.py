@@ -669,6 +669,24 @@ def test_nesting_decides_the_same_on_any_stack_parse_37(depth: int) -> None:
     assert outcomes == {(PARSED, 0, 3) if depth <= MAX_NESTING else (PARTIAL, 1, 2)}
 
 
+@pytest.mark.parametrize("depth", [500, 800])
+def test_whether_a_body_is_read_does_not_depend_on_the_stack_parse_40(depth: int) -> None:
+    """PARSE-40: a body nested deeper than MAX_BODY_NESTING is undecodable on any stack; one
+    nested less deep is read, its deep point rejected, on any stack. Before, whether it was read
+    hung on how much of the recursion limit the decoder had left: a point nested 800 levels
+    deep was rejected on the test's stack and failed the whole delivery 300 frames deeper."""
+    outcomes = set()
+    for frames in (0, 300):
+        projection, outcome = folded_from_deeper(nested_body(depth), frames)
+        outcomes.add((outcome.status, outcome.reason, len(projection.objects)))
+    if depth + 4 <= hae.MAX_BODY_NESTING:
+        reason = f"point rejected: point nested deeper than {MAX_NESTING} levels (x1)"
+        assert outcomes == {(PARTIAL, reason, 1)}
+    else:
+        reason = f"undecodable body: body nests deeper than {hae.MAX_BODY_NESTING} levels"
+        assert outcomes == {(FAILED, reason, 0)}
+
+
 def test_invalid_utf8_in_a_point() -> None:
     """PARSE-19: a point with invalid UTF-8 is rejected, its neighbours stored."""
     bad = b'{"date":"%s","source":"Anna\xff\xfe Watch","qty":3}' % D2.encode()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from healthlog.points import (
     PointError,
     all_same_content,
+    body_nesting,
     canonical_form,
     completeness,
     coordinates,
@@ -141,6 +142,18 @@ def test_nesting_counts_brackets_outside_strings(raw: bytes, depth: int) -> None
     """PARSE-18: the depth a point is judged by counts only the brackets outside its strings,
     a string ending at its first quote that no backslash escapes."""
     assert nesting(raw) == depth
+
+
+@pytest.mark.parametrize("shift", range(-3, 4))
+def test_body_nesting_counts_across_pieces_parse_40(shift: int) -> None:
+    """PARSE-40: the nesting of a body, counted a piece of 1 MiB at a time, is that of the whole
+    text, also where a piece would end in a run of backslashes inside a string that holds
+    brackets and an escaped quote."""
+    head = b'{"a":["'
+    tricky = b'\\\\\\"[[{{\\\\"'
+    body = head + b"x" * (2**20 - len(head) - 3 + shift) + tricky + b",[[1]]]}"
+    assert json.loads(body)["a"][0].endswith('\\"[[{{\\')
+    assert body_nesting(body) == nesting(body) == 4
 
 
 def test_canonical_sorts_keys() -> None:
