@@ -81,11 +81,16 @@ def test_sections_beside_data() -> None:
         "start": "2024-02-06 07:00:00 -0800",
         "end": "2024-02-06 07:30:00 -0800",
     }
-    body = {**json.loads(make_body(1, hours=1)), "workouts": [workout]}
+    metrics_only = make_body(1, hours=1)
+    body = {**json.loads(metrics_only), "workouts": [workout]}
     projection, outcome = folded(encoded(body))
     assert outcome.status == PARSED
     assert outcome.counters.sections == 1
     assert list(stored(projection)[("workouts", "records")].values()) == [compact(workout)]
+    expected, alone = folded(metrics_only)
+    assert outcome.counters.metrics == alone.counters.metrics == 2
+    metrics = {k: h for k, h in hashes(projection).items() if k.layer != "records"}
+    assert metrics == hashes(expected)
 
 
 def test_no_data_wrapper() -> None:
