@@ -41,6 +41,7 @@ from _service_helpers import (
     serving,
     write_minute_body,
 )
+from _stream_helpers import acked, receive, send_ack, subscribe
 from prometheus_client.parser import text_string_to_metric_families
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
@@ -146,20 +147,24 @@ async def test_no_or_unknown_token_is_401_and_journals_nothing(service: Service)
     assert await service.journal() == []
 
 
-async def test_bearer_and_api_key_are_both_accepted(service: Service) -> None:
-    """SERVE-2: the same token as `Authorization: Bearer T` and as `api-key: T`."""
-    bearer = await service.client.post(
-        "/v1/deliveries", content=small(1), headers={"Authorization": f"Bearer {service.token}"}
-    )
-    api_key = await service.client.post(
-        "/v1/deliveries", content=small(2), headers={"api-key": service.token}
-    )
-    assert (bearer.status_code, api_key.status_code) == (200, 200)
-    metas = await service.journal()
-    assert [(m.sha256, m.client) for m in metas] == [
-        (sha256(small(1)), TOKEN_NAME),
-        (sha256(small(2)), TOKEN_NAME),
-    ]
+async def test_bearer_and_api_key_are_both_accepted(tmp_path: Path) -> None:
+    """SERVE-2: the same token as `Authorization: Bearer T` and as `api-key: T`, for two
+    clients, each journaled under its own name."""
+    data = DataDir(tmp_path / "data")
+    with data.open_tokens() as tokens:
+        watch = tokens.add("watch")
+    async with serving(data.path) as service:
+        expected = []
+        for token, name in ((service.token, TOKEN_NAME), (watch, "watch")):
+            for form in ({"Authorization": f"Bearer {token}"}, {"api-key": token}):
+                content = small(len(expected))
+                response = await service.client.post(
+                    "/v1/deliveries", content=content, headers=form
+                )
+                assert response.status_code == 200, (name, list(form))
+                expected.append((sha256(content), name))
+        metas = await service.journal()
+    assert [(m.sha256, m.client) for m in metas] == expected
 
 
 async def test_revoked_token_stops_working_while_serving(service: Service) -> None:
@@ -184,7 +189,10 @@ async def test_read_routes_need_a_token_probes_do_not(service: Service) -> None:
     """SERVE-4: status, one delivery and points need a token; health, readiness, metrics not."""
     assert (await service.post(small(1))).status_code == 200
     for path in ("/v1/status", "/v1/deliveries/1", "/v1/points"):
-        assert (await service.client.get(path)).status_code == 401, path
+        refused = await service.client.get(path)
+        assert refused.status_code == 401, path
+        assert refused.json() == {"error": "UNAUTHORIZED"}, path
+        assert refused.headers["WWW-Authenticate"] == "Bearer", path
         assert (await service.get(path)).status_code == 200, path
     await service.wait_folded()
     for path in ("/healthz", "/readyz", "/metrics"):
@@ -290,12 +298,24 @@ async def test_content_length_over_the_limit_is_413(tmp_path: Path) -> None:
     Over-limit requests ask for `Connection: close` (see SERVE-12 for a reused connection) and
     go as a :class:`Drip`, which the client may abandon when the server closes early.
     """
-    async with serving(tmp_path / "data", max_body_mib=1) as service:
+    async with serving(tmp_path / "data", max_body_mib=1, body_timeout_s=1) as service:
         for size in (2 * MiB, MiB + 1):
             headers = {**service.auth, **CLOSE, "Content-Length": str(size)}
             response = await post_stream(service.client, Drip([b"x" * size]), headers)
             assert response.status_code == 413, size
             assert response.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 1}
+        # Refused on its Content-Length, not on what arrives: a client that announces limit + 1
+        # bytes, sends 10 and stalls gets the 413 once it has stalled (`body_timeout_s`), where
+        # a body read up to the stall would be 408.
+        async with await trio.open_tcp_stream("127.0.0.1", service.port) as announced:
+            await announced.send_all(
+                b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\n"
+                b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n0123456789"
+                % (service.token.encode(), MiB + 1)
+            )
+            with trio.fail_after(STALL_LIMIT_S):
+                answer = await announced.receive_some()
+            assert answer.startswith(b"HTTP/1.1 413 "), answer[:100]
         assert await service.journal() == []
         at_limit = b"y" * MiB
         assert (await service.post(at_limit)).status_code == 200
@@ -306,10 +326,11 @@ async def test_chunked_body_over_the_limit_is_413(tmp_path: Path) -> None:
     """SERVE-11: a chunked upload is cut off at the limit; exactly the limit is 200."""
     chunk = 64 * 1024
     async with serving(tmp_path / "data", max_body_mib=1) as service:
-        over = Drip([b"z" * chunk] * (MiB // chunk + 1))
-        response = await post_stream(service.client, over, {**service.auth, **CLOSE})
-        assert response.status_code == 413
-        assert response.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 1}
+        for last in (b"z" * chunk, b"z"):
+            over = Drip([*[b"z" * chunk] * (MiB // chunk), last])
+            response = await post_stream(service.client, over, {**service.auth, **CLOSE})
+            assert response.status_code == 413, len(over.body)
+            assert response.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 1}
         assert await service.journal() == []
         at_limit = Drip([b"w" * chunk] * (MiB // chunk))
         response = await post_stream(service.client, at_limit, service.auth)
@@ -423,6 +444,7 @@ async def test_same_key_while_the_first_body_uploads_is_409(service: Service) ->
         finally:
             gate.set()
     assert answers["second"].status_code == 409
+    assert answers["second"].json() == {"error": "IDEMPOTENCY_KEY_IN_FLIGHT"}
     assert answers["first"].status_code == 200
     assert "Idempotent-Replayed" not in answers["first"].headers
     assert await journaled(service) == [sha256(HEART_RATE)]
@@ -486,7 +508,8 @@ async def test_readyz_waits_for_the_first_pass(tmp_path: Path) -> None:
 
 
 async def test_metrics_after_holding_erasing_and_failing(service: Service) -> None:
-    """SERVE-19: one point held (poorer), one erased (equal, different), one body failed."""
+    """SERVE-19: one point held (poorer), one erased (equal, different), one body failed; two
+    named subscribers have acknowledged an event."""
     richer = body(
         metric(
             "heart_rate",
@@ -507,6 +530,12 @@ async def test_metrics_after_holding_erasing_and_failing(service: Service) -> No
     for content in sent:
         assert (await service.post(content, AUTOMATION)).status_code == 200
     await service.wait_folded()
+    subscribers = ("nas", "laptop")
+    for name in subscribers:
+        async with subscribe(service, 0, subscriber=name) as ws:
+            [event] = await receive(ws, 1)
+            await send_ack(ws, event["seq"])
+            await acked(service, name, event["seq"])
     # The store has the outcomes once a fold commits; this process counts the fold when the
     # worker's report comes back, a moment later.
     with trio.fail_after(FOLD_LIMIT_S):
@@ -514,6 +543,8 @@ async def test_metrics_after_holding_erasing_and_failing(service: Service) -> No
             "healthlog_fold_duration_seconds_count", labelled()
         ] < 3:
             await trio.sleep(POLL_S)
+
+    status = await service.status()
 
     def value(name: str, **labels: str) -> float:
         return samples[name, labelled(**labels)]
@@ -528,9 +559,10 @@ async def test_metrics_after_holding_erasing_and_failing(service: Service) -> No
     assert value("healthlog_points_total", counter="points_erased") == 1
     assert value("healthlog_points_total", counter="overwrites") == 2
     assert value("healthlog_points_total", counter="points_rejected") == 0
-    assert value("healthlog_lease_epoch") >= 1
+    assert value("healthlog_lease_epoch") == status["lease"]["epoch"] >= 1
     assert value("healthlog_first_pass_completed") == 1
-    assert value("healthlog_websocket_subscribers") == 0
+    assert sorted(status["subscribers"]) == sorted(subscribers)
+    assert value("healthlog_websocket_subscribers") == len(subscribers)
     assert value("healthlog_intake_accepted_total") == 3
     assert value("healthlog_actor_crashes_total") == 0
     assert value("healthlog_actors_down") == 0
@@ -774,11 +806,15 @@ async def test_client_gone_mid_upload_journals_nothing_and_logs_no_error(
 
 
 async def test_other_methods_on_the_intake_route_are_405(service: Service) -> None:
-    """SERVE-30: GET on `/v1/deliveries` is 405 with `Allow: POST` and journals nothing."""
-    response = await service.get("/v1/deliveries")
-    assert response.status_code == 405
-    assert response.headers["Allow"] == "POST"
-    assert response.json() == {"error": "METHOD_NOT_ALLOWED"}
+    """SERVE-30: another method than POST on `/v1/deliveries`, with a token and a delivery's
+    body, is 405 with `Allow: POST` and journals nothing."""
+    for method in ("GET", "PUT", "PATCH", "DELETE"):
+        response = await service.client.request(
+            method, "/v1/deliveries", content=small(1), headers=service.auth
+        )
+        assert response.status_code == 405, method
+        assert response.headers["Allow"] == "POST", method
+        assert response.json() == {"error": "METHOD_NOT_ALLOWED"}, method
     assert await service.journal() == []
 
 
@@ -865,7 +901,8 @@ async def test_unhandled_exception_is_json_500_logged_by_type_serve_33(
     assert response.json() == {"error": "INTERNAL"}
     [record] = errors_logged(caplog)
     message = record.getMessage()
-    assert "IsADirectoryError" in message
+    # The route's pattern, never the path's values (the sequence asked for).
+    assert message == "unhandled IsADirectoryError in GET /v1/snapshots/<int:seq>"
     assert stream not in message
     assert "snapshot-" not in message
     assert (record.exc_info, record.exc_text) == (None, None)
@@ -994,12 +1031,22 @@ async def refused_then_closed(port: int) -> bytes:
         return received
 
 
+CONTAINED = "http: a connection failed inside hypercorn and was closed: "
+CONTAINED_LINE = re.compile(re.escape(CONTAINED) + r"\w+(, \w+)*")
+"""The exceptions' types alone, never what they say."""
+
+
+def contained(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.getMessage().startswith(CONTAINED)]
+
+
 async def test_a_connection_failing_inside_hypercorn_stays_with_it_serve_37(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SERVE-37: an upgrade request followed by trailing bytes, and refused subscribers that
     close their side as the service closes it, each end their own connection only: the service
-    answers deliveries after them, and says so at WARNING naming the exception's type alone."""
+    answers deliveries after them, and says so at WARNING naming the exception's type alone,
+    once for the connection with trailing bytes."""
     async with serving(tmp_path / "data") as service:
         with caplog.at_level(logging.WARNING, "healthlog.http"):
             async with await trio.open_tcp_stream("127.0.0.1", service.port) as tcp:
@@ -1007,14 +1054,18 @@ async def test_a_connection_failing_inside_hypercorn_stays_with_it_serve_37(
                 with trio.fail_after(CLIENT_TIMEOUT_S):
                     answer = await tcp.receive_some(2**16)
             assert answer.startswith(b"HTTP/1.1 400")
-            for _ in range(REFUSED_CLOSERS):
+            for n in range(REFUSED_CLOSERS):
                 await trio.sleep(REFUSED_SPACING_S)
+                if n == 0:
+                    assert [r.getMessage() for r in contained(caplog)] == [
+                        f"{CONTAINED}LocalProtocolError"
+                    ]
                 assert b'"UNAUTHORIZED"' in await refused_then_closed(service.port)
             assert (await service.post(small(1))).status_code == 200
-    contained = [r for r in caplog.records if "failed inside hypercorn" in r.getMessage()]
-    assert contained
-    assert {r.levelno for r in contained} == {logging.WARNING}
-    assert "LocalProtocolError" in contained[0].getMessage()
+    records = contained(caplog)
+    assert {r.levelno for r in records} == {logging.WARNING}
+    for record in records:
+        assert CONTAINED_LINE.fullmatch(record.getMessage()), record.getMessage()
     assert [r.getMessage() for r in caplog.records if r.levelno > logging.WARNING] == []
 
 
