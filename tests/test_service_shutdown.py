@@ -197,14 +197,19 @@ async def test_serve_process_stops_on_sigterm(tmp_path: Path) -> None:
         process, url = await start_serve(nursery, serve, env, out, err)
         quick, slow = upload(1, 0.05), upload(2, 1.0)
         answers: dict[str, int | None] = {}
+        refusals: dict[str, tuple[Any, str | None]] = {}
 
         async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
 
             async def send(name: str, drip: Drip) -> None:
                 try:
-                    answers[name] = (await post_stream(client, drip, auth)).status_code
+                    response = await post_stream(client, drip, auth)
                 except httpx.TransportError:
                     answers[name] = None
+                else:
+                    answers[name] = response.status_code
+                    if response.status_code == 503:
+                        refusals[name] = (response.json(), response.headers.get("retry-after"))
 
             under_flag = b"x" * (3 * MiB // 2)
             accepted = await client.post("/v1/deliveries", content=under_flag, headers=auth)
@@ -224,6 +229,7 @@ async def test_serve_process_stops_on_sigterm(tmp_path: Path) -> None:
     print(f"serve exited {exited_after:.2f} s after SIGTERM; uploads {answers}")
     assert process.returncode == 0, err.decode()
     assert answers == {"quick": 200, "slow": 503}
+    assert refusals == {"slow": ({"error": "SHUTTING_DOWN"}, "5")}
     journaled, holder = journal_and_lease(DataDir(data))
     assert journaled == {sha256(under_flag), sha256(quick.body)}
     assert holder is None
