@@ -738,7 +738,7 @@ async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(
         answered = await service.post(HEART_RATE)
     assert refused.status_code == 503
     assert refused.json() == {"error": "JOURNAL_UNAVAILABLE"}
-    assert "retry-after" in refused.headers
+    assert int(refused.headers["retry-after"]) > 0
     assert answered.status_code == 200
     [record] = [
         r for r in caplog.records if r.getMessage().startswith("intake: journal could not commit")
@@ -1313,7 +1313,8 @@ async def test_a_flood_of_401s_logs_a_few_lines_and_counts_the_rest_serve_44(
 
 def test_refusal_log_counts_what_it_holds_back_serve_44(caplog: pytest.LogCaptureFixture) -> None:
     """SERVE-44: the refusal log's bucket: 5 lines at once, then one per 12 s; the line after
-    a held-back run says exactly how many were held back, and a quiet minute refills it."""
+    a held-back run says exactly how many were held back, one as well as 95, and a quiet
+    minute refills it."""
     now = [0.0]
     refusals = RefusalLog(clock=lambda: now[0])
     with caplog.at_level(logging.INFO, "healthlog.http"):
@@ -1324,7 +1325,14 @@ def test_refusal_log_counts_what_it_holds_back_serve_44(caplog: pytest.LogCaptur
         now[0] += 60.0
         for _ in range(5):
             refusals.refused(413, "POST", "/v1/deliveries", None, "too large")
+        now[0] += 60.0
+        for _ in range(6):
+            refusals.refused(413, "POST", "/v1/deliveries", None, "too large")
+        now[0] += 12.0
+        refusals.refused(413, "POST", "/v1/deliveries", None, "too large")
     lines = refusals_logged(caplog)
-    assert len(lines) == 11
+    assert len(lines) == 17
     assert lines[5].endswith("TOKEN); 95 more refused requests were not logged before this one")
-    assert lines[6:] == ["refused 413 POST /v1/deliveries from an unknown address: too large"] * 5
+    too_large = "refused 413 POST /v1/deliveries from an unknown address: too large"
+    assert lines[6:16] == [too_large] * 10
+    assert lines[16] == f"{too_large}; 1 more refused requests were not logged before this one"
