@@ -653,16 +653,19 @@ async def test_points_equal_the_export(service: Service) -> None:
 
 
 async def test_thousand_concurrent_posts_are_each_journaled_once(service: Service) -> None:
-    """SERVE-21: 1,000 posts at once over at most 50 connections."""
+    """SERVE-21: 1,000 posts at once over at most 50 connections; each answer is the receipt of
+    its own delivery's journal row, though the journal commits them in groups."""
     contents = [small(n) for n in range(1000)]
     statuses: list[int] = []
-    receipts: set[int] = set()
+    receipts: dict[int, str] = {}
     limits = httpx.Limits(max_connections=50, max_keepalive_connections=50)
 
     async def post(client: httpx.AsyncClient, content: bytes) -> None:
         response = await client.post("/v1/deliveries", content=content, headers=service.auth)
         statuses.append(response.status_code)
-        receipts.add(response.json()["delivery_id"])
+        receipt = response.json()
+        assert receipt["sha256"] == sha256(content)
+        receipts[receipt["delivery_id"]] = receipt["sha256"]
 
     started = trio.current_time()
     async with (
@@ -680,6 +683,7 @@ async def test_thousand_concurrent_posts_are_each_journaled_once(service: Servic
     assert statuses == [200] * 1000
     assert len(receipts) == 1000
     assert sorted(await journaled(service)) == sorted(map(sha256, contents))
+    assert {meta.id: meta.sha256 for meta in await service.journal()} == receipts
 
 
 @pytest.mark.parametrize(
