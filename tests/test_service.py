@@ -1085,6 +1085,33 @@ ZERO_WINDOW_LEAVERS = 20
 CHURNED = 100
 
 
+async def test_an_idle_connection_is_closed_after_a_delivery_serve_46(tmp_path: Path) -> None:
+    """SERVE-46: a kept-alive HTTP/1.1 connection that posted a delivery (200) or was refused
+    one (401) and then sends nothing is closed after ``keep_alive_timeout_s``, as one that
+    asked a read route is; it was held open until the client left."""
+    async with serving(tmp_path / "data", keep_alive_timeout_s=1) as service:
+        requests = {
+            "delivery": b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            b"Authorization: Bearer %s\r\n\r\n{}" % service.token.encode(),
+            "refused": b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            b"Authorization: Bearer hl_wrong\r\n\r\n{}",
+            "read route": b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n",
+        }
+        for name, request in requests.items():
+            async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+                await conn.send_all(request)
+                started = trio.current_time()
+                answer = b""
+                with trio.fail_after(10):
+                    while chunk := await conn.receive_some():
+                        answer += chunk
+                closed_after = trio.current_time() - started
+            assert answer.startswith(b"HTTP/1.1 401" if name == "refused" else b"HTTP/1.1 200"), (
+                name
+            )
+            assert 0.5 < closed_after < 5, (name, closed_after)
+
+
 async def test_connections_a_peer_left_are_let_go_serve_38(tmp_path: Path) -> None:
     """SERVE-38: h2c peers that set their flow control window to zero, ask for /healthz and
     leave, and HTTP/1.1 peers that connect and close (half of them after a request), hold no
