@@ -160,14 +160,11 @@ class IntakeEndpoint:
         if body.gone:
             log.debug("intake: the client went away before its answer")
             return
-        if scope.get("http_version") != "2":
-            # Over HTTP/1.1 a disconnect ends the send by itself. Waiting for one here, once the
-            # request is whole, kept hypercorn from ever closing the kept-alive connection.
-            with trio.move_on_after(self._idle_s):
-                await _send_answer(send, *answer)
-            return
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            # Over HTTP/1.1 a disconnect ends the send by itself, and waiting for one once the
+            # request is whole kept hypercorn from ever closing the kept-alive connection.
+            if scope.get("http_version") == "2":
+                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             with trio.move_on_after(self._idle_s):
                 await _send_answer(send, *answer)
             nursery.cancel_scope.cancel()
