@@ -1,13 +1,26 @@
-"""A full disk for the tests that need one: ``files_limited_to(size)`` lowers this process's
-file size limit (RLIMIT_FSIZE) for the block, so a write past ``size`` bytes of any file fails
-for real (EFBIG; Python ignores SIGXFSZ), and SQLite reports it as it reports a full disk
-(SQLITE_FULL, or SQLITE_IOERR_WRITE when nothing of the write fitted)."""
+"""Disks that misbehave, for real, for the tests that need them.
+
+``files_limited_to(size)`` lowers this process's file size limit (RLIMIT_FSIZE) for the block,
+so a write past ``size`` bytes of any file fails for real (EFBIG; Python ignores SIGXFSZ), and
+SQLite reports it as it reports a full disk (SQLITE_FULL, or SQLITE_IOERR_WRITE when nothing of
+the write fitted).
+
+``unwritable(*paths)`` makes files that this process may not open for writing, as a file
+created by another user is to the service's user: SQLite then opens them read-only.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import resource
-from collections.abc import Iterator
+import shutil
+import stat
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
 
 DISK_ERROR = r"SQLITE_(FULL: database or disk is full|IOERR\w*: disk I/O error)"
 """How :func:`healthlog.storage._sqlite.describe` names what such a write gets."""
@@ -21,3 +34,36 @@ def files_limited_to(size: int) -> Iterator[None]:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@contextlib.contextmanager
+def unwritable(*paths: Path) -> Iterator[Callable[[], None]]:
+    """The files at ``paths`` unwritable for this process for the block: read-only modes, or,
+    for root, whom modes do not stop, the immutable attribute (``chattr +i``; the test is
+    skipped on a file system without it). The block's ``mend()`` makes them writable again,
+    as a ``chown`` would; they are writable after the block in any case."""
+    if os.geteuid() != 0:
+        modes = {path: stat.S_IMODE(path.stat().st_mode) for path in paths}
+
+        def restore() -> None:
+            for path, mode in modes.items():
+                path.chmod(mode)
+
+        for path in paths:
+            path.chmod(0o444)
+    else:
+        chattr = shutil.which("chattr")
+        if chattr is None:
+            pytest.skip("root is stopped only by the immutable attribute, and chattr is missing")
+
+        def restore() -> None:
+            subprocess.run([chattr, "-i", *map(str, paths)], check=True)
+
+        setting = subprocess.run([chattr, "+i", *map(str, paths)], capture_output=True)
+        if setting.returncode != 0:
+            restore()
+            pytest.skip(f"chattr +i failed here: {setting.stderr.decode(errors='replace')}")
+    try:
+        yield restore
+    finally:
+        restore()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from _disk import unwritable
 from _runtime_helpers import (
     HOLDER,
     HOUR_US,
@@ -350,6 +351,37 @@ async def test_a_failed_renewal_says_why_and_where_run_33(
         "lease renewal failed: StorageError: database error: attempt to write a readonly"
         " database (store.sqlite)"
     ]
+
+
+async def test_a_store_it_could_not_write_is_folded_into_once_mended_run_38(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-38: a runtime started on a store it may not write (created by another user) takes
+    deliveries but folds none and is not ready, its renewals failing with SQLite's reason; once
+    the file is writable again, with no restart, it takes the lease, folds what waited and is
+    ready."""
+    data = DataDir(tmp_path)
+    data.open_store().close()
+    with (
+        caplog.at_level(logging.WARNING, "healthlog.lease"),
+        unwritable(data.store_path) as mend,
+    ):
+        async with open_runtime(config(tmp_path, lease_renew_s=0.2)) as runtime:
+            receipt = await runtime.submit(new_delivery(0))
+            await until(lambda: runtime.statistics().lease.failures >= 2)
+            assert not runtime.ready()
+            assert runtime.statistics().lease.epoch is None
+            assert folded_ids(tmp_path) == set()
+            mend()
+            await wait_folded(tmp_path, [receipt.delivery_id])
+            await until(runtime.ready)
+            assert runtime.statistics().lease.epoch == 1
+    failures = logged(caplog, logging.WARNING)
+    assert len(failures) >= 2
+    assert set(failures) == {
+        "lease renewal failed: StorageError: database error: attempt to write a readonly"
+        " database (store.sqlite)"
+    }
 
 
 # -- statistics -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import orjson
 import pytest
 import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
-from _disk import DISK_ERROR, files_limited_to
+from _disk import DISK_ERROR, files_limited_to, unwritable
 
 from actors.retention import RetentionActor, RetentionStatistics
 from healthlog import clock, faults
@@ -30,6 +30,7 @@ from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.store import MIGRATIONS, Lease, Store
+from healthlog.storage.tokens import Tokens
 
 
 def fold(
@@ -294,6 +295,38 @@ def test_a_fold_the_disk_cannot_hold_names_the_error_and_the_file_store_32(
     ), warning
     assert rows(store.path) == before
     assert fold(journal, store, meta, epoch).outcome_class is OutcomeClass.DONE
+
+
+def test_a_file_opened_read_only_is_written_once_mended_store_33(tmp_path: Path) -> None:
+    """STORE-33: the store, the journal and the token file, opened while this process may not
+    write them (SQLite then opens them read-only), refuse writes with SQLITE_READONLY; once
+    the files are writable again the next write goes through on the same open objects,
+    without reopening them from outside."""
+    paths = [tmp_path / name for name in ("store.sqlite", "journal.sqlite", "tokens.sqlite")]
+    Store(paths[0]).close()
+    Journal(paths[1]).close()
+    Tokens(paths[2]).close()
+    with unwritable(*paths) as mend:
+        store, journal, tokens = Store(paths[0]), Journal(paths[1]), Tokens(paths[2])
+        with store, journal, tokens:
+            writes = [
+                lambda: store.acquire_lease("folder", now=NOW, ttl=TTL),
+                lambda: journal.append(delivery(FOUR_HOURS)),
+                lambda: tokens.add("phone"),
+            ]
+            for write, path in zip(writes, paths, strict=True):
+                with pytest.raises(StorageError) as refused:
+                    write()
+                assert (refused.value.kind, refused.value.file) == (
+                    "SQLITE_READONLY: attempt to write a readonly database",
+                    path.name,
+                )
+            mend()
+            assert store.acquire_lease("folder", now=NOW, ttl=TTL) == 1
+            assert journal.append(delivery(FOUR_HOURS)).delivery_id == 1
+            assert tokens.add("phone")
+            assert [meta.id for meta in journal.iter_order()] == [1]
+            assert store.lease() == Lease("folder", 1, NOW + TTL)
 
 
 @pytest.mark.parametrize("points", [4, 200], ids=["identity", "zlib"])

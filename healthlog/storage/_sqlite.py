@@ -12,7 +12,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Self
 
@@ -28,6 +28,7 @@ __all__ = [
     "connect",
     "describe",
     "migrate",
+    "reopened",
     "write_transaction",
 ]
 
@@ -42,6 +43,10 @@ so ordinary writing never cuts and regrows it."""
 
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
+# Extended code 8 alone: the connection is read-only. Not its other forms (a file moved or
+# deleted under the connection, a lock or a recovery that cannot be had), which reopening does
+# not mend.
+_SQLITE_READONLY = 8
 # What SQLite's primary result codes mean (sqlite3_errstr), for those a storage failure has.
 _MEANINGS = {
     3: "access permission denied",
@@ -62,11 +67,13 @@ class StorageError(Exception):
     """A storage operation failed.
 
     ``kind`` is SQLite's error name and what it means (``SQLITE_FULL: database or disk is full``)
-    when SQLite raised it (:func:`classify`), and ``file`` the name of the database file once a
-    connection's guard has seen it pass; :func:`describe` puts both in a log line.
+    and ``code`` its extended result code when SQLite raised it (:func:`classify`), and ``file``
+    the name of the database file once a connection's guard has seen it pass; :func:`describe`
+    puts both in a log line.
     """
 
     kind: str | None = None
+    code: int | None = None
     file: str | None = None
 
 
@@ -78,6 +85,7 @@ def connect(
     path: str | os.PathLike[str],
     *,
     readonly: bool = False,
+    create: bool = True,
     busy_timeout_ms: int = 5000,
     page_size: int | None = None,
     journal_mode: str = "WAL",
@@ -87,7 +95,8 @@ def connect(
     Autocommit mode, WAL, ``synchronous=FULL`` (every commit is fsync'd), foreign keys on, a busy
     timeout, and a writer's WAL cut back to :data:`WAL_SIZE_LIMIT` once it has been checkpointed.
     ``readonly`` opens the file through a ``mode=ro`` URI; a read-only connection leaves the
-    journal mode alone (WAL is a property of the file, set by its writers). Another
+    journal mode alone (WAL is a property of the file, set by its writers). Without ``create``
+    a file that does not exist is an error rather than a new database. Another
     ``journal_mode`` is only for a file thrown away when anything fails (a rebuild's scratch
     file). The connection may be used from any thread (``check_same_thread=False``): callers
     guard it with a lock. SQL on it may call ``now_us()``, healthlog's wall clock
@@ -96,8 +105,8 @@ def connect(
     if busy_timeout_ms < 0:
         raise ValueError("busy_timeout_ms must not be negative")
     try:
-        if readonly:
-            uri = Path(path).resolve().as_uri() + "?mode=ro"
+        if readonly or not create:
+            uri = Path(path).resolve().as_uri() + ("?mode=ro" if readonly else "?mode=rw")
             conn = sqlite3.connect(
                 uri,
                 uri=True,
@@ -158,6 +167,8 @@ def classify(exc: sqlite3.Error) -> StorageError:
         else StorageError(f"database error: {exc}")
     )
     name = getattr(exc, "sqlite_errorname", None)
+    if isinstance(code, int):
+        error.code = code
     if isinstance(name, str) and isinstance(code, int):
         meaning = _MEANINGS.get(code & 0xFF)
         error.kind = f"{name}: {meaning}" if meaning else name
@@ -183,23 +194,58 @@ class ConnectionGuard:
     SQLite errors raised inside it come out classified (:func:`classify`), so no caller
     ever sees a raw ``sqlite3.Error``, and every :class:`StorageError` leaving it names the
     file (``file``) unless it named one already.
+
+    A write refused because the connection is read-only (``SQLITE_READONLY``: SQLite opens a
+    file it may not write, one created by another user say, for reading only, and keeps it so)
+    has ``reopen`` called at the next use of the connection, so that a write goes through once
+    the file's owner or mode has been mended, without a restart.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], reopen: Callable[[], None] | None = None
+    ) -> None:
         self._lock = threading.Lock()
         self._file = os.path.basename(path)
+        self._reopen = reopen
+        self._read_only = False
 
     def __enter__(self) -> None:
         self._lock.acquire()
+        if self._read_only and self._reopen is not None:
+            try:
+                self._reopen()
+            except BaseException:
+                self._lock.release()
+                raise
+            self._read_only = False
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        error = classify(exc) if isinstance(exc, sqlite3.Error) else exc
+        if isinstance(error, StorageError) and error.code == _SQLITE_READONLY:
+            self._read_only = True
         self._lock.release()
         if isinstance(exc, sqlite3.Error):
-            error = classify(exc)
+            assert isinstance(error, StorageError)
             error.file = self._file
             raise error from exc
         if isinstance(exc, StorageError) and exc.file is None:
             exc.file = self._file
+
+
+def reopened(
+    conn: sqlite3.Connection, path: str, opening: Callable[[], sqlite3.Connection]
+) -> sqlite3.Connection:
+    """A connection from ``opening`` in place of ``conn``, which a write found read-only (see
+    :class:`ConnectionGuard`), or ``conn`` itself while the file at ``path`` cannot be
+    opened."""
+    try:
+        fresh = opening()
+    except StorageError as exc:
+        _log.debug("%s not reopened: %s", os.path.basename(path), describe(exc))
+        return conn
+    conn.close()
+    _log.debug("%s reopened after a write found it read-only", os.path.basename(path))
+    return fresh
 
 
 @contextlib.contextmanager
@@ -317,20 +363,35 @@ class Database:
     ) -> None:
         self.path = os.fspath(path)
         self._busy_timeout_ms = busy_timeout_ms
-        self._conn = connect(
-            path,
-            busy_timeout_ms=busy_timeout_ms,
-            page_size=self.PAGE_SIZE,
-            journal_mode=self.JOURNAL_MODE,
-        )
-        self._lock = ConnectionGuard(path)
+        self._durable = durable
+        self._conn = self._open(create=True)
+        self._lock = ConnectionGuard(path, self._reopen)
         try:
-            if not durable:
-                self._conn.execute("PRAGMA synchronous = OFF")
             migrate(self._conn, self.MIGRATIONS)
         except BaseException:
             self._conn.close()
             raise
+
+    def _open(self, *, create: bool) -> sqlite3.Connection:
+        conn = connect(
+            self.path,
+            create=create,
+            busy_timeout_ms=self._busy_timeout_ms,
+            page_size=self.PAGE_SIZE,
+            journal_mode=self.JOURNAL_MODE,
+        )
+        if not self._durable:
+            try:
+                conn.execute("PRAGMA synchronous = OFF")
+            except BaseException as exc:
+                conn.close()
+                if isinstance(exc, sqlite3.Error):
+                    raise classify(exc) from exc
+                raise
+        return conn
+
+    def _reopen(self) -> None:
+        self._conn = reopened(self._conn, self.path, lambda: self._open(create=False))
 
     def close(self) -> None:
         with self._lock:

@@ -35,6 +35,7 @@ from healthlog.storage._sqlite import (
     connect,
     migrate,
     read_transaction,
+    reopened,
     write_transaction,
 )
 
@@ -336,7 +337,8 @@ class Journal:
         self.path = os.fspath(path)
         self._clock = clock
         self._compress_min_bytes = compress_min_bytes
-        self._lock = ConnectionGuard(self.path)
+        self._busy_timeout_ms = busy_timeout_ms
+        self._lock = ConnectionGuard(self.path, self._reopen)
         self._stats = JournalStatistics()
         self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
         try:
@@ -363,6 +365,13 @@ class Journal:
         """Close the connection; closing twice is harmless."""
         with self._lock:
             self._conn.close()
+
+    def _reopen(self) -> None:
+        self._conn = reopened(
+            self._conn,
+            self.path,
+            lambda: connect(self.path, create=False, busy_timeout_ms=self._busy_timeout_ms),
+        )
 
     def instance_id(self) -> str:
         """The random id of this journal file, created when the file was created."""
