@@ -385,7 +385,8 @@ def test_serve_refuses_a_setting_of_the_wrong_kind_or_beyond_what_works_cli_37(
 
 def test_serve_that_cannot_listen_names_the_address_cli_38(run_cli: RunCli, tmp_path: Path) -> None:
     """CLI-38: `serve` on a port another process listens on exits 3 with one line naming the
-    address it could not listen on, and no traceback."""
+    address it could not listen on, and no traceback, having opened nothing in its data
+    directory (no fold lease taken, no file created)."""
     (tmp_path / "data").mkdir()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -397,6 +398,7 @@ def test_serve_that_cannot_listen_names_the_address_cli_38(run_cli: RunCli, tmp_
     (line,) = [line for line in run.err.splitlines() if line.startswith("healthlog:")]
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in line
     assert b"serving" not in run.out
+    assert list((tmp_path / "data").iterdir()) == []
 
 
 @pytest.mark.parametrize(

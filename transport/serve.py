@@ -6,7 +6,9 @@ still streaming at the graceful timeout are refused (503); a delivery handed to 
 then has ``COMMIT_GRACE_S`` more to be committed and answered, so an upload either gets its 200
 after the journal commit or fails before it, never journaled unanswered. Idle keep-alive
 connections close at once (``transport.app``), and a connection whose peer stopped reading is
-dropped by the kernel after ``stream_send_timeout_s`` (``_HypercornConfig.create_sockets``).
+dropped by the kernel after ``stream_send_timeout_s`` (``_HypercornConfig._open_sockets``).
+The address is bound before anything else starts, so a ``serve`` that cannot listen opens
+nothing.
 
 A fault inside hypercorn's handling of one connection stays with that connection
 (``_ContainedTCPServer``): hypercorn lets such an exception end the whole server, and a peer can
@@ -101,8 +103,29 @@ class _HypercornConfig(HypercornConfig):
     """hypercorn's configuration, whose TCP listeners bound how long a send may stall."""
 
     stalled_send_s: float
+    _bound: Sockets | None = None
+
+    def bind_now(self) -> None:
+        """Bind the listening sockets now, for :meth:`create_sockets` to hand to hypercorn
+        later: ``serve`` on an address it cannot listen on stops before it opens the data
+        directory, rather than after its runtime has taken the fold lease."""
+        self._bound = self._open_sockets()
+
+    def close_unused(self) -> None:
+        """Close the sockets of :meth:`bind_now` if hypercorn never took them."""
+        if self._bound is not None:
+            bound, self._bound = self._bound, None
+            for sock in (*bound.secure_sockets, *bound.insecure_sockets, *bound.quic_sockets):
+                sock.close()
 
     def create_sockets(self) -> Sockets:
+        """The sockets of :meth:`bind_now`, else sockets bound now (see :meth:`_open_sockets`)."""
+        if self._bound is not None:
+            bound, self._bound = self._bound, None
+            return bound
+        return self._open_sockets()
+
+    def _open_sockets(self) -> Sockets:
         """The listening sockets, with a ``TCP_USER_TIMEOUT`` that accepted sockets inherit.
 
         hypercorn's trio server writes to the socket inside a shielded cancel scope
@@ -133,7 +156,7 @@ class _HypercornConfig(HypercornConfig):
         return sockets
 
 
-def hypercorn_config(config: ServeConfig) -> HypercornConfig:
+def hypercorn_config(config: ServeConfig) -> _HypercornConfig:
     host = f"[{config.host}]" if ":" in config.host and "[" not in config.host else config.host
     hc = _HypercornConfig()
     hc.stalled_send_s = config.stream_send_timeout_s
@@ -175,33 +198,35 @@ async def _serve(
     response_timeout_s: float,
     task_status: trio.TaskStatus[str],
 ) -> None:
-    with data.open_tokens() as tokens:
-        async with (
-            open_runtime(configured(data.path, config)) as runtime,
-            trio.open_nursery() as nursery,
-        ):
-            snapshots = SnapshotService(runtime, data.snapshot_dir, data.signing_key())
-            app = create_app(
-                runtime,
-                TokenCache(tokens),
-                config,
-                snapshots,
-                stop,
-                response_timeout_s=response_timeout_s,
-            )
-
-            async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
-                await hypercorn_serve(
-                    app,
-                    hypercorn_config(config),
-                    shutdown_trigger=stop.wait,
-                    task_status=task_status,
+    listening = hypercorn_config(config)
+    listening.bind_now()
+    try:
+        with data.open_tokens() as tokens:
+            async with (
+                open_runtime(configured(data.path, config)) as runtime,
+                trio.open_nursery() as nursery,
+            ):
+                snapshots = SnapshotService(runtime, data.snapshot_dir, data.signing_key())
+                app = create_app(
+                    runtime,
+                    TokenCache(tokens),
+                    config,
+                    snapshots,
+                    stop,
+                    response_timeout_s=response_timeout_s,
                 )
-                nursery.cancel_scope.cancel()
 
-            nursery.start_soon(app.intake.cut_uploads, stop, config.graceful_timeout_s)
-            binds = await nursery.start(http)
-            task_status.started(binds[0])
+                async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
+                    await hypercorn_serve(
+                        app, listening, shutdown_trigger=stop.wait, task_status=task_status
+                    )
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(app.intake.cut_uploads, stop, config.graceful_timeout_s)
+                binds = await nursery.start(http)
+                task_status.started(binds[0])
+    finally:
+        listening.close_unused()
 
 
 async def _on_signals(stop: trio.Event) -> None:
