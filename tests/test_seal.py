@@ -232,6 +232,49 @@ def test_verify_finds_a_flag_the_journal_does_not_give_seal_7(
     assert verify(journal, store) == []
 
 
+def test_a_sealed_object_never_loses_its_flag_seal_11(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path
+) -> None:
+    """SEAL-11: every later write keeps the flag an object has (a re-send that changes nothing,
+    units it lacked, changed and added points), and so do a reindex and a partitioned rebuild;
+    a write keeps even a flag no seal gives, counting as a sealed write."""
+    heart = ("hr", 0)
+    append(journal, delivery(body({"hr": [point(1, 60)], "steps": [point(2, 5)]}, units="")))
+    append(journal, sealing(Seal(BASE_US + HOUR, "hr")))
+    run_pass(journal, store, epoch)
+    assert flags(store) == {heart: True, ("steps", 0): False}
+    later = [
+        body({"hr": [point(1, 60)]}, units=""),
+        body({"hr": [point(1, 60)]}),
+        body({"hr": [point(1, 61), point(3, 62)]}),
+    ]
+    sealed_writes = []
+    for payload in later:
+        meta = append(journal, delivery(payload))
+        run_pass(journal, store, epoch)
+        assert flags(store)[heart]
+        sealed_writes.append(outcome_of(store, meta)[2]["sealed_writes"])
+    assert sealed_writes == [0, 1, 1]
+    summary = store.summaries()[ObjectKey("hr", "minutes", BASE_US)]
+    assert (summary.units, summary.points) == ("count", 2)
+
+    store.release_lease("folder", epoch)
+    assert reindex(journal, store, "reindex") == 0
+    assert flags(store)[heart]
+    rebuild_into(journal, tmp_path / "two.sqlite", workers=2)
+    rebuilt = rows(tmp_path / "two.sqlite")["objects"]
+    assert [(metric, sealed) for metric, *_, sealed, _ in rebuilt] == [("hr", 1), ("steps", 0)]
+
+    with closing(sqlite3.connect(store.path)) as conn, conn:
+        conn.execute("UPDATE objects SET sealed = 1 WHERE metric = 'steps'")
+    meta = append(journal, delivery(body({"steps": [point(4, 6)]})))
+    epoch = store.acquire_lease("folder", now=BASE_US, ttl=HOUR)
+    assert epoch is not None
+    run_pass(journal, store, epoch)
+    assert flags(store) == {heart: True, ("steps", 0): True}
+    assert outcome_of(store, meta)[2]["sealed_writes"] == 1
+
+
 def test_seal_from_the_command_line_seal_6(run_cli: RunCli, tmp_path: Path) -> None:
     """SEAL-6: `healthlog seal` journals a seal and waits until it is folded; `--layer
     records` names the section layer; an unreadable `--before` is a usage error."""
