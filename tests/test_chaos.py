@@ -15,6 +15,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+import trio
 from _bodies import body, point
 
 from healthlog import faults, objects, workload
@@ -182,6 +183,27 @@ def test_every_kind_chosen_is_planned_chaos_7(tmp_path: Path) -> None:
         run = Run(7 * 100_000 + n, tmp_path)
         plan = _plan(run.rng, run.kinds)
         assert sorted(entry["do"] for entry in plan.values()) == sorted(run.kinds & planned_kinds)
+
+
+async def test_a_planned_fault_counts_once_it_fired_chaos_13(tmp_path: Path) -> None:
+    """CHAOS-13: a service started with `busy`, `ioerror`, `delay` and `clock` planned, which
+    journals and folds nothing, fires only the clock jump at `lease.renew`; the run counts that
+    one and none of the faults that never fired."""
+    run = Run(5, tmp_path)
+    run.kinds = {"busy", "ioerror", "delay", "clock"}
+    await run.start_service(with_faults=True)
+    assert run.service is not None
+    try:
+        with trio.fail_after(15):
+            while "fault injected at lease.renew" not in run.log.read_text(errors="replace"):
+                await trio.sleep(0.1)
+    finally:
+        await run.service.stop()
+    assert sorted(run.planned.values()) == sorted(run.kinds)
+
+    run._check_logs()
+
+    assert run.result.faults == Counter({"clock": 1})
 
 
 def test_the_journal_is_checked_against_what_was_posted_chaos_8(tmp_path: Path) -> None:
