@@ -371,6 +371,28 @@ async def test_folds_and_the_projection_are_checked_chaos_10(tmp_path: Path) -> 
     ]
 
 
+def test_only_delivery_folded_events_are_folds_chaos_14(tmp_path: Path) -> None:
+    """CHAOS-14: a delivery folded late that writes nothing (an identical re-send) has only its
+    `delivery.folded` event, and still counts as reordered; an `object.changed` event naming an
+    earlier delivery after a later fold is no fold, and reorders nothing."""
+    run = Run(5, tmp_path / "unwritten")
+    metas = journaled(run, HEART, HEART)
+    fold_in(run, metas[::-1])
+    run.check_folds(metas)
+    assert run.result.reordered == 1
+
+    run = Run(6, tmp_path / "interleaved")
+    metas = journaled(run, HEART, STEPS)
+    fold_in(run, metas)
+    with sqlite3.connect(run.data.store_path) as conn:
+        conn.execute(
+            "INSERT INTO events (id, kind, payload, at) VALUES (?, 'object.changed', ?, 0)",
+            ("late.1", orjson.dumps({"delivery_id": metas[0].id}).decode()),
+        )
+    run.check_folds(metas)
+    assert (run.result.reordered, run.result.broken) == (0, [])
+
+
 def test_an_out_of_order_warning_excuses_only_what_it_names_chaos_11(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
