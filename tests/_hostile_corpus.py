@@ -53,13 +53,14 @@ class Case:
 
     ``kept`` lists ``(start, raw point)`` in export order under ``metric``; None when only the
     status is checked: bodies without a metric of their own (envelope-level bodies, workout
-    records, the hand-written files)."""
+    records, the hand-written files). ``units`` are those the kept points export with."""
 
     name: str
     body: bytes
     status: str
     metric: str | None = None
     kept: tuple[tuple[str, bytes], ...] | None = None
+    units: str | None = "count"
 
 
 def metric_of(name: str) -> str:
@@ -123,6 +124,7 @@ def wrong_entry_types() -> Iterator[Case]:
             "parsed",
             metric_of(name),
             kept_both(first_point()),
+            "wrong" if kind == "string" else None,
         )
         name = f"entry-name-{kind}"
         named = kind == "string"
@@ -220,6 +222,7 @@ def big_numbers() -> Iterator[Case]:
         "parsed",
         metric_of(name),
         kept_both(first_point()),
+        None,
     )
     yield Case("int-2**70-unknown-section", b'{"data":{"extra":%d}}' % BIG, "parsed")
 
@@ -275,6 +278,7 @@ def invalid_utf8() -> Iterator[Case]:
         "parsed",
         metric_of(name),
         ((AT_1001, SECOND),),
+        None,
     )
 
 
@@ -395,6 +399,7 @@ def html() -> Iterator[Case]:
         "parsed",
         metric_of(name),
         ((AT_1001, SECOND),),
+        "<&>",
     )
     metric = "hostile.<b>&amp;</b>"
     yield Case(
@@ -404,6 +409,83 @@ def html() -> Iterator[Case]:
         "parsed",
         metric,
         ((AT_1001, SECOND),),
+    )
+
+
+def entry(name: bytes, *points: bytes, units: bytes = b'"count"') -> bytes:
+    """A metric entry whose ``name`` is given as raw JSON."""
+    return b'{"name":%s,"units":%s,"data":[%s]}' % (name, units, b",".join(points))
+
+
+def nul_characters() -> Iterator[Case]:
+    """U+0000 in a metric name, as the escape ``\\u0000`` (the whole name, or at its start,
+    middle or end), rejects that entry: alone it leaves nothing to read (failed), beside a
+    good metric of the same name without it the good points are kept (partial). As a raw byte
+    in a name or in units it is no JSON (failed); of two ``name`` keys the last decides; in
+    units the escape is kept as a character (parsed)."""
+    for where in ("whole", "start", "middle", "end"):
+        for beside in (False, True):
+            name = f"nul-name-{where}" + ("-beside" if beside else "")
+            metric = metric_of(name).encode()
+            nul = {
+                "whole": b'"\\u0000"',
+                "start": b'"\\u0000%s"' % metric,
+                "middle": b'"hostile.\\u0000%s"' % metric[len(b"hostile.") :],
+                "end": b'"%s\\u0000"' % metric,
+            }[where]
+            entries = [entry(nul, first_point())]
+            if beside:
+                entries.append(entry(compact(metric_of(name)), SECOND))
+            yield Case(
+                name,
+                b'{"data":{"metrics":[%s]}}' % b",".join(entries),
+                "partial" if beside else "failed",
+                metric_of(name),
+                ((AT_1001, SECOND),) if beside else (),
+            )
+    name = "nul-name-raw"
+    yield Case(
+        name,
+        b'{"data":{"metrics":[%s]}}' % entry(b'"hostile.nul\x00raw"', SECOND),
+        "failed",
+        metric_of(name),
+        (),
+    )
+    for order, last_has_nul in (("nul-last", True), ("nul-first", False)):
+        name = f"nul-name-duplicate-{order}"
+        plain, nul = compact(metric_of(name)), b'"%s\\u0000"' % metric_of(name).encode()
+        first, last = (plain, nul) if last_has_nul else (nul, plain)
+        yield Case(
+            name,
+            b'{"data":{"metrics":[{"name":%s,"name":%s,"units":"count","data":[%s]}]}}'
+            % (first, last, SECOND),
+            "failed" if last_has_nul else "parsed",
+            metric_of(name),
+            () if last_has_nul else ((AT_1001, SECOND),),
+        )
+    name = "nul-units-escape"
+    yield Case(
+        name,
+        envelope(name, first_point(), SECOND, units=b'"co\\u0000unt"'),
+        "parsed",
+        metric_of(name),
+        kept_both(first_point()),
+        "co\x00unt",
+    )
+    name = "nul-units-raw"
+    yield Case(name, envelope(name, SECOND, units=b'"co\x00unt"'), "failed", metric_of(name), ())
+
+
+def empty_units() -> Iterator[Case]:
+    """Units that are the empty string are null, like missing ones; the points are kept."""
+    name = "entry-units-empty"
+    yield Case(
+        name,
+        envelope(name, first_point(), SECOND, units=b'""'),
+        "parsed",
+        metric_of(name),
+        kept_both(first_point()),
+        None,
     )
 
 
@@ -452,6 +534,8 @@ def corpus() -> list[Case]:
         *duplicate_keys(),
         *dates(),
         *html(),
+        *nul_characters(),
+        *empty_units(),
         *empty(),
         *dense(),
         *hand_written(),

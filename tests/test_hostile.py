@@ -89,7 +89,8 @@ async def test_hostile_corpus(
     the outcome its case names, with a reason unless parsed; the server keeps answering and logs
     no ERROR, in its own process or in the fold workers (whose records go to their stderr); the
     baseline exports byte for byte as before, each case adds exactly the points it
-    sent that are valid (HTML characters included, byte for byte), and ``verify`` finds nothing."""
+    sent that are valid (HTML characters included, byte for byte) with the units its case names,
+    and ``verify`` finds nothing."""
     cases = corpus()
     assert len(cases) >= 200
     limiter = trio.CapacityLimiter(CONCURRENCY)
@@ -136,6 +137,15 @@ async def test_hostile_corpus(
         if case.metric is not None and case.kept is not None
     }
     assert {m: (added[m], kept) for m, kept in expected.items() if added[m] != kept} == {}
+    units: dict[str, set[str | None]] = defaultdict(set)
+    for key, line in after.items():
+        if key not in before:
+            units[key[0]].add(json.loads(line)["units"])
+    assert {
+        case.name: units[case.metric]
+        for case in cases
+        if case.metric is not None and case.kept and units[case.metric] != {case.units}
+    } == {}
     assert {m for m in added if m not in expected and not m.startswith(UNCHECKED)} == set()
     with service.data.open_journal() as journal_file, service.data.open_store() as store:
         assert await trio.to_thread.run_sync(verify, journal_file, store) == []
