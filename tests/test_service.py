@@ -93,6 +93,12 @@ def small(n: int) -> bytes:
     return body(metric("step_count", "count", point(date, qty=n)))
 
 
+def journaled_body(service: Service, delivery_id: int) -> bytes:
+    """The body the journal holds for ``delivery_id``, checked against its sha256."""
+    with service.data.open_journal() as journal:
+        return journal.read_body(delivery_id)
+
+
 async def journaled(service: Service) -> list[str]:
     """The sha256 of every journaled delivery, in journal order."""
     return [meta.sha256 for meta in await service.journal()]
@@ -270,11 +276,15 @@ async def test_body_that_is_not_json_is_journaled_and_failed(service: Service) -
 
 
 async def test_empty_body_is_journaled_with_an_outcome(service: Service) -> None:
-    """SERVE-8: an empty body is answered 200, journaled with 0 bytes and folded."""
+    """SERVE-8: an empty body is answered 200, journaled with 0 bytes and folded: the receipt
+    and the journal's own row (read through a connection of our own) both say so."""
     response = await service.post(b"")
     assert response.status_code == 200
     receipt = response.json()
     assert (receipt["bytes"], receipt["sha256"]) == (0, sha256(b""))
+    [row] = await service.journal()
+    assert (row.id, row.bytes, row.sha256) == (receipt["delivery_id"], 0, sha256(b""))
+    assert await trio.to_thread.run_sync(journaled_body, service, row.id) == b""
     await service.wait_folded()
     outcome = (await service.get(f"/v1/deliveries/{receipt['delivery_id']}")).json()
     assert outcome["status"] == "failed"
