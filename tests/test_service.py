@@ -1126,6 +1126,54 @@ async def test_an_idle_connection_is_closed_after_a_delivery_serve_46(tmp_path: 
             assert 0.5 < closed_after < 5, (name, closed_after)
 
 
+async def h2c_idle_after_answer(
+    port: int, headers: list[tuple[str, str]], content: bytes
+) -> tuple[int, float]:
+    """Over h2c, one request (a body ``content`` if any), then nothing: the answer's status and
+    how long after the answer ended the service closed the connection (inf if not in 10 s)."""
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    request = [(":scheme", "http"), (":authority", "x"), *headers]
+    connection.send_headers(1, request, end_stream=not content)
+    if content:
+        connection.send_data(1, content, end_stream=True)
+    status, ended = 0, float("inf")
+    async with await trio.open_tcp_stream("127.0.0.1", port) as tcp:
+        await tcp.send_all(connection.data_to_send())
+        with trio.move_on_after(IDLE_CLOSE_LIMIT_S):
+            while data := await tcp.receive_some(2**16):
+                for event in connection.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived):
+                        status = int(dict(event.headers)[b":status"])
+                    elif isinstance(event, h2.events.StreamEnded):
+                        ended = trio.current_time()
+                await tcp.send_all(connection.data_to_send())
+            return status, trio.current_time() - ended
+    return status, float("inf")
+
+
+IDLE_CLOSE_LIMIT_S = 10.0
+
+
+async def test_an_idle_h2c_connection_is_closed_after_a_delivery_serve_47(tmp_path: Path) -> None:
+    """SERVE-47: over h2c, a connection that posted a delivery (200) or was refused one (401)
+    and then sends nothing is closed after ``keep_alive_timeout_s``, as one that asked a read
+    route is; the intake's answer, cancelled as its own end brought the disconnect, cancelled
+    the keep-alive timer with it, and the connection stayed open until the client left."""
+    post = [(":method", "POST"), (":path", "/v1/deliveries")]
+    async with serving(tmp_path / "data", keep_alive_timeout_s=1) as service:
+        requests = {
+            "delivery": ([*post, ("authorization", f"Bearer {service.token}")], b"{}", 200),
+            "refused": ([*post, ("authorization", "Bearer hl_wrong")], b"{}", 401),
+            "read route": ([(":method", "GET"), (":path", "/healthz")], b"", 200),
+        }
+        for name, (headers, content, expected) in requests.items():
+            status, closed_after = await h2c_idle_after_answer(service.port, headers, content)
+            assert status == expected, name
+            assert 0.5 < closed_after < 5, (name, closed_after)
+        assert await journaled(service) == [sha256(b"{}")]
+
+
 async def test_connections_a_peer_left_are_let_go_serve_38(tmp_path: Path) -> None:
     """SERVE-38: h2c peers that set their flow control window to zero, ask for /healthz and
     leave, and HTTP/1.1 peers that connect and close (half of them after a request), hold no

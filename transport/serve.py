@@ -74,9 +74,17 @@ class _ContainedTCPServer(TCPServer):
             await buffer.close()
 
     async def protocol_send(self, event: Event) -> None:
-        if isinstance(event, Updated) and self._peer_closed:
-            return
-        await super().protocol_send(event)
+        if not isinstance(event, Updated):
+            await super().protocol_send(event)
+        elif not self._peer_closed:
+            # Over HTTP/2 the keep-alive timer is restarted by the app's send that ends the
+            # connection's last stream, and its task is started inside that send's cancel
+            # scopes: the intake, which cancels its answer once the client's disconnect comes
+            # (and over HTTP/2 it comes from within that very send), cancelled the timer with
+            # it, and the idle connection was never closed (SERVE-47). Restarting or stopping
+            # the timer does not wait on the peer.
+            with trio.CancelScope(shield=True):
+                await super().protocol_send(event)
 
     async def run(self) -> None:
         try:
