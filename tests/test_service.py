@@ -1,4 +1,4 @@
-"""``healthlog serve`` over real HTTP (specs/service.md, SERVE-1 to SERVE-34).
+"""``healthlog serve`` over real HTTP (specs/service.md).
 
 Every test talks to :func:`transport.serve.serve` listening on a free port, started in the
 test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw socket.

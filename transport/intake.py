@@ -339,12 +339,14 @@ def _replayed(receipt: Receipt) -> Headers:
 
 
 async def _cancel_on_disconnect(receive: Any, scope: trio.CancelScope) -> None:
-    """Cancel the answer once the client leaves: the body is all read, so the next message is
+    """Cancel the answer once the stream ends: the body is all read, so the next message is
     the disconnect. Over HTTP/2, hypercorn stops sending when the connection closes, and an
-    answer sent after that would wait forever, holding its connection open."""
+    answer sent after that would wait forever, holding its connection open. hypercorn also
+    hands the disconnect, from within the answer's last send, once the answer is whole; the
+    cancel then ends nothing but that send (SERVE-47)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-    log.debug("intake: the client went away before its answer")
+    log.debug("intake: the stream ended (the answer is whole, or the client went away)")
     scope.cancel()
 
 
