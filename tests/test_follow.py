@@ -3,7 +3,8 @@ STREAM-24), its websocket client against a scripted server (STREAM-26), the repl
 pages (STREAM-27), and the follower behind a front (STREAM-30 to STREAM-33): TLS, a snapshot
 reference gone stale, a reverse proxy answering 502, a close for being too slow; a token that
 cannot be sent as a header value (STREAM-50, STREAM-51, CLI-36); the memory a snapshot's restore
-takes, and bad snapshots leaving the replica as it was (STREAM-59).
+takes, and bad snapshots leaving the replica as it was (STREAM-59); a real server's snapshot
+bound to another stream or instance, refused (STREAM-67).
 
 The command runs as a real process where its exit code and output matter; elsewhere
 :func:`transport.follow.follow` runs in the test's trio run, so it can be cancelled at any
@@ -487,9 +488,10 @@ class Front:
     answered 404 and counted in ``outside``. With ``drop``, the first websocket frame from the
     service holding those bytes is left out, as a server skipping an event would, or, with
     ``garble``, replaced by a text frame of those bytes. ``answers`` are whole HTTP answers given
-    instead of the service's, by request path. With a prefix or answers, each forwarded request
-    closes its connection after its answer, so that every request passes here. ``received`` is
-    every byte clients sent, as it came off the wire."""
+    instead of the service's, by request path, and ``routes`` send the requests for a path to
+    another service's port, as a proxy with two backends would. With a prefix, answers or
+    routes, each forwarded request closes its connection after its answer, so that every
+    request passes here. ``received`` is every byte clients sent, as it came off the wire."""
 
     def __init__(
         self,
@@ -505,6 +507,7 @@ class Front:
         drop: bytes | None = None,
         garble: bytes | None = None,
         answers: dict[bytes, bytes] | None = None,
+        routes: dict[bytes, int] | None = None,
     ) -> None:
         self.upstream = upstream
         self.prefix = prefix.encode()
@@ -512,6 +515,7 @@ class Front:
         self.drop = drop
         self.garble = garble
         self.answers = answers or {}
+        self.routes = routes or {}
         self.tls = tls
         self.bad_gateway = bad_gateway
         self.too_slow = too_slow
@@ -539,7 +543,9 @@ class Front:
                 head = await read_head(client)
                 if not head:
                     return
-                answer = self.answers.get(head.split(b" ", 2)[1].split(b"?")[0])
+                path = head.split(b" ", 2)[1].split(b"?")[0]
+                upstream = self.routes.get(path, self.upstream)
+                answer = self.answers.get(path)
                 if answer is not None:
                     await client.send_all(answer)
                     return
@@ -550,7 +556,9 @@ class Front:
                         await client.send_all(NOT_FOUND)
                         return
                     head = b" ".join((method, path.removeprefix(self.prefix), rest))
-                if (self.prefix or self.answers) and b"upgrade: websocket" not in head.lower():
+                if (
+                    self.prefix or self.answers or self.routes
+                ) and b"upgrade: websocket" not in head.lower():
                     # Every request on a connection of its own, so that each passes here.
                     top, _, after = head.partition(HEAD_END)
                     head = top + b"\r\nConnection: close" + HEAD_END + after
@@ -558,7 +566,7 @@ class Front:
                     self.bad_gateway -= 1
                     await client.send_all(BAD_GATEWAY)
                 elif b"upgrade: websocket" not in head.lower():
-                    await self._forward(client, head)
+                    await self._forward(client, head, upstream)
                 else:
                     self.upgrades.append(trio.current_time())
                     self.upgrade_heads.append(head)
@@ -574,14 +582,14 @@ class Front:
                         self.too_slow -= 1
                         await too_slow(client, head)
                     else:
-                        await self._forward(client, head, websocket=True)
+                        await self._forward(client, head, upstream, websocket=True)
 
     async def _forward(
-        self, client: trio.abc.Stream, head: bytes, *, websocket: bool = False
+        self, client: trio.abc.Stream, head: bytes, upstream: int, *, websocket: bool = False
     ) -> None:
         self.forwarded += 1
         dropping = websocket and self.drop is not None
-        async with await trio.open_tcp_stream("127.0.0.1", self.upstream) as server:
+        async with await trio.open_tcp_stream("127.0.0.1", upstream) as server:
             await server.send_all(head)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pipe, client, server, nursery.cancel_scope, False, False)
@@ -1284,6 +1292,73 @@ async def test_a_bad_snapshot_leaves_the_replica_as_it_was_stream_59(
                 assert front.drop is None
             assert rows(directory / REPLICA_FILE) == before
             assert sorted(os.listdir(directory)) == files
+
+
+def backup(source: Path, target: Path) -> None:
+    """Copy a live SQLite file with SQLite's online backup (its WAL included)."""
+    with closing(sqlite3.connect(source)) as src, closing(sqlite3.connect(target)) as dst:
+        src.backup(dst)
+
+
+def second_home(first: DataDir, path: Path, *, journal: bool) -> None:
+    """A data directory with ``first``'s signing key and token (under another name, so that
+    ``serving`` can add its own), and, with ``journal``, a copy of its journal: the same
+    instance on a new store file, whose stream is another."""
+    path.mkdir()
+    (path / SIGNING_KEY_FILE).write_bytes((first.path / SIGNING_KEY_FILE).read_bytes())
+    second = DataDir(path)
+    backup(first.tokens_path, second.tokens_path)
+    with closing(sqlite3.connect(second.tokens_path)) as conn, conn:
+        conn.execute("UPDATE tokens SET name = 'first' WHERE name = ?", (TOKEN_NAME,))
+    if journal:
+        backup(first.journal_path, second.journal_path)
+
+
+@pytest.mark.parametrize(
+    ("journal", "says"),
+    [
+        pytest.param(True, "belongs to another stream", id="another-stream"),
+        pytest.param(False, "belongs to another instance", id="another-instance"),
+    ],
+)
+async def test_a_snapshot_bound_elsewhere_is_refused_stream_67(
+    tmp_path: Path, run_cli: RunCli, journal: bool, says: str
+) -> None:
+    """STREAM-67: a follower whose status and key come from its service, and whose stream comes
+    (through a front with two backends) from a second service signing with the same key, one
+    with a copy of the journal on a new store (another stream) or one with a journal of its own
+    (another instance), whose window has moved past the follower's cursor, gets that service's
+    real CURSOR_TOO_OLD: ``follow`` exits 2 naming the binding check, and its replica holds
+    exactly what it held before."""
+    replica_file = tmp_path / "replica" / REPLICA_FILE
+    async with serving(tmp_path / "a") as first:
+        cursor = await post_small(first, 0, 60)
+        assert (await follow_process(run_cli, first, tmp_path)).code == 0
+        # Its service moves on, so that the follower has more to get.
+        await post_small(first, 61)
+        await trio.to_thread.run_sync(
+            functools.partial(second_home, first.data, tmp_path / "b", journal=journal)
+        )
+        async with serving(tmp_path / "b") as second:
+            total = await post_small(second, *range(120, 600, 60))
+            assert await prune(second.data, keep=2) == total - 2
+            ours, theirs = (await first.status())["stream"], (await second.status())["stream"]
+            assert (theirs["instance"] == ours["instance"]) is journal
+            assert theirs["id"] != ours["id"]
+            assert theirs["public_key"] == ours["public_key"]
+            assert theirs["oldest_cursor"] > cursor
+            response = await second.get("/v1/snapshots")
+            assert response.status_code == 200, response.text
+            url = converter.structure(response.json(), Manifest).url.encode()
+            before = rows(replica_file)
+            routes = {b"/v1/stream": second.port, url: second.port}
+            async with fronting(first, routes=routes) as front:
+                run = await follow_process(run_cli, first, tmp_path, front.url("http"))
+            assert run.code == 2, run.err
+            assert f"snapshot refused: snapshot {says}" in run.err
+            assert front.too_old_frames == 1
+            assert rows(replica_file) == before
+            assert not list(replica_file.parent.glob("snapshot-*"))
 
 
 def test_a_killed_restore_leaves_no_download_for_good_stream_60(tmp_path: Path) -> None:
