@@ -4,7 +4,8 @@ pages (STREAM-27), and the follower behind a front (STREAM-30 to STREAM-33): TLS
 reference gone stale, a reverse proxy answering 502, a close for being too slow; a token that
 cannot be sent as a header value (STREAM-50, STREAM-51, CLI-36); the memory a snapshot's restore
 takes, and bad snapshots leaving the replica as it was (STREAM-59); a real server's snapshot
-bound to another stream or instance, refused (STREAM-67).
+bound to another stream or instance, refused (STREAM-67); an object a reindex drops while
+the follower follows, dropped from its replica (STREAM-68).
 
 The command runs as a real process where its exit code and output matter; elsewhere
 :func:`transport.follow.follow` runs in the test's trio run, so it can be cancelled at any
@@ -39,11 +40,13 @@ import pytest
 import trio
 import trustme
 from _bodies import rows
+from _cli_bodies import body, metric, point, write
 from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     acked,
     fold_metrics,
+    head,
     hourly,
     post,
     post_small,
@@ -73,6 +76,7 @@ from healthlog.storage import snapshot_files
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import SIGNING_KEY_FILE, DataDir
 from healthlog.storage.replica import REPLICA_FILE, Binding, Change, Replica
+from healthlog.timestamps import format_instant, parse_instant
 from transport.follow import (
     BACKOFF_START_S,
     ConnectionLost,
@@ -1292,6 +1296,76 @@ async def test_a_bad_snapshot_leaves_the_replica_as_it_was_stream_59(
                 assert front.drop is None
             assert rows(directory / REPLICA_FILE) == before
             assert sorted(os.listdir(directory)) == files
+
+
+WEIGHT_HOUR = "2024-03-01T00:00:00Z"
+
+
+async def stamp_of(service: Service, content: bytes, headers: dict[str, str]) -> int:
+    """POST a delivery; its ``received_at``, in microseconds."""
+    response = await service.post(content, headers)
+    assert response.status_code == 200, response.text
+    return parse_instant(response.json()["received_at"])
+
+
+async def test_a_reindex_that_drops_an_object_reaches_the_follower_stream_68(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-68: while a follower follows live, ``healthlog reindex`` on the serving
+    instance's data directory drops an object the live store held (a weight point whose layer
+    the live fold took from the automation's delivery before it, and the rebuild, in stamp
+    order, from a backfill stamped between them) and writes it in another layer: the
+    follower's replica loses the dropped object, gains the new one, and equals the server."""
+    automation = {"automation-id": "A"}
+    weight = body(metric("weight_body_mass", "kg", point("2024-03-01 00:30:00 +0000", qty=80.5)))
+    steps = write(
+        tmp_path / "steps.json",
+        body(metric("step_count", "count", point("2024-03-01 01:00:00 +0000", qty=10))),
+    )
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service, trio.open_nursery() as nursery:
+            follower = await nursery.start(follow_live, service, replica)
+            heart = body(
+                metric("heart_rate", "count/min", point("2024-03-01 02:00:00 +0000", qty=60))
+            )
+            first = await stamp_of(
+                service, heart, {**automation, "automation-aggregation": "hours"}
+            )
+            await trio.sleep(0.01)
+            last = await stamp_of(service, weight, automation)
+            assert last - first > 2
+            backfill = await cli(
+                run_cli,
+                "import",
+                "--automation-id",
+                "A",
+                "--aggregation",
+                "minutes",
+                "--received-at",
+                format_instant((first + last) // 2),
+                "--data",
+                service.data.path,
+                steps,
+            )
+            assert backfill.code == 0, backfill.err
+            folded = int((await service.wait_folded())["stream"]["head"])
+            await until_cursor(replica, folded)
+            assert await layers_of(replica, "weight_body_mass") == ["hours"]
+
+            reindexed = await cli(run_cli, "reindex", "--data", service.data.path)
+            assert reindexed.code == 0, reindexed.err
+            total = await head(service)
+            assert total == folded + 2
+            await until_cursor(replica, total)
+            assert await layers_of(replica, "weight_body_mass") == ["minutes"]
+            assert await replica_export(replica) == await server_export(service)
+            follower.cancel()
+
+
+async def layers_of(replica: Replica, name: str) -> list[str]:
+    """The layers of the replica's objects of metric ``name``."""
+    objects = await trio.to_thread.run_sync(lambda: list(replica.iter_objects()))
+    return sorted(o.key.layer for o in objects if o.key.metric == name)
 
 
 def backup(source: Path, target: Path) -> None:
