@@ -4,7 +4,8 @@ the page of events the endpoint reads from a real store file (STREAM-25).
 
 Every service test starts :func:`transport.serve.serve` on a free port in its own trio run and
 talks to it through real websocket clients: trio-websocket on a TCP stream the test owns, a raw
-socket that never reads, and the independent ``websockets`` library in a thread.
+socket that never reads, one that reads a little at a time (wsproto), and the independent
+``websockets`` library in a thread.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gzip
 import itertools
 import logging
 import random
+import socket
 import sqlite3
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from _stream_helpers import (
     FRAME_LIMIT_S,
     MINUTES,
     SECONDS,
+    TINY_RECEIVE_BUFFER,
     acked,
     bearer,
     connect,
@@ -60,6 +63,8 @@ from _stream_helpers import (
 from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from websockets.sync.client import connect as websockets_connect
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import CloseConnection, Request, TextMessage
 
 from actors.runtime import configured
 from healthlog import clock, faults
@@ -1074,3 +1079,54 @@ def test_replay_page_carries_current_objects_and_stays_bounded(
     assert [event.seq for event, _ in gone] == list(range(1, 10))
     assert [current for _, current in gone] == [None] * 9
     assert [event.payload["hash"] for event, _ in gone[6:]] == [None] * 3
+
+
+TRICKLE_S = 0.05
+
+
+async def trickle(service: Service) -> tuple[list[dict[str, Any]], int, float]:
+    """A subscriber from 0 that reads one small piece every ``TRICKLE_S``, through a tiny
+    receive buffer, until the server closes: the frames it got (events, then any error frame),
+    the close code, and how long after the last event the close came."""
+    ws = WSConnection(ConnectionType.CLIENT)
+    sock = trio.socket.socket()
+    with sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, TINY_RECEIVE_BUFFER)
+        await sock.connect(("127.0.0.1", service.port))
+        tcp = trio.SocketStream(sock)
+        request = Request(host="127.0.0.1", target=resource(0), extra_headers=bearer(service.token))
+        await tcp.send_all(ws.send(request))
+        frames: list[dict[str, Any]] = []
+        parts: list[str] = []
+        last = trio.current_time()
+        while True:
+            await trio.sleep(TRICKLE_S)
+            data = await tcp.receive_some(TINY_RECEIVE_BUFFER)
+            assert data, "the connection ended without a close frame"
+            ws.receive_data(data)
+            for event in ws.events():
+                if isinstance(event, TextMessage):
+                    parts.append(event.data)
+                    if event.message_finished:
+                        frames.append(text_frame("".join(parts)))
+                        parts.clear()
+                        if frames[-1]["type"] == "event":
+                            last = trio.current_time()
+                elif isinstance(event, CloseConnection):
+                    return frames, event.code, trio.current_time() - last
+
+
+async def test_a_subscriber_reading_too_slowly_is_closed_4408_stream_69(tmp_path: Path) -> None:
+    """STREAM-69: a subscriber that keeps reading, but so slowly that one frame takes longer
+    than ``stream_send_timeout_s`` to send, is not dropped by the kernel (it takes data all
+    the while): once that send is through it gets ``TOO_SLOW`` and close 4408 at once, after
+    the events before it in order and no event after."""
+    async with serving(tmp_path, stream_send_timeout_s=SEND_TIMEOUT_S) as service:
+        total = await fill(service)
+        with trio.fail_after(FRAME_LIMIT_S):
+            frames, code, after_s = await trickle(service)
+    events, error = frames[:-1], frames[-1]
+    assert (code, error) == (4408, {"type": "error", "code": "TOO_SLOW"})
+    assert consecutive(events, 0)
+    assert 0 < len(events) < total
+    assert after_s < SEND_TIMEOUT_S
