@@ -493,9 +493,11 @@ class Front:
     service holding those bytes is left out, as a server skipping an event would, or, with
     ``garble``, replaced by a text frame of those bytes. ``answers`` are whole HTTP answers given
     instead of the service's, by request path, and ``routes`` send the requests for a path to
-    another service's port, as a proxy with two backends would. With a prefix, answers or
-    routes, each forwarded request closes its connection after its answer, so that every
-    request passes here. ``received`` is every byte clients sent, as it came off the wire."""
+    another service's port, as a proxy with two backends would. With ``restart_to``, every
+    request after the first ``/v1/status`` goes to that port, as if the service had restarted
+    there just after answering it. With a prefix, answers, routes or a restart, each forwarded
+    request closes its connection after its answer, so that every request passes here.
+    ``received`` is every byte clients sent, as it came off the wire."""
 
     def __init__(
         self,
@@ -512,8 +514,11 @@ class Front:
         garble: bytes | None = None,
         answers: dict[bytes, bytes] | None = None,
         routes: dict[bytes, int] | None = None,
+        restart_to: int | None = None,
     ) -> None:
         self.upstream = upstream
+        self.restart_to = restart_to
+        self.restarted = False
         self.prefix = prefix.encode()
         self.outside = 0
         self.drop = drop
@@ -549,6 +554,9 @@ class Front:
                     return
                 path = head.split(b" ", 2)[1].split(b"?")[0]
                 upstream = self.routes.get(path, self.upstream)
+                if self.restart_to is not None:
+                    upstream = self.restart_to if self.restarted else upstream
+                    self.restarted = self.restarted or path == b"/v1/status"
                 answer = self.answers.get(path)
                 if answer is not None:
                     await client.send_all(answer)
@@ -561,7 +569,7 @@ class Front:
                         return
                     head = b" ".join((method, path.removeprefix(self.prefix), rest))
                 if (
-                    self.prefix or self.answers or self.routes
+                    self.prefix or self.answers or self.routes or self.restart_to is not None
                 ) and b"upgrade: websocket" not in head.lower():
                     # Every request on a connection of its own, so that each passes here.
                     top, _, after = head.partition(HEAD_END)
@@ -1433,6 +1441,37 @@ async def test_a_snapshot_bound_elsewhere_is_refused_stream_67(
             assert front.too_old_frames == 1
             assert rows(replica_file) == before
             assert not list(replica_file.parent.glob("snapshot-*"))
+
+
+async def test_a_service_restarted_on_a_new_store_while_connecting_is_followed_stream_70(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-70: a service that restarts on a new store (a copy of its journal, another
+    stream, a lower head) between the follower's status read and its stream connection (a
+    front sends every request after the first status to it) is followed: ``follow`` reads the
+    status again once the connection is open, sees another stream, starts over, restores the
+    new stream's snapshot and, caught up with that stream's head, exits 0 with a replica
+    exporting what the new service exports."""
+    async with serving(tmp_path / "a") as first:
+        await post_small(first, 0, 60)
+        assert (await follow_process(run_cli, first, tmp_path)).code == 0
+        await trio.to_thread.run_sync(
+            functools.partial(second_home, first.data, tmp_path / "b", journal=True)
+        )
+        await post_small(first, *range(61, 600, 60))
+        async with serving(tmp_path / "b") as second:
+            await post_small(second, 90)
+            ours, theirs = (await first.status())["stream"], (await second.status())["stream"]
+            assert theirs["id"] != ours["id"]
+            assert theirs["head"] < ours["head"]
+            async with fronting(first, restart_to=second.port) as front:
+                run = await follow_process(run_cli, first, tmp_path, front.url("http"))
+            assert run.code == 0, run.err
+            assert front.restarted
+            with Replica(tmp_path / "replica") as replica:
+                assert replica.binding().stream == theirs["id"]
+                assert await replica_export(replica) == await server_export(second)
+            assert await server_export(second) != await server_export(first)
 
 
 def test_a_killed_restore_leaves_no_download_for_good_stream_60(tmp_path: Path) -> None:

@@ -6,11 +6,13 @@ transaction; the ACK sent is the highest contiguous durable sequence. On ``CURSO
 (or when the server's stream changed) it downloads the signed snapshot into a temporary file
 beside the replica, checks schema, sha256, signature, instance and stream binding and
 sequence, restores it a line at a time in one replica transaction, and resumes strictly after
-the snapshot. It reconnects with backoff after a broken or refused connection, a close for
-being too slow, an HTTP 5xx, and a snapshot reference gone stale (404) before its fetch. A token
-that cannot be sent as a header value is refused before connecting, and a request of its own that
-is not valid HTTP stops it: no retry could send either. What it logs of an error never quotes a
-request (a header value, the token's included).
+the snapshot. A stream connection is used only once the status, read again after it opened,
+still names the stream the session started with. It reconnects with backoff after a broken or
+refused connection, a close for being too slow, an HTTP 5xx, and a snapshot reference gone
+stale (404) before its fetch. A token that cannot be sent as a header value is refused before
+connecting, and a request of its own that is not valid HTTP stops it: no retry could send
+either. What it logs of an error never quotes a request (a header value, the token's
+included).
 
 For ``https://`` and ``wss://`` URLs both the HTTP calls and the websocket go over TLS, verified
 with one ``ssl.SSLContext`` (by default the system's trust store, checking the host name), and
@@ -216,13 +218,8 @@ class Follower:
 
     async def _session(self, http: httpx.AsyncClient, context: ssl.SSLContext) -> bool:
         """One connection; True when done (caught up)."""
-        status = await _get_json(http, "/v1/status")
+        stream = await _server_stream(http)
         key = _structured(await _get_json(http, "/v1/snapshots/key"), _Key, "the snapshot key")
-        stream = _structured(
-            status.get("stream") if isinstance(status, dict) else None,
-            StreamInfo,
-            "the server's status",
-        )
         await trio.to_thread.run_sync(self.replica.bind, stream.instance, key.public_key)
         self._met = True
         binding = await trio.to_thread.run_sync(self.replica.binding)
@@ -234,6 +231,8 @@ class Follower:
             manifest = _structured(document, Manifest, "the snapshot reference")
             await self._restore(http, manifest, after=0, stream=None)
             binding = await trio.to_thread.run_sync(self.replica.binding)
+            # Caught up is with the head of the stream now followed, not of one before it.
+            self._target = stream.head
         if self._target is None:
             self._target = stream.head
         if self.until_caught_up and self.subscriber is None and binding.cursor >= self._target:
@@ -273,6 +272,12 @@ class Follower:
                 )
             if opening.cancelled_caught:
                 raise ConnectionLost(f"no websocket handshake within {self.connect_timeout_s} s")
+            # The service may have restarted on another stream (a new store) since its status
+            # was read, and the frames would then be that stream's, past a cursor of another:
+            # the status is read again once this connection is open (a restart after that
+            # breaks it), and a changed stream starts the session over.
+            if (await _server_stream(http)).id != stream:
+                raise ConnectionLost("the service's stream changed while connecting")
             return await self._receive(http, ws, after, stream)
         finally:
             await tcp.aclose()
@@ -641,6 +646,16 @@ def _structured(document: Any, kind: type[_T], what: str) -> _T:
         return converter.structure(document, kind)
     except (cattrs.BaseValidationError, KeyError, TypeError, ValueError, AttributeError):
         raise FollowError(f"{what} is not healthlog's") from None
+
+
+async def _server_stream(http: httpx.AsyncClient) -> StreamInfo:
+    """The replay stream the service's status names."""
+    status = await _get_json(http, "/v1/status")
+    return _structured(
+        status.get("stream") if isinstance(status, dict) else None,
+        StreamInfo,
+        "the server's status",
+    )
 
 
 async def _get_json(http: httpx.AsyncClient, path: str) -> Any:
