@@ -499,15 +499,19 @@ def test_short_lock_is_waited_out_journal_19(path: Path) -> None:
 
 
 def test_newer_schema_is_refused_journal_20(path: Path) -> None:
-    """JOURNAL-20: a file from a newer healthlog is refused and left as it was."""
+    """JOURNAL-20: a file from a newer healthlog is refused and left as it was, one version
+    ahead as well as many."""
     Journal(path).close()
     with raw(path) as conn:
-        conn.execute("PRAGMA user_version = 99")
-    with pytest.raises(StorageError, match="newer than this healthlog") as caught:
-        Journal(path)
-    assert type(caught.value) is StorageError
-    with raw(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (99,)
+        (known,) = conn.execute("PRAGMA user_version").fetchone()
+    for newer in (known + 1, 99):
+        with raw(path) as conn:
+            conn.execute(f"PRAGMA user_version = {newer}")
+        with pytest.raises(StorageError, match="newer than this healthlog") as caught:
+            Journal(path)
+        assert type(caught.value) is StorageError
+        with raw(path) as conn:
+            assert conn.execute("PRAGMA user_version").fetchone() == (newer,)
 
 
 @pytest.mark.parametrize(
@@ -613,6 +617,11 @@ def test_migrations_step_by_step_journal_24(path: Path) -> None:
         assert "c" not in tables
         with pytest.raises(StorageError, match="newer"):
             _sqlite.migrate(conn, [first])
+    with closing(_sqlite.connect(path.with_name("at-once.sqlite"))) as conn:
+        _sqlite.migrate(conn, [first, second])
+        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        assert conn.execute("SELECT x FROM a").fetchall() == [("semi;colon",)]
+        assert conn.execute("SELECT y FROM b").fetchall() == [(1,)]
 
 
 def test_concurrent_migration_journal_28(path: Path) -> None:
