@@ -364,18 +364,25 @@ def test_corrupt_journal_body_fails_the_delivery_store_7(
     ]
 
 
+@pytest.mark.parametrize("status", ["parsed", "failed"])
 def test_folding_a_folded_delivery_again_changes_nothing_store_8(
-    journal: Journal, store: Store, epoch: int
+    journal: Journal, store: Store, epoch: int, status: str
 ) -> None:
-    """STORE-8: a second fold of a folded delivery reports its outcome (and no late change) and
-    writes nothing."""
-    meta = append(journal, delivery(FOUR_HOURS))
+    """STORE-8: a second fold of a folded delivery reports its outcome, status and reason (and
+    no late change) and writes nothing."""
+    if status == "parsed":
+        meta = append(journal, delivery(FOUR_HOURS))
+    else:
+        sparse = body({"weight": [point(30, 80.5)]})
+        meta = append(journal, delivery(sparse, aggregation=None, automation=None))
     first = fold(journal, store, meta, epoch)
     before = rows(store.path)
 
     again = fold(journal, store, meta, epoch)
 
-    assert first.late_s
+    assert first.status == status
+    assert bool(first.late_s) == (status == "parsed")
+    assert (first.reason is None) == (status == "parsed")
     assert again == attrs.evolve(first, late_s=())
     assert rows(store.path) == before
 
@@ -437,17 +444,25 @@ def test_layer_is_inherited_from_the_journal_order_predecessor_store_10(
     journal: Journal, store: Store, epoch: int
 ) -> None:
     """STORE-10: a delivery without header and dense metric takes the layer of the preceding
-    delivery of its automation in journal order, not of the one journaled just before it."""
+    delivery of its automation in journal order (the nearest one, not the first), not of the
+    one journaled just before it."""
     sparse = body({"weight": [point(30, 80.5)]})
+    earliest = append(journal, delivery(FIRST, received_at=BASE_US - 1, aggregation="hours"))
     early = append(journal, delivery(FIRST, received_at=BASE_US, aggregation="minutes"))
     other = append(
         journal, delivery(FIRST, received_at=BASE_US + 2, aggregation="days", automation="B")
     )
     late = append(journal, delivery(FIRST, received_at=BASE_US + 3, aggregation="hours"))
     backfill = append(journal, delivery(sparse, received_at=BASE_US + 1, aggregation=None))
-    assert [m.id for m in journal.iter_order()] == [early.id, backfill.id, other.id, late.id]
+    assert [m.id for m in journal.iter_order()] == [
+        earliest.id,
+        early.id,
+        backfill.id,
+        other.id,
+        late.id,
+    ]
 
-    for meta in (early, other, late, backfill):
+    for meta in (earliest, early, other, late, backfill):
         assert fold(journal, store, meta, epoch, guard=False).status == "parsed"
 
     outcome = store.outcome(backfill.id)
