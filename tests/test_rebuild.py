@@ -186,6 +186,47 @@ def test_reindex_takes_a_higher_epoch_and_fences_the_folder_store_14(
     assert store.fold(journal, meta, again).outcome_class is OutcomeClass.DONE
 
 
+def test_reindex_announces_the_deliveries_only_the_rebuild_folded_store_34(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-34: a delivery journaled but not yet folded when reindex runs is folded by the
+    rebuild: the swap appends its object's ``object.changed`` and its ``delivery.folded``
+    (none for the delivery folded live before), and every outcome carries the reindex epoch."""
+    folded = append(journal, delivery(body({"hr": [point(1, 60)]})))
+    run_pass(journal, store, epoch)
+    pending = append(journal, delivery(body({"steps": [point(2, 10)]})))
+    last = store.last_seq()
+
+    assert reindex(journal, store, "reindex") == 1
+
+    reindexed = epoch + 1
+    steps = store.summaries()[ObjectKey("steps", "minutes", BASE_US)]
+    outcome = store.outcome(pending.id)
+    assert outcome is not None
+    assert (outcome.status, outcome.counters["objects_written"]) == ("parsed", 1)
+    assert [(e.id, e.kind, e.payload) for e in store.events_after(last, 9)] == [
+        (
+            f"reindex.{reindexed}.1",
+            "object.changed",
+            {
+                "metric": "steps",
+                "layer": "minutes",
+                "hour": "2024-03-01T00:00:00Z",
+                "hash": steps.hash.hex(),
+                "points": 1,
+                "delivery_id": None,
+            },
+        ),
+        (
+            f"reindex.{reindexed}.{pending.id}.folded",
+            "delivery.folded",
+            {"delivery_id": pending.id, "status": "parsed", "counters": outcome.counters},
+        ),
+    ]
+    epochs = {row[0]: row[-1] for row in rows(store.path)["outcomes"]}
+    assert epochs == {folded.id: reindexed, pending.id: reindexed}
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
     journal: Journal, store: Store, epoch: int, workers: int
