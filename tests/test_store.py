@@ -240,8 +240,8 @@ def test_expiry_beyond_one_term_is_cut_to_one_term_fence_11(store: Store) -> Non
 
 
 def test_busy_store_defers_and_writes_nothing_store_6(journal: Journal, tmp_path: Path) -> None:
-    """STORE-6: a second connection holding the write lock makes the fold DEFERRED; once it
-    commits, the same fold goes through."""
+    """STORE-6: a second connection holding the write lock makes the fold DEFERRED at its
+    BEGIN IMMEDIATE, before the fold runs; once it commits, the same fold goes through."""
     meta = append(journal, delivery(FOUR_HOURS))
     with Store(tmp_path / "store.sqlite", busy_timeout_ms=50) as store:
         epoch = store.acquire_lease("folder", now=NOW, ttl=TTL)
@@ -249,7 +249,9 @@ def test_busy_store_defers_and_writes_nothing_store_6(journal: Journal, tmp_path
         before = rows(store.path)
         with closing(sqlite3.connect(store.path, isolation_level=None)) as holder:
             holder.execute("BEGIN EXCLUSIVE")
-            assert fold(journal, store, meta, epoch).outcome_class is OutcomeClass.DEFERRED
+            with faults.loaded(faults.Plan()) as watched:
+                assert fold(journal, store, meta, epoch).outcome_class is OutcomeClass.DEFERRED
+            assert watched.hits["fold.begin"] == 0
             assert rows(store.path) == before
             holder.execute("COMMIT")
 
