@@ -723,6 +723,25 @@ def test_a_body_encoded_while_it_streams_in_is_journaled_as_a_whole_one_journal_
     assert again == attrs.evolve(receipt, replayed=True)
 
 
+def test_an_empty_body_streamed_in_no_chunk_is_journaled_as_a_whole_one_journal_29(
+    path: Path,
+) -> None:
+    """JOURNAL-29: with compress_min_bytes 0 the empty body is at the threshold, so it is
+    stored zlib-compressed; streamed in no chunk at all, it gets the same row and replays."""
+    with Journal(path, compress_min_bytes=0) as journal:
+        encoded = journal.encoder().finish()
+        streamed = journal.append(NewDelivery(body=encoded, client="phone", idempotency_key="k"))
+        whole = journal.append(NewDelivery(body=b"", client="phone"))
+
+        assert stored_encoding(path, whole.delivery_id)[0] == "zlib"
+        assert stored_encoding(path, streamed.delivery_id) == stored_encoding(
+            path, whole.delivery_id
+        )
+        assert journal.read_body(streamed.delivery_id) == b""
+        again = journal.append(NewDelivery(body=b"", client="phone", idempotency_key="k"))
+        assert again == attrs.evolve(streamed, replayed=True)
+
+
 def test_metadata_of_a_run_and_the_span_up_to_a_position_journal_30(journal: Journal) -> None:
     """JOURNAL-30: get_metas reads several ids at once; span_through counts and sums the ids
     at or before a position in journal order."""
