@@ -155,6 +155,30 @@ def test_nesting_past_254_levels_journal_31() -> None:
         assert content_digest(body, RAW, window=512) == whole(body)
 
 
+def test_bodies_no_app_sends_fall_back_to_their_raw_bytes_at_the_limits_journal_33() -> None:
+    """JOURNAL-33: an object larger than the window with 4,096 members, and values larger than
+    the window nested 64 deep, are canonicalised; one member more, or one level more, and the
+    digest is the raw one, though the whole body has a canonical text."""
+
+    def members(count: int) -> bytes:
+        return ("{" + ",".join(f'"k{n:05d}": {n}' for n in range(count)) + "}").encode()
+
+    def nested(levels: int) -> bytes:
+        text = "1"
+        for _ in range(levels):
+            text = f'["{"p" * 100}", {text}]'
+        return text.encode()
+
+    for body, canonical in (
+        (members(4096), True),
+        (members(4097), False),
+        (nested(64), True),
+        (nested(65), False),
+    ):
+        assert whole(body) != RAW
+        assert content_digest(body, RAW, window=64) == (whole(body) if canonical else RAW)
+
+
 def test_an_app_body_in_another_key_order_journal_31() -> None:
     """JOURNAL-31: a minute-level body of several MiB and the same body in another key order
     have one digest, computed a 64 KiB piece at a time, that of the whole body."""
