@@ -446,8 +446,8 @@ def test_layer_is_inherited_from_the_journal_order_predecessor_store_10(
     journal: Journal, store: Store, epoch: int
 ) -> None:
     """STORE-10: a delivery without header and dense metric takes the layer of the preceding
-    delivery of its automation in journal order (the nearest one, not the first), not of the
-    one journaled just before it."""
+    delivery of its automation in journal order that has a layer (the nearest one, not the
+    first, and not a failed one in between), not of the one journaled just before it."""
     sparse = body({"weight": [point(30, 80.5)]})
     earliest = append(journal, delivery(FIRST, received_at=BASE_US - 1, aggregation="hours"))
     early = append(journal, delivery(FIRST, received_at=BASE_US, aggregation="minutes"))
@@ -455,17 +455,23 @@ def test_layer_is_inherited_from_the_journal_order_predecessor_store_10(
         journal, delivery(FIRST, received_at=BASE_US + 2, aggregation="days", automation="B")
     )
     late = append(journal, delivery(FIRST, received_at=BASE_US + 3, aggregation="hours"))
+    broken = append(journal, delivery(b"not json", received_at=BASE_US + 1, aggregation="days"))
     backfill = append(journal, delivery(sparse, received_at=BASE_US + 1, aggregation=None))
     assert [m.id for m in journal.iter_order()] == [
         earliest.id,
         early.id,
+        broken.id,
         backfill.id,
         other.id,
         late.id,
     ]
 
-    for meta in (earliest, early, other, late, backfill):
-        assert fold(journal, store, meta, epoch, guard=False).status == "parsed"
+    for meta in (earliest, early, other, late, broken, backfill):
+        expected = "failed" if meta is broken else "parsed"
+        assert fold(journal, store, meta, epoch, guard=False).status == expected
+    failed = store.outcome(broken.id)
+    assert failed is not None
+    assert failed.layer is None
 
     outcome = store.outcome(backfill.id)
     assert outcome is not None
