@@ -562,7 +562,8 @@ def test_the_command_line_reindexes_a_large_journal_in_worker_processes_store_22
     run_cli: RunCli, tmp_path: Path
 ) -> None:
     """STORE-22: ``healthlog reindex`` and ``healthlog verify`` (real processes) on a journal
-    large enough for the partitioned rebuild: both exit 0, and the live objects and outcomes
+    large enough for the partitioned rebuild: the reindex folds in worker processes (their
+    partition files are seen while it runs), both exit 0, and the live objects and outcomes
     are those of a one-process rebuild."""
     if _partition.available_cores() < 2:
         pytest.skip("the partitioned rebuild needs two cores")
@@ -576,11 +577,21 @@ def test_the_command_line_reindexes_a_large_journal_in_worker_processes_store_22
         run_pass(journal, store, held)
         store.release_lease("folder", held)
 
-    reindexed = run_cli("reindex", "--data", data.path)
+    errors = tmp_path / "reindex.err"
+    command = [sys.executable, "-m", "healthlog.cli", "reindex", "--data", str(data.path)]
+    partitioned = False
+    with errors.open("wb") as sink, subprocess.Popen(command, stderr=sink) as reindexing:
+        deadline = time.monotonic() + 120
+        while reindexing.poll() is None:
+            assert time.monotonic() < deadline, "the reindex did not end"
+            partitions = data.path.glob(".rebuild-*/.partitions-*/*/part-*.sqlite")
+            partitioned = partitioned or any(partitions)
+            time.sleep(0.005)
     verified = run_cli("verify", "--data", data.path)
 
-    assert (reindexed.code, verified.code) == (0, 0), reindexed.err + verified.err
-    assert "reindex: 12/12" in reindexed.err
+    assert (reindexing.returncode, verified.code) == (0, 0), errors.read_text() + verified.err
+    assert "reindex: 12/12" in errors.read_text()
+    assert partitioned, "the reindex folded in one process"
     with data.open_journal() as journal:
         alone = rebuilt(journal, tmp_path / "one.sqlite", workers=1)
     live = rows(data.store_path)
