@@ -169,9 +169,11 @@ def test_backfill_collision_is_found_and_reindex_repairs_it_store_13(
 def test_reindex_takes_a_higher_epoch_and_fences_the_folder_store_14(
     journal: Journal, store: Store, epoch: int
 ) -> None:
-    """STORE-14: reindex folds under a higher epoch and releases the lease; the live folder
-    holding the old epoch is fenced until it takes the lease again."""
+    """STORE-14: reindex takes the lease from the live folder, whose lease has not expired, by
+    force, folds under a higher epoch and releases the lease; the folder holding the old epoch
+    is fenced until it takes the lease again."""
     collide(journal, store, epoch)
+    assert store.acquire_lease("folder", now=time.time_ns() // 1000, ttl=TTL) == epoch
 
     reindex(journal, store, "reindex")
     meta = append(journal, delivery(body({"hr": [point(5, 1)]})))
