@@ -234,7 +234,8 @@ def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
     journal: Journal, store: Store, epoch: int, workers: int
 ) -> None:
     """STORE-15: reindex appends object.changed only for objects whose hash changed (a vanished
-    one with zero points), after the existing events, with no gap; a second reindex adds none.
+    one with zero points), after the existing events, with no gap; a second reindex adds none
+    and writes no object row (a trigger of the test's own counts the writes).
     The same whether the rebuild runs in one process or partitioned."""
     append(
         journal,
@@ -277,8 +278,16 @@ def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
     ]
     assert {k: summaries[k].hash for k in unchanged} == unchanged
 
+    with closing(sqlite3.connect(store.path, isolation_level=None)) as conn:
+        conn.execute("CREATE TABLE object_writes (kind TEXT)")
+        for kind in ("INSERT", "UPDATE", "DELETE"):
+            conn.execute(
+                f"CREATE TRIGGER object_{kind.lower()} AFTER {kind} ON objects"
+                f" BEGIN INSERT INTO object_writes VALUES ('{kind}'); END"
+            )
     assert reindex(journal, store, "reindex", workers=workers) == 0
     assert sorted(rows(store.path)["events"]) == after
+    assert rows(store.path)["object_writes"] == []
 
 
 spec_point = st.tuples(
