@@ -1528,8 +1528,14 @@ async def test_a_snapshot_larger_than_the_disk_has_room_for_stops_follow_stream_
             chunk = b"x" * 2**16
             endless = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
             endless += b"%x\r\n%s\r\n" % (len(chunk), chunk) * 64 + b"0\r\n\r\n"
-            announced = file_answer(chunk * 16)
-            answers = {b"/v1/snapshots/1": endless, b"/v1/snapshots/2": announced}
+            # One byte over the room, and exactly the room.
+            announced = file_answer(b"x" * (2**18 + 1))
+            fitting = file_answer(b"x" * 2**18)
+            answers = {
+                b"/v1/snapshots/1": endless,
+                b"/v1/snapshots/2": announced,
+                b"/v1/snapshots/3": fitting,
+            }
             async with (
                 fronting(service, answers=answers) as front,
                 httpx.AsyncClient(base_url=front.url("http")) as http,
@@ -1538,12 +1544,18 @@ async def test_a_snapshot_larger_than_the_disk_has_room_for_stops_follow_stream_
                 with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="room for"):
                     await _download(http, "/v1/snapshots/1", path, room=2**18)
                 assert path.stat().st_size <= 2**18
-                # A length announced over the room is refused before the file is even opened,
-                # though the first quarter of the body would fit.
+                # A length announced over the room, by a single byte, is refused before the
+                # file is even opened, though all but that byte of the body would fit.
                 path = tmp_path / "announced"
                 with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="room for"):
                     await _download(http, "/v1/snapshots/2", path, room=2**18)
                 assert not path.exists()
+                # A body of exactly the room is taken whole.
+                path = tmp_path / "fitting"
+                with trio.fail_after(FRAME_LIMIT_S):
+                    digest = await _download(http, "/v1/snapshots/3", path, room=2**18)
+                assert path.read_bytes() == b"x" * 2**18
+                assert digest == hashlib.sha256(b"x" * 2**18).hexdigest()
 
 
 RESTORE_PEAK_BYTES = 1_000_000
