@@ -381,8 +381,8 @@ def test_failed_and_killed_builds_leave_no_temporary_file_stream_47(
     store_objects: tuple[Attempt, list[HourlyObject]], tmp_path: Path
 ) -> None:
     """STREAM-47: a build whose write fails (the file size limit, EFBIG) removes its temporary
-    file; the temporary file of a build killed (SIGKILL) after writing it is removed by the
-    next build, which succeeds and keeps the snapshot files it keeps otherwise."""
+    file; the temporary file of a build killed (SIGKILL) after writing it, at an earlier head, is
+    removed by the next build, which succeeds and keeps the snapshot files it keeps otherwise."""
     data = DataDir(tmp_path)
     before = sorted(path.name for path in data.snapshot_dir.iterdir())
     failing = build_process(data, FILE_LIMIT)
@@ -393,7 +393,11 @@ def test_failed_and_killed_builds_leave_no_temporary_file_stream_47(
     killed = build_process(data, plan=kill)
     _, err = killed.communicate(timeout=60)
     assert killed.returncode == -signal.SIGKILL, err
-    assert len(leftovers(data)) == 1
+    [left] = leftovers(data)
+    # As if it was killed at an earlier head: the next build's own temporary file has another
+    # name, so only the removal of what a stopped build left takes this one away.
+    stream, seq = left.removeprefix("snapshot-").removesuffix(".tmp").split("-")
+    os.rename(data.snapshot_dir / left, data.snapshot_dir / f"snapshot-{stream}-{int(seq) - 1}.tmp")
     manifest = build_here(data)
     assert leftovers(data) == []
     assert sorted(path.name for path in data.snapshot_dir.iterdir()) == before
@@ -467,14 +471,22 @@ def test_a_signing_key_is_made_where_hard_links_are_not_stream_44(
 ) -> None:
     """STREAM-44: on a filesystem without hard links (FAT or exFAT on a USB disk, where link()
     fails with EPERM; none can be mounted here, so link() is made to fail so) a new data
-    directory still gets its key, the same one on every later call, and no other file."""
+    directory still gets its key, the same one on every later call, and no other file. The
+    first creator wins: another process that creates the key in the instant between this one's
+    look for it and its own creation (here, from within the failing link()) keeps its key."""
+    data = DataDir(tmp_path / "data")
+    links: list[object] = []
+    raced: list[str] = []
 
     def no_links(source: object, target: object) -> None:
+        links.append(source)
+        if len(links) == 1:
+            raced.append(snapshots.public_key_text(DataDir(data.path).signing_key()))
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_links)
-    data = DataDir(tmp_path / "data")
     first = snapshots.public_key_text(data.signing_key())
+    assert raced == [first]
     assert snapshots.public_key_text(data.signing_key()) == first
     assert sorted(path.name for path in data.path.iterdir()) == ["signing.key"]
     assert (data.path / "signing.key").stat().st_mode & 0o777 == 0o600
