@@ -670,6 +670,15 @@ def test_status_lists_partial_ones_on_request_bounded_by_limit_cli_42(
     lines = run.out.decode().splitlines()
     assert lines[0].startswith("the newest 2 of 4 failed or partial deliveries")
     assert [line.split()[0] for line in lines[2:]] == ["4", "3"]
+    # All but one listed is still the newest N; all listed is the whole count.
+    for limit, first in (
+        ("3", "the newest 3 of 4 failed or partial deliveries"),
+        ("4", "4 failed or partial deliveries, newest first:"),
+    ):
+        run = cli("status", "--failed", "--partial", "--limit", limit, "--data", data)
+        assert run.code == 0, run.err
+        said = run.out.decode().splitlines()[0]
+        assert said.startswith(first), said
     broken = write(tmp_path / "late.json", b"not json")
     with DataDir(data).open_store() as store:
         epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
