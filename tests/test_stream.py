@@ -86,6 +86,9 @@ FRAME_KEYS = {"type", "seq", "id", "kind"}
 CHANGED_KEYS = FRAME_KEYS | {"metric", "layer", "hour", "hash", "points", "delivery_id", "object"}
 FOLDED_KEYS = FRAME_KEYS | {"delivery_id", "status", "counters"}
 SEND_TIMEOUT_S = 1.0
+# The wait between two reads of a busy store (a second), as the log records' stamps show it.
+BUSY_RETRY_MIN_S = 0.95
+BUSY_RETRY_MAX_S = 1.6
 NOISY_POINTS = 2000
 NOISY_ADDITIONS = 36
 GRACE_S = 3.0
@@ -786,6 +789,19 @@ async def test_a_busy_store_delays_a_page_stream_55(
         "stream: the store is busy; a subscriber waits until it is free"
     ]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    # Each busy read logs once (the one past 5 s as the WARNING), a second after the one before.
+    busy_reads = [
+        r.created
+        for r in caplog.records
+        if r.getMessage()
+        in (
+            "stream: the store is busy; a subscriber's read is tried again",
+            "stream: the store is busy; a subscriber waits until it is free",
+        )
+    ]
+    assert len(busy_reads) == 7
+    gaps = [later - earlier for earlier, later in itertools.pairwise(busy_reads)]
+    assert all(BUSY_RETRY_MIN_S <= gap < BUSY_RETRY_MAX_S for gap in gaps), gaps
 
 
 async def closed_after(ws: WebSocketConnection) -> tuple[list[dict[str, Any]], int, str | None]:
