@@ -69,6 +69,7 @@ from wsproto.events import (
     TextMessage,
 )
 
+import transport.follow
 from healthlog import faults, snapshots
 from healthlog.documents import converter
 from healthlog.snapshots import Manifest
@@ -1192,6 +1193,48 @@ async def test_a_follower_that_gets_nowhere_says_so_once_stream_52_62(
     lost = [n for n, line in enumerate(said) if line.startswith("follow: connection lost")]
     assert len(lost) >= 10
     assert sum(n < said.index(warned[0]) for n in lost) == losses_before
+
+
+# A cap on the backoff short enough for a test in real time: the third failure in a row
+# reaches it (0.5 s, then 1 s).
+SHORT_BACKOFF_MAX_S = 1.0
+
+
+async def test_progress_allows_the_next_failures_their_own_warning_stream_52(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-52: a follower whose replica met its service warns once when its backoff reaches
+    its cap (shortened to 1 s here); once it makes progress (events applied), the next run of
+    failures reaching the cap has its own WARNING, one again."""
+    monkeypatch.setattr(transport.follow, "BACKOFF_MAX_S", SHORT_BACKOFF_MAX_S)
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service, fronting(service) as front:
+            await post_small(service, 0)
+            await follow(service.url, service.token, replica, until_caught_up=True)
+            follower = Follower(
+                Endpoints.parse(front.url("http")), service.token, replica, until_caught_up=True
+            )
+            total = await post_small(service, 60)
+            warned = []
+            # The first run applies the new events after its failures; the second (its target
+            # reached already) fails as many times again before it returns.
+            for _ in range(2):
+                front.bad_gateway = 3
+                with caplog.at_level(logging.INFO, "healthlog.follow"):
+                    with trio.fail_after(FRAME_LIMIT_S):
+                        await follower.run()
+                assert front.bad_gateway == 0
+                assert (await binding(replica)).cursor == total
+                warned.append(
+                    [
+                        r.getMessage()
+                        for r in caplog.records
+                        if r.name == "healthlog.follow" and r.levelno == logging.WARNING
+                    ]
+                )
+                caplog.clear()
+    assert [len(run) for run in warned] == [1, 1]
+    assert all(run[0].startswith("follow: no progress for a while") for run in warned)
 
 
 def snapshot_lines(content: bytes) -> list[bytes]:
