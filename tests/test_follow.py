@@ -1190,6 +1190,8 @@ async def test_a_follower_that_gets_nowhere_says_so_once_stream_52_62(
     assert len(warned) == 1
     assert warned[0].startswith(warning[0])
     assert warned[0].endswith(warning[1])
+    # Why: the error's type and the system's reason.
+    assert warned[0].removeprefix(warning[0]).startswith("ConnectError (OSError: ")
     lost = [n for n, line in enumerate(said) if line.startswith("follow: connection lost")]
     assert len(lost) >= 10
     assert sum(n < said.index(warned[0]) for n in lost) == losses_before
