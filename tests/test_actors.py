@@ -93,7 +93,8 @@ async def test_concurrent_submits_share_commits_and_each_gets_its_receipt_run_1_
 
 async def test_a_journal_that_cannot_commit_refuses_the_submit_run_3(tmp_path: Path) -> None:
     """RUN-3: while another connection holds the journal's write lock, submit raises Deferred
-    after the busy timeout and nothing is journaled; once the lock is gone, submit works."""
+    after the busy timeout, nothing is journaled and the folder is not woken for it; once the
+    lock is gone, submit works."""
     refused, accepted = new_delivery(0), new_delivery(1)
     async with open_runtime(config(tmp_path, busy_timeout_ms=50)) as runtime:
         journal_path = DataDir(tmp_path).journal_path
@@ -110,6 +111,7 @@ async def test_a_journal_that_cannot_commit_refuses_the_submit_run_3(tmp_path: P
     assert journaled(tmp_path) == {receipt.delivery_id: sha256(accepted)}
     assert (stats.journal.errors, stats.journal.appended) == (1, 1)
     assert (stats.intake.refused, stats.intake.accepted) == (1, 1)
+    assert stats.intake.wakes_sent + stats.intake.wakes_dropped == 1
 
 
 async def test_a_full_wake_channel_drops_wakes_and_every_delivery_still_folds_run_4(
