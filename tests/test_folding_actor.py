@@ -577,6 +577,35 @@ def kill_worker_at(*hits: int) -> str:
     return orjson.dumps({"fold.begin": {"hits": list(hits), "do": "kill"}}).decode()
 
 
+async def test_a_lost_lease_cancels_the_pass_in_flight_run_39(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-39: the lease actor reports that another holder took the lease while a worker
+    process folds a run (slowed after its first commit): the pass is cancelled there and the
+    worker killed, so the first delivery keeps its outcome, no later fold of the run starts
+    (none is fenced) and the pass ends ``cancelled``."""
+    monkeypatch.delenv(SERVE_PID_ENV, raising=False)
+    slow = {"fold.after_commit": {"hits": [1], "do": "delay", "seconds": 3}}
+    monkeypatch.setenv(PLAN_ENV, orjson.dumps(slow).decode())
+    ids = journal_directly(
+        tmp_path, [new_delivery(n, received_at=HISTORY_US + n) for n in range(3)]
+    )
+    settings = config(tmp_path, executor=Executor.PROCESS, lease_renew_s=0.1, lease_ttl_s=5)
+    async with open_runtime(settings) as runtime:
+        await wait_folded(tmp_path, ids[:1], timeout=60)
+        with Store(DataDir(tmp_path).store_path) as other:
+            now = time.time_ns() // 1000
+            assert other.acquire_lease("other", now=now, ttl=HOUR_US, force=True) == 2
+            await until(lambda: runtime.statistics().folding.epoch is None)
+            await until(lambda: not runtime.statistics().folding.running)
+            stats = runtime.statistics().folding
+
+    assert stats.passes_by_stop == {"cancelled": 1}
+    assert stats.outcomes_by_class == {}
+    assert folded_ids(tmp_path) == {ids[0]}
+    assert [r for r in logged(caplog, logging.WARNING) if "fold fenced" in r] == []
+
+
 async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
