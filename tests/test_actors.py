@@ -16,6 +16,7 @@ import pytest
 import trio
 from _disk import unwritable
 from _runtime_helpers import (
+    EVERY_HIT,
     HOLDER,
     HOUR_US,
     action,
@@ -353,6 +354,31 @@ async def test_a_failed_renewal_says_why_and_where_run_33(
         "lease renewal failed: StorageError: database error: attempt to write a readonly"
         " database (store.sqlite)"
     ]
+
+
+async def test_failing_renewals_keep_the_epoch_only_until_the_lease_would_expire_run_40(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-40: with a TTL of 3 s renewed every second, the lease is acquired and renewed twice,
+    then every renewal fails: the first failure keeps epoch 1, the second (after which the lease
+    renewed last would expire before the next renewal) gives it up, for the lease holder and the
+    folder, as one loss."""
+    broken = StorageError("disk I/O error")
+    plan = faults.Plan(
+        actions={"lease.renew": action(EVERY_HIT - {1, 2, 3}, faults.raise_fault(lambda _: broken))}
+    )
+    with faults.loaded(plan):
+        async with open_runtime(config(tmp_path, lease_ttl_s=3, lease_renew_s=1)) as runtime:
+            await until(lambda: runtime.statistics().folding.epoch == 1)
+            await until(lambda: runtime.statistics().lease.failures == 1)
+            kept = runtime.statistics()
+            await until(lambda: runtime.statistics().lease.epoch is None)
+            lost = runtime.statistics().lease
+            await until(lambda: runtime.statistics().folding.epoch is None)
+
+    assert (kept.lease.epoch, kept.folding.epoch, kept.lease.losses) == (1, 1, 0)
+    assert (lost.renewals, lost.failures, lost.losses, lost.acquisitions) == (2, 2, 1, 1)
+    assert "fold lease lost (epoch 1)" in logged(caplog, logging.WARNING)
 
 
 async def test_a_store_it_could_not_write_is_folded_into_once_mended_run_38(
