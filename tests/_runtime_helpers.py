@@ -23,12 +23,13 @@ from typing import Any
 import orjson
 import pytest
 import trio
+import trio.testing
 
 from actors.folding import Executor
 from actors.runtime import Runtime, RuntimeConfig, open_runtime
 from healthlog import faults
 from healthlog.storage.datadir import DataDir
-from healthlog.storage.journal import NewDelivery
+from healthlog.storage.journal import Journal, NewDelivery
 
 HOLDER = "test-holder"
 CLIENT = "phone"
@@ -230,6 +231,33 @@ async def shutdown_with_submits_queued(data_dir: str) -> None:
             scope.cancel()
             release.set()
     Path(data_dir, RESULT_FILE).write_bytes(orjson.dumps({str(n): v for n, v in got.items()}))
+
+
+async def submit_behind_a_read_at_shutdown(data_dir: str) -> None:
+    """Leave the runtime while a submit's group waits for the journal's connection, busy with a
+    read in its worker thread; record what the submit got (a delivery id or what it raised)."""
+    reading, release = trio.Event(), threading.Event()
+    got: list[int | str] = []
+
+    def read(_: Journal) -> None:
+        trio.from_thread.run_sync(reading.set)
+        release.wait(STUCK_S)
+
+    async def submit(runtime: Runtime) -> None:
+        try:
+            got.append((await runtime.submit(new_delivery())).delivery_id)
+        except Exception as exc:
+            got.append(type(exc).__name__)
+
+    with trio.CancelScope() as scope:
+        async with open_runtime(config(data_dir)) as runtime, trio.open_nursery() as nursery:
+            nursery.start_soon(runtime.read_journal, read)
+            await reading.wait()
+            nursery.start_soon(submit, runtime)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()
+            release.set()
+    Path(data_dir, RESULT_FILE).write_bytes(orjson.dumps(got))
 
 
 async def journal_actor_crash(data_dir: str) -> None:

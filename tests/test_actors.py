@@ -485,6 +485,18 @@ async def test_a_submit_in_flight_at_shutdown_gets_its_receipt_if_journaled_run_
     assert_receipt_iff_journaled(got, journaled(tmp_path))
 
 
+def test_a_group_waiting_for_the_journal_at_shutdown_is_committed_and_answered_run_41(
+    tmp_path: Path,
+) -> None:
+    """RUN-41: leaving the runtime while a submit's group waits for the journal's connection
+    (a read holds it): once the read ends the group commits, the submit gets its receipt and
+    the runtime exits."""
+    got = run_in_child("submit_behind_a_read_at_shutdown", tmp_path)
+
+    assert got == [1]
+    assert journaled(tmp_path) == {1: sha256(new_delivery())}
+
+
 def test_leaving_the_runtime_with_submits_queued_exits_and_keeps_receipts_exact_run_13(
     tmp_path: Path,
 ) -> None:
