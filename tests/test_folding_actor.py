@@ -41,7 +41,7 @@ from _runtime_helpers import (
     wait_folded,
 )
 
-from actors.folding import WORKER_DEATHS, WORKER_NICENESS, Executor
+from actors.folding import Executor
 from actors.runtime import open_runtime
 from healthlog import faults
 from healthlog.folding import OutcomeClass
@@ -51,7 +51,7 @@ from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
 from healthlog.storage.rebuild import verify
-from healthlog.storage.store import WORKER_DIED, Store, default_holder
+from healthlog.storage.store import Store, default_holder
 from healthlog.storage.worker import fold_run
 
 
@@ -543,7 +543,8 @@ def worker_processes() -> dict[int, int]:
 
 
 async def test_fold_workers_run_nicer_than_the_service_run_28(tmp_path: Path) -> None:
-    """RUN-28: the worker processes a runtime folds in run WORKER_NICENESS nicer than it."""
+    """RUN-28: the worker processes a runtime folds in run 10 (WORKER_NICENESS) nicer than it,
+    at most at 19."""
     ids = journal_directly(tmp_path, [new_delivery(0)])
     before = worker_processes()
     async with open_runtime(config(tmp_path, executor=Executor.PROCESS)):
@@ -552,7 +553,7 @@ async def test_fold_workers_run_nicer_than_the_service_run_28(tmp_path: Path) ->
 
     assert started
     own = os.getpriority(os.PRIO_PROCESS, 0)
-    assert set(started.values()) == {min(19, own + WORKER_NICENESS)}
+    assert set(started.values()) == {min(19, own + 10)}
 
 
 def test_fold_workers_start_without_the_web_stack_run_29() -> None:
@@ -639,8 +640,8 @@ async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
 async def test_a_delivery_that_kills_every_worker_is_failed_and_the_queue_moves_on_run_30(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """RUN-30: a delivery whose fold kills WORKER_DEATHS workers in a row is recorded failed
-    with one ERROR, and the delivery after it folds."""
+    """RUN-30: a delivery whose fold kills WORKER_DEATHS (2) workers in a row is recorded failed
+    (`fold worker died`) with one ERROR, and the delivery after it folds."""
     monkeypatch.delenv(SERVE_PID_ENV, raising=False)
     monkeypatch.setenv(PLAN_ENV, kill_worker_at(1))
     [poison] = journal_directly(tmp_path, [new_delivery(0, received_at=HISTORY_US)])
@@ -655,12 +656,12 @@ async def test_a_delivery_that_kills_every_worker_is_failed_and_the_queue_moves_
         parsed = await runtime.read_store(lambda store: store.outcome(later.delivery_id))
 
     assert failed is not None
-    assert (failed.status, failed.reason) == ("failed", WORKER_DIED)
+    assert (failed.status, failed.reason) == ("failed", "fold worker died")
     assert parsed is not None
     assert parsed.status == "parsed"
-    assert (stats.folding.workers_lost, stats.crashes) == (WORKER_DEATHS, {})
+    assert (stats.folding.workers_lost, stats.crashes) == (2, {})
     assert logged(caplog, logging.ERROR) == [
-        f"delivery {poison}: its fold worker died {WORKER_DEATHS} times in a row; recorded failed"
+        f"delivery {poison}: its fold worker died 2 times in a row; recorded failed"
     ]
 
 
