@@ -176,6 +176,33 @@ async def test_a_crashing_actor_restarts_with_doubling_backoff_up_to_the_cap_run
     assert crashes.down() == []
 
 
+async def test_the_default_backoff_doubles_from_half_a_second_up_to_thirty_run_42(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-42: supervised with the defaults, an actor that crashes eight times is restarted
+    after 0.5, 1, 2, 4, 8, 16, 30 and 30 s, and is down until it has run for five minutes
+    after its last restart."""
+    starts: list[float] = []
+    crashes = Crashes()
+
+    async def run() -> None:
+        starts.append(trio.current_time())
+        if len(starts) <= 8:
+            raise RuntimeError("boom")
+
+    await supervise("worker", run, crashes)
+
+    delays = [0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert [b - a for a, b in itertools.pairwise(starts)] == delays
+    assert logged(caplog, logging.ERROR) == [
+        f"actor worker crashed (RuntimeError); restarting in {s:.1f} s" for s in delays
+    ]
+    await trio.sleep(299.9)
+    assert crashes.down() == ["worker"]
+    await trio.sleep(0.2)
+    assert crashes.down() == []
+
+
 async def test_an_actor_crashing_at_each_of_its_runs_stays_down_run_35(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
