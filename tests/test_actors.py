@@ -92,6 +92,24 @@ async def test_concurrent_submits_share_commits_and_each_gets_its_receipt_run_1_
     assert journaled(tmp_path) == {r.delivery_id: r.sha256 for r in receipts.values()}
 
 
+async def test_a_group_holds_at_most_64_deliveries_run_43(tmp_path: Path) -> None:
+    """RUN-43: with one group commit held and 99 submits queued behind it, the queue is
+    journaled in groups of at most 64: 64, then 35."""
+    entered, release = trio.Event(), threading.Event()
+    with faults.loaded(faults.Plan(actions={"journal.append": hold_at(entered, release)})):
+        async with open_runtime(config(tmp_path, fold=False)) as runtime:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(runtime.submit, new_delivery(0))
+                await entered.wait()
+                for n in range(1, 100):
+                    nursery.start_soon(runtime.submit, new_delivery(n))
+                await until(lambda: runtime.statistics().journal.queued == 99)
+                release.set()
+            journal = runtime.statistics().journal
+
+    assert (journal.appended, journal.groups, journal.largest_group) == (100, 3, 64)
+
+
 async def test_a_journal_that_cannot_commit_refuses_the_submit_run_3(tmp_path: Path) -> None:
     """RUN-3: while another connection holds the journal's write lock, submit raises Deferred
     after the busy timeout, nothing is journaled and the folder is not woken for it; once the
