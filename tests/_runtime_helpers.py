@@ -233,6 +233,29 @@ async def shutdown_with_submits_queued(data_dir: str) -> None:
     Path(data_dir, RESULT_FILE).write_bytes(orjson.dumps({str(n): v for n, v in got.items()}))
 
 
+async def submit_in_flight_at_shutdown(data_dir: str) -> None:
+    """Leave the runtime while a submit's group commit is in flight; record what the submit
+    got (a delivery id, or what it raised)."""
+    entered, release = trio.Event(), threading.Event()
+    got: list[int | str] = ["Cancelled"]
+
+    async def submit(runtime: Runtime) -> None:
+        try:
+            got[0] = (await runtime.submit(new_delivery())).delivery_id
+        except Exception as exc:
+            got[0] = type(exc).__name__
+
+    plan = faults.Plan(actions={"journal.append": hold_at(entered, release)})
+    with faults.loaded(plan), trio.CancelScope() as scope:
+        async with open_runtime(config(data_dir)) as runtime, trio.open_nursery() as nursery:
+            nursery.start_soon(submit, runtime)
+            await entered.wait()
+            scope.cancel()
+            release.set()
+    [result] = got
+    Path(data_dir, RESULT_FILE).write_bytes(orjson.dumps(result))
+
+
 async def submit_behind_a_read_at_shutdown(data_dir: str) -> None:
     """Leave the runtime while a submit's group waits for the journal's connection, busy with a
     read in its worker thread; record what the submit got (a delivery id or what it raised)."""
