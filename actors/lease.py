@@ -1,11 +1,14 @@
 """The lease-holder actor: acquires and renews the fold lease, and says which epoch it holds.
 
 It sends the folding actor every change of the epoch it holds (``None`` when it holds none).
-A renewal refused because the store is busy keeps the epoch: nobody can take the lease over
-without the write lock either (often held by our own long fold), and the epoch check inside
-every fold transaction fences a stale holder anyway. A renewal that fails otherwise keeps the
-epoch only until the lease would have expired; a takeover by someone else is seen at the next
-renewal. On shutdown it releases.
+A renewal waits for the store's write lock only briefly (``brief``), so that the store's reads,
+which share its connection, do not wait behind it while another process writes (a fold worker
+on a large delivery, a reindex). One refused because the store is busy keeps the epoch: nobody
+can take the lease over without the write lock either (often held by our own long fold), and
+the epoch check inside every fold transaction fences a stale holder anyway; it is logged at
+INFO, and at WARNING once the store has been busy for longer than the lease's term. A renewal
+that fails otherwise keeps the epoch only until the lease would have expired; a takeover by
+someone else is seen at the next renewal. On shutdown it releases.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ class LeaseActor:
         self._clock = clock
         self._epoch: int | None = None
         self._valid_until = 0.0
+        # When the renewals began to find the store busy, while they do.
+        self._busy_since: float | None = None
         self._acquisitions = 0
         self._renewals = 0
         self._losses = 0
@@ -87,16 +92,19 @@ class LeaseActor:
     async def _renew(self) -> None:
         def acquire() -> int | None:
             faults.point("lease.renew")
-            return self._store.acquire_lease(self._holder, now=self._clock(), ttl=self._ttl_us)
+            return self._store.acquire_lease(
+                self._holder, now=self._clock(), ttl=self._ttl_us, brief=True
+            )
 
         try:
             epoch = await trio.to_thread.run_sync(acquire, limiter=self._limiter)
         except Deferred:
             self._failures += 1
-            log.warning("lease renewal deferred: the store is busy; the epoch is kept")
+            self._deferred()
             return
         except StorageError as exc:
             self._failures += 1
+            self._busy_since = None
             # SQLite's reason names no value; with the file, it tells an operator what to fix
             # (a store the service's user cannot write, a full disk).
             where = os.path.basename(self._store.path)
@@ -104,9 +112,26 @@ class LeaseActor:
             if self._epoch is not None and trio.current_time() >= self._valid_until:
                 await self._publish(None)
             return
+        self._busy_since = None
         if epoch is not None:
             self._valid_until = trio.current_time() + self._ttl_us / 1e6 - self._renew_s
         await self._publish(epoch)
+
+    def _deferred(self) -> None:
+        """Say that a renewal found the store busy: at INFO for a moment (a fold worker's
+        transaction, the common case), at WARNING once it has been busy for longer than the
+        lease's term (a writer that does not let go)."""
+        now = trio.current_time()
+        if self._busy_since is None:
+            self._busy_since = now
+        busy_s = now - self._busy_since
+        if busy_s >= self._ttl_us / 1e6:
+            log.warning(
+                "lease renewal deferred: the store has been busy for %.0f s; the epoch is kept",
+                busy_s,
+            )
+        else:
+            log.info("lease renewal deferred: the store is busy; the epoch is kept")
 
     async def _publish(self, epoch: int | None) -> None:
         if epoch == self._epoch:

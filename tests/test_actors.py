@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import sqlite3
 import threading
 import time
@@ -455,6 +456,48 @@ async def test_a_store_it_could_not_write_is_folded_into_once_mended_run_38(
         "lease renewal failed: StorageError: database error: attempt to write a readonly"
         " database (store.sqlite)"
     }
+
+
+async def test_a_renewal_that_finds_the_store_busy_holds_no_read_behind_it_run_44(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-44: while another connection holds the store's write lock for longer than the
+    lease's term, every renewal is deferred after a brief wait, so reads of the store never
+    wait long behind one; the deferrals are INFO until the store has been busy for a term, then
+    WARNING; the epoch is kept throughout and renewed once the lock goes."""
+    term_s, hold_s = 1.0, 2.0
+    with caplog.at_level(logging.INFO, "healthlog.lease"):
+        async with open_runtime(config(tmp_path, lease_renew_s=0.2, lease_ttl_s=term_s)) as runtime:
+            await until(lambda: runtime.statistics().lease.epoch == 1)
+            with closing(
+                sqlite3.connect(DataDir(tmp_path).store_path, isolation_level=None)
+            ) as lock:
+                lock.execute("BEGIN IMMEDIATE")
+                held, slowest = time.monotonic(), 0.0
+                while time.monotonic() - held < hold_s:
+                    started = time.monotonic()
+                    await runtime.read_store(Store.lease)
+                    slowest = max(slowest, time.monotonic() - started)
+                    await trio.sleep(0.02)
+                deferred = runtime.statistics().lease.failures
+                lock.execute("ROLLBACK")
+            renewals = runtime.statistics().lease.renewals
+            await until(lambda: runtime.statistics().lease.renewals > renewals)
+            assert runtime.statistics().lease.epoch == 1
+    assert slowest < 0.75, slowest
+    assert deferred >= 4
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "renewal" in r.getMessage()]
+    infos = [m for level, m in said if level == logging.INFO]
+    warnings = [m for level, m in said if level == logging.WARNING]
+    assert set(infos) == {"lease renewal deferred: the store is busy; the epoch is kept"}
+    assert warnings
+    for warning in warnings:
+        assert re.fullmatch(
+            r"lease renewal deferred: the store has been busy for \d s; the epoch is kept", warning
+        ), warning
+    assert len(infos) + len(warnings) == deferred
+    assert not logged(caplog, logging.ERROR)
+    assert "fold lease lost" not in caplog.text
 
 
 # -- statistics -----------------------------------------------------------------------------------

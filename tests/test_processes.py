@@ -430,7 +430,8 @@ def test_deliveries_journaled_while_another_process_locks_the_store_fold_after_f
 ) -> None:
     """FENCE-6: another process holds the store's write lock; `import --no-wait` run meanwhile
     journals its deliveries, nothing folds while the lock is held (the runtime's lease renewals
-    fail as busy, no ERROR); after the release the import exits 0 and every delivery folds,
+    are deferred as busy, with no WARNING for a lock held less than a term, and no ERROR); after
+    the release the import exits 0 and every delivery folds,
     once, in journal order; `verify` exits 0."""
     busy = ("--ttl", "3", "--busy-timeout-ms", "250")
     live = children.runtime(data, "live", "--executor", "thread", "--submit", "3", *busy)
@@ -450,7 +451,8 @@ def test_deliveries_journaled_while_another_process_locks_the_store_fold_after_f
     final = wait_state(data, "everything folds", quiescent, watch=[live])
     assert sorted(final.folded_events) == sorted(final.order)
     assert_folded_once_in_journal_order(final)
-    assert "lease renewal deferred: the store is busy" in live.stderr()
+    # Busy for less than a term: the deferred renewals are INFO, below the child's stderr.
+    assert "lease renewal" not in live.stderr()
     assert "fold lease lost" not in live.stderr(), "a busy store cost the epoch"
     assert set(final.epochs.values()) == {final.epoch}
     live.stop()

@@ -64,8 +64,9 @@ OUT_OF_MEMORY = "internal error: MemoryError"
 GIVEN_UP = (OVER_BUDGET, WORKER_DIED, OUT_OF_MEMORY)
 # How far after now an event's stamp may lie and still count as recent when events are pruned.
 FUTURE_SKEW_US = 86_400 * 1_000_000
-# How long a write that is tried again later anyway (a subscriber's ACK, a mark) waits for the
-# write lock before it is deferred, rather than hold the store's reads behind it.
+# How long a write that is tried again later anyway (a subscriber's ACK, a mark, the runtime's
+# lease renewal) waits for the write lock before it is deferred, rather than hold the store's
+# reads behind it.
 BRIEF_WAIT_MS = 250
 
 MIGRATIONS = (
@@ -329,8 +330,14 @@ class Store(_objects.ObjectDatabase):
 
     # -- lease (L1) -------------------------------------------------------------------
 
-    def acquire_lease(self, holder: str, *, now: int, ttl: int, force: bool = False) -> int | None:
+    def acquire_lease(
+        self, holder: str, *, now: int, ttl: int, force: bool = False, brief: bool = False
+    ) -> int | None:
         """Take or renew the fold lease; return the epoch held, or None if someone else holds it.
+
+        With ``brief`` it waits for the write lock at most ``BRIEF_WAIT_MS``, then raises
+        :class:`Deferred`: a holder that renews again later anyway does not hold the store's
+        reads behind it for the whole busy timeout while another process writes.
 
         A takeover (a new holder, a lease another let expire, or ``force``) increments the
         epoch. The holder renews its own lease at the same epoch even once it has expired, as
@@ -341,7 +348,8 @@ class Store(_objects.ObjectDatabase):
         now, so a dead holder's lease frees within a term, while a live holder keeps it by
         renewing.
         """
-        with self._lock, write_transaction(self._conn):
+        waiting = self._waiting_at_most(BRIEF_WAIT_MS) if brief else contextlib.nullcontext()
+        with self._lock, waiting, write_transaction(self._conn):
             current, epoch, expires_at, term = self._conn.execute(
                 "SELECT holder, epoch, expires_at, term FROM lease WHERE name = ?", (FOLD_LEASE,)
             ).fetchone()
