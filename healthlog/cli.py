@@ -716,7 +716,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         error = _user_error(exc)
         if error is None:
             raise
-        print(f"healthlog: {error}", file=sys.stderr)
+        print(f"healthlog: {_naming_its_file(error)}", file=sys.stderr)
         return 2 if isinstance(error, CliError) else 3
 
 
@@ -729,6 +729,15 @@ def _log_as_configured(data: DataDir | None) -> None:
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     setup_logging(config.log_format, config.log_level)
+
+
+def _naming_its_file(error: Exception) -> str:
+    """``error`` for its one line: a storage error met once its file was open says which of the
+    data directory's files it was (one met opening it names it already)."""
+    text = str(error)
+    if isinstance(error, StorageError) and error.file and error.file not in text:
+        return f"{text} ({error.file})"
+    return text
 
 
 def _quiet_stdout() -> None:

@@ -1,7 +1,7 @@
 """The command line at its edges: a closed pipe, Ctrl-C, settings out of range, a data
 directory that does not exist, timestamps or layers it cannot read, another process holding
-the lease and the log settings (specs/cli.md, CLI-25 to CLI-40, CLI-46, CLI-48, CLI-49). Most
-commands run as a real process."""
+the lease, the log settings and storage errors (specs/cli.md, CLI-25 to CLI-40, CLI-46, CLI-48,
+CLI-49, CLI-51). Most commands run as a real process."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from _cli_bodies import body, metric, point, write
+from _disk import files_limited_to, unwritable
 
 from healthlog.cli import build_parser
 from healthlog.config import load_serve_config
@@ -667,3 +668,26 @@ def test_a_command_without_a_data_directory_takes_the_environment_alone_cli_49(
     (data / TOML).write_text("[serve]\nport = 99999\n")
     assert run_cli("status", "--data", data).code == 0
     assert run_cli("serve", "--data", data).code == 2
+
+
+def test_a_storage_error_met_while_writing_names_its_file_cli_51(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-51: a storage error met after the files were opened (a disk that fills during
+    `import`, a store that may not be written during `reindex`) exits 3 with one line naming
+    the file, as one met while opening does. (Before: `healthlog: database error: disk I/O
+    error`, which of the data directory's files left unsaid.)"""
+    data = tmp_path / "data"
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, sent).code == 0
+    incompressible = os.urandom(300_000).hex().encode()
+    noise = write(tmp_path / "noise.json", b'{"data":{"x":"%s"}}' % incompressible)
+    with files_limited_to((data / "journal.sqlite").stat().st_size + 64 * 1024):
+        run = run_cli("import", "--no-wait", "--data", data, noise)
+    assert run.code == 3
+    one_line_error(run.err, "(journal.sqlite)")
+    with unwritable(data / "store.sqlite"):
+        run = run_cli("reindex", "--data", data)
+    assert run.code == 3
+    one_line_error(run.err, "(store.sqlite)")
+    assert run_cli("verify", "--data", data).code == 0
