@@ -25,7 +25,7 @@ from actors.retention import RetentionActor, RetentionStatistics
 from healthlog.config import ServeConfig
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
-from healthlog.storage.passes import Budget
+from healthlog.storage.passes import Budget, check_same_journal
 from healthlog.storage.store import Store, default_holder
 
 T = TypeVar("T")
@@ -168,6 +168,12 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
     try:
         store = Store(data.store_path, busy_timeout_ms=config.busy_timeout_ms)
     except BaseException:
+        journal.close()
+        raise
+    try:
+        check_same_journal(journal, store)
+    except BaseException:
+        store.close()
         journal.close()
         raise
     try:

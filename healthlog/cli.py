@@ -33,7 +33,7 @@ from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
-from healthlog.storage.passes import pending
+from healthlog.storage.passes import check_same_journal, pending
 from healthlog.storage.rebuild import Difference, RebuildError, reindex, verify
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.storage.status import (
@@ -435,6 +435,7 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
 def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("reindex")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
+        check_same_journal(journal, store)
         changed = reindex(journal, store, f"reindex:{default_holder()}", progress=progress)
     print(f"reindex: done, {changed} objects changed", file=sys.stderr)
     return 0
@@ -451,6 +452,7 @@ _GIVEN_UP_WHY = {
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
+        check_same_journal(journal, store)
         differences = verify(journal, store, progress=progress)
         unfolded = len(pending(journal, store))
         given_up = Counter(store.given_up().values())
@@ -498,6 +500,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         raise CliError("--limit goes with --failed or --partial")
     public_key = public_key_text(data.signing_key())
     with data.open_journal() as journal, data.open_store() as store:
+        check_same_journal(journal, store)
         status = collect_status(journal, store, public_key)
     if args.json:
         sys.stdout.buffer.write(documents.dumps(status) + b"\n")

@@ -1,7 +1,7 @@
 """The command line at its edges: a closed pipe, Ctrl-C, settings out of range, a data
 directory that does not exist, timestamps or layers it cannot read, another process holding
 the lease, the log settings and storage errors (specs/cli.md, CLI-25 to CLI-40, CLI-46, CLI-48,
-CLI-49, CLI-51). Most commands run as a real process."""
+CLI-49, CLI-51, CLI-52). Most commands run as a real process."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import re
 import select
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -690,4 +691,55 @@ def test_a_storage_error_met_while_writing_names_its_file_cli_51(
         run = run_cli("reindex", "--data", data)
     assert run.code == 3
     one_line_error(run.err, "(store.sqlite)")
+    assert run_cli("verify", "--data", data).code == 0
+
+
+def test_a_store_folded_from_another_journal_is_refused_until_reindexed_cli_52(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-52: a journal restored from a backup older than the store (or emptied) gives again
+    the ids of deliveries the store has folded: `import`, `status` and `verify` exit 3 with one
+    line that says so and how to mend it, journaling nothing, and so does `reindex`, which
+    would keep the folded deliveries' change events; with the store moved away, `reindex` folds
+    that journal into a new one, and a new delivery folds and exports. (Before, `import`
+    journaled its file under the id of a delivery the store had folded, reported that one's
+    outcome, `parsed`, and never folded it: its points were lost to the projection; and after
+    a `reindex` every fold collided with the old change events and was never written.)"""
+    data = tmp_path / "data"
+    args = ("import", "--aggregation", "minutes", "--data", data)
+
+    def sent(name: str, at: str) -> Path:
+        return write(tmp_path / f"{name}.json", body(metric(name, "count", point(at, qty=1))))
+
+    assert run_cli(*args, sent("first", "2024-02-06 07:00:00 -0800")).code == 0
+    backup = tmp_path / "journal-backup.sqlite"
+    with sqlite3.connect(data / "journal.sqlite") as live, sqlite3.connect(backup) as copy:
+        live.backup(copy)
+    copy.close()
+    live.close()
+    assert run_cli(*args, sent("second", "2024-02-06 08:00:00 -0800")).code == 0
+    for leftover in data.glob("journal.sqlite*"):
+        leftover.unlink()
+    backup.rename(data / "journal.sqlite")
+
+    later = sent("later", "2024-02-06 09:00:00 -0800")
+    for command in (
+        (*args, later),
+        ("status", "--data", data),
+        ("verify", "--data", data),
+        ("reindex", "--data", data),
+    ):
+        run = run_cli(*command)
+        assert run.code == 3, (command, run.err)
+        one_line_error(run.err, "healthlog reindex")
+        assert "another journal" in run.err
+    assert run_cli("status", "--json", "--data", data).code == 3
+    for store_file in data.glob("store.sqlite*"):
+        store_file.unlink()
+    assert run_cli("reindex", "--data", data).code == 0
+    status = json.loads(run_cli("status", "--json", "--data", data).out)
+    assert status["journal"]["deliveries"] == 1
+    assert run_cli(*args, later).code == 0
+    exported = run_cli("export", "--data", data).json_lines()
+    assert [line["metric"] for line in exported] == ["first", "later"]
     assert run_cli("verify", "--data", data).code == 0

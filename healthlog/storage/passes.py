@@ -61,6 +61,31 @@ def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     return [meta for meta in journal.iter_order(after=view.after) if meta.id not in view.folded]
 
 
+def check_same_journal(journal: Journal, store: Store) -> None:
+    """Raise a :class:`StorageError` unless the delivery at the store's checkpoint is in
+    ``journal``, at the same position.
+
+    A store folded from another journal (the journal restored from an older backup, replaced or
+    emptied) has outcomes under ids that this journal gives again: a new delivery would take the
+    id of one the store has folded, count as folded and never be folded; and a ``reindex`` into
+    it would keep the change events of those deliveries, whose ids the new deliveries' events
+    collide with. A new store, folded from this journal, mends it."""
+    received_at, delivery_id, _ = store.checkpoint()
+    if delivery_id is None:
+        return
+    meta = journal.get_meta(delivery_id)
+    if meta is not None and meta.received_at == received_at:
+        return
+    error = StorageError(
+        f"store.sqlite was folded from another journal: journal.sqlite lacks its delivery"
+        f" {delivery_id} (a journal restored from an older backup, or emptied); move"
+        " store.sqlite and its -wal and -shm files away, then `healthlog reindex` (or `serve`)"
+        " folds this journal into a new store"
+    )
+    error.file = "store.sqlite"
+    raise error
+
+
 @attrs.frozen
 class Counted:
     """The pending deliveries in journal order, the outcomes by status, and the journal's
