@@ -697,10 +697,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # export --replica reads the replica, not the data directory.
         uses_data = (args.needs_data or args.makes_data) and getattr(args, "replica", None) is None
-        if uses_data and args.needs_data and not data.path.exists():
-            raise CliError(f"no healthlog data in {data.path} (give --data DIR)")
         if data.path.exists() and not data.path.is_dir():
             raise CliError(f"{data.path} is not a directory")
+        if uses_data and args.needs_data and not data.holds_data():
+            raise CliError(f"no healthlog data in {data.path} (give --data DIR)")
         if func is not cmd_serve:
             # serve's own flags come first: it sets its logging up itself.
             _log_as_configured(data if uses_data else None)

@@ -1,7 +1,7 @@
 """The command line at its edges: a closed pipe, Ctrl-C, settings out of range, a data
 directory that does not exist, timestamps or layers it cannot read, another process holding
 the lease, the log settings and storage errors (specs/cli.md, CLI-25 to CLI-40, CLI-46, CLI-48,
-CLI-49, CLI-51, CLI-52). Most commands run as a real process."""
+CLI-49, CLI-51 to CLI-53). Most commands run as a real process."""
 
 from __future__ import annotations
 
@@ -436,6 +436,40 @@ def test_token_add_makes_the_data_directory_cli_39(cli: Cli, tmp_path: Path) -> 
     data = tmp_path / "new" / "data"
     assert cli("token", "add", "phone", "--data", data).code == 0
     assert cli("token", "list", "--data", data).out == b"phone\n"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["export"],
+        ["verify"],
+        ["reindex"],
+        ["seal", "--before", "2024-01-01T00:00:00Z"],
+        ["token", "list"],
+        ["token", "revoke", "phone"],
+    ],
+)
+@pytest.mark.parametrize("held", [[], ["notes.txt"]])
+def test_a_command_on_a_directory_without_healthlog_data_makes_none_cli_53(
+    cli: Cli, tmp_path: Path, args: list[str], held: list[str]
+) -> None:
+    """CLI-53: a command that reads a data directory (or seals what it holds), given a
+    directory that exists but holds none of healthlog's files (an empty one, the parent of the
+    data directory, a share of other files, the current directory from an empty
+    `HEALTHLOG_DATA`), exits 2 with one line saying so, as for one that does not exist, and
+    leaves the directory as it was. (Before, it made `journal.sqlite`, `store.sqlite` and
+    `signing.key` there and reported an empty instance.)"""
+    other = tmp_path / "share"
+    other.mkdir()
+    for name in held:
+        (other / name).write_text("not healthlog's\n")
+    run = cli(*args, "--data", other)
+    assert run.code == 2
+    one_line_error(run.err, f"healthlog: no healthlog data in {other} (give --data DIR)")
+    assert run.out == b""
+    assert sorted(path.name for path in other.iterdir()) == held
 
 
 @pytest.mark.parametrize("command", ["token add", "import"])

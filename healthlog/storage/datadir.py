@@ -63,6 +63,12 @@ class DataDir:
     def snapshot_dir(self) -> Path:
         return self.path / SNAPSHOT_DIR
 
+    def holds_data(self) -> bool:
+        """Whether one of healthlog's files is here (a database, the signing key, the settings):
+        a directory without them (empty, or holding other files) is not a data directory."""
+        names = (JOURNAL_FILE, STORE_FILE, TOKENS_FILE, SIGNING_KEY_FILE, CONFIG_FILE)
+        return any((self.path / name).exists() for name in names)
+
     def signing_key(self) -> Ed25519PrivateKey:
         """The snapshot signing key, created (mode 0600) on first use.
 
