@@ -699,6 +699,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         uses_data = (args.needs_data or args.makes_data) and getattr(args, "replica", None) is None
         if data.path.exists() and not data.path.is_dir():
             raise CliError(f"{data.path} is not a directory")
+        if data.path.is_symlink() and not data.path.exists():
+            # Say where it points (a disk not mounted, say) rather than make a directory there.
+            raise CliError(
+                f"{data.path} is a symbolic link to {os.readlink(data.path)}, which does not exist"
+            )
         if uses_data and args.needs_data and not data.holds_data():
             raise CliError(f"no healthlog data in {data.path} (give --data DIR)")
         if func is not cmd_serve:

@@ -1,7 +1,7 @@
 """The command line at its edges: a closed pipe, Ctrl-C, settings out of range, a data
 directory that does not exist, timestamps or layers it cannot read, another process holding
 the lease, the log settings and storage errors (specs/cli.md, CLI-25 to CLI-40, CLI-46, CLI-48,
-CLI-49, CLI-51 to CLI-53). Most commands run as a real process."""
+CLI-49, CLI-51 to CLI-54). Most commands run as a real process."""
 
 from __future__ import annotations
 
@@ -470,6 +470,30 @@ def test_a_command_on_a_directory_without_healthlog_data_makes_none_cli_53(
     one_line_error(run.err, f"healthlog: no healthlog data in {other} (give --data DIR)")
     assert run.out == b""
     assert sorted(path.name for path in other.iterdir()) == held
+
+
+@pytest.mark.parametrize(
+    "args", [["token", "add", "phone"], ["import", "--no-wait", "a.json"], ["serve", "--port", "0"]]
+)
+def test_a_data_directory_that_is_a_dangling_link_is_refused_cli_54(
+    cli: Cli, tmp_path: Path, args: list[str]
+) -> None:
+    """CLI-54: `token add`, `import` or `serve` given a `--data` that is a symbolic link to
+    nothing (a disk not mounted under the link) exits 2 with one line naming the link and where
+    it points, makes nothing there and says nothing of making a directory. (Before: `healthlog:
+    no data directory at DIR: making a new one`, then `healthlog: [Errno 17] File exists: DIR`
+    and exit 3.)"""
+    write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    target = tmp_path / "unmounted" / "healthlog"
+    link = tmp_path / "data"
+    link.symlink_to(target)
+    run = cli(*[str(tmp_path / arg) if arg == "a.json" else arg for arg in args], "--data", link)
+    assert run.code == 2
+    one_line_error(
+        run.err, f"healthlog: {link} is a symbolic link to {target}, which does not exist"
+    )
+    assert run.out == b""
+    assert not (tmp_path / "unmounted").exists()
 
 
 @pytest.mark.parametrize("command", ["token add", "import"])
