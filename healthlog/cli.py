@@ -472,7 +472,7 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     try:
         for diff in differences:
             print(
-                f"{_what_differs(diff)}\t{diff.key.metric}\t{diff.key.layer}"
+                f"{_what_differs(diff)}\t{_one_field(diff.key.metric)}\t{diff.key.layer}"
                 f"\t{format_instant(diff.key.hour)}"
             )
         sys.stdout.flush()
@@ -480,6 +480,25 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
         _quiet_stdout()
     print(f"verify: {len(differences)} objects differ", file=sys.stderr)
     return 1 if differences else 0
+
+
+# The control characters (C0, DEL, C1) and the line and paragraph separators, which a line
+# reader (Python's ``splitlines``) also splits at.
+_ESCAPES = {
+    **{code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))},
+    **{code: f"\\u{code:04x}" for code in (0x2028, 0x2029)},
+    ord("\n"): "\\n",
+    ord("\t"): "\\t",
+    ord("\r"): "\\r",
+    ord("\\"): "\\\\",
+}
+
+
+def _one_field(name: str) -> str:
+    """``name`` (a metric's, as a body sent it) as one field of a tab-separated line: a
+    backslash, the control characters and the line separators escaped (``\\n``, ``\\t``,
+    ``\\x1b``, ``\\u2028``)."""
+    return name.translate(_ESCAPES)
 
 
 def _what_differs(diff: Difference) -> str:

@@ -1119,6 +1119,34 @@ def test_verify_names_missing_and_extra_objects_cli_16(cli: Cli, tmp_path: Path)
     assert cli("verify", "--data", data).code == 0
 
 
+def test_a_metric_name_with_control_characters_stays_on_one_verify_line_cli_55(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """CLI-55: a metric whose name (as the body sent it) holds a newline, a tab, another
+    control character, a line separator or a backslash is printed by `verify` escaped, `\\n`,
+    `\\t`, `\\x1b`, `\\u2028`, `\\\\` (other characters as they are), so that each
+    differing object is still one line of four tab-separated fields. (Before, the name's newline
+    and tab split the object's line, and a script reading one object per line read two, neither
+    of them whole, the second starting like a `missing` line of its own.)"""
+    data = tmp_path / "data"
+    name = "evil\n\tmissing\x1b[2J\\x\u2028\x85é"
+    sent = body(metric(name, BPM, point(minute(0), qty=1)))
+    import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "a.json", sent))
+    with sqlite3.connect(data / "store.sqlite") as store:
+        store.execute("DELETE FROM objects")
+    store.close()
+    found = cli("verify", "--data", data)
+    assert found.code == 1, found.err
+    assert [line.split("\t") for line in found.out.decode().splitlines()] == [
+        [
+            "missing",
+            "evil\\n\\tmissing\\x1b[2J\\\\x\\u2028\\x85é",
+            "minutes",
+            "2024-02-06T15:00:00Z",
+        ]
+    ]
+
+
 def test_colliding_backfill_is_found_by_verify_and_fixed_by_reindex_cli_16(
     run_cli: RunCli, cli: Cli, tmp_path: Path
 ) -> None:
