@@ -1387,6 +1387,9 @@ async def test_a_reindex_that_drops_an_object_reaches_the_follower_stream_68(
             await trio.sleep(0.01)
             last = await stamp_of(service, weight, automation)
             assert last - first > 2
+            # Folded before the backfill is journaled, so that the live fold inherits from the
+            # delivery before it (a pass that met the backfill first would inherit from that).
+            await service.wait_folded()
             backfill = await cli(
                 run_cli,
                 "import",
