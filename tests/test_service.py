@@ -1429,3 +1429,51 @@ def test_refusal_log_counts_what_it_holds_back_serve_44(caplog: pytest.LogCaptur
     too_large = "refused 413 POST /v1/deliveries from an unknown address: too large"
     assert lines[6:16] == [too_large] * 10
     assert lines[16] == f"{too_large}; 1 more refused requests were not logged before this one"
+
+
+async def test_bytes_after_a_closing_request_do_not_replace_its_answer_serve_48(
+    tmp_path: Path,
+) -> None:
+    """SERVE-48: a request that closes its connection (``Connection: close``, or HTTP/1.0)
+    followed by more bytes (a stray CRLF after the body, as some clients send) gets its own
+    answer: the delivery its 200 with the receipt of the one journal row, a read route its
+    document. hypercorn took those bytes for a malformed next request and answered 400 in
+    place of the first request's answer, while the delivery was journaled all the same: a
+    client that retries it journals it twice."""
+    async with serving(tmp_path / "data") as service:
+        auth = b"Authorization: Bearer %s\r\n" % service.token.encode()
+        requests = {
+            "delivery, Connection: close": b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\n"
+            b"Connection: close\r\nContent-Length: 2\r\n" + auth + b"\r\n{}\r\n",
+            "delivery, HTTP/1.0": b"POST /v1/deliveries HTTP/1.0\r\nContent-Length: 2\r\n"
+            + auth
+            + b"\r\n{}\r\n",
+            "delivery, HTTP/1.0, half-closed": b"POST /v1/deliveries HTTP/1.0\r\n"
+            b"Content-Length: 2\r\n" + auth + b"\r\n{}\r\n",
+            "status, Connection: close": b"GET /v1/status HTTP/1.1\r\nHost: x\r\n"
+            b"Connection: close\r\n" + auth + b"\r\n\r\n",
+        }
+        answers: dict[str, bytes] = {}
+        for name, request in requests.items():
+            async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+                await conn.send_all(request)
+                if name.endswith("half-closed"):
+                    await conn.send_eof()
+                answer = b""
+                with trio.fail_after(10):
+                    while chunk := await conn.receive_some():
+                        answer += chunk
+            answers[name] = answer
+        for name, answer in answers.items():
+            assert answer.startswith(b"HTTP/1.1 200 "), (name, answer)
+            assert answer.count(b"HTTP/1.1 ") == 1, (name, answer)
+        receipts = [
+            json.loads(answers[name].split(b"\r\n\r\n", 1)[1])
+            for name in requests
+            if name.startswith("delivery")
+        ]
+        journal = await service.journal()
+        assert [meta.id for meta in journal] == [r["delivery_id"] for r in receipts]
+        assert json.loads(answers["status, Connection: close"].split(b"\r\n\r\n", 1)[1])["journal"][
+            "deliveries"
+        ] == len(journal)

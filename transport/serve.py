@@ -23,12 +23,16 @@ import os
 import signal
 import socket
 import sys
+from typing import Any
 
+import h11
+import hypercorn.protocol
 import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.events import Event, Updated
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -105,6 +109,44 @@ def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
 # hypercorn's trio worker hands each connection to the ``TCPServer`` its module imported (a name
 # it does not export, hence the ignore).
 hypercorn.trio.run.TCPServer = _ContainedTCPServer  # type: ignore[attr-defined]
+
+
+class _ClosingConnection(h11.Connection):
+    """An h11 server connection that takes nothing more from a client once its request has
+    closed the connection (``Connection: close``, or HTTP/1.0 without keep-alive).
+
+    RFC 9112 (9.6) has the server process no further request on such a connection. h11 takes
+    any byte after it (a stray CRLF after a body, as some clients send) for a protocol error,
+    and hypercorn then answered 400 and closed the connection in place of the request's own
+    answer, while the app went on with the request: a delivery was journaled and its client
+    told 400, so that a retry journaled it twice (SERVE-48). Here such bytes are dropped: what
+    arrived with the request's end is never parsed, later ones are not kept.
+    """
+
+    def receive_data(self, data: bytes) -> None:
+        if not data or self.their_state is not h11.MUST_CLOSE:
+            super().receive_data(data)
+
+    def next_event(self) -> h11.Event | type[h11.PAUSED] | type[h11.NEED_DATA]:
+        if self.their_state is h11.MUST_CLOSE:
+            # The end of the stream, too: hypercorn learns it from the socket (``Closed``).
+            return h11.NEED_DATA
+        return super().next_event()
+
+
+class _ClosingH11Protocol(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol over a :class:`_ClosingConnection`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.connection = _ClosingConnection(
+            h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
+        )
+
+
+# hypercorn's protocol wrapper makes each HTTP/1.1 connection's protocol from the name its
+# module imported (a name it does not export, hence the ignore).
+hypercorn.protocol.H11Protocol = _ClosingH11Protocol  # type: ignore[attr-defined]
 
 
 class _HypercornConfig(HypercornConfig):
