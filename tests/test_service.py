@@ -1477,3 +1477,32 @@ async def test_bytes_after_a_closing_request_do_not_replace_its_answer_serve_48(
         assert json.loads(answers["status, Connection: close"].split(b"\r\n\r\n", 1)[1])["journal"][
             "deliveries"
         ] == len(journal)
+
+
+async def test_a_websocket_handshake_to_an_http_route_is_404_as_json_serve_49(
+    tmp_path: Path,
+) -> None:
+    """SERVE-49: a websocket handshake to a route of the HTTP API (``/healthz``, ``/metrics``,
+    ``/v1/status``, ``/v1/deliveries/1``), as to ``/v1/deliveries`` or a route that does not
+    exist, is answered 404 ``NOT_FOUND`` as JSON: the routes of the HTTP API answered a
+    werkzeug HTML page with 400."""
+    async with serving(tmp_path / "data") as service:
+        for path in ("/healthz", "/metrics", "/v1/status", "/v1/deliveries/1", "/v1/nope"):
+            handshake = (
+                f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                f"Authorization: Bearer {service.token}\r\n\r\n"
+            )
+            async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+                await conn.send_all(handshake.encode())
+                answer = b""
+                with trio.fail_after(10):
+                    while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                        chunk = await conn.receive_some()
+                        if not chunk:
+                            break
+                        answer += chunk
+            head, _, content = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 404 "), (path, answer)
+            assert b"content-type: application/json" in head.lower(), (path, answer)
+            assert json.loads(content) == {"error": "NOT_FOUND"}, (path, answer)

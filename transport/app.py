@@ -18,6 +18,7 @@ import trio
 from quart import Response, has_request_context, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import InternalServerError, MethodNotAllowed, NotFound
+from werkzeug.routing import WebsocketMismatch
 
 from actors.runtime import Runtime
 from healthlog import documents, layers
@@ -208,6 +209,12 @@ def create_app(
 
     @app.errorhandler(NotFound)
     async def not_found(_exc: NotFound) -> Response:
+        return _error("NOT_FOUND", 404)
+
+    @app.errorhandler(WebsocketMismatch)
+    async def websocket_mismatch(_exc: WebsocketMismatch) -> Response:
+        # A websocket handshake to a route of the HTTP API: there is no such websocket route
+        # (werkzeug's answer was an HTML page with 400).
         return _error("NOT_FOUND", 404)
 
     @app.errorhandler(MethodNotAllowed)
