@@ -1506,3 +1506,48 @@ async def test_a_websocket_handshake_to_an_http_route_is_404_as_json_serve_49(
             assert head.startswith(b"HTTP/1.1 404 "), (path, answer)
             assert b"content-type: application/json" in head.lower(), (path, answer)
             assert json.loads(content) == {"error": "NOT_FOUND"}, (path, answer)
+
+
+async def test_blank_lines_before_a_request_are_ignored_serve_50(tmp_path: Path) -> None:
+    """SERVE-50: on a kept-alive connection, a delivery whose body is followed by a CRLF (as
+    some clients send), then a second delivery, sent after the first answer or with the CRLF
+    at once: both are answered 200 and journaled, RFC 9112 (2.2) has a server ignore such
+    blank lines. h11 took one for a request without a request line: hypercorn answered it 400
+    and closed the connection, and a client reading that 400 as its next delivery's answer,
+    or sending that delivery into the closed connection, lost it."""
+    async with serving(tmp_path / "data") as service:
+        auth = b"Authorization: Bearer %s\r\n" % service.token.encode()
+
+        def post(content: bytes) -> bytes:
+            head = b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+            return head % len(content) + auth + b"\r\n" + content + b"\r\n"
+
+        async def answer(conn: trio.SocketStream) -> bytes:
+            received = b""
+            with trio.fail_after(10):
+                while not received.endswith(b"}"):
+                    chunk = await conn.receive_some()
+                    assert chunk, received
+                    received += chunk
+            return received
+
+        answers = []
+        async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+            await conn.send_all(post(b"[1]"))
+            answers.append(await answer(conn))
+            await conn.send_all(post(b"[2]"))
+            answers.append(await answer(conn))
+        async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+            await conn.send_all(post(b"[3]") + post(b"[4]"))
+            both = await answer(conn)
+            if both.count(b"HTTP/1.1 ") < 2:
+                both += await answer(conn)
+            first, _, second = both.partition(b"}")
+            answers += [first + b"}", second]
+        for received in answers:
+            assert received.startswith(b"HTTP/1.1 200 "), answers
+        journal = await service.journal()
+        assert [meta.bytes for meta in journal] == [3, 3, 3, 3]
+        assert [meta.sha256 for meta in journal] == [
+            hashlib.sha256(b"[%d]" % n).hexdigest() for n in (1, 2, 3, 4)
+        ]

@@ -112,26 +112,49 @@ hypercorn.trio.run.TCPServer = _ContainedTCPServer  # type: ignore[attr-defined]
 
 
 class _ClosingConnection(h11.Connection):
-    """An h11 server connection that takes nothing more from a client once its request has
-    closed the connection (``Connection: close``, or HTTP/1.0 without keep-alive).
+    """An h11 server connection that skips blank lines before a request, and takes nothing
+    more from a client once its request has closed the connection (``Connection: close``, or
+    HTTP/1.0 without keep-alive).
 
-    RFC 9112 (9.6) has the server process no further request on such a connection. h11 takes
-    any byte after it (a stray CRLF after a body, as some clients send) for a protocol error,
-    and hypercorn then answered 400 and closed the connection in place of the request's own
-    answer, while the app went on with the request: a delivery was journaled and its client
-    told 400, so that a retry journaled it twice (SERVE-48). Here such bytes are dropped: what
-    arrived with the request's end is never parsed, later ones are not kept.
+    Some clients send a CRLF after a body. RFC 9112 has a server ignore blank lines before a
+    request line (2.2), and process no further request on a connection its request closed
+    (9.6). h11 took such a line for a protocol error, and hypercorn then answered 400 and
+    closed the connection: in place of the request's own answer when that request closed the
+    connection, while the app went on with it (a delivery journaled, its client told 400, a
+    retry journaled it twice, SERVE-48); after the answer on a kept-alive connection, where the
+    client read that 400 as its next delivery's answer, or sent that delivery into the closed
+    connection (SERVE-50). Here blank lines before a request are dropped (h11 keeps its buffer
+    of a connection waiting for a request free of them), and so is whatever follows a request
+    that closed the connection: what arrived with its end is never parsed, later bytes are not
+    kept.
     """
 
     def receive_data(self, data: bytes) -> None:
-        if not data or self.their_state is not h11.MUST_CLOSE:
-            super().receive_data(data)
+        if data and self.their_state is h11.MUST_CLOSE:
+            return
+        starting = self.their_state is h11.IDLE and not self._receive_buffer
+        super().receive_data(data)
+        if starting:
+            self._skip_blank_lines()
+
+    def start_next_cycle(self) -> None:
+        super().start_next_cycle()
+        self._skip_blank_lines()
 
     def next_event(self) -> h11.Event | type[h11.PAUSED] | type[h11.NEED_DATA]:
         if self.their_state is h11.MUST_CLOSE:
             # The end of the stream, too: hypercorn learns it from the socket (``Closed``).
             return h11.NEED_DATA
         return super().next_event()
+
+    def _skip_blank_lines(self) -> None:
+        """Drop the CRs and LFs the buffer starts with, where a request is to start. Done only
+        when one may start (the buffer was empty, or a new cycle began), so that a client
+        sending its request line a byte at a time does not have the buffer copied each time."""
+        pending = self.trailing_data[0]
+        blank = len(pending) - len(pending.lstrip(b"\r\n"))
+        if blank:
+            self._receive_buffer.maybe_extract_at_most(blank)
 
 
 class _ClosingH11Protocol(H11Protocol):
