@@ -1551,3 +1551,62 @@ async def test_blank_lines_before_a_request_are_ignored_serve_50(tmp_path: Path)
         assert [meta.sha256 for meta in journal] == [
             hashlib.sha256(b"[%d]" % n).hexdigest() for n in (1, 2, 3, 4)
         ]
+
+
+DRAIN_GIVE_UP_BYTES = 32 * MiB
+
+
+async def answer_while_sending(port: int, head: bytes, chunk: bytes) -> tuple[bytes, int]:
+    """Send ``head``, then ``chunk`` again and again until an answer comes, the connection
+    breaks or ``DRAIN_GIVE_UP_BYTES`` are sent; what was answered and how many bytes went."""
+    sent = 0
+    answer = b""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as conn:
+        await conn.send_all(head)
+
+        async def read(cancel: trio.CancelScope) -> None:
+            nonlocal answer
+            with contextlib.suppress(trio.BrokenResourceError):
+                while data := await conn.receive_some():
+                    answer += data
+            cancel.cancel()
+
+        with trio.fail_after(CLIENT_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read, nursery.cancel_scope)
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    while not answer and sent < DRAIN_GIVE_UP_BYTES:
+                        await conn.send_all(chunk)
+                        sent += len(chunk)
+                with trio.move_on_after(NEXT_REQUEST_S):
+                    await trio.sleep_forever()
+                nursery.cancel_scope.cancel()
+    return answer, sent
+
+
+async def test_a_refused_upload_is_drained_up_to_the_body_limit_serve_52(tmp_path: Path) -> None:
+    """SERVE-52: GIVEN ``max_body_mib = 1``, an upload refused before its end (a wrong token
+    with an endless chunked body, a ``Content-Length`` of 1 TiB with the right one) is read
+    and dropped up to about the body limit, then answered (401, 413) and closed; it was read
+    for as long as the client went on sending, without an answer, by a client that needed no
+    token."""
+    async with serving(tmp_path / "data", max_body_mib=1) as service:
+        data = b"x" * 65536
+        chunked = b"%x\r\n%s\r\n" % (len(data), data)
+        cases = {
+            401: (
+                b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer hl_wrong\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n",
+                chunked,
+            ),
+            413: (
+                b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                b"Authorization: Bearer %s\r\n\r\n" % (2**40, service.token.encode()),
+                data,
+            ),
+        }
+        for status, (head, chunk) in cases.items():
+            answer, sent = await answer_while_sending(service.port, head, chunk)
+            assert answer.startswith(b"HTTP/1.1 %d " % status), (status, sent, answer)
+            assert sent < 8 * MiB, (status, sent)
+        assert await service.journal() == []

@@ -95,21 +95,26 @@ class _Body:
         self.done = True
         raise _Refused(408, "BODY_TIMEOUT")
 
-    async def drain(self) -> None:
-        """Read and drop what is left of the body, before an answer decided early is sent.
+    async def drain(self, limit: int) -> None:
+        """Read and drop what is left of the body, up to ``limit`` bytes, before an answer
+        decided early is sent.
 
         Most clients write the whole body before they read the answer, and hypercorn closes
         the connection as soon as an answer is complete while the body is not: such a client
         would see a broken pipe instead of its 413 or 401. (Answering without reading is worse:
         with the app's queue full of body messages, hypercorn waits forever for room to hand
         it the disconnect, and the connection never closes.) A client that stalls for
-        ``idle_s`` gets the answer then, with the close.
+        ``idle_s``, or sends more than ``limit`` (the body limit: an endless chunked body, a
+        ``Content-Length`` far beyond it), gets the answer then, with the close: it was read
+        for as long as it went on sending, a token or not (SERVE-52).
         """
-        while not self.done:
+        dropped = 0
+        while not self.done and dropped <= limit:
             try:
-                await self.next()
+                message = await self.next()
             except (_Refused, _Disconnected):
                 return
+            dropped += len(message.get("body", b""))
 
 
 class IntakeEndpoint:
@@ -156,7 +161,7 @@ class IntakeEndpoint:
         answer = await self._handle(scope, body)
         if answer is None:
             return
-        await body.drain()
+        await body.drain(self._limit)
         if body.gone:
             log.debug("intake: the client went away before its answer")
             return
