@@ -27,6 +27,7 @@ from typing import Any
 
 import h11
 import hypercorn.protocol
+import hypercorn.protocol.ws_stream
 import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
@@ -35,6 +36,7 @@ from hypercorn.events import Event, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
+from wsproto.extensions import PerMessageDeflate
 
 from actors.runtime import configured, open_runtime
 from healthlog.config import ServeConfig
@@ -170,6 +172,26 @@ class _ClosingH11Protocol(H11Protocol):
 # hypercorn's protocol wrapper makes each HTTP/1.1 connection's protocol from the name its
 # module imported (a name it does not export, hence the ignore).
 hypercorn.protocol.H11Protocol = _ClosingH11Protocol  # type: ignore[attr-defined]
+
+
+class _DeclinedDeflate(PerMessageDeflate):
+    """permessage-deflate, declined whenever a websocket handshake offers it.
+
+    wsproto inflates what a compressed frame brings whole, and hypercorn checks its message
+    limit on the inflated message only: 0.5 MiB of a peer's deflate took 512 MiB of the
+    service's memory, from a peer whose token was not checked yet (frames are read before the
+    stream checks it; SERVE-51). The stream's frames are small JSON and its peers are on the
+    home network; its reference subscriber (``follow``) never asks for compression. A declined
+    offer leaves the extension disabled, so a peer that sends a compressed frame regardless
+    breaks the protocol and is closed.
+    """
+
+    def accept(self, offer: str) -> None:
+        return None
+
+
+# hypercorn offers the extensions of a websocket handshake from the name its module imported.
+hypercorn.protocol.ws_stream.PerMessageDeflate = _DeclinedDeflate  # type: ignore[attr-defined]
 
 
 class _HypercornConfig(HypercornConfig):

@@ -193,8 +193,8 @@ class StreamEndpoint:
         try:
             await send({"type": "websocket.accept"})
         except Exception as exc:
-            # The handshake cannot be answered: a malformed extension offer (permessage-deflate
-            # with bad parameters), bytes after the upgrade request. The peer's doing.
+            # The handshake cannot be answered: bytes after the upgrade request, say. The
+            # peer's doing.
             log.info("stream: the websocket handshake failed: %s", type(exc).__name__)
             with contextlib.suppress(Exception):
                 await send({"type": "websocket.close", "code": 1008})
