@@ -195,6 +195,28 @@ def _run(fn: Callable[..., Awaitable[T]], *args: object) -> T:
     return trio.run(fn, *args)
 
 
+def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
+    """:func:`_run`, with SIGTERM stopping ``fn`` as Ctrl-C does: it is cancelled, so the
+    runtime it opened closes on the way out (its fold lease released, its fold workers
+    stopped), and the command exits 143 with one line. Left to its default, SIGTERM ended the
+    process at once, and its lease held off the service's folding for a lease term."""
+    import trio
+
+    async def terminable() -> T:
+        async def on_sigterm() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for signum in signals:
+                    raise Stopped(signum)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_sigterm)
+            result = await fn(*args)
+            nursery.cancel_scope.cancel()
+        return result
+
+    return trio.run(terminable)
+
+
 def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
     bodies = []
     for name in args.files:
@@ -203,7 +225,7 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
         except OSError as exc:
             raise CliError(f"cannot read {name}: {exc.strerror}") from None
     config = _settings(data)
-    return _run(_import, args, data, config, bodies)
+    return _run_terminable(_import, args, data, config, bodies)
 
 
 def _settings(data: DataDir) -> ServeConfig:
@@ -258,7 +280,7 @@ def cmd_seal(args: argparse.Namespace, data: DataDir) -> int:
         raise CliError("--metric names a metric; leave it out to seal every metric")
     seal = Seal(args.before, args.metric, args.layer)
     config = _settings(data)
-    return _run(_seal, args, data, config, seal)
+    return _run_terminable(_seal, args, data, config, seal)
 
 
 async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, seal: Seal) -> int:
@@ -776,11 +798,15 @@ def _quiet_stdout() -> None:
 
 def _stopped_by_signal(exc: BaseException) -> int | None:
     """The exit status of a command that ``exc`` says was stopped by a signal: Ctrl-C
-    (SIGINT, also from inside a trio nursery), or SIGINT or SIGTERM noted by
-    :class:`Progress`; None for any other exception."""
+    (SIGINT, also from inside a trio nursery), SIGINT or SIGTERM noted by :class:`Progress`,
+    or SIGTERM to ``import`` or ``seal`` (:func:`_run_terminable`); None for any other
+    exception."""
     if isinstance(exc, Stopped):
         return 128 + exc.signum
     if isinstance(exc, BaseExceptionGroup):
+        stopped = exc.split(Stopped)[0]
+        if stopped is not None:
+            return _stopped_by_signal(stopped.exceptions[0])
         return INTERRUPTED if exc.split(KeyboardInterrupt)[0] is not None else None
     return INTERRUPTED if isinstance(exc, KeyboardInterrupt) else None
 

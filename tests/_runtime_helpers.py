@@ -7,6 +7,7 @@ on its statistics, raw reads of the two SQLite files through connections of thei
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sqlite3
@@ -300,3 +301,21 @@ async def journal_actor_crash(data_dir: str) -> None:
                 except Exception as exc:
                     got.append(type(exc).__name__)
     Path(data_dir, RESULT_FILE).write_bytes(orjson.dumps(got))
+
+
+def children_of(pid: int) -> set[int]:
+    """The processes whose parent is ``pid``."""
+    found = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            if f"\nPPid:\t{pid}\n" in status.read_text():
+                found.add(int(status.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped yet has ended)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False

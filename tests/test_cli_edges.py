@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from _cli_bodies import body, metric, point, write
 from _disk import files_limited_to, unwritable
+from _runtime_helpers import alive, children_of, lease_row
 
 from healthlog.cli import build_parser
 from healthlog.config import load_serve_config
@@ -146,6 +147,58 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
     ]
     with DataDir(data).open_journal() as journal:
         assert journal.count()[0] == 1
+
+
+@pytest.mark.parametrize("command", ["import", "seal"])
+def test_sigterm_stops_import_and_seal_releasing_the_lease_cli_56(
+    tmp_path: Path, command: str
+) -> None:
+    """CLI-56: SIGTERM to `import` (or `seal`) while it holds the fold lease and its fold
+    worker folds (held there by a delay at the fault point `fold.begin`): exit 143, the last
+    line `healthlog: interrupted`, no traceback; the lease is released, the delivery stays
+    journaled and unfolded, and no fold worker is left."""
+    data = DataDir(tmp_path / "data")
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    args = {
+        "import": ["--aggregation", "minutes", file],
+        "seal": ["--before", "2024-02-06T00:00:00Z"],
+    }[command]
+    data.path.mkdir()
+    data.open_journal().close()
+    plan = {"fold.begin": {"hits": [1], "do": "delay", "seconds": 60}}
+    env = {**os.environ, "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    workers: set[int] = set()
+    with subprocess.Popen(
+        healthlog(command, "--data", data.path, *args), stderr=subprocess.PIPE, env=env
+    ) as importing:
+
+        def folding(said: list[str]) -> bool:
+            if not said[-1].startswith("journaled "):
+                return False
+            deadline = time.monotonic() + LIMIT_S
+            while not workers or lease_holder(data) is None:
+                assert time.monotonic() < deadline, "the command never held the lease"
+                workers.update(children_of(importing.pid))
+                time.sleep(0.01)
+            return True
+
+        _, err = signalled_after(importing, signal.SIGTERM, folding)
+    assert importing.returncode == 143, err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == "healthlog: interrupted"
+    assert lease_holder(data) is None
+    with data.open_journal() as journal, data.open_store() as store:
+        assert journal.count()[0] == 1
+        assert store.outcome(1) is None
+    deadline = time.monotonic() + LIMIT_S
+    while any(alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "a fold worker outlived the stopped command"
+        time.sleep(0.05)
+
+
+def lease_holder(data: DataDir) -> str | None:
+    """The fold lease's holder (None before the store exists)."""
+    return lease_row(data.path)[0] if data.store_path.exists() else None
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import gzip
 import logging
@@ -24,6 +23,7 @@ import pytest
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from _bodies import stamp as minute_stamp
 from _hostile_corpus import corpus
+from _runtime_helpers import alive, children_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -762,24 +762,6 @@ def test_the_command_line_names_corrupt_objects_store_26(
         f"corrupt\t{key.metric}\t{key.layer}\t{format_instant(key.hour)}\n".encode()
         for key in (d.junk, d.other)
     ]
-
-
-def children_of(pid: int) -> set[int]:
-    """The processes whose parent is ``pid``."""
-    found = set()
-    for status in Path("/proc").glob("[0-9]*/status"):
-        with contextlib.suppress(OSError):
-            if f"\nPPid:\t{pid}\n" in status.read_text():
-                found.add(int(status.parent.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie nobody reaped yet has ended)."""
-    try:
-        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
 
 
 def test_a_killed_rebuild_leaves_no_worker_and_its_scratch_goes_store_29(tmp_path: Path) -> None:
