@@ -109,7 +109,8 @@ def test_import_as_a_real_process_journals_each_file_in_argument_order_cli_2(
 def test_environment_names_the_data_dir_and_var_is_the_default_cli_1(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
-    """CLI-1: without `--data`, a real process uses $HEALTHLOG_DATA, else ./var."""
+    """CLI-1: without `--data`, a real process uses $HEALTHLOG_DATA, else ./var, also when
+    $HEALTHLOG_DATA is set but empty."""
     data = tmp_path / "from-env"
     sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
     env = {"HEALTHLOG_DATA": str(data)}
@@ -118,9 +119,11 @@ def test_environment_names_the_data_dir_and_var_is_the_default_cli_1(
     assert export.code == 0, export.err
     assert [d["point"]["qty"] for d in export.json_lines()] == [61]
     assert run_cli("import", "--aggregation", "minutes", sent, cwd=tmp_path).code == 0
+    empty = {"HEALTHLOG_DATA": ""}
+    assert run_cli("import", "--aggregation", "minutes", sent, cwd=tmp_path, env=empty).code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "from-env", "var"]
     with DataDir(data).open_journal() as journal, DataDir(tmp_path / "var").open_journal() as var:
-        assert (journal.count()[0], var.count()[0]) == (1, 1)
+        assert (journal.count()[0], var.count()[0]) == (1, 2)
 
 
 def test_data_flag_wins_over_the_environment_cli_1(

@@ -153,5 +153,6 @@ def _write_synced(fd: int, data: bytes) -> None:
 
 
 def default_data_dir() -> Path:
-    """``HEALTHLOG_DATA``, else ``./var``."""
-    return Path(os.environ.get("HEALTHLOG_DATA", "var"))
+    """``HEALTHLOG_DATA``, else ``./var``; set but empty (``HEALTHLOG_DATA=``, a unit's
+    ``Environment=`` left blank) is unset, not the current directory."""
+    return Path(os.environ.get("HEALTHLOG_DATA") or "var")
