@@ -510,10 +510,9 @@ def test_a_command_on_a_directory_without_healthlog_data_makes_none_cli_53(
 ) -> None:
     """CLI-53: a command that reads a data directory (or seals what it holds), given a
     directory that exists but holds none of healthlog's files (an empty one, the parent of the
-    data directory, a share of other files, the current directory from an empty
-    `HEALTHLOG_DATA`), exits 2 with one line saying so, as for one that does not exist, and
-    leaves the directory as it was. (Before, it made `journal.sqlite`, `store.sqlite` and
-    `signing.key` there and reported an empty instance.)"""
+    data directory, a share of other files), exits 2 with one line saying so, as for one that
+    does not exist, and leaves the directory as it was. (Before, it made `journal.sqlite`,
+    `store.sqlite` and `signing.key` there and reported an empty instance.)"""
     other = tmp_path / "share"
     other.mkdir()
     for name in held:
