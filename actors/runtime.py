@@ -172,11 +172,6 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         raise
     try:
         check_same_journal(journal, store)
-    except BaseException:
-        store.close()
-        journal.close()
-        raise
-    try:
         journal_limiter = trio.CapacityLimiter(1)
         store_limiter = trio.CapacityLimiter(1)
         submit_send, submit_receive = trio.open_memory_channel[Submission](SUBMISSION_BUFFER)

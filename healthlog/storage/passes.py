@@ -8,6 +8,7 @@ increasing cursor goes on, the next pass retries it), and stops at once when fen
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -76,13 +77,14 @@ def check_same_journal(journal: Journal, store: Store) -> None:
     meta = journal.get_meta(delivery_id)
     if meta is not None and meta.received_at == received_at:
         return
+    store_file, journal_file = os.path.basename(store.path), os.path.basename(journal.path)
     error = StorageError(
-        f"store.sqlite was folded from another journal: journal.sqlite lacks its delivery"
+        f"{store_file} was folded from another journal: {journal_file} lacks its delivery"
         f" {delivery_id} (a journal restored from an older backup, or emptied); move"
-        " store.sqlite and its -wal and -shm files away, then `healthlog reindex` (or `serve`)"
+        f" {store_file} and its -wal and -shm files away, then `healthlog reindex` (or `serve`)"
         " folds this journal into a new store"
     )
-    error.file = "store.sqlite"
+    error.file = store_file
     raise error
 
 
