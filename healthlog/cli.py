@@ -50,7 +50,7 @@ from healthlog.storage.store import (
     Store,
     default_holder,
 )
-from healthlog.storage.tokens import TokenError
+from healthlog.storage.tokens import TokenError, Tokens
 from healthlog.timestamps import (
     TIMESTAMP_EXAMPLE,
     TimestampError,
@@ -70,6 +70,12 @@ INTERRUPTED = 128 + signal.SIGINT
 
 class CliError(Exception):
     """A user-facing error: printed without a traceback, exit status 2."""
+
+
+class OutputFailed(Exception):
+    """Standard output could not be written (a full disk behind a redirect, say): printed
+    without a traceback, exit status 3, as an error of the data directory's is, but naming
+    stdout, so that a full disk there is not taken for one under the data directory."""
 
 
 class Stopped(BaseException):
@@ -365,16 +371,49 @@ def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
     with data.open_tokens() as tokens:
         try:
             if args.action == "add":
-                print(tokens.add(args.name))
+                _show_token(tokens, args.name, tokens.add(args.name))
             elif args.action == "revoke":
                 tokens.revoke(args.name)
                 print(f"revoked {args.name}", file=sys.stderr)
             else:
-                for info in tokens.list():
-                    print(info.name)
+                with _writing_stdout():
+                    for info in tokens.list():
+                        print(info.name)
         except TokenError as exc:
             raise CliError(str(exc)) from None
     return 0
+
+
+def _show_token(tokens: Tokens, name: str, token: str) -> None:
+    """Print a new token, the only time it is shown; one that cannot be printed (a full disk
+    behind a redirect, a reader gone) is revoked, or it would be kept with nobody knowing it
+    and its name taken."""
+    try:
+        with _writing_stdout():
+            print(token)
+    except BrokenPipeError:
+        _quiet_stdout()
+        why = "its reader is gone"
+    except OutputFailed as exc:
+        why = str(exc)
+    else:
+        return
+    tokens.revoke(name)
+    raise OutputFailed(f"token {name!r} not added, since it could not be shown: {why}")
+
+
+@contextlib.contextmanager
+def _writing_stdout() -> Iterator[None]:
+    """Writes to stdout, flushed at the end; one that fails, but for a reader gone (which
+    :func:`main` and ``verify`` handle), raises :class:`OutputFailed`."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        _quiet_stdout()
+        raise OutputFailed(f"cannot write to stdout: {exc.strerror or exc}") from None
 
 
 def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
@@ -446,11 +485,11 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
             hour_to=None if args.start_to is None else hour_of(args.start_to),
         )
         out = sys.stdout.buffer
-        for line in export_lines(
-            stored, start_from=args.start_from, start_to=args.start_to, fmt=args.format
-        ):
-            out.write(line)
-        out.flush()
+        with _writing_stdout():
+            for line in export_lines(
+                stored, start_from=args.start_from, start_to=args.start_to, fmt=args.format
+            ):
+                out.write(line)
     return 0
 
 
@@ -492,12 +531,12 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
             file=sys.stderr,
         )
     try:
-        for diff in differences:
-            print(
-                f"{_what_differs(diff)}\t{_one_field(diff.key.metric)}\t{diff.key.layer}"
-                f"\t{format_instant(diff.key.hour)}"
-            )
-        sys.stdout.flush()
+        with _writing_stdout():
+            for diff in differences:
+                print(
+                    f"{_what_differs(diff)}\t{_one_field(diff.key.metric)}\t{diff.key.layer}"
+                    f"\t{format_instant(diff.key.hour)}"
+                )
     except BrokenPipeError:
         _quiet_stdout()
     print(f"verify: {len(differences)} objects differ", file=sys.stderr)
@@ -543,9 +582,15 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
     with data.open_journal() as journal, data.open_store() as store:
         check_same_journal(journal, store)
         status = collect_status(journal, store, public_key)
-    if args.json:
-        sys.stdout.buffer.write(documents.dumps(status) + b"\n")
-        return 0
+    with _writing_stdout():
+        if args.json:
+            sys.stdout.buffer.write(documents.dumps(status) + b"\n")
+        else:
+            print(_status_text(status))
+    return 0
+
+
+def _status_text(status: documents.Status) -> str:
     d, lag = status.deliveries, status.lag
     pending_text = (
         "nothing pending"
@@ -566,8 +611,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         f"snapshot key (Ed25519) {status.stream.public_key}",
         *(f"subscriber  {name} acked {seq}" for name, seq in status.subscribers.items()),
     ]
-    print("\n".join(lines))
-    return 0
+    return "\n".join(lines)
 
 
 def _status_list(args: argparse.Namespace, data: DataDir, statuses: list[str]) -> int:
@@ -575,14 +619,20 @@ def _status_list(args: argparse.Namespace, data: DataDir, statuses: list[str]) -
     limit = DEFAULT_LISTED if args.limit is None else args.limit
     with data.open_store() as store:
         listed = list_deliveries(store, statuses, limit)
-    if args.json:
-        sys.stdout.buffer.write(documents.dumps(listed) + b"\n")
-        return 0
+    with _writing_stdout():
+        if args.json:
+            sys.stdout.buffer.write(documents.dumps(listed) + b"\n")
+        else:
+            _print_listed(listed)
+    return 0
+
+
+def _print_listed(listed: documents.DeliveryList) -> None:
     which = " or ".join(listed.statuses)
     rows = listed.deliveries
     if not rows:
         print(f"no {which} deliveries")
-        return 0
+        return
     if len(rows) < listed.total:
         print(
             f"the newest {len(rows)} of {listed.total} {which} deliveries"
@@ -601,7 +651,6 @@ def _status_list(args: argparse.Namespace, data: DataDir, statuses: list[str]) -
         print(
             f"{delivery:>{widths[0]}}  {received_at:<{widths[1]}}  {status:<{widths[2]}}  {reason}"
         )
-    return 0
 
 
 # -- parser ---------------------------------------------------------------------------------
@@ -815,7 +864,9 @@ def _user_error(exc: BaseException) -> Exception | None:
     """The error to tell the user in one line, also from inside a trio nursery's group."""
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
-    if isinstance(exc, CliError | StorageError | RebuildError | OSError | ObjectCorrupt):
+    if isinstance(
+        exc, CliError | StorageError | RebuildError | OSError | ObjectCorrupt | OutputFailed
+    ):
         return exc
     return None
 

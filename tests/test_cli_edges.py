@@ -1,7 +1,7 @@
 """The command line at its edges: a closed pipe, Ctrl-C, settings out of range, a data
 directory that does not exist, timestamps or layers it cannot read, another process holding
 the lease, the log settings and storage errors (specs/cli.md, CLI-25 to CLI-40, CLI-46, CLI-48,
-CLI-49, CLI-51 to CLI-54). Most commands run as a real process."""
+CLI-49, CLI-51 to CLI-54, CLI-57, CLI-58). Most commands run as a real process."""
 
 from __future__ import annotations
 
@@ -48,11 +48,10 @@ def one_line_error(err: str, says: str) -> None:
     assert says in lines[0], err
 
 
-def test_verify_with_differences_exits_1_when_its_reader_goes_cli_25(
-    run_cli: RunCli, tmp_path: Path
-) -> None:
-    """CLI-25: `verify` whose stdout reader closed before the differences are printed still
-    exits 1 (objects differ), with no traceback."""
+def differing(run_cli: RunCli, tmp_path: Path) -> Path:
+    """A data directory that `verify` finds one object differing in: a point, then a backfill
+    of the same point with other content, folded after it though it comes first in journal
+    order."""
     data = tmp_path / "data"
     at = "2024-02-06 07:00:00 -0800"
     live = write(tmp_path / "live.json", body(metric(HR, BPM, point(at, qty=1.5, source="a"))))
@@ -62,6 +61,15 @@ def test_verify_with_differences_exits_1_when_its_reader_goes_cli_25(
     args = ("import", "--aggregation", "minutes", "--data", data)
     assert run_cli(*args, live).code == 0
     assert run_cli(*args, "--received-at", "2024-01-01T00:00:00Z", backfill).code == 0
+    return data
+
+
+def test_verify_with_differences_exits_1_when_its_reader_goes_cli_25(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-25: `verify` whose stdout reader closed before the differences are printed still
+    exits 1 (objects differ), with no traceback."""
+    data = differing(run_cli, tmp_path)
     assert run_cli("verify", "--data", data).code == 1
 
     read_end, write_end = os.pipe()
@@ -853,3 +861,63 @@ def test_a_store_folded_from_another_journal_is_refused_until_reindexed_cli_52(
     exported = run_cli("export", "--data", data).json_lines()
     assert [line["metric"] for line in exported] == ["first", "later"]
     assert run_cli("verify", "--data", data).code == 0
+
+
+def to_full_stdout(*args: str | os.PathLike[str]) -> tuple[int, str]:
+    """Exit code and stderr of a command whose stdout is ``/dev/full`` (every write fails with
+    ENOSPC, as on a full disk)."""
+    with open("/dev/full", "wb") as full:
+        proc = subprocess.run(
+            healthlog(*args), stdout=full, stderr=subprocess.PIPE, timeout=LIMIT_S, check=False
+        )
+    return proc.returncode, proc.stderr.decode()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_stdout_that_cannot_be_written_is_named_cli_57(run_cli: RunCli, tmp_path: Path) -> None:
+    """CLI-57: `export`, `status` (plain, `--json`, `--failed`), `token list` and a `verify`
+    that finds differences, writing to a full stdout, exit 3 with one line naming stdout, not
+    a bare `[Errno 28] No space left on device` that reads as the data directory's disk."""
+    data = differing(run_cli, tmp_path)
+    assert run_cli("token", "add", "phone", "--data", data).code == 0
+    for command in (
+        ("export",),
+        ("export", "--format", "csv"),
+        ("status",),
+        ("status", "--json"),
+        ("status", "--failed"),
+        ("token", "list"),
+        ("verify",),
+    ):
+        code, err = to_full_stdout(*command, "--data", data)
+        assert code == 3, (command, err)
+        assert "Traceback" not in err
+        assert err.splitlines()[-1] == "healthlog: cannot write to stdout: No space left on device"
+    assert run_cli("export", "--data", data).lines()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_token_that_cannot_be_shown_is_not_kept_cli_58(run_cli: RunCli, tmp_path: Path) -> None:
+    """CLI-58: `token add` whose token cannot be printed (a full stdout, or a reader gone
+    before the write) revokes it and exits 3 saying so; the name is free again. (Before: the
+    token was kept, unseen, its name taken, with exit 0 and nothing said for a reader gone.)"""
+    data = tmp_path / "data"
+    assert run_cli("token", "add", "watch", "--data", data).code == 0
+    code, err = to_full_stdout("token", "add", "phone", "--data", data)
+    assert code == 3
+    one_line_error(err, "token 'phone' not added, since it could not be shown: cannot write")
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with subprocess.Popen(
+        healthlog("token", "add", "tablet", "--data", data),
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+    ) as add:
+        os.close(write_end)
+        _, gone = add.communicate(timeout=LIMIT_S)
+    assert add.returncode == 3
+    one_line_error(gone.decode(), "token 'tablet' not added, since it could not be shown")
+    assert run_cli("token", "list", "--data", data).out.decode().splitlines() == ["watch"]
+    again = run_cli("token", "add", "phone", "--data", data)
+    assert again.code == 0
+    assert again.out.decode().startswith("hl_")
