@@ -757,3 +757,27 @@ async def test_a_task_supervised_by_the_runtime_is_down_like_an_actor_run_36(
         f"actor helper crashed (KeyError); restarting in {delay}" for delay in ("0.5 s", "1.0 s")
     ]
     assert runtime.statistics().crashes == {"helper": 2}
+
+
+async def test_a_data_directory_moved_away_is_not_begun_anew_by_a_fold_worker_run_45(
+    tmp_path: Path,
+) -> None:
+    """RUN-45: the data directory of a runtime folding in worker processes is moved away
+    before any worker opened it; a delivery submitted then is journaled, its pass ends
+    ``unwritten`` and nothing appears at the old path (no directory, no journal or store);
+    once the directory is back, a later pass folds it."""
+    data, moved = tmp_path / "data", tmp_path / "moved"
+    settings = config(data, executor=Executor.PROCESS, wake_period_s=0.2)
+    async with open_runtime(settings) as runtime:
+        await passes_ended(runtime, 1)
+        data.rename(moved)
+        receipt = await runtime.submit(new_delivery(0))
+        await until(
+            lambda: runtime.statistics().folding.passes_by_stop.get("unwritten", 0) >= 1,
+            timeout=30,
+        )
+        assert not data.exists()
+        moved.rename(data)
+        await wait_folded(data, [receipt.delivery_id], timeout=30)
+
+    assert folded_in_order(data) == [receipt.delivery_id]

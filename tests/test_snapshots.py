@@ -615,3 +615,20 @@ async def test_a_snapshot_file_is_served_in_chunks_stream_53(tmp_path: Path) -> 
             tracemalloc.stop()
     assert digest.hexdigest() == manifest["sha256"]
     assert peak < size / 2
+
+
+async def test_a_snapshot_does_not_begin_a_moved_data_directory_anew_run_45(
+    tmp_path: Path,
+) -> None:
+    """RUN-45: a snapshot asked for while the service's data directory is moved away answers
+    503 ``SNAPSHOT_UNAVAILABLE`` and makes nothing at the old path; with the directory back,
+    the snapshot is built."""
+    data, moved = tmp_path / "data", tmp_path / "moved"
+    async with serving(data) as service:
+        await service.wait_folded()
+        data.rename(moved)
+        refused = await service.get("/v1/snapshots")
+        assert (refused.status_code, refused.json()) == (503, {"error": "SNAPSHOT_UNAVAILABLE"})
+        assert not data.exists()
+        moved.rename(data)
+        assert (await service.get("/v1/snapshots")).status_code == 200

@@ -352,6 +352,7 @@ class Database:
     """One SQLite file of healthlog with its schema, shared by worker threads.
 
     Subclasses name their ``MIGRATIONS``; every use of ``_conn`` happens under ``_lock``.
+    Without ``create``, a file that is not there is a :class:`StorageError`, not a new database.
     """
 
     MIGRATIONS: Sequence[str] = ()
@@ -359,12 +360,17 @@ class Database:
     JOURNAL_MODE = "WAL"
 
     def __init__(
-        self, path: str | os.PathLike[str], *, busy_timeout_ms: int = 5000, durable: bool = True
+        self,
+        path: str | os.PathLike[str],
+        *,
+        busy_timeout_ms: int = 5000,
+        durable: bool = True,
+        create: bool = True,
     ) -> None:
         self.path = os.fspath(path)
         self._busy_timeout_ms = busy_timeout_ms
         self._durable = durable
-        self._conn = self._open(create=True)
+        self._conn = self._open(create=create)
         self._lock = ConnectionGuard(path, self._reopen)
         try:
             migrate(self._conn, self.MIGRATIONS)

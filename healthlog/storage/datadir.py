@@ -119,13 +119,18 @@ class DataDir:
         self.path.mkdir(parents=True, exist_ok=True)
         return Tokens(self.tokens_path)
 
-    def open_journal(self, busy_timeout_ms: int = 5000) -> Journal:
-        self.path.mkdir(parents=True, exist_ok=True)
-        return Journal(self.journal_path, busy_timeout_ms=busy_timeout_ms)
+    def open_journal(self, busy_timeout_ms: int = 5000, *, create: bool = True) -> Journal:
+        """The journal, the directory and file created if need be; without ``create`` only
+        the file that is there (a StorageError if it is not)."""
+        if create:
+            self.path.mkdir(parents=True, exist_ok=True)
+        return Journal(self.journal_path, busy_timeout_ms=busy_timeout_ms, create=create)
 
-    def open_store(self, busy_timeout_ms: int = 5000) -> Store:
-        self.path.mkdir(parents=True, exist_ok=True)
-        return Store(self.store_path, busy_timeout_ms=busy_timeout_ms)
+    def open_store(self, busy_timeout_ms: int = 5000, *, create: bool = True) -> Store:
+        """The store, as :meth:`open_journal` opens the journal."""
+        if create:
+            self.path.mkdir(parents=True, exist_ok=True)
+        return Store(self.store_path, busy_timeout_ms=busy_timeout_ms, create=create)
 
 
 # What link() fails with on a filesystem without hard links (FAT, exFAT, CIFS without its Unix

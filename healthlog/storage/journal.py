@@ -322,7 +322,8 @@ def _meta(row: Any) -> DeliveryMeta:
 
 
 class Journal:
-    """The journal file: append deliveries, read them back in journal order."""
+    """The journal file: append deliveries, read them back in journal order. Without
+    ``create``, a file that is not there is a :class:`StorageError`, not a new journal."""
 
     def __init__(
         self,
@@ -331,6 +332,7 @@ class Journal:
         clock: Callable[[], int] = now_us,
         compress_min_bytes: int = 1024,
         busy_timeout_ms: int = 5000,
+        create: bool = True,
     ) -> None:
         if compress_min_bytes < 0:
             raise ValueError("compress_min_bytes must not be negative")
@@ -340,7 +342,7 @@ class Journal:
         self._busy_timeout_ms = busy_timeout_ms
         self._lock = ConnectionGuard(self.path, self._reopen)
         self._stats = JournalStatistics()
-        self._conn = connect(path, busy_timeout_ms=busy_timeout_ms)
+        self._conn = connect(path, create=create, busy_timeout_ms=busy_timeout_ms)
         try:
             migrate(self._conn, _MIGRATIONS)
             self._instance_id = self._load_instance_id()

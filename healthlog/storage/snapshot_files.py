@@ -39,12 +39,14 @@ def build(
     The objects are read from one read transaction and written to the file one at a time,
     so a build holds neither the store's connection nor more than one object in memory. The
     previous snapshot of the stream stays (``KEPT`` files in all), so a reference handed out
-    just before this build can still be fetched; files of other streams go.
+    just before this build can still be fetched; files of other streams go. ``directory`` is
+    made if need be, its parent (the data directory) never: one moved away or unmounted under
+    the service is an OSError here, not begun anew.
     """
     faults.point("snapshot.build")
     stream = store.stream_id()
     instance = journal.instance_id()
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(exist_ok=True)
     with _locked(directory):
         _remove_stale(directory)
         with store.snapshot_at_head() as head:

@@ -1,7 +1,11 @@
 """Folding deliveries in a worker process (the event loop's process never parses a body).
 
 A worker keeps its journal and store connections open between calls; killing the worker in
-the middle of a fold rolls its transaction back, as any interrupted SQLite writer does.
+the middle of a fold rolls its transaction back, as any interrupted SQLite writer does. It opens
+only the files the service opened before it and creates none: a data directory moved or
+unmounted under the running service is not begun anew, empty, at its old path (where the worker
+would fold nothing and a restart would find an empty journal); its folds are not written, with a
+WARNING naming the file, until the directory is back.
 
 A worker also remembers the process that started it (the service). When the service is killed
 outright, its workers are orphaned and handed to another parent; a worker that finds its parent
@@ -17,6 +21,7 @@ from collections.abc import Sequence
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, setup_logging
 from healthlog.storage import faultplan
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import Budget
@@ -40,9 +45,9 @@ def _open(data_dir: str, busy_timeout_ms: int) -> tuple[Journal, Store]:
             )
             faultplan.load_environment()
         data = DataDir(data_dir)
-        journal = data.open_journal(busy_timeout_ms)
+        journal = data.open_journal(busy_timeout_ms, create=False)
         try:
-            handles = journal, data.open_store(busy_timeout_ms)
+            handles = journal, data.open_store(busy_timeout_ms, create=False)
         except BaseException:
             journal.close()
             raise
@@ -65,7 +70,11 @@ def fold_run(
     waiting for the reports: it stops there and returns the reports so far, a prefix of the run
     like any other, leaving the rest for the next holder of the lease.
     """
-    journal, store = _open(data_dir, busy_timeout_ms)
+    try:
+        journal, store = _open(data_dir, busy_timeout_ms)
+    except StorageError as exc:
+        log.warning("delivery %d: fold not written: %s", delivery_ids[0], describe(exc))
+        return [FoldReport(delivery_ids[0], OutcomeClass.UNWRITTEN)]
     metas = journal.get_metas(delivery_ids)
     reports: list[FoldReport] = []
     for position, delivery_id in enumerate(delivery_ids):
