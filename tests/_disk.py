@@ -17,6 +17,7 @@ import resource
 import shutil
 import stat
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -67,3 +68,30 @@ def unwritable(*paths: Path) -> Iterator[Callable[[], None]]:
         yield restore
     finally:
         restore()
+
+
+def in_full_file_system(script: str, *args: str | os.PathLike[str]) -> str:
+    """Run the shell ``script`` (``$1`` the mount point, ``$2``... ``args``) in a mount
+    namespace of its own where ``$1`` is a real 1 MiB tmpfs, ``PY`` this Python; its stderr.
+    Skipped where this process cannot make such a namespace (no unprivileged user namespaces)."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("unshare is missing")
+    point = Path(args[0])
+    probe = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "mount", "-t", "tmpfs", "tmpfs", point],
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"no tmpfs in a namespace of our own: {probe.stderr.decode().strip()}")
+    mounted = f'mount -t tmpfs -o size=1m tmpfs "$1" || exit 99\n{script}'
+    run = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", mounted, "sh", *args],
+        capture_output=True,
+        env={**os.environ, "PY": sys.executable},
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode != 99, run.stderr.decode()
+    return run.stderr.decode()

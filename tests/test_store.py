@@ -20,7 +20,7 @@ import orjson
 import pytest
 import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
-from _disk import DISK_ERROR, files_limited_to, unwritable
+from _disk import DISK_ERROR, files_limited_to, in_full_file_system, unwritable
 
 from actors.retention import RetentionActor, RetentionStatistics
 from healthlog import clock, faults
@@ -766,3 +766,28 @@ def test_event_window_is_read_in_one_snapshot_store_27(
     assert store.event_window() == (head - 2, head)
     store.prune_events(keep=0, older_than_us=2**62)
     assert store.event_window() == (head, head)
+
+
+def test_a_file_a_full_disk_cannot_open_says_the_disk_is_full_store_35(tmp_path: Path) -> None:
+    """STORE-35: on a real file system filled to the last byte (a tmpfs), after the data
+    directory's files were closed, `healthlog status` cannot open the journal (SQLite cannot
+    make its ``-shm`` file) and says the disk is full and how much is free, not only
+    ``disk I/O error``."""
+    payload = tmp_path / "body.json"
+    payload.write_bytes(body({"step_count": [point(0, 1.0)]}))
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" || exit 98\n'
+        '"$PY" -m healthlog.cli status --data "$1/data" > /dev/null || exit 97\n'
+        'head -c 2000000 /dev/zero > "$1/fill"\n'
+        '"$PY" -m healthlog.cli status --data "$1/data"\n'
+        'echo "exit $?" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload)
+    assert re.search(
+        r"healthlog: database error: disk I/O error: the disk is full \(\d+ bytes free\),"
+        r" free some space \(\S+/data/journal\.sqlite\)",
+        stderr,
+    ), stderr
+    assert stderr.endswith("exit 3\n"), stderr

@@ -47,6 +47,12 @@ _SQLITE_LOCKED = 6
 # deleted under the connection, a lock or a recovery that cannot be had), which reopening does
 # not mend.
 _SQLITE_READONLY = 8
+_SQLITE_IOERR = 10
+_SQLITE_FULL = 13
+FULL_BELOW_BYTES = 1 << 20
+"""A file that cannot be opened for a disk error (SQLite says ``disk I/O error`` when it cannot
+size the ``-shm`` file beside a database, SQLITE_IOERR_SHMSIZE) while its file system has less
+free space than this: the disk is full, and the error says so."""
 # What SQLite's primary result codes mean (sqlite3_errstr), for those a storage failure has.
 _MEANINGS = {
     3: "access permission denied",
@@ -147,8 +153,19 @@ def connect(
 
 
 def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
-    """``error``, naming the file that could not be opened (a data directory has several)."""
-    opening = type(error)(f"{error} ({os.fspath(path)})")
+    """``error``, naming the file that could not be opened (a data directory has several),
+    and saying that the disk is full when a disk error met a full one."""
+    cause = ""
+    if error.code is not None and error.code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL):
+        try:
+            stats = os.statvfs(Path(path).parent)
+        except OSError:
+            pass
+        else:
+            free = stats.f_bavail * stats.f_frsize
+            if free < FULL_BELOW_BYTES:
+                cause = f": the disk is full ({free} bytes free), free some space"
+    opening = type(error)(f"{error}{cause} ({os.fspath(path)})")
     opening.kind = error.kind
     opening.file = os.path.basename(path)
     return opening
