@@ -6,12 +6,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import orjson
 
 LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMAT_ENV = "HEALTHLOG_LOG_FORMAT"
 LOG_LEVEL_ENV = "HEALTHLOG_LOG_LEVEL"
+ACCEPT_LOGGER = "trio.serve_listeners"
+"""Where trio logs a failed ``accept`` (EMFILE: every file descriptor in use), at ERROR ten times
+a second for as long as it lasts."""
+ACCEPT_LOG_PERIOD_S = 60.0
 
 
 class KeyValueFormatter(logging.Formatter):
@@ -52,3 +57,29 @@ def setup_logging(fmt: str = "kv", level: str = "info") -> None:
     root.setLevel(level.upper())
     for noisy in ("hypercorn.access", "hypercorn.error"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))
+    accept = logging.getLogger(ACCEPT_LOGGER)
+    for old in [f for f in accept.filters if isinstance(f, Throttle)]:
+        accept.removeFilter(old)
+    accept.addFilter(Throttle(ACCEPT_LOG_PERIOD_S))
+
+
+class Throttle(logging.Filter):
+    """Let one record through per ``period_s`` (monotonic clock); the next one through says
+    how many were held back meanwhile."""
+
+    def __init__(self, period_s: float) -> None:
+        super().__init__()
+        self._period_s = period_s
+        self._last: float | None = None
+        self._held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self._period_s:
+            self._held += 1
+            return False
+        if self._held:
+            record.msg = f"{record.getMessage()} ({self._held} more like it not logged)"
+            record.args = ()
+        self._last, self._held = now, 0
+        return True

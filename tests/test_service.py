@@ -16,7 +16,9 @@ import re
 import resource
 import socket
 import sqlite3
+import subprocess
 import sys
+import time
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import closing
@@ -49,6 +51,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
 
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
+from healthlog.logs import Throttle
 from healthlog.storage.datadir import DataDir
 from healthlog.timestamps import format_instant
 from transport import app as app_module
@@ -1655,3 +1658,64 @@ async def test_a_refused_upload_is_drained_up_to_the_body_limit_serve_52(tmp_pat
             assert answer.startswith(b"HTTP/1.1 %d " % status), (status, sent, answer)
             assert sent < 8 * MiB, (status, sent)
         assert await service.journal() == []
+
+
+def _few_files() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FEW_FILES, FEW_FILES))
+
+
+FEW_FILES = 64
+"""The serve process's open file limit in SERVE-53: a few dozen connections use it up."""
+
+
+def test_connections_beyond_the_open_file_limit_log_one_error_a_minute_serve_53(
+    tmp_path: Path,
+) -> None:
+    """SERVE-53: a `healthlog serve` process limited to 64 open files, and 120 connections
+    held open for 3 s: trio retries the failed accept every 0.1 s, and its ERROR is logged
+    once in the minute, not thirty times; once the connections close the service answers."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    command = [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0"]
+    with subprocess.Popen(
+        [*command, "--data", str(tmp_path / "data")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=_few_files,
+    ) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline().decode()
+            found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
+            assert found, line
+            port = int(found.group(1))
+            held = []
+            with contextlib.ExitStack() as stack:
+                for _ in range(120):
+                    held.append(stack.enter_context(socket.create_connection(("127.0.0.1", port))))
+                time.sleep(3.0)
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                assert client.get("/healthz").status_code == 200
+        finally:
+            process.terminate()
+            _, stderr = process.communicate(timeout=60)
+    failed = [line for line in stderr.decode().splitlines() if "EMFILE" in line]
+    assert len(failed) == 1, failed
+    assert "level=ERROR logger=trio.serve_listeners" in failed[0]
+
+
+def test_a_throttled_record_says_how_many_were_held_back_serve_53() -> None:
+    """SERVE-53: of records within one period only the first passes; the first after it says
+    how many were held back meanwhile."""
+    throttle = Throttle(0.2)
+
+    def record(n: int) -> logging.LogRecord:
+        return logging.LogRecord(
+            "trio.serve_listeners", logging.ERROR, "", 0, "retry %d", (n,), None
+        )
+
+    assert [throttle.filter(record(n)) for n in range(5)] == [True, False, False, False, False]
+    time.sleep(0.25)
+    later = record(5)
+    assert throttle.filter(later)
+    assert later.getMessage() == "retry 5 (4 more like it not logged)"
