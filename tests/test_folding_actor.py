@@ -764,7 +764,7 @@ async def test_a_data_directory_moved_away_is_not_begun_anew_by_a_fold_worker_ru
 ) -> None:
     """RUN-45: the data directory of a runtime folding in worker processes is moved away
     before any worker opened it; a delivery submitted then is journaled, its pass ends
-    ``unwritten`` and nothing appears at the old path (no directory, no journal or store);
+    ``deferred`` and nothing appears at the old path (no directory, no journal or store);
     once the directory is back, a later pass folds it."""
     data, moved = tmp_path / "data", tmp_path / "moved"
     settings = config(data, executor=Executor.PROCESS, wake_period_s=0.2)
@@ -773,7 +773,7 @@ async def test_a_data_directory_moved_away_is_not_begun_anew_by_a_fold_worker_ru
         data.rename(moved)
         receipt = await runtime.submit(new_delivery(0))
         await until(
-            lambda: runtime.statistics().folding.passes_by_stop.get("unwritten", 0) >= 1,
+            lambda: runtime.statistics().folding.passes_by_stop.get("deferred", 0) >= 1,
             timeout=30,
         )
         assert not data.exists()

@@ -4,8 +4,9 @@ A worker keeps its journal and store connections open between calls; killing the
 the middle of a fold rolls its transaction back, as any interrupted SQLite writer does. It opens
 only the files the service opened before it and creates none: a data directory moved or
 unmounted under the running service is not begun anew, empty, at its old path (where the worker
-would fold nothing and a restart would find an empty journal); its folds are not written, with a
-WARNING naming the file, until the directory is back.
+would fold nothing and a restart would find an empty journal). A file it cannot open defers
+the fold, with a WARNING naming the file: the pass stops there, skipping nothing, and the next
+pass tries again, until the directory is back.
 
 A worker also remembers the process that started it (the service). When the service is killed
 outright, its workers are orphaned and handed to another parent; a worker that finds its parent
@@ -73,8 +74,8 @@ def fold_run(
     try:
         journal, store = _open(data_dir, busy_timeout_ms)
     except StorageError as exc:
-        log.warning("delivery %d: fold not written: %s", delivery_ids[0], describe(exc))
-        return [FoldReport(delivery_ids[0], OutcomeClass.UNWRITTEN)]
+        log.warning("delivery %d: fold deferred, cannot open: %s", delivery_ids[0], describe(exc))
+        return [FoldReport(delivery_ids[0], OutcomeClass.DEFERRED)]
     metas = journal.get_metas(delivery_ids)
     reports: list[FoldReport] = []
     for position, delivery_id in enumerate(delivery_ids):
