@@ -224,6 +224,13 @@ def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
 
 
 def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
+    if args.received_at is not None and args.received_at > clock.now_us():
+        # Journal stamps never go back (J2): every live delivery after it would carry this
+        # stamp until the clock reached it, and its lag would read 0 all that while.
+        raise CliError(
+            f"--received-at {format_instant(args.received_at)} is later than now: a backfill"
+            " takes the past instant its data was received at"
+        )
     bodies = []
     for name in args.files:
         try:

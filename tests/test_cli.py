@@ -206,6 +206,29 @@ def test_aggregation_error_names_the_choices_cli_5(cli: Cli, tmp_path: Path) -> 
     assert not (tmp_path / "data").exists()
 
 
+def test_a_received_at_later_than_now_is_refused_cli_59(cli: Cli, tmp_path: Path) -> None:
+    """CLI-59: `import --received-at` later than now (2062 for 2026) exits 2 naming the flag
+    and journals nothing; the next live delivery carries the time it was received, not that
+    stamp, which journal stamps, never going back, would have pinned every later one to."""
+    data = tmp_path / "data"
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    import_ok(cli, data, "--aggregation", "minutes", sent)
+    before = status_of(cli, data)
+    run = cli("import", "--data", data, "--received-at", "2062-01-01T00:00:00Z", sent)
+    assert run.code == 2
+    lines = run.err.splitlines()
+    assert len(lines) == 1
+    assert "--received-at 2062-01-01T00:00:00Z is later than now" in lines[0]
+    assert status_of(cli, data)["journal"] == before["journal"]
+    started = time.time()
+    again = write(tmp_path / "b.json", body(metric(HR, BPM, point(minute(1), qty=62))))
+    import_ok(cli, data, "--aggregation", "minutes", again)
+    with DataDir(data).open_journal() as journal:
+        stamps = [meta.received_at for meta in journal.iter_order()]
+    assert len(stamps) == 2
+    assert started - 60 < stamps[-1] / 1e6 <= time.time()
+
+
 def test_no_wait_leaves_deliveries_pending_until_a_later_import_cli_6(
     cli: Cli, run_cli: RunCli, outcomes: Outcomes, tmp_path: Path
 ) -> None:
