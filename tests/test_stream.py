@@ -704,6 +704,43 @@ async def test_live_events_outlive_a_failed_head_read_stream_45(
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
+# How long the service is left without a waiting subscriber while the event hub's reads are
+# counted: ten of its polls.
+HUB_IDLE_S = 1.0
+
+
+async def test_the_event_hub_reads_nothing_while_no_subscriber_waits_stream_80(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STREAM-80: a service with no subscriber waiting (none connected, then one that came and
+    went) reads the store's head not once, where it read it ten times a second for nothing
+    (about 2 % of a core on an idle service); a subscriber waiting at the head is still woken
+    by the hub for each live event, and once it is gone the reads stop again.
+
+    The reads are counted at the fault point ``stream.head`` (a plan with no action). The
+    subscribers' idle recheck is an hour, so only the hub can wake the subscriber."""
+    monkeypatch.setattr(
+        app_module, "StreamEndpoint", functools.partial(StreamEndpoint, idle_recheck_s=3600.0)
+    )
+    with faults.loaded(faults.Plan()) as plan:
+        async with serving(tmp_path) as service:
+            total = await post_small(service, 0)
+            await trio.sleep(HUB_IDLE_S)
+            assert plan.hits["stream.head"] == 0
+            async with subscribe(service, after=total) as ws:
+                for n, minute in enumerate((60, 120)):
+                    await post(service, small(minute))
+                    assert consecutive(await receive(ws, 2), total + 2 * n)
+            assert plan.hits["stream.head"] > 0
+            with trio.fail_after(FRAME_LIMIT_S):
+                while stream_handlers():
+                    await trio.sleep(POLL_S)
+            await trio.sleep(HUB_IDLE_S)
+            reads = plan.hits["stream.head"]
+            await trio.sleep(HUB_IDLE_S)
+            assert plan.hits["stream.head"] == reads
+
+
 # How much earlier than its backoff and ``healthy_s`` a restarted task may count as up in these
 # measurements (the wall clock of a log record against trio's clock).
 DOWN_SLACK_S = 0.1
