@@ -429,6 +429,7 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
     try:
         # Before the replica is made: a token that cannot be sent never gets anywhere.
         check_token(args.token)
+        _check_directory(args.replica)
         with Replica(args.replica) as replica:
             following = functools.partial(
                 follow,
@@ -794,13 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # export --replica reads the replica, not the data directory.
         uses_data = (args.needs_data or args.makes_data) and getattr(args, "replica", None) is None
-        if data.path.exists() and not data.path.is_dir():
-            raise CliError(f"{data.path} is not a directory")
-        if data.path.is_symlink() and not data.path.exists():
-            # Say where it points (a disk not mounted, say) rather than make a directory there.
-            raise CliError(
-                f"{data.path} is a symbolic link to {os.readlink(data.path)}, which does not exist"
-            )
+        _check_directory(data.path)
         if uses_data and args.needs_data and not data.holds_data():
             raise CliError(f"no healthlog data in {data.path} (give --data DIR)")
         if func is not cmd_serve:
@@ -823,6 +818,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"healthlog: {_naming_its_file(error)}", file=sys.stderr)
         return 2 if isinstance(error, CliError) else 3
+
+
+def _check_directory(path: Path) -> None:
+    """Refuse (CliError) a path to work in that is a file, or a symbolic link to nothing (a
+    disk not mounted, say: say where it points rather than make a directory there)."""
+    if path.exists() and not path.is_dir():
+        raise CliError(f"{path} is not a directory")
+    if path.is_symlink() and not path.exists():
+        raise CliError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist")
 
 
 def _log_as_configured(data: DataDir | None) -> None:

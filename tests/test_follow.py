@@ -936,7 +936,7 @@ def json_answer(content: bytes) -> bytes:
         ),
         (
             {"drop": b'"seq":3,', "garble": b'{"type":"event","seq":"three"}'},
-            "a frame that is not healthlog's: ValueError",
+            "a frame that is not healthlog's: TypeError",
         ),
         (
             {

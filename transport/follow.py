@@ -9,10 +9,13 @@ sequence, restores it a line at a time in one replica transaction, and resumes s
 the snapshot. A stream connection is used only once the status, read again after it opened,
 still names the stream the session started with. It reconnects with backoff after a broken or
 refused connection, a close for being too slow, an HTTP 5xx, and a snapshot reference gone
-stale (404) before its fetch. A token that cannot be sent as a header value is refused before
-connecting, and a request of its own that is not valid HTTP stops it: no retry could send
-either. What it logs of an error never quotes a request (a header value, the token's
-included).
+stale (404) before its fetch; a connection silent past its keepalive time and the ping's, a
+request not answered within its timeout, a snapshot at its cursor, and a service whose store went
+back behind its cursor (restored from a backup: it then restores the snapshot) are retried
+alike. A token that cannot be sent as a header value is refused before connecting, and a
+request of its own that is not valid HTTP stops it: no retry could send either. What it logs
+of an error never quotes a request (a header value, the token's included). One follower at a
+time writes a replica: a second is refused.
 
 For ``https://`` and ``wss://`` URLs both the HTTP calls and the websocket go over TLS, verified
 with one ``ssl.SSLContext`` (by default the system's trust store, checking the host name), and
@@ -26,6 +29,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +45,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
 from wsproto.events import (
     AcceptConnection,
+    BytesMessage,
     CloseConnection,
     Ping,
     RejectConnection,
@@ -55,7 +60,7 @@ from healthlog.documents import StreamInfo, converter
 from healthlog.objects import ObjectKey, from_wire
 from healthlog.snapshots import Manifest, SnapshotError
 from healthlog.storage._sqlite import StorageError
-from healthlog.storage.replica import Change, Replica, ReplicaMismatch
+from healthlog.storage.replica import Change, Replica, ReplicaInUse, ReplicaMismatch
 from healthlog.timestamps import parse_instant
 
 log = logging.getLogger("healthlog.follow")
@@ -73,12 +78,24 @@ BATCH = 512
 READ_AHEAD = 8
 READ_SIZE = 64
 CONNECT_TIMEOUT_S = 30.0
+# A stream connection silent this long is pinged, and one silent as long again (no pong, no
+# frame) is lost: a server gone without a word (a power cut, a NAT or a proxy that dropped the
+# connection) sends no FIN, and an idle follower sends nothing that could meet a reset. A ping
+# also keeps a reverse proxy's read timeout (nginx: 60 s) from closing an idle stream.
+KEEPALIVE_S = 30.0
+# How long a status, key or snapshot reference request may take in all, and how large its
+# answer may be: a server or a front that trickles or never ends its answer cannot hold
+# ``follow`` up or fill its memory.
+REQUEST_TIMEOUT_S = 30.0
+MAX_JSON_BYTES = 16 * 2**20
 # Free space a snapshot download leaves on the replica's filesystem: the restore then writes the
 # objects into the replica, and the disk is shared. A body larger than the rest (a server's
 # endless or hostile answer) stops the follower instead of filling the disk at every retry.
 SNAPSHOT_RESERVE_BYTES = 64 * 2**20
 # Error frames after which reconnecting, with backoff, from the acknowledged cursor is the remedy.
-RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY"})
+# CURSOR_IN_FUTURE: the service's store went back (restored from a backup) since its status
+# was read; the next session sees its head behind the cursor and restores its snapshot.
+RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY", "CURSOR_IN_FUTURE"})
 STREAM_PATH = "/v1/stream"
 
 
@@ -149,6 +166,10 @@ class Follower:
     ssl_context: ssl.SSLContext | None = attrs.field(default=None, kw_only=True)
     # How long connecting, the TLS handshake and the websocket handshake may take together.
     connect_timeout_s: float = attrs.field(default=CONNECT_TIMEOUT_S, kw_only=True)
+    # How long a stream connection may stay silent before a ping, and after it.
+    keepalive_s: float = attrs.field(default=KEEPALIVE_S, kw_only=True)
+    # How long one status, key or snapshot reference request may take in all.
+    request_timeout_s: float = attrs.field(default=REQUEST_TIMEOUT_S, kw_only=True)
     # Free space a snapshot download must leave on the replica's filesystem.
     snapshot_reserve_bytes: int = attrs.field(default=SNAPSHOT_RESERVE_BYTES, kw_only=True)
     # The wait before the next reconnect; back to the start once a connection made progress.
@@ -160,6 +181,10 @@ class Follower:
 
     async def run(self) -> None:
         """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks."""
+        with self.replica.following():
+            await self._run()
+
+    async def _run(self) -> None:
         context = ssl.create_default_context() if self.ssl_context is None else self.ssl_context
         self._met = (await trio.to_thread.run_sync(self.replica.binding)).instance is not None
         async with httpx.AsyncClient(
@@ -218,16 +243,26 @@ class Follower:
 
     async def _session(self, http: httpx.AsyncClient, context: ssl.SSLContext) -> bool:
         """One connection; True when done (caught up)."""
-        stream = await _server_stream(http)
-        key = _structured(await _get_json(http, "/v1/snapshots/key"), _Key, "the snapshot key")
+        stream = await self._server_stream(http)
+        key = _structured(await self._get_json(http, "/v1/snapshots/key"), _Key, "the snapshot key")
         await trio.to_thread.run_sync(self.replica.bind, stream.instance, key.public_key)
         self._met = True
         binding = await trio.to_thread.run_sync(self.replica.binding)
         if binding.stream is None and stream.oldest_cursor == 0:
             await trio.to_thread.run_sync(self.replica.restore, stream.id, 0, [])
             binding = await trio.to_thread.run_sync(self.replica.binding)
-        elif binding.stream != stream.id:
-            document = await _get_json(http, "/v1/snapshots")
+        elif binding.stream != stream.id or binding.cursor > stream.head:
+            if binding.stream == stream.id:
+                # The service's store went back (restored from a backup): the events the
+                # replica has past its head are gone from it, and their numbers will be given
+                # to other changes. Only its snapshot makes the replica equal to it again.
+                log.warning(
+                    "follow: the service's stream went back from seq %d to %d (its store"
+                    " restored from a backup?); restoring its snapshot",
+                    binding.cursor,
+                    stream.head,
+                )
+            document = await self._get_json(http, "/v1/snapshots")
             manifest = _structured(document, Manifest, "the snapshot reference")
             await self._restore(http, manifest, after=0, stream=None)
             binding = await trio.to_thread.run_sync(self.replica.binding)
@@ -276,8 +311,12 @@ class Follower:
             # was read, and the frames would then be that stream's, past a cursor of another:
             # the status is read again once this connection is open (a restart after that
             # breaks it), and a changed stream starts the session over.
-            if (await _server_stream(http)).id != stream:
+            now = await self._server_stream(http)
+            if now.id != stream:
                 raise ConnectionLost("the service's stream changed while connecting")
+            if now.head < after:
+                # Its store restored from a backup meanwhile: the next session restores.
+                raise ConnectionLost("the service's stream went back while connecting")
             return await self._receive(http, ws, after, stream)
         finally:
             await tcp.aclose()
@@ -329,6 +368,7 @@ class Follower:
                 if acks.contiguous > acked:
                     await ws.send(_ack_frame(acks.contiguous))
                     acked = acks.contiguous
+                await self._keep_alive(ws)
                 continue
             while (
                 len(batch.seqs) <= BATCH - READ_SIZE
@@ -364,11 +404,70 @@ class Follower:
                     manifest = _structured(
                         error.get("snapshot"), Manifest, "the snapshot reference"
                     )
+                    if manifest.seq == acks.contiguous:
+                        # Nothing to restore, and reconnecting at once would get the same
+                        # answer: a lost connection, retried after the backoff.
+                        raise ConnectionLost("the server's snapshot is at the cursor, not past it")
                     await self._restore(http, manifest, after=acks.contiguous, stream=stream)
                     return False
                 if error.get("code") in RETRYABLE:
                     raise ConnectionLost(f"the server closed the stream: {error.get('code')}")
                 raise FollowError(f"the server refused the stream: {error.get('code')}")
+
+    async def _server_stream(self, http: httpx.AsyncClient) -> StreamInfo:
+        """The replay stream the service's status names."""
+        status = await self._get_json(http, "/v1/status")
+        return _structured(
+            status.get("stream") if isinstance(status, dict) else None,
+            StreamInfo,
+            "the server's status",
+        )
+
+    async def _get_json(self, http: httpx.AsyncClient, path: str) -> Any:
+        """The JSON answer of ``path``; a 5xx (a restarting server, or a proxy in front of one)
+        is a lost connection, 401, any other refusal and a 200 that is not JSON (a front's page)
+        are for good. An answer that takes longer than ``request_timeout_s`` in all is a lost
+        connection; one larger than ``MAX_JSON_BYTES`` is not healthlog's."""
+        with trio.move_on_after(self.request_timeout_s) as timer:
+            async with http.stream("GET", path) as response:
+                if response.status_code == 401:
+                    raise FollowError("the server refused the token")
+                if response.status_code >= 500:
+                    raise ConnectionLost(f"{path} answered {response.status_code}")
+                if response.status_code != 200:
+                    raise FollowError(f"{path} answered {response.status_code}")
+                content = bytearray()
+                chunks = response.aiter_bytes()
+                async for chunk in chunks:
+                    content += chunk
+                    if len(content) > MAX_JSON_BYTES:
+                        await _abandon(response, chunks)
+                        raise FollowError(
+                            f"{path} answered more than {MAX_JSON_BYTES // 2**20} MiB, not"
+                            " healthlog's"
+                        )
+        if timer.cancelled_caught:
+            raise ConnectionLost(f"{path} was not answered within {self.request_timeout_s:g} s")
+        try:
+            return orjson.loads(content)
+        except orjson.JSONDecodeError:
+            raise FollowError(
+                f"{path} answered something that is not JSON, not healthlog's"
+            ) from None
+
+    async def _keep_alive(self, ws: StreamSocket) -> None:
+        """Between frames: ping a connection silent for ``keepalive_s``; one still silent as
+        long after its ping (nothing read, not even the pong) is lost. Nothing is waiting to be
+        applied here, so the reading task is reading: silence is the server's."""
+        silent = trio.current_time() - ws.heard
+        if silent >= 2 * self.keepalive_s:
+            raise ConnectionLost(f"no answer to a ping within {self.keepalive_s:g} s")
+        if silent >= self.keepalive_s and ws.pinged <= ws.heard:
+            # A send stalled behind a dead peer's full window is as silent.
+            with trio.move_on_after(self.keepalive_s) as sending:
+                await ws.ping()
+            if sending.cancelled_caught:
+                raise ConnectionLost(f"a ping could not be sent within {self.keepalive_s:g} s")
 
     def _caught_up(self, cursor: int) -> bool:
         return self.until_caught_up and self._target is not None and cursor >= self._target
@@ -460,12 +559,16 @@ class StreamSocket:
     def __init__(self, tcp: trio.abc.Stream) -> None:
         self._tcp = tcp
         self._ws = WSConnection(ConnectionType.CLIENT)
-        self._ready: collections.deque[str] = collections.deque()
+        # Whole messages; None stands for a binary one (healthlog sends text only).
+        self._ready: collections.deque[str | None] = collections.deque()
         self._parts: list[str] = []
         self._size = 0
         self._outgoing = bytearray()
         self._accepted = False
         self._sending = trio.Lock()
+        # When bytes last came from the server, and when a ping was last sent.
+        self.heard = trio.current_time()
+        self.pinged = -math.inf
 
     async def open(self, host: str, resource: str, headers: list[tuple[bytes, bytes]]) -> None:
         """The opening handshake; messages that arrive with its answer are kept."""
@@ -475,7 +578,7 @@ class StreamSocket:
         while not self._accepted:
             await self._read()
 
-    async def receive(self, limit: int) -> list[str]:
+    async def receive(self, limit: int) -> list[str | None]:
         """At least one message, and every other one already read, up to ``limit``."""
         while not self._ready:
             await self._read()
@@ -486,6 +589,12 @@ class StreamSocket:
         if self._ws.state is not ConnectionState.OPEN:
             raise ConnectionLost("the stream is closing")
         await self._send_all(self._ws.send(TextMessage(data=message)))
+
+    async def ping(self) -> None:
+        """A ping, whose pong (or any frame) the server sends back moves ``heard`` on."""
+        if self._ws.state is ConnectionState.OPEN:
+            self.pinged = trio.current_time()
+            await self._send_all(self._ws.send(Ping()))
 
     async def aclose(self) -> None:
         """Close, then read until the server's close: a message sent just before (the final
@@ -505,6 +614,8 @@ class StreamSocket:
             data = await self._tcp.receive_some(RECEIVE_BYTES)
         except trio.BrokenResourceError as exc:
             raise ConnectionLost(str(exc)) from None
+        if data:
+            self.heard = trio.current_time()
         if not data and not self._accepted:
             raise ConnectionLost("the server closed the connection during the handshake")
         try:
@@ -535,6 +646,9 @@ class StreamSocket:
                     self._ready.append("".join(self._parts))
                     self._parts.clear()
                     self._size = 0
+            elif isinstance(event, BytesMessage):
+                if event.message_finished:
+                    self._ready.append(None)
             elif isinstance(event, Ping):
                 self._outgoing += self._ws.send(event.response())
             elif isinstance(event, CloseConnection):
@@ -563,16 +677,20 @@ class _Batch:
     malformed: str | None = None
 
     @classmethod
-    def decode(cls, messages: list[str]) -> _Batch:
+    def decode(cls, messages: list[str | None]) -> _Batch:
         seqs: list[int] = []
         changes: list[Change] = []
         errors: list[dict[str, Any]] = []
         for message in messages:
+            if message is None:
+                return cls(seqs, changes, errors, "a binary frame")
             try:
                 frame = orjson.loads(message)
                 kind = frame.get("type")
                 if kind == "event":
-                    seq = int(frame["seq"])
+                    seq = frame["seq"]
+                    if type(seq) is not int:
+                        raise TypeError("a sequence that is not an integer")
                     change = _change(frame) if frame.get("kind") == "object.changed" else None
                     seqs.append(seq)
                     if change is not None:
@@ -648,33 +766,6 @@ def _structured(document: Any, kind: type[_T], what: str) -> _T:
         raise FollowError(f"{what} is not healthlog's") from None
 
 
-async def _server_stream(http: httpx.AsyncClient) -> StreamInfo:
-    """The replay stream the service's status names."""
-    status = await _get_json(http, "/v1/status")
-    return _structured(
-        status.get("stream") if isinstance(status, dict) else None,
-        StreamInfo,
-        "the server's status",
-    )
-
-
-async def _get_json(http: httpx.AsyncClient, path: str) -> Any:
-    """The JSON answer of ``path``; a 5xx (a restarting server, or a proxy in front of one)
-    is a lost connection, 401, any other refusal and a 200 that is not JSON (a front's page)
-    are for good."""
-    response = await http.get(path)
-    if response.status_code == 401:
-        raise FollowError("the server refused the token")
-    if response.status_code >= 500:
-        raise ConnectionLost(f"{path} answered {response.status_code}")
-    if response.status_code != 200:
-        raise FollowError(f"{path} answered {response.status_code}")
-    try:
-        return response.json()
-    except ValueError:
-        raise FollowError(f"{path} answered something that is not JSON, not healthlog's") from None
-
-
 def _reason(group: BaseExceptionGroup[BaseException]) -> str:
     """The first of the errors that ended a connection, for the log and a FollowError (never a
     token or data): its type, with the message of a ConnectionLost (this module's words) or of
@@ -703,7 +794,8 @@ async def follow(
     until_caught_up: bool = False,
     ssl_context: ssl.SSLContext | None = None,
 ) -> None:
-    """Run a follower; raises FollowError for conditions that retrying cannot fix.
+    """Run a follower; raises FollowError for conditions that retrying cannot fix, and the
+    replica's own StorageError (a full disk, a damaged or removed file) as it is.
     ``ssl_context`` is the trust for https:// and wss:// URLs (default: the system's)."""
     check_token(token)
     try:
@@ -715,5 +807,5 @@ async def follow(
             until_caught_up,
             ssl_context=ssl_context,
         ).run()
-    except (ReplicaMismatch, StorageError) as exc:
+    except (ReplicaMismatch, ReplicaInUse) as exc:
         raise FollowError(str(exc)) from None

@@ -5,6 +5,7 @@ so is restoring a snapshot, read from a temporary file beside the replica."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 import time
@@ -57,6 +58,10 @@ class ReplicaMismatch(StorageError):
     """The replica is bound to another instance or key than the server it is pointed at."""
 
 
+class ReplicaInUse(StorageError):
+    """Another follower writes the replica."""
+
+
 @attrs.frozen
 class Change:
     """An object change to apply: the object's state, or None when it no longer exists."""
@@ -85,6 +90,16 @@ class Replica(_objects.ObjectDatabase):
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
         super().__init__(Path(directory) / REPLICA_FILE)
+        self._identity = _identity(self.path)
+
+    def _in_place(self) -> None:
+        """Under ``_lock``, before a write: refuse (StorageError) when the file at the replica's
+        path is no longer the one opened (removed, or another moved there). SQLite would go on
+        writing the open file, which nobody can read any more, for as long as ``follow`` runs."""
+        if _identity(self.path) != self._identity:
+            raise StorageError(
+                "the replica file was removed or replaced while follow ran; start follow again"
+            )
 
     def binding(self) -> Binding:
         with self._lock:
@@ -96,6 +111,7 @@ class Replica(_objects.ObjectDatabase):
     def bind(self, instance: str, public_key: str) -> None:
         """Pin the instance and its snapshot key on first contact; refuse any other later."""
         with self._lock, write_transaction(self._conn):
+            self._in_place()
             bound_instance, bound_key = self._conn.execute(
                 "SELECT instance, public_key FROM binding WHERE id = 1"
             ).fetchone()
@@ -111,6 +127,7 @@ class Replica(_objects.ObjectDatabase):
     def apply(self, stream: str, changes: Sequence[Change], through: int) -> None:
         """Apply changes of ``stream`` newer than the cursor and move it to ``through``."""
         with self._lock, write_transaction(self._conn):
+            self._in_place()
             bound, cursor = self._conn.execute(
                 "SELECT stream, cursor FROM binding WHERE id = 1"
             ).fetchone()
@@ -129,6 +146,7 @@ class Replica(_objects.ObjectDatabase):
         a time: an exception it raises leaves the replica as it was."""
         count = 0
         with self._lock, write_transaction(self._conn):
+            self._in_place()
             self._conn.execute("DELETE FROM objects")
             for obj in objects:
                 self._put(obj.key, obj)
@@ -137,6 +155,25 @@ class Replica(_objects.ObjectDatabase):
                 "UPDATE binding SET stream = ?, cursor = ? WHERE id = 1", (stream, seq)
             )
         return count
+
+    @contextlib.contextmanager
+    def following(self) -> Iterator[None]:
+        """Held by the one follower of the replica while it runs: an exclusive ``flock`` on
+        the replica's directory, which the kernel releases when its holder dies. A second
+        follower is refused (:class:`ReplicaInUse`) rather than write beside the first, where
+        one's long restore holds the other's writes past their busy timeout."""
+        directory = Path(self.path).parent
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ReplicaInUse(
+                    f"another follow is running on the replica in {directory}"
+                ) from None
+            yield
+        finally:
+            os.close(fd)
 
     def room(self, reserve: int) -> int:
         """The bytes a download beside the replica may take: the free space of its filesystem
@@ -169,3 +206,12 @@ class Replica(_objects.ObjectDatabase):
             )
         else:
             _objects.write(self._conn, state)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The device and inode of the file at ``path``, or None when there is none."""
+    try:
+        stats = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stats.st_dev, stats.st_ino

@@ -1,0 +1,565 @@
+"""``healthlog follow`` against servers and fronts that misbehave, and replicas whose files go
+(specs/stream.md, STREAM-71 to STREAM-77; specs/cli.md, CLI-60 and CLI-61): a connection gone
+silent, an answer that never ends or trickles, a snapshot at the cursor, a binary frame or a
+sequence that is not an integer, a replica file removed or replaced, or a disk full under it, a
+store restored from a backup, a second follower of one replica, and a replica path that is no
+directory.
+
+A :class:`Fake` on 127.0.0.1 forwards each request to a real service (or answers it itself),
+and scripts what it pleases: the answer to a path, the frames of a websocket connection, or a
+freeze of every connection open at the time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import shutil
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import trio
+from _disk import files_limited_to
+from _service_helpers import POLL_S, TOKEN_NAME, serving
+from _stream_helpers import (
+    FRAME_LIMIT_S,
+    hourly,
+    post,
+    post_small,
+    replica_export,
+    server_export,
+)
+from conftest import RunCli
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Request,
+    TextMessage,
+)
+
+import transport.follow
+from healthlog.storage._sqlite import StorageError
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.replica import REPLICA_FILE, Replica
+from transport.follow import Endpoints, Follower, FollowError, follow
+
+HEAD_END = b"\r\n\r\n"
+Answer = Callable[[trio.abc.Stream], Awaitable[None]]
+
+
+def json_answer(document: Any) -> bytes:
+    content = orjson.dumps(document)
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+        b"connection: close\r\n\r\n%s" % (len(content), content)
+    )
+
+
+class Fake:
+    """A server on 127.0.0.1. A request whose path is in ``answers`` gets that answer (bytes,
+    or a coroutine writing to the connection); a websocket upgrade is accepted and sent
+    ``frames`` (text, or bytes for a binary frame) then closed with ``close``, when frames are
+    given; anything else goes to the service at ``upstream``, both ways, until :meth:`freeze`
+    stops every connection open at the time (no byte passes either way, both stay open), as
+    a server that lost its power or a NAT that forgot the connection would. ``paths`` is the
+    path of every request, ``upgrades`` counts the websocket ones."""
+
+    def __init__(
+        self,
+        upstream: int | None = None,
+        *,
+        answers: dict[bytes, bytes | Answer] | None = None,
+        frames: list[str | bytes] | None = None,
+        close: int = 1000,
+    ) -> None:
+        self.upstream = upstream
+        self.answers = answers or {}
+        self.frames = frames
+        self.close = close
+        self.port = 0
+        self.paths: list[bytes] = []
+        self.upgrades = 0
+        self._open: set[int] = set()
+        self._frozen: set[int] = set()
+        self._next = 0
+
+    def url(self, scheme: str = "http") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def freeze(self) -> None:
+        self._frozen |= self._open
+
+    async def handle(self, client: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            async with client:
+                head = b""
+                while HEAD_END not in head:
+                    data = await client.receive_some(2**16)
+                    if not data:
+                        return
+                    head += data
+                path = head.split(b" ", 2)[1].split(b"?")[0]
+                self.paths.append(path)
+                upgrade = b"upgrade: websocket" in head.lower()
+                self.upgrades += upgrade
+                answer = self.answers.get(path)
+                if isinstance(answer, bytes):
+                    await client.send_all(answer)
+                elif answer is not None:
+                    await answer(client)
+                elif upgrade and self.frames is not None:
+                    await self._script(client, head)
+                else:
+                    await self._forward(client, head)
+
+    async def _script(self, client: trio.SocketStream, head: bytes) -> None:
+        ws = WSConnection(ConnectionType.SERVER)
+        ws.receive_data(head)
+        assert any(isinstance(event, Request) for event in ws.events())
+        out = ws.send(AcceptConnection())
+        for frame in self.frames or []:
+            out += ws.send(TextMessage(frame) if isinstance(frame, str) else BytesMessage(frame))
+        await client.send_all(out + ws.send(CloseConnection(code=self.close)))
+        with trio.move_on_after(FRAME_LIMIT_S):
+            while await client.receive_some(2**16):
+                pass
+
+    async def _forward(self, client: trio.SocketStream, head: bytes) -> None:
+        assert self.upstream is not None
+        number, self._next = self._next, self._next + 1
+        self._open.add(number)
+        try:
+            async with await trio.open_tcp_stream("127.0.0.1", self.upstream) as server:
+                await server.send_all(head)
+                async with trio.open_nursery() as nursery:
+                    for source, sink in ((client, server), (server, client)):
+                        nursery.start_soon(self._pipe, source, sink, number, nursery.cancel_scope)
+        finally:
+            self._open.discard(number)
+
+    async def _pipe(
+        self, source: trio.abc.Stream, sink: trio.abc.Stream, number: int, scope: trio.CancelScope
+    ) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := await source.receive_some(2**16):
+                if number in self._frozen:
+                    await trio.sleep_forever()
+                await sink.send_all(data)
+        scope.cancel()
+
+
+@contextlib.asynccontextmanager
+async def faking(upstream: int | None = None, **options: Any) -> AsyncIterator[Fake]:
+    fake = Fake(upstream, **options)
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, fake.handle, 0, host="127.0.0.1")
+        )
+        fake.port = listeners[0].socket.getsockname()[1]
+        yield fake
+        nursery.cancel_scope.cancel()
+
+
+def revoke_token(path: Path) -> None:
+    """Let ``serving`` create its token again on the same data directory."""
+    with DataDir(path).open_tokens() as tokens:
+        tokens.revoke(TOKEN_NAME)
+
+
+async def cursor_of(replica: Replica) -> int:
+    return (await trio.to_thread.run_sync(replica.binding)).cursor
+
+
+async def until_cursor(replica: Replica, seq: int) -> None:
+    with trio.fail_after(FRAME_LIMIT_S):
+        while await cursor_of(replica) < seq:
+            await trio.sleep(POLL_S)
+
+
+async def test_a_connection_gone_silent_is_given_up_stream_71(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-71: a follower at the head pings a connection silent for its keepalive time; the
+    service answers, and the connection stays. WHEN every byte of it stops passing both ways
+    (a server without power, a NAT that dropped it: no FIN, no reset) THEN the follower gives
+    it up once as long again has passed without an answer, reconnects and gets the events it
+    missed meanwhile. (Before, it waited on that connection for good.)"""
+    keepalive_s = 0.3
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service, faking(service.port) as fake:
+            before = await post_small(service, 0, 60)
+            follower = Follower(
+                Endpoints.parse(fake.url()), service.token, replica, keepalive_s=keepalive_s
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follower.run)
+                await until_cursor(replica, before)
+                await trio.sleep(5 * keepalive_s)
+                assert fake.upgrades == 1
+                with caplog.at_level(logging.INFO, "healthlog.follow"):
+                    fake.freeze()
+                    frozen_at = trio.current_time()
+                    total = await post_small(service, 120)
+                    await until_cursor(replica, total)
+                    assert trio.current_time() - frozen_at >= keepalive_s
+                nursery.cancel_scope.cancel()
+            assert fake.upgrades == 2
+            assert f"no answer to a ping within {keepalive_s:g} s" in caplog.text
+            assert await replica_export(replica) == await server_export(service)
+
+
+async def endless(sent: list[int], client: trio.abc.Stream) -> None:
+    """A 200 whose chunked JSON-looking body never ends; ``sent`` counts its bytes."""
+    await client.send_all(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    chunk = b" " * 2**16
+    while True:
+        await client.send_all(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        sent[0] += len(chunk)
+
+
+async def trickle(client: trio.abc.Stream) -> None:
+    """A 200 announcing 1,000 bytes and sending one every 50 ms, never too slowly for a read
+    timeout."""
+    await client.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+    for _ in range(1000):
+        await trio.sleep(0.05)
+        await client.send_all(b" ")
+
+
+async def test_an_answer_that_never_ends_or_trickles_stream_72(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-72: WHEN the status request's answer never ends THEN the follower stops with a
+    FollowError saying it is larger than healthlog's answers are, having read little more
+    than that bound (it used to read it all, its memory growing by the second); WHEN one
+    trickles in a byte at a time THEN it is given up after the request timeout as a lost
+    connection and asked again after the backoff (it used to wait for its end)."""
+    monkeypatch.setattr(transport.follow, "MAX_JSON_BYTES", 2**20)
+    sent = [0]
+    with Replica(tmp_path / "endless") as replica:
+        async with faking(answers={b"/v1/status": functools.partial(endless, sent)}) as fake:
+            with (
+                trio.fail_after(FRAME_LIMIT_S),
+                pytest.raises(FollowError, match="/v1/status answered more than 1 MiB"),
+            ):
+                await follow(fake.url(), "hl_token", replica)
+            # What the kernel buffers on either side besides.
+            assert sent[0] < 2**20 + 16 * 2**20
+    with Replica(tmp_path / "trickle") as replica:
+        async with faking(answers={b"/v1/status": trickle}) as fake:
+            follower = Follower(
+                Endpoints.parse(fake.url()), "hl_token", replica, request_timeout_s=0.3
+            )
+            with caplog.at_level(logging.INFO, "healthlog.follow"):
+                with trio.move_on_after(0.3 + 0.5 + 0.3 + 0.2):
+                    await follower.run()
+            assert fake.paths == [b"/v1/status", b"/v1/status"]
+            assert "/v1/status was not answered within 0.3 s" in caplog.text
+            assert await cursor_of(replica) == 0
+
+
+async def test_a_snapshot_at_the_cursor_is_not_fetched_again_and_again_stream_73(
+    tmp_path: Path,
+) -> None:
+    """STREAM-73: GIVEN a follower at the head WHEN every stream connection is refused with
+    CURSOR_TOO_OLD and a (valid, signed) snapshot at its cursor THEN it fetches no snapshot and
+    reconnects only after its backoff, doubling, its replica unchanged. (Before, it restored
+    that snapshot and reconnected at once, rewriting its replica many times a second.)"""
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service:
+            total = await post_small(service, 0, 60)
+            await follow(service.url, service.token, replica, until_caught_up=True)
+            manifest = (await service.get("/v1/snapshots")).json()
+            assert manifest["seq"] == total
+            refusal = {"type": "error", "code": "CURSOR_TOO_OLD", "snapshot": manifest}
+            async with faking(
+                service.port, frames=[orjson.dumps(refusal).decode()], close=4410
+            ) as fake:
+                with trio.move_on_after(2 * transport.follow.BACKOFF_START_S + 0.4):
+                    await follow(fake.url(), service.token, replica)
+            assert fake.upgrades == 2
+            assert not [path for path in fake.paths if path.startswith(b"/v1/snapshots/")]
+            assert await cursor_of(replica) == total
+            assert await replica_export(replica) == await server_export(service)
+
+
+def event(seq: Any) -> str:
+    return orjson.dumps(
+        {
+            "type": "event",
+            "seq": seq,
+            "id": f"s:{seq}",
+            "kind": "delivery.folded",
+            "delivery_id": 1,
+            "status": "parsed",
+            "counters": {},
+        }
+    ).decode()
+
+
+@pytest.mark.parametrize(
+    ("last", "says"),
+    [
+        pytest.param(b"\x00" * 100, "a binary frame", id="binary"),
+        pytest.param(event(2.0), "TypeError", id="float"),
+        pytest.param(event(2.9), "TypeError", id="fraction"),
+        pytest.param(event(True), "TypeError", id="bool"),
+        pytest.param(event("2"), "TypeError", id="string"),
+    ],
+)
+async def test_a_frame_not_of_healthlogs_shape_stops_the_follower_stream_74(
+    tmp_path: Path, last: str | bytes, says: str
+) -> None:
+    """STREAM-74: WHEN the stream sends a binary frame, or an event whose sequence is not an
+    integer (2.0, 2.9, true, "2") THEN the follower applies the events before it and stops
+    with a FollowError saying the frame is not healthlog's. (Before, it skipped the binary
+    frame and took 2.9 for 2, true for 1 and "2" for 2.)"""
+    stream = {"id": "s", "instance": "i", "head": 3, "oldest_cursor": 0, "public_key": "k"}
+    answers: dict[bytes, bytes | Answer] = {
+        b"/v1/status": json_answer({"stream": stream}),
+        b"/v1/snapshots/key": json_answer({"public_key": "k"}),
+    }
+    with Replica(tmp_path / "replica") as replica:
+        async with faking(answers=answers, frames=[event(1), last, event(2)]) as fake:
+            with (
+                trio.fail_after(FRAME_LIMIT_S),
+                pytest.raises(FollowError, match=f"a frame that is not healthlog's: {says}"),
+            ):
+                await follow(fake.url(), "hl_token", replica)
+        assert await cursor_of(replica) == 1
+
+
+def replace_replica(directory: Path, how: str) -> None:
+    """Remove the replica's files, or move its directory away and make another replica where
+    it was."""
+    if how == "removed":
+        for path in directory.glob(f"{REPLICA_FILE}*"):
+            path.unlink()
+    else:
+        directory.rename(directory.with_name("moved"))
+        with Replica(directory):
+            pass
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+async def test_a_replica_file_removed_or_replaced_under_follow_stream_75_cli_60(
+    tmp_path: Path, how: str
+) -> None:
+    """STREAM-75, CLI-60: GIVEN `healthlog follow`, a real process following live WHEN its
+    replica file is removed (or another replica file moved into its place) and a delivery
+    comes THEN it exits 3 with one line saying the replica file was removed or replaced and
+    naming it, no traceback, and writes nothing into the file in its place. (Before, it went
+    on writing into the removed file, which nobody could read, for as long as it ran.)"""
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0, 60)
+        directory = tmp_path / "replica"
+        command = [
+            *(sys.executable, "-m", "healthlog.cli", "follow", "--url", service.url),
+            *("--token", service.token, "--replica", str(directory)),
+        ]
+        with open(tmp_path / "stderr", "wb") as stderr:
+            async with trio.open_nursery() as nursery:
+                process: trio.Process = await nursery.start(
+                    functools.partial(trio.run_process, command, stderr=stderr, check=False)
+                )
+                with trio.fail_after(FRAME_LIMIT_S):
+                    while not (directory / REPLICA_FILE).exists():
+                        await trio.sleep(POLL_S)
+                    with Replica(directory) as reading:
+                        await until_cursor(reading, total)
+                    replace_replica(directory, how)
+                    await post_small(service, 120)
+                    await process.wait()
+    assert process.returncode == 3
+    lines = (tmp_path / "stderr").read_text().splitlines()
+    assert lines == [
+        "healthlog: the replica file was removed or replaced while follow ran; start follow"
+        f" again ({REPLICA_FILE})"
+    ]
+    if how == "replaced":
+        with Replica(directory) as replaced:
+            assert await cursor_of(replaced) == 0
+
+
+async def test_a_full_disk_under_the_replica_is_a_storage_error_cli_60(tmp_path: Path) -> None:
+    """CLI-60: WHEN a write of the replica fails as on a full disk (the file size limit: EFBIG,
+    which SQLite reports as it reports ENOSPC) THEN `follow()` raises the StorageError naming
+    `replica.sqlite`, which the command reports as a storage error (exit 3, the file named),
+    not a refusal (exit 2, before, without the file)."""
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service:
+            await post_small(service, 0)
+            await follow(service.url, service.token, replica, until_caught_up=True)
+            await post(service, hourly(600))
+            await post_small(service, 1)
+            size = (tmp_path / "replica" / REPLICA_FILE).stat().st_size
+            with (
+                files_limited_to(size + 2**16),
+                pytest.raises(StorageError) as raised,
+                trio.fail_after(FRAME_LIMIT_S),
+            ):
+                await follow(service.url, service.token, replica, until_caught_up=True)
+    assert raised.value.file == REPLICA_FILE
+    assert not isinstance(raised.value, FollowError)
+
+
+async def test_a_store_restored_from_a_backup_is_followed_again_stream_76(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-76: GIVEN followers caught up with their service WHEN its data directory is
+    restored from a backup taken before the last deliveries (the same stream, its head now
+    behind their cursors) THEN `follow --until-caught-up` says so in one WARNING, restores the
+    service's snapshot and ends equal to the service at its head; so does one whose first
+    status read still shows the stream ahead and whose read once its stream connection is open
+    shows it behind; and a live follower whose reads both show it ahead gets `CURSOR_IN_FUTURE`,
+    reconnects after its backoff and comes to equal the service. (Before, the first exited 0 at
+    once, its replica holding objects the service no longer had, and the last stopped for
+    good.)"""
+    server, saved = tmp_path / "server", tmp_path / "saved"
+    with (
+        Replica(tmp_path / "replica") as replica,
+        Replica(tmp_path / "racing") as racing,
+        Replica(tmp_path / "live") as live_replica,
+    ):
+        async with serving(server) as service:
+            await post_small(service, 0, 60)
+        shutil.copytree(server, saved)
+        revoke_token(server)
+        async with serving(server) as service:
+            ahead = await post_small(service, 120, 180, 240)
+            await follow(service.url, service.token, replica, until_caught_up=True)
+            await follow(service.url, service.token, racing, until_caught_up=True)
+            await follow(service.url, service.token, live_replica, until_caught_up=True)
+        shutil.rmtree(server)
+        shutil.copytree(saved, server)
+        revoke_token(server)
+        async with serving(server) as service:
+            back = (await service.status())["stream"]
+            assert back["head"] < ahead
+            assert back["id"] == (await trio.to_thread.run_sync(replica.binding)).stream
+            with caplog.at_level(logging.WARNING, "healthlog.follow"), trio.fail_after(15):
+                await follow(service.url, service.token, replica, until_caught_up=True)
+            assert [r.getMessage() for r in caplog.records if r.name == "healthlog.follow"] == [
+                f"follow: the service's stream went back from seq {ahead} to {back['head']} (its"
+                " store restored from a backup?); restoring its snapshot"
+            ]
+            assert await cursor_of(replica) == back["head"]
+            assert await replica_export(replica) == await server_export(service)
+
+            # The status it reads first still shows the stream ahead, as before the restore.
+            ahead_status = json_answer({"stream": {**back, "head": ahead}})
+            key = json_answer({"public_key": back["public_key"]})
+            async with faking(service.port) as fake:
+
+                async def once(client: trio.abc.Stream) -> None:
+                    del fake.answers[b"/v1/status"]
+                    await client.send_all(ahead_status)
+
+                # Read again once the stream connection is open, it is behind.
+                fake.answers[b"/v1/status"] = once
+                racing_follower = Follower(
+                    Endpoints.parse(fake.url()),
+                    service.token,
+                    racing,
+                    subscriber="racing",
+                    until_caught_up=True,
+                )
+                with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
+                    await racing_follower.run()
+                    assert "the service's stream went back while connecting" in caplog.text
+                    assert fake.upgrades == 2
+                    assert await cursor_of(racing) == back["head"]
+                    assert await replica_export(racing) == await server_export(service)
+
+                # Both reads show it ahead: the connection gets CURSOR_IN_FUTURE.
+                caplog.clear()
+                fake.answers.update({b"/v1/status": ahead_status, b"/v1/snapshots/key": key})
+                live = Follower(Endpoints.parse(fake.url()), service.token, live_replica)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(live.run)
+                    with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
+                        while "CURSOR_IN_FUTURE" not in caplog.text:
+                            await trio.sleep(POLL_S)
+                        fake.answers.clear()
+                        while await replica_export(live_replica) != await server_export(service):
+                            await trio.sleep(POLL_S)
+                    nursery.cancel_scope.cancel()
+                assert (
+                    "connection lost (ConnectionLost: the server closed the stream:"
+                    " CURSOR_IN_FUTURE)" in caplog.text
+                )
+                assert await cursor_of(live_replica) == back["head"]
+
+
+async def test_a_second_follower_of_a_replica_is_refused_stream_77(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-77: GIVEN a follower following live into a replica WHEN a second `follow()`, or a
+    `healthlog follow` process, is pointed at the same replica directory THEN it is refused: a
+    FollowError, and the command exits 2 with one line naming the directory, before it
+    connects; the first follows on, and once it has stopped a follower of that replica runs.
+    (Before, both wrote the replica, and one's long snapshot restore held the other's writes
+    past their busy timeout.)"""
+    directory = tmp_path / "replica"
+    message = f"another follow is running on the replica in {directory}"
+    with Replica(directory) as replica:
+        async with serving(tmp_path / "server") as service, faking(service.port) as fake:
+            before = await post_small(service, 0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follow, service.url, service.token, replica)
+                await until_cursor(replica, before)
+                with pytest.raises(FollowError, match=message):
+                    await follow(fake.url(), service.token, replica)
+                run = await trio.to_thread.run_sync(
+                    functools.partial(
+                        run_cli,
+                        *("follow", "--url", fake.url(), "--token", service.token),
+                        *("--replica", directory, "--until-caught-up"),
+                    )
+                )
+                assert (run.code, run.err.splitlines()) == (2, [f"healthlog: {message}"])
+                assert fake.paths == []
+                total = await post_small(service, 60)
+                await until_cursor(replica, total)
+                nursery.cancel_scope.cancel()
+            total = await post_small(service, 120)
+            await follow(fake.url(), service.token, replica, until_caught_up=True)
+            assert await cursor_of(replica) == total
+
+
+async def test_a_replica_path_that_is_no_directory_is_refused_cli_61(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-61: WHEN `follow --replica` names a file, or a symbolic link to a path that does not
+    exist (a disk not mounted) THEN it exits 2 with one line saying so, connects to nothing and
+    makes nothing. (Before: exit 3 with `[Errno 17] File exists: 'PATH'`.)"""
+    (tmp_path / "file").write_bytes(b"")
+    (tmp_path / "dangling").symlink_to(tmp_path / "unmounted" / "replica")
+    async with faking() as fake:
+        for name, says in (
+            ("file", "is not a directory"),
+            (
+                "dangling",
+                f"is a symbolic link to {tmp_path / 'unmounted' / 'replica'}, which does not exist",
+            ),
+        ):
+            run = await trio.to_thread.run_sync(
+                functools.partial(
+                    run_cli,
+                    *("follow", "--url", fake.url(), "--token", "hl_token"),
+                    *("--replica", tmp_path / name),
+                )
+            )
+            assert run.code == 2, run.err
+            assert run.err.splitlines() == [f"healthlog: {tmp_path / name} {says}"]
+    assert fake.paths == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file"]
