@@ -10,20 +10,23 @@ server closes first, so :func:`connect` owns the TCP stream and closes it itself
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import os
 import socket
+import sys
 import time
 import urllib.parse
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import _bodies
 import orjson
 import trio
 from _cli_bodies import body, metric, point
-from _service_helpers import POLL_S, Service
+from _service_helpers import POLL_S, TOKEN_NAME, Service
 from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_client_stream
 
 from healthlog import snapshots
@@ -31,7 +34,7 @@ from healthlog.export import export_lines
 from healthlog.objects import HourlyObject
 from healthlog.snapshots import Manifest
 from healthlog.storage.datadir import DataDir
-from healthlog.storage.replica import Replica
+from healthlog.storage.replica import REPLICA_FILE, Replica
 from transport.stream import StreamEndpoint
 
 MINUTES = {"automation-aggregation": "minutes"}
@@ -285,3 +288,42 @@ def validate(
         manifest, digest, public_key=public_key, instance=instance, stream=stream, after=after
     )
     return list(snapshots.read(io.BytesIO(data), manifest))
+
+
+def revoke_token(path: Path) -> None:
+    """Let ``serving`` create its token again on the same data directory."""
+    with DataDir(path).open_tokens() as tokens:
+        tokens.revoke(TOKEN_NAME)
+
+
+async def until_cursor(replica: Replica, seq: int) -> None:
+    """Wait until the replica's cursor reaches ``seq``."""
+    with trio.fail_after(FRAME_LIMIT_S):
+        while (await trio.to_thread.run_sync(replica.binding)).cursor < seq:
+            await trio.sleep(POLL_S)
+
+
+@contextlib.asynccontextmanager
+async def following_process(
+    service: Service, directory: Path, stderr: Path, seq: int
+) -> AsyncIterator[trio.Process]:
+    """``healthlog follow`` as a real process following ``service`` live into the replica
+    ``directory``, its stderr into the file ``stderr``, once its replica holds ``seq``; the
+    block's end waits for the process to end."""
+    command = [
+        *(sys.executable, "-m", "healthlog.cli", "follow", "--url", service.url),
+        *("--token", service.token, "--replica", str(directory)),
+    ]
+    with open(stderr, "wb") as err:
+        async with trio.open_nursery() as nursery:
+            process: trio.Process = await nursery.start(
+                functools.partial(trio.run_process, command, stderr=err, check=False)
+            )
+            with trio.fail_after(FRAME_LIMIT_S):
+                while not (directory / REPLICA_FILE).exists():
+                    await trio.sleep(POLL_S)
+                with Replica(directory) as reading:
+                    await until_cursor(reading, seq)
+            yield process
+            with trio.fail_after(FRAME_LIMIT_S):
+                await process.wait()

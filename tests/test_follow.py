@@ -25,7 +25,6 @@ import signal
 import socket
 import sqlite3
 import ssl
-import sys
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -41,19 +40,22 @@ import trio
 import trustme
 from _bodies import rows
 from _cli_bodies import body, metric, point, write
-from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
+from _service_helpers import TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     acked,
     fold_metrics,
+    following_process,
     head,
     hourly,
     post,
     post_small,
     prune,
     replica_export,
+    revoke_token,
     server_export,
     small,
+    until_cursor,
 )
 from conftest import CliRun, RunCli
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -131,18 +133,6 @@ async def exports(run_cli: RunCli, service: Service, tmp_path: Path) -> tuple[by
 
 async def binding(replica: Replica) -> Binding:
     return await trio.to_thread.run_sync(replica.binding)
-
-
-async def until_cursor(replica: Replica, seq: int) -> None:
-    with trio.fail_after(FRAME_LIMIT_S):
-        while (await binding(replica)).cursor < seq:
-            await trio.sleep(POLL_S)
-
-
-def revoke_token(path: Path) -> None:
-    """Let ``serving`` create its token again on the same data directory."""
-    with DataDir(path).open_tokens() as tokens:
-        tokens.revoke(TOKEN_NAME)
 
 
 async def test_follow_until_caught_up(tmp_path: Path, run_cli: RunCli) -> None:
@@ -1013,24 +1003,10 @@ async def test_follow_stops_cleanly_on_a_signal_cli_31(tmp_path: Path, signum: i
     with exit 0, naming the sequence its replica holds, which is the server's head."""
     async with serving(tmp_path / "server") as service:
         total = await post_small(service, 0, 5)
-        replica = tmp_path / "replica"
-        command = [
-            *(sys.executable, "-m", "healthlog.cli", "follow", "--url", service.url),
-            *("--token", service.token, "--replica", str(replica)),
-        ]
-        with open(tmp_path / "stderr", "wb") as stderr:
-            async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(
-                    functools.partial(trio.run_process, command, stderr=stderr, check=False)
-                )
-                with trio.fail_after(FRAME_LIMIT_S):
-                    while not (replica / REPLICA_FILE).exists():
-                        await trio.sleep(POLL_S)
-                    with Replica(replica) as reading:
-                        while (await binding(reading)).cursor < total:
-                            await trio.sleep(POLL_S)
-                    process.send_signal(signum)
-                    await process.wait()
+        async with following_process(
+            service, tmp_path / "replica", tmp_path / "stderr", total
+        ) as process:
+            process.send_signal(signum)
     assert process.returncode == 0
     lines = (tmp_path / "stderr").read_text().splitlines()
     assert lines[-1] == f"follow: replica at seq {total}"

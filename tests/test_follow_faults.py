@@ -16,7 +16,6 @@ import contextlib
 import functools
 import logging
 import shutil
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,14 +24,17 @@ import orjson
 import pytest
 import trio
 from _disk import files_limited_to
-from _service_helpers import POLL_S, TOKEN_NAME, serving
+from _service_helpers import POLL_S, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
+    following_process,
     hourly,
     post,
     post_small,
     replica_export,
+    revoke_token,
     server_export,
+    until_cursor,
 )
 from conftest import RunCli
 from wsproto import ConnectionType, WSConnection
@@ -46,7 +48,6 @@ from wsproto.events import (
 
 import transport.follow
 from healthlog.storage._sqlite import StorageError
-from healthlog.storage.datadir import DataDir
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from transport.follow import Endpoints, Follower, FollowError, follow
 
@@ -167,20 +168,8 @@ async def faking(upstream: int | None = None, **options: Any) -> AsyncIterator[F
         nursery.cancel_scope.cancel()
 
 
-def revoke_token(path: Path) -> None:
-    """Let ``serving`` create its token again on the same data directory."""
-    with DataDir(path).open_tokens() as tokens:
-        tokens.revoke(TOKEN_NAME)
-
-
 async def cursor_of(replica: Replica) -> int:
     return (await trio.to_thread.run_sync(replica.binding)).cursor
-
-
-async def until_cursor(replica: Replica, seq: int) -> None:
-    with trio.fail_after(FRAME_LIMIT_S):
-        while await cursor_of(replica) < seq:
-            await trio.sleep(POLL_S)
 
 
 async def test_a_connection_gone_silent_is_given_up_stream_71(
@@ -359,26 +348,12 @@ async def test_a_replica_file_removed_or_replaced_under_follow_stream_75_cli_60(
     comes THEN it exits 3 with one line saying the replica file was removed or replaced and
     naming it, no traceback, and writes nothing into the file in its place. (Before, it went
     on writing into the removed file, which nobody could read, for as long as it ran.)"""
+    directory = tmp_path / "replica"
     async with serving(tmp_path / "server") as service:
         total = await post_small(service, 0, 60)
-        directory = tmp_path / "replica"
-        command = [
-            *(sys.executable, "-m", "healthlog.cli", "follow", "--url", service.url),
-            *("--token", service.token, "--replica", str(directory)),
-        ]
-        with open(tmp_path / "stderr", "wb") as stderr:
-            async with trio.open_nursery() as nursery:
-                process: trio.Process = await nursery.start(
-                    functools.partial(trio.run_process, command, stderr=stderr, check=False)
-                )
-                with trio.fail_after(FRAME_LIMIT_S):
-                    while not (directory / REPLICA_FILE).exists():
-                        await trio.sleep(POLL_S)
-                    with Replica(directory) as reading:
-                        await until_cursor(reading, total)
-                    replace_replica(directory, how)
-                    await post_small(service, 120)
-                    await process.wait()
+        async with following_process(service, directory, tmp_path / "stderr", total) as process:
+            replace_replica(directory, how)
+            await post_small(service, 120)
     assert process.returncode == 3
     lines = (tmp_path / "stderr").read_text().splitlines()
     assert lines == [
