@@ -34,7 +34,13 @@ from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import check_same_journal, pending
-from healthlog.storage.rebuild import Difference, RebuildError, reindex, verify
+from healthlog.storage.rebuild import (
+    Difference,
+    OutcomeDifference,
+    RebuildError,
+    reindex,
+    verify_all,
+)
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.storage.status import (
     DEFAULT_LISTED,
@@ -522,7 +528,7 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         check_same_journal(journal, store)
-        differences = verify(journal, store, progress=progress)
+        verification = verify_all(journal, store, progress=progress)
         unfolded = len(pending(journal, store))
         given_up = Counter(store.given_up().values())
     for reason, why in _GIVEN_UP_WHY.items():
@@ -538,6 +544,8 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
             " was compared",
             file=sys.stderr,
         )
+    _say_outcomes(verification.outcomes)
+    differences = verification.objects
     try:
         with _writing_stdout():
             for diff in differences:
@@ -549,6 +557,32 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
         _quiet_stdout()
     print(f"verify: {len(differences)} objects differ", file=sys.stderr)
     return 1 if differences else 0
+
+
+OUTCOMES_NAMED = 10
+"""How many deliveries recorded otherwise than a rebuild records them ``verify`` names."""
+
+
+def _say_outcomes(outcomes: list[OutcomeDifference]) -> None:
+    """On stderr, the deliveries whose recorded status or reason a rebuild records otherwise
+    (an upgrade that changed a rule: a delivery recorded failed that now folds), which the
+    object comparison cannot show when they wrote no object; the exit status stays the
+    objects'."""
+    for diff in outcomes[:OUTCOMES_NAMED]:
+        rebuilt = "with another reason" if diff.rebuilt == diff.live else diff.rebuilt
+        print(
+            f"verify: delivery {diff.delivery_id} is recorded {diff.live}, a rebuild records"
+            f" it {rebuilt}",
+            file=sys.stderr,
+        )
+    if outcomes:
+        unnamed = len(outcomes) - OUTCOMES_NAMED
+        print(
+            f"verify: {len(outcomes)} deliveries are recorded otherwise than a rebuild records"
+            f" them{f' ({unnamed} not named)' if unnamed > 0 else ''}; `healthlog reindex`"
+            " records them anew",
+            file=sys.stderr,
+        )
 
 
 # The control characters (C0, DEL, C1) and the line and paragraph separators, which a line

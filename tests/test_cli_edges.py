@@ -303,6 +303,42 @@ def test_verify_says_what_is_not_folded_yet_cli_32(cli: Cli, tmp_path: Path) -> 
     assert run.err.splitlines()[-1] == "verify: 0 objects differ"
 
 
+def test_verify_names_deliveries_a_rebuild_records_otherwise_cli_62(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """CLI-62: a delivery whose recorded outcome is not the one a rebuild records (as an older
+    healthlog recorded it: `failed`, an internal error, for a metric with no points) is named
+    on stderr by `verify`, which still exits 0, its objects being equal; `reindex` records it
+    anew, after which `verify` names nothing. (Before, `verify` said only `0 objects differ`,
+    and the stale `failed` stayed until a reindex nobody was told to run.)"""
+    data = tmp_path / "data"
+    points = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    empty = write(tmp_path / "b.json", body(metric("step_count", "count")))
+    for sent in (points, empty):
+        assert cli("import", "--aggregation", "minutes", "--data", data, sent).code == 0
+    with sqlite3.connect(data / "store.sqlite") as conn:
+        conn.execute(
+            "UPDATE outcomes SET status = 'failed', reason = 'internal error: AssertionError'"
+            " WHERE delivery_id = 2"
+        )
+        conn.execute("UPDATE outcomes SET reason = 'an older wording' WHERE delivery_id = 1")
+    conn.close()
+    run = cli("verify", "--data", data)
+    assert run.code == 0
+    assert run.err.splitlines()[-4:] == [
+        "verify: delivery 1 is recorded parsed, a rebuild records it with another reason",
+        "verify: delivery 2 is recorded failed, a rebuild records it parsed",
+        "verify: 2 deliveries are recorded otherwise than a rebuild records them;"
+        " `healthlog reindex` records them anew",
+        "verify: 0 objects differ",
+    ]
+    assert cli("reindex", "--data", data).code == 0
+    again = cli("verify", "--data", data)
+    assert again.code == 0
+    assert "recorded" not in again.err
+    assert again.err.splitlines()[-1] == "verify: 0 objects differ"
+
+
 @pytest.mark.parametrize("before", [True, False])
 def test_token_takes_data_after_its_own_name_and_lists_names_alone_cli_33(
     cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: bool

@@ -60,6 +60,24 @@ class Difference:
     corrupt: bool = False
 
 
+@attrs.frozen
+class OutcomeDifference:
+    """A folded delivery whose recorded status or reason is not the one a rebuild records
+    (a rule changed by an upgrade, say): :func:`reindex` records it anew."""
+
+    delivery_id: int
+    live: str
+    rebuilt: str
+
+
+@attrs.frozen
+class Verification:
+    """What :func:`verify_all` found: the objects that differ, and the outcomes."""
+
+    objects: list[Difference]
+    outcomes: list[OutcomeDifference]
+
+
 def rebuild_into(
     journal: Journal,
     path: Path,
@@ -176,7 +194,21 @@ def verify(
     content (hash), in whether a seal covers them, or in a live row damaged behind an intact
     hash: a body that does not decompress to the rebuilt bytes, or units, a point count or a
     creating delivery that are not the rebuild's."""
+    return verify_all(journal, store, progress=progress, workers=workers).objects
+
+
+def verify_all(
+    journal: Journal,
+    store: Store,
+    *,
+    progress: Progress | None = None,
+    workers: int | None = None,
+) -> Verification:
+    """:func:`verify`'s objects, and the folded deliveries whose recorded status or reason a
+    rebuild records otherwise (their counters are not compared: they depend on what was
+    stored when each was folded, which a backfill changes)."""
     folded, given_up, live = store.snapshot()
+    recorded = store.statuses()
     with _scratch(Path(store.path)) as path:
         rebuild_into(
             journal,
@@ -198,7 +230,15 @@ def verify(
             # behind an intact hash: a damaged row, as a damaged body is.
             corrupt = {key for key in agreeing if _columns(live[key]) != _columns(fresh[key])}
             corrupt.update(_corrupt(store, rebuilt, agreeing, live))
-    return [
+            rebuilt_statuses = rebuilt.statuses()
+    outcomes = [
+        OutcomeDifference(delivery_id, recorded[delivery_id][0], rebuilt_statuses[delivery_id][0])
+        for delivery_id in sorted(folded)
+        if delivery_id in recorded
+        and delivery_id in rebuilt_statuses
+        and recorded[delivery_id] != rebuilt_statuses[delivery_id]
+    ]
+    objects = [
         Difference(
             key,
             live[key].hash if key in live else None,
@@ -211,6 +251,7 @@ def verify(
         or (live[key].hash, live[key].sealed) != (fresh[key].hash, fresh[key].sealed)
         or key in corrupt
     ]
+    return Verification(objects, outcomes)
 
 
 def _columns(summary: ObjectSummary) -> tuple[str | None, int, int]:

@@ -814,6 +814,12 @@ class Store(_objects.ObjectDatabase):
             summaries = self._summaries_locked()
         return folded, given_up, summaries
 
+    def statuses(self) -> dict[int, tuple[str, str | None]]:
+        """The status and reason of every recorded outcome, by delivery id."""
+        with self._lock:
+            rows = self._conn.execute("SELECT delivery_id, status, reason FROM outcomes")
+            return {int(row[0]): (str(row[1]), row[2]) for row in rows}
+
     def given_up(self) -> dict[int, str]:
         """The reasons of the deliveries failed for a cause of the machine's, not the journal's
         (:data:`GIVEN_UP`: over their time budget, F5; a fold worker that died; no memory)."""
