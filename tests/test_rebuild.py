@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from unittest import mock
 
 import attrs
 import orjson
@@ -31,6 +32,7 @@ from healthlog import faults, objects
 from healthlog.fold import DeliveryFold
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
+from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.storage import _partition, rebuild
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery
@@ -444,6 +446,114 @@ def test_any_deliveries_rebuild_the_same_partitioned_store_18(
         alone = rebuilt(journal, Path(tmp) / "one.sqlite", workers=1)
 
         assert rebuilt(journal, Path(tmp) / "two.sqlite", workers=2) == alone
+
+
+# A metric's points: none, one (no spacing: the layer is inherited), or three spaced by seconds,
+# minutes or hours (a layer that may differ from the one the automation had last).
+_SPACED = {
+    "none": (0, 0),
+    "one": (1, 0),
+    "seconds": (3, 10),
+    "minutes": (3, 60),
+    "hours": (3, 3600),
+}
+_DELIVERY = st.tuples(
+    st.just("delivery"),
+    st.sampled_from(["A", "B", None]),
+    st.sampled_from([None, "minutes", "fortnights"]),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["hr", "steps"]),
+            st.sampled_from(sorted(_SPACED)),
+            st.sampled_from([0, 50, 130]),
+            st.sampled_from(["count", "km"]),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.booleans(),
+    st.booleans(),
+    st.none() | st.integers(0, 3),
+)
+_STEP = st.one_of(
+    _DELIVERY,
+    st.tuples(st.just("seal"), st.sampled_from([1, 3]), st.sampled_from([None, "hr", "workouts"])),
+    _DELIVERY,
+    st.just(("undecodable",)),
+    _DELIVERY,
+)
+
+
+def _spaced(kind: str, minute: int, qty: int) -> list[dict[str, Any]]:
+    count, seconds = _SPACED[kind]
+    return [
+        {"date": minute_stamp(minute + n * seconds // 60)[:-8] + f"{n * seconds % 60:02d} +0000"}
+        | {"qty": qty + n}
+        for n in range(count)
+    ]
+
+
+def _journal_steps(journal: Journal, steps: list[tuple[Any, ...]]) -> None:
+    """Journal what ``_STEP`` drew: seals, undecodable bodies, and deliveries of metrics
+    (possibly with elements that are not points, or only those) and a workout."""
+    for qty, (kind, *args) in enumerate(steps):
+        if kind == "seal":
+            hours, metric = args
+            seal = Seal(BASE_US + hours * 3_600_000_000, metric)
+            append(journal, NewDelivery(seal.encode(), SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE))
+        elif kind == "undecodable":
+            append(journal, delivery(b"{not json"))
+        else:
+            automation, header, metrics, rejected, workout, backfill = args
+            entries = [
+                {"name": name, "units": units, "data": _spaced(spacing, minute, qty)}
+                for name, spacing, minute, units in metrics
+            ]
+            if rejected:
+                entries.append({"name": "hr", "units": "count", "data": [7, {"qty": 1}]})
+            sections = {"workouts": [{"name": "Walk", "start": minute_stamp(qty)}]}
+            document = {"metrics": entries, **(sections if workout else {})}
+            append(
+                journal,
+                delivery(
+                    orjson.dumps({"data": document}),
+                    received_at=None if backfill is None else BASE_US + backfill,
+                    aggregation=header,
+                    automation=automation,
+                ),
+            )
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(_STEP, min_size=2, max_size=10))
+def test_any_journal_folds_live_and_rebuilds_the_same_both_ways_store_41(
+    steps: list[tuple[Any, ...]],
+) -> None:
+    """STORE-41 (property): seals, undecodable bodies and deliveries of several automations
+    (or none), with a header, none or one naming no layer, whose metrics hold no point, one,
+    or points spaced by seconds, minutes or hours, with elements rejected (or only those),
+    with a workout, in other units, some historical: the live fold, the one-process rebuild
+    and the partitioned one (each delivery a task of its own) give the same objects and
+    outcomes."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Journal(Path(tmp) / "journal.sqlite") as journal,
+        Store(Path(tmp) / "store.sqlite") as store,
+    ):
+        _journal_steps(journal, steps)
+        held = store.acquire_lease("folder", now=NOW, ttl=TTL)
+        assert held is not None
+        assert run_pass(journal, store, held).reached_end
+        live = rows(store.path)
+
+        alone = rebuilt(journal, Path(tmp) / "one.sqlite", workers=1)
+        with mock.patch.object(_partition, "TASK_BYTES", 1):
+            apart = rebuilt(journal, Path(tmp) / "three.sqlite", workers=3)
+
+        for table, columns in (("objects", slice(0, 10)), ("outcomes", slice(0, 7))):
+            folded = [row[columns] for row in live[table]]
+            assert [row[columns] for row in alone[table]] == folded
+            assert [row[columns] for row in apart[table]] == folded
 
 
 @pytest.mark.parametrize("regrouped", [False, True])
