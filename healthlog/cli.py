@@ -148,6 +148,19 @@ def _instant(value: str) -> int:
         ) from None
 
 
+def _past_instant(value: str) -> int:
+    """An instant no later than now: journal stamps never go back (J2), so every live delivery
+    after a stamp in the future would carry it until the clock reached it, its lag reading 0
+    all that while."""
+    instant = _instant(value)
+    if instant > clock.now_us():
+        raise argparse.ArgumentTypeError(
+            f"{format_instant(instant)} is later than now: a backfill takes the past instant"
+            " its data was received at"
+        )
+    return instant
+
+
 def _layer(value: str) -> str:
     layer = layers.layer_from_header(value)
     if layer is None:
@@ -230,13 +243,6 @@ def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
 
 
 def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
-    if args.received_at is not None and args.received_at > clock.now_us():
-        # Journal stamps never go back (J2): every live delivery after it would carry this
-        # stamp until the clock reached it, and its lag would read 0 all that while.
-        raise CliError(
-            f"--received-at {format_instant(args.received_at)} is later than now: a backfill"
-            " takes the past instant its data was received at"
-        )
     bodies = []
     for name in args.files:
         try:
@@ -418,7 +424,10 @@ def _show_token(tokens: Tokens, name: str, token: str) -> None:
 @contextlib.contextmanager
 def _writing_stdout() -> Iterator[None]:
     """Writes to stdout, flushed at the end; one that fails, but for a reader gone (which
-    :func:`main` and ``verify`` handle), raises :class:`OutputFailed`."""
+    :func:`main` and ``verify`` handle), raises :class:`OutputFailed`, as a stdout the command
+    was started without (``>&-``), where Python's ``print`` writes nothing and says nothing."""
+    if sys.stdout is None:
+        raise OutputFailed("cannot write to stdout: it is closed")
     try:
         yield
         sys.stdout.flush()
@@ -498,8 +507,8 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
             hour_from=None if args.start_from is None else hour_of(args.start_from),
             hour_to=None if args.start_to is None else hour_of(args.start_to),
         )
-        out = sys.stdout.buffer
         with _writing_stdout():
+            out = sys.stdout.buffer
             for line in export_lines(
                 stored, start_from=args.start_from, start_to=args.start_to, fmt=args.format
             ):
@@ -729,7 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--automation-id", default=None)
     p.add_argument("--aggregation", type=_layer, default=None, help="the automation's layer")
-    p.add_argument("--received-at", type=_instant, default=None, help="historical stamp")
+    p.add_argument("--received-at", type=_past_instant, default=None, help="historical stamp")
     p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")
     p.add_argument("files", nargs="+", metavar="FILE")
 

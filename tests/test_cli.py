@@ -207,19 +207,26 @@ def test_aggregation_error_names_the_choices_cli_5(cli: Cli, tmp_path: Path) -> 
 
 
 def test_a_received_at_later_than_now_is_refused_cli_59(cli: Cli, tmp_path: Path) -> None:
-    """CLI-59: `import --received-at` later than now (2062 for 2026) exits 2 naming the flag
-    and journals nothing; the next live delivery carries the time it was received, not that
-    stamp, which journal stamps, never going back, would have pinned every later one to."""
+    """CLI-59: `import --received-at` later than now (2062 for 2026) exits 2 naming the flag,
+    journals nothing and makes no data directory where there is none; the next live delivery
+    carries the time it was received, not that stamp, which journal stamps, never going back,
+    would have pinned every later one to."""
     data = tmp_path / "data"
     sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
     import_ok(cli, data, "--aggregation", "minutes", sent)
     before = status_of(cli, data)
     run = cli("import", "--data", data, "--received-at", "2062-01-01T00:00:00Z", sent)
     assert run.code == 2
-    lines = run.err.splitlines()
-    assert len(lines) == 1
-    assert "--received-at 2062-01-01T00:00:00Z is later than now" in lines[0]
+    assert run.err.splitlines()[-1] == (
+        "healthlog import: error: argument --received-at: 2062-01-01T00:00:00Z is later than"
+        " now: a backfill takes the past instant its data was received at"
+    )
     assert status_of(cli, data)["journal"] == before["journal"]
+    elsewhere = tmp_path / "new"
+    run = cli("import", "--data", elsewhere, "--received-at", "2062-01-01T00:00:00Z", sent)
+    assert run.code == 2
+    assert "making a new one" not in run.err
+    assert not elsewhere.exists()
     started = time.time()
     again = write(tmp_path / "b.json", body(metric(HR, BPM, point(minute(1), qty=62))))
     import_ok(cli, data, "--aggregation", "minutes", again)

@@ -899,6 +899,17 @@ def test_a_store_folded_from_another_journal_is_refused_until_reindexed_cli_52(
     assert run_cli("verify", "--data", data).code == 0
 
 
+def without_stdout(*args: str | os.PathLike[str]) -> tuple[int, str]:
+    """Exit code and stderr of a command started with its stdout closed (``>&-``)."""
+    proc = subprocess.run(
+        ["sh", "-c", 'exec "$@" >&-', "sh", *healthlog(*args)],
+        stderr=subprocess.PIPE,
+        timeout=LIMIT_S,
+        check=False,
+    )
+    return proc.returncode, proc.stderr.decode()
+
+
 def to_full_stdout(*args: str | os.PathLike[str]) -> tuple[int, str]:
     """Exit code and stderr of a command whose stdout is ``/dev/full`` (every write fails with
     ENOSPC, as on a full disk)."""
@@ -913,7 +924,9 @@ def to_full_stdout(*args: str | os.PathLike[str]) -> tuple[int, str]:
 def test_a_stdout_that_cannot_be_written_is_named_cli_57(run_cli: RunCli, tmp_path: Path) -> None:
     """CLI-57: `export`, `status` (plain, `--json`, `--failed`), `token list` and a `verify`
     that finds differences, writing to a full stdout, exit 3 with one line naming stdout, not
-    a bare `[Errno 28] No space left on device` that reads as the data directory's disk."""
+    a bare `[Errno 28] No space left on device` that reads as the data directory's disk; and
+    so does each started with its stdout closed (before: a traceback for most, exit 0 with
+    nothing said for `verify`'s `print`)."""
     data = differing(run_cli, tmp_path)
     assert run_cli("token", "add", "phone", "--data", data).code == 0
     for command in (
@@ -929,6 +942,10 @@ def test_a_stdout_that_cannot_be_written_is_named_cli_57(run_cli: RunCli, tmp_pa
         assert code == 3, (command, err)
         assert "Traceback" not in err
         assert err.splitlines()[-1] == "healthlog: cannot write to stdout: No space left on device"
+        code, err = without_stdout(*command, "--data", data)
+        assert code == 3, (command, err)
+        assert "Traceback" not in err
+        assert err.splitlines()[-1] == "healthlog: cannot write to stdout: it is closed"
     assert run_cli("export", "--data", data).lines()
 
 
@@ -953,6 +970,9 @@ def test_a_token_that_cannot_be_shown_is_not_kept_cli_58(run_cli: RunCli, tmp_pa
         _, gone = add.communicate(timeout=LIMIT_S)
     assert add.returncode == 3
     one_line_error(gone.decode(), "token 'tablet' not added, since it could not be shown")
+    code, err = without_stdout("token", "add", "laptop", "--data", data)
+    assert code == 3
+    one_line_error(err, "token 'laptop' not added, since it could not be shown: cannot write")
     assert run_cli("token", "list", "--data", data).out.decode().splitlines() == ["watch"]
     again = run_cli("token", "add", "phone", "--data", data)
     assert again.code == 0
