@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import shutil
+import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,40 @@ async def test_a_connection_gone_silent_is_given_up_stream_71(
                 nursery.cancel_scope.cancel()
             assert fake.upgrades == 2
             assert f"no answer to a ping within {keepalive_s:g} s" in caplog.text
+            assert await replica_export(replica) == await server_export(service)
+
+
+async def test_a_slow_apply_is_not_taken_for_a_silent_server_stream_71(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-71: frames read while the replica could not be written (another connection held
+    its write lock for three keepalive times) are applied late, with nothing more read from
+    the connection meanwhile; the follower then pings and stays on its one connection, its
+    silence being its own, not the server's. (Before, it gave the connection up at once, 'no
+    answer to a ping', though it had sent none.)"""
+    keepalive_s = 0.3
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service, faking(service.port) as fake:
+            before = await post_small(service, 0)
+            follower = Follower(
+                Endpoints.parse(fake.url()), service.token, replica, keepalive_s=keepalive_s
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(follower.run)
+                await until_cursor(replica, before)
+                with caplog.at_level(logging.INFO, "healthlog.follow"):
+                    with contextlib.closing(
+                        sqlite3.connect(replica.path, isolation_level=None)
+                    ) as holder:
+                        holder.execute("BEGIN IMMEDIATE")
+                        total = await post_small(service, 1)
+                        await trio.sleep(3 * keepalive_s)
+                        holder.execute("ROLLBACK")
+                    await until_cursor(replica, total)
+                    await trio.sleep(3 * keepalive_s)
+                nursery.cancel_scope.cancel()
+            assert "no answer to a ping" not in caplog.text
+            assert fake.upgrades == 1
             assert await replica_export(replica) == await server_export(service)
 
 

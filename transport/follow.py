@@ -456,13 +456,16 @@ class Follower:
             ) from None
 
     async def _keep_alive(self, ws: StreamSocket) -> None:
-        """Between frames: ping a connection silent for ``keepalive_s``; one still silent as
-        long after its ping (nothing read, not even the pong) is lost. Nothing is waiting to be
-        applied here, so the reading task is reading: silence is the server's."""
-        silent = trio.current_time() - ws.heard
-        if silent >= 2 * self.keepalive_s:
-            raise ConnectionLost(f"no answer to a ping within {self.keepalive_s:g} s")
-        if silent >= self.keepalive_s and ws.pinged <= ws.heard:
+        """Between frames: ping a connection silent for ``keepalive_s``; one that reads nothing
+        for as long after its ping (not even the pong) is lost. Nothing is waiting to be applied
+        here, so the reading task is reading: silence since the ping is the server's. (Silence
+        before it can be this side's: frames queued while a slow apply held the reading task
+        back came without a read; a ping then only costs a pong.)"""
+        now = trio.current_time()
+        if ws.pinged > ws.heard:
+            if now - ws.pinged >= self.keepalive_s:
+                raise ConnectionLost(f"no answer to a ping within {self.keepalive_s:g} s")
+        elif now - ws.heard >= self.keepalive_s:
             # A send stalled behind a dead peer's full window is as silent.
             with trio.move_on_after(self.keepalive_s) as sending:
                 await ws.ping()
