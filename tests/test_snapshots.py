@@ -621,8 +621,9 @@ async def test_a_snapshot_does_not_begin_a_moved_data_directory_anew_run_45(
     tmp_path: Path,
 ) -> None:
     """RUN-45: a snapshot asked for while the service's data directory is moved away answers
-    503 ``SNAPSHOT_UNAVAILABLE`` and makes nothing at the old path; with the directory back,
-    the snapshot is built."""
+    503 ``SNAPSHOT_UNAVAILABLE`` and makes nothing at the old path, nor in an empty directory
+    left there (an unmounted disk's mount point); with the directory back, the snapshot is
+    built."""
     data, moved = tmp_path / "data", tmp_path / "moved"
     async with serving(data) as service:
         await service.wait_folded()
@@ -630,5 +631,11 @@ async def test_a_snapshot_does_not_begin_a_moved_data_directory_anew_run_45(
         refused = await service.get("/v1/snapshots")
         assert (refused.status_code, refused.json()) == (503, {"error": "SNAPSHOT_UNAVAILABLE"})
         assert not data.exists()
+        # An empty mount point left at the path, the disk unmounted.
+        data.mkdir()
+        refused = await service.get("/v1/snapshots")
+        assert (refused.status_code, refused.json()) == (503, {"error": "SNAPSHOT_UNAVAILABLE"})
+        assert list(data.iterdir()) == []
+        data.rmdir()
         moved.rename(data)
         assert (await service.get("/v1/snapshots")).status_code == 200

@@ -10,6 +10,7 @@ that a build holding the lock finds was left by one that failed or was killed: i
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -40,12 +41,15 @@ def build(
     so a build holds neither the store's connection nor more than one object in memory. The
     previous snapshot of the stream stays (``KEPT`` files in all), so a reference handed out
     just before this build can still be fetched; files of other streams go. ``directory`` is
-    made if need be, its parent (the data directory) never: one moved away or unmounted under
-    the service is an OSError here, not begun anew.
+    made if need be, and only beside the store's file: a data directory moved away or
+    unmounted under the service (its path gone, or an empty mount point left there) is an
+    OSError here, not begun anew.
     """
     faults.point("snapshot.build")
     stream = store.stream_id()
     instance = journal.instance_id()
+    if not Path(store.path).exists():
+        raise FileNotFoundError(errno.ENOENT, "the store is no longer at its path", store.path)
     directory.mkdir(exist_ok=True)
     with _locked(directory):
         _remove_stale(directory)
