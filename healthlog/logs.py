@@ -79,7 +79,9 @@ class Throttle(logging.Filter):
             self._held += 1
             return False
         if self._held:
-            record.msg = f"{record.getMessage()} ({self._held} more like it not logged)"
+            record.msg = (
+                f"{record.getMessage()} ({self._held} more like it not logged since the last one)"
+            )
             record.args = ()
         self._last, self._held = now, 0
         return True

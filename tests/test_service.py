@@ -1718,4 +1718,4 @@ def test_a_throttled_record_says_how_many_were_held_back_serve_53() -> None:
     time.sleep(0.25)
     later = record(5)
     assert throttle.filter(later)
-    assert later.getMessage() == "retry 5 (4 more like it not logged)"
+    assert later.getMessage() == "retry 5 (4 more like it not logged since the last one)"
