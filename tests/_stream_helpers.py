@@ -18,7 +18,7 @@ import socket
 import sys
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,28 @@ def noisy(first: int, count: int) -> bytes:
 async def post(service: Service, content: bytes, headers: dict[str, str] = MINUTES) -> None:
     response = await service.post(content, headers)
     assert response.status_code == 200, response.text
+
+
+HEAD_END = b"\r\n\r\n"
+
+
+async def read_head(stream: trio.abc.Stream) -> bytes:
+    """The bytes of a connection up to the end of its first request head (or its end)."""
+    head = b""
+    while HEAD_END not in head:
+        data = await stream.receive_some(2**16)
+        if not data:
+            break
+        head += data
+    return head
+
+
+async def listen(
+    nursery: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
+) -> int:
+    """Serve ``handler`` on a free port of 127.0.0.1 in ``nursery``; the port."""
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    return int(listeners[0].socket.getsockname()[1])
 
 
 async def post_small(service: Service, *minutes: int) -> int:

@@ -43,14 +43,17 @@ from _cli_bodies import body, metric, point, write
 from _service_helpers import TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
+    HEAD_END,
     acked,
     fold_metrics,
     following_process,
     head,
     hourly,
+    listen,
     post,
     post_small,
     prune,
+    read_head,
     replica_export,
     revoke_token,
     server_export,
@@ -430,7 +433,6 @@ def test_replica_file_pages(tmp_path: Path) -> None:
         assert replica.binding().cursor == 7
 
 
-HEAD_END = b"\r\n\r\n"
 TOO_OLD = b'"CURSOR_TOO_OLD"'
 BAD_GATEWAY = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
@@ -457,17 +459,6 @@ class Tap(trio.abc.Stream):
 
     async def aclose(self) -> None:
         await self._stream.aclose()
-
-
-async def read_head(stream: trio.abc.Stream) -> bytes:
-    """The bytes of a connection up to the end of its first request head (or its end)."""
-    head = b""
-    while HEAD_END not in head:
-        data = await stream.receive_some(2**16)
-        if not data:
-            break
-        head += data
-    return head
 
 
 class Front:
@@ -688,10 +679,7 @@ async def fronting(service: Service, **options: Any) -> AsyncIterator[Front]:
     """A :class:`Front` for ``service`` on a free port of 127.0.0.1."""
     front = Front(service.port, **options)
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, front.handle, 0, host="127.0.0.1")
-        )
-        front.port = listeners[0].socket.getsockname()[1]
+        front.port = await listen(nursery, front.handle)
         yield front
         nursery.cancel_scope.cancel()
 

@@ -28,10 +28,13 @@ from _disk import files_limited_to
 from _service_helpers import POLL_S, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
+    HEAD_END,
     following_process,
     hourly,
+    listen,
     post,
     post_small,
+    read_head,
     replica_export,
     revoke_token,
     server_export,
@@ -52,7 +55,6 @@ from healthlog.storage._sqlite import StorageError
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from transport.follow import Endpoints, Follower, FollowError, follow
 
-HEAD_END = b"\r\n\r\n"
 Answer = Callable[[trio.abc.Stream], Awaitable[None]]
 
 
@@ -101,12 +103,9 @@ class Fake:
     async def handle(self, client: trio.SocketStream) -> None:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             async with client:
-                head = b""
-                while HEAD_END not in head:
-                    data = await client.receive_some(2**16)
-                    if not data:
-                        return
-                    head += data
+                head = await read_head(client)
+                if HEAD_END not in head:
+                    return
                 path = head.split(b" ", 2)[1].split(b"?")[0]
                 self.paths.append(path)
                 upgrade = b"upgrade: websocket" in head.lower()
@@ -161,10 +160,7 @@ class Fake:
 async def faking(upstream: int | None = None, **options: Any) -> AsyncIterator[Fake]:
     fake = Fake(upstream, **options)
     async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            functools.partial(trio.serve_tcp, fake.handle, 0, host="127.0.0.1")
-        )
-        fake.port = listeners[0].socket.getsockname()[1]
+        fake.port = await listen(nursery, fake.handle)
         yield fake
         nursery.cancel_scope.cancel()
 
