@@ -43,7 +43,7 @@ from _runtime_helpers import (
 
 from actors.folding import Executor
 from actors.runtime import open_runtime
-from healthlog import faults
+from healthlog import clock, faults
 from healthlog.folding import OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
@@ -763,15 +763,25 @@ async def test_a_data_directory_moved_away_is_not_begun_anew_by_a_fold_worker_ru
     tmp_path: Path,
 ) -> None:
     """RUN-45: the data directory of a runtime folding in worker processes is moved away
-    before any worker opened it; a delivery submitted then is journaled, its pass ends
-    ``deferred`` and nothing appears at the old path (no directory, no journal or store);
-    once the directory is back, a later pass folds it."""
+    before any worker opened it, a delivery journaled and waiting for the fold lease, which
+    another holder had; a delivery submitted then is refused (the journal is no longer at its
+    path), the pass that the freed lease starts ends ``deferred``, and nothing appears at the
+    old path (no directory, no journal or store); once the directory is back, a later pass
+    folds the waiting delivery."""
     data, moved = tmp_path / "data", tmp_path / "moved"
-    settings = config(data, executor=Executor.PROCESS, wake_period_s=0.2)
+    with DataDir(data).open_store() as store:
+        epoch = store.acquire_lease("elsewhere", now=clock.now_us(), ttl=3600 * 10**6)
+        assert epoch is not None
+    settings = config(
+        data, executor=Executor.PROCESS, wake_period_s=0.2, lease_ttl_s=1.0, lease_renew_s=0.2
+    )
     async with open_runtime(settings) as runtime:
-        await passes_ended(runtime, 1)
-        data.rename(moved)
         receipt = await runtime.submit(new_delivery(0))
+        data.rename(moved)
+        with pytest.raises(StorageError, match=r"journal\.sqlite is not at its path"):
+            await runtime.submit(new_delivery(1))
+        with DataDir(moved).open_store() as store:
+            store.release_lease("elsewhere", epoch)
         await until(
             lambda: runtime.statistics().folding.passes_by_stop.get("deferred", 0) >= 1,
             timeout=30,

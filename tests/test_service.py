@@ -771,6 +771,31 @@ async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(
     assert re.fullmatch(expected, record.getMessage()), record.getMessage()
 
 
+async def test_a_journal_moved_away_under_the_service_is_not_written_journal_34(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """JOURNAL-34: with the data directory moved away (or deleted, or its disk unmounted) under
+    the running service, a delivery is answered 503 JOURNAL_UNAVAILABLE with a WARNING saying
+    why, not 200 for a commit into a file no later start finds; with the directory back, the
+    next is answered 200 and both accepted deliveries are in the journal."""
+    data, moved = tmp_path / "data", tmp_path / "moved"
+    async with serving(data) as service:
+        first = await service.post(HEART_RATE)
+        data.rename(moved)
+        with caplog.at_level(logging.WARNING):
+            refused = await service.post(small(1))
+        moved.rename(data)
+        answered = await service.post(small(1))
+        assert (first.status_code, refused.status_code, answered.status_code) == (200, 503, 200)
+        assert refused.json() == {"error": "JOURNAL_UNAVAILABLE"}
+        assert await journaled(service) == [sha256(HEART_RATE), sha256(small(1))]
+    assert any(
+        "StorageError: not at its path: moved away, deleted or unmounted" in r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING
+    )
+
+
 async def test_metrics_count_failed_journal_commits_and_show_the_process_serve_42(
     tmp_path: Path,
 ) -> None:

@@ -321,6 +321,10 @@ def _meta(row: Any) -> DeliveryMeta:
     )
 
 
+# What a journal no longer at its path says (in the log too: it quotes nothing it was given).
+_NOT_AT_PATH = "not at its path: moved away, deleted or unmounted under the running service"
+
+
 class Journal:
     """The journal file: append deliveries, read them back in journal order. Without
     ``create``, a file that is not there is a :class:`StorageError`, not a new journal."""
@@ -409,6 +413,7 @@ class Journal:
             if not prepared:
                 return []
             with write_transaction(self._conn) as conn:
+                self._still_at_path()
                 results = self._append_locked(conn, prepared)
             journaled = [r for r in results if isinstance(r, Receipt) and not r.replayed]
             replays = sum(1 for r in results if isinstance(r, Receipt) and r.replayed)
@@ -430,6 +435,17 @@ class Journal:
             collisions,
         )
         return results
+
+    def _still_at_path(self) -> None:
+        """Refuse (StorageError) to journal into a file no longer at its path: the data
+        directory moved away or deleted under the running service, where SQLite would go on
+        writing the open file, which no later start finds (a delivery answered 200 there is
+        lost once this process ends, or kept where nobody looks). Whether the file at the
+        path is the one opened is not asked: a network filesystem may renumber its inodes."""
+        if not os.path.exists(self.path):
+            error = StorageError(f"{os.path.basename(self.path)} is {_NOT_AT_PATH}")
+            error.kind, error.file = _NOT_AT_PATH, os.path.basename(self.path)
+            raise error
 
     def get_meta(self, delivery_id: int) -> DeliveryMeta | None:
         with self._reading() as conn:
