@@ -208,17 +208,20 @@ class _HypercornConfig(HypercornConfig):
 
     def close_unused(self) -> None:
         """Close the sockets of :meth:`bind_now` if hypercorn never took them."""
-        if self._bound is not None:
-            bound, self._bound = self._bound, None
+        bound = self._take_bound()
+        if bound is not None:
             for sock in (*bound.secure_sockets, *bound.insecure_sockets, *bound.quic_sockets):
                 sock.close()
 
     def create_sockets(self) -> Sockets:
         """The sockets of :meth:`bind_now`, else sockets bound now (see :meth:`_open_sockets`)."""
-        if self._bound is not None:
-            bound, self._bound = self._bound, None
-            return bound
-        return self._open_sockets()
+        bound = self._take_bound()
+        return self._open_sockets() if bound is None else bound
+
+    def _take_bound(self) -> Sockets | None:
+        """The sockets of :meth:`bind_now` not handed over yet, handed over now (once)."""
+        bound, self._bound = self._bound, None
+        return bound
 
     def _open_sockets(self) -> Sockets:
         """The listening sockets, with a ``TCP_USER_TIMEOUT`` that accepted sockets inherit.
