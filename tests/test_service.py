@@ -1374,7 +1374,8 @@ async def test_413_states_the_limit_and_refusals_are_logged_without_secrets_serv
     secret = "hl_not-a-client-token-0123456789"
     async with serving(tmp_path / "data", max_body_mib=0.5) as service:
         with caplog.at_level(logging.INFO, "healthlog.http"):
-            announced = await service.post(b"x" * MiB, CLOSE)
+            headers = {**service.auth, **CLOSE, "Content-Length": str(MiB)}
+            announced = await post_stream(service.client, Drip([b"x" * MiB]), headers)
             assert announced.status_code == 413
             assert announced.json() == {"error": "BODY_TOO_LARGE", "max_body_mib": 0.5}
             chunked = Drip([b"y" * (64 * 1024)] * 9)
