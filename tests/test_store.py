@@ -24,7 +24,7 @@ from _disk import DISK_ERROR, files_limited_to, in_full_file_system, unwritable
 
 from actors.retention import RetentionActor, RetentionStatistics
 from healthlog import clock, faults
-from healthlog.fold import NO_LAYER
+from healthlog.fold import NO_LAYER, BudgetExceeded
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import Deferred, StorageError
@@ -791,3 +791,66 @@ def test_a_file_a_full_disk_cannot_open_says_the_disk_is_full_store_35(tmp_path:
         stderr,
     ), stderr
     assert stderr.endswith("exit 3\n"), stderr
+
+
+def _fold_summaries(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == level and " folded: " in r.getMessage()
+    ]
+
+
+def test_each_fold_logs_its_counters_without_values_merge_28(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MERGE-28: every live fold that commits logs one INFO record with the delivery id, its
+    status and its counters (metrics, points, objects, overwrites, held, erased), and no point
+    value or device name; a rebuild's fold (guard off) says the same at DEBUG only."""
+    device = "Anton's Watch Ultra"
+    first = append(journal, delivery(body({"hr": [point(1, 61.25, source=device)]})))
+    resend = append(journal, delivery(body({"hr": [point(1, 97.75, source=device)]})))
+    broken = append(journal, delivery(b"not json"))
+    caplog.set_level(logging.DEBUG, "healthlog")
+
+    for meta in (first, resend, broken):
+        assert fold(journal, store, meta, epoch).outcome_class is OutcomeClass.DONE
+
+    summaries = _fold_summaries(caplog, logging.INFO)
+    assert len(summaries) == 3
+    assert summaries[0] == (
+        f"delivery {first.id} folded: status=parsed metrics=1 sections=0 points=1 rejected=0"
+        " objects=1 overwrites=0 held=0 erased=0"
+    )
+    assert summaries[1] == (
+        f"delivery {resend.id} folded: status=parsed metrics=1 sections=0 points=1 rejected=0"
+        " objects=1 overwrites=1 held=0 erased=1"
+    )
+    assert summaries[2].startswith(f"delivery {broken.id} folded: status=failed ")
+    loud = "\n".join(r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG)
+    for value in ("61.25", "97.75", device, "not json"):
+        assert value not in loud
+
+    caplog.clear()
+    again = append(journal, delivery(body({"hr": [point(3, 62)]})))
+    assert fold(journal, store, again, epoch, guard=False).status == "parsed"
+    assert _fold_summaries(caplog, logging.INFO) == []
+    assert len(_fold_summaries(caplog, logging.DEBUG)) == 1
+
+
+def test_a_fold_failed_over_its_budget_is_logged_merge_28(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """MERGE-28: a delivery recorded failed over its time budget is logged like any fold."""
+    meta = append(journal, delivery(body({"hr": [point(1, 60), point(2, 61)]})))
+    caplog.set_level(logging.INFO, "healthlog")
+
+    def over() -> None:
+        raise BudgetExceeded
+
+    report = store.fold(journal, meta, epoch, check_budget=over)
+
+    assert report.status == "failed"
+    summaries = _fold_summaries(caplog, logging.INFO)
+    assert len(summaries) == 1
+    assert summaries[0].startswith(f"delivery {meta.id} folded: status=failed ")

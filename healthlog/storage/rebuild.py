@@ -113,7 +113,7 @@ def rebuild_into(
 
         def fold(meta: DeliveryMeta) -> None:
             if meta.id in given_up:
-                report = target.fail(meta, epoch, given_up[meta.id])
+                report = target.fail(meta, epoch, given_up[meta.id], live=False)
             else:
                 report = target.fold(journal, meta, epoch, guard=False)
             if report.outcome_class is not OutcomeClass.DONE:

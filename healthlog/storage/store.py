@@ -286,6 +286,27 @@ def automation_of(meta: DeliveryMeta) -> str | None:
     return None
 
 
+def _log_folded(delivery_id: int, outcome: Outcome, *, live: bool) -> None:
+    """Log a committed fold's status and counters (S11: counters and ids, never a value), at
+    INFO for the live folder and at DEBUG for a rebuild, which would only repeat it."""
+    counters = outcome.counters
+    log.log(
+        logging.INFO if live else logging.DEBUG,
+        "delivery %d folded: status=%s metrics=%d sections=%d points=%d rejected=%d objects=%d"
+        " overwrites=%d held=%d erased=%d",
+        delivery_id,
+        outcome.status,
+        counters.metrics,
+        counters.sections,
+        counters.points,
+        counters.points_rejected + counters.entries_rejected,
+        counters.objects_written,
+        counters.overwrites,
+        counters.points_held,
+        counters.points_erased,
+    )
+
+
 def _seals(conn: sqlite3.Connection) -> list[Seal]:
     """The seals folded so far."""
     return [
@@ -459,7 +480,8 @@ class Store(_objects.ObjectDatabase):
                 return self._report_existing(meta.id)
             later = guard and self._later_folded(meta)
             late: list[float] = []
-            if seals.is_seal(meta.client, meta.content_type):
+            seal = seals.is_seal(meta.client, meta.content_type)
+            if seal:
                 outcome = self._seal(meta, body, live=guard)
             else:
                 fold = DeliveryFold(
@@ -482,6 +504,8 @@ class Store(_objects.ObjectDatabase):
                 outcome = fold.outcome
             self._write_outcome(meta, outcome, epoch)
             faults.point("fold.before_commit")
+        if not seal:
+            _log_folded(meta.id, outcome, live=guard)
         if later:
             waited = max(0, clock.now_us() - meta.received_at) // 1_000_000
             log.warning(
@@ -537,9 +561,10 @@ class Store(_objects.ObjectDatabase):
             (US_PER_HOUR, seal.before, seal.metric, seal.layer),
         ).fetchall()
 
-    def fail(self, meta: DeliveryMeta, epoch: int, reason: str) -> FoldReport:
+    def fail(self, meta: DeliveryMeta, epoch: int, reason: str, *, live: bool = True) -> FoldReport:
         """Record ``meta`` failed with ``reason`` and no points, under lease epoch ``epoch``,
-        unless it has an outcome already; reported as a fold attempt is."""
+        unless it has an outcome already; reported as a fold attempt is. ``live`` off is a
+        rebuild, which logs the outcome at DEBUG."""
         outcome = Outcome(status=FAILED, reason=reason, layer=None, counters=Counters())
         try:
             with self._lock, write_transaction(self._conn):
@@ -554,6 +579,7 @@ class Store(_objects.ObjectDatabase):
         except StorageError as exc:
             log.warning("delivery %d: outcome not written: %s", meta.id, describe(exc))
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
+        _log_folded(meta.id, outcome, live=live)
         return FoldReport(meta.id, OutcomeClass.DONE, FAILED, reason)
 
     def _check_epoch(self, epoch: int) -> None:
