@@ -164,7 +164,7 @@ class DeliveryFold:
                 if series is None:
                     series = hae.read_series(group.arrays, spacing=self._measure)
                     self._measured(series)
-                units = self._units(group.units)
+                units = self._units(name, group.units)
                 yield from self._fold_series(name, self._layer, units, series)
         for section in sorted(envelope.sections):
             self._counters.sections += 1
@@ -189,11 +189,23 @@ class DeliveryFold:
         if series.spacing and (self.spacing is None or series.spacing < self.spacing):
             self.spacing = series.spacing
 
-    def _units(self, entries: list[str | None]) -> str | None:
+    def _units(self, metric: str, entries: list[str | None]) -> str | None:
+        """The units of a metric's entries: the smallest in string order; every other entry
+        counts as a mismatch, and a metric with any says so once (S7)."""
         present = sorted({u for u in entries if u is not None})
         if not present:
             return None
-        self._counters.unit_mismatches += sum(1 for u in entries if u not in (None, present[0]))
+        mismatches = sum(1 for u in entries if u not in (None, present[0]))
+        if mismatches:
+            self._counters.unit_mismatches += mismatches
+            log.log(
+                self._warn_level,
+                "unit mismatch within the delivery, the first units in string order kept"
+                " metric=%s layer=%s delivery=%d",
+                metric,
+                self._layer,
+                self._info.id,
+            )
         return present[0]
 
     def _count_rejected(self, series: hae.Series) -> None:

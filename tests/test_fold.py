@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from healthlog import objects
-from healthlog.fold import PARSED
+from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.timestamps import format_instant, hour_of, parse_instant
 
@@ -536,3 +536,40 @@ def test_logs_keep_health_data_private(caplog: pytest.LogCaptureFixture) -> None
     text = loud_text(caplog)
     for secret in (source, "Zelda", *values):
         assert secret not in text
+
+
+def test_units_differing_within_a_delivery_are_logged_merge_29(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """MERGE-29: a delivery carrying one metric under several units counts each other entry
+    and logs one WARN for the metric, naming neither the units nor a value; a rebuild says
+    it at DEBUG."""
+    twice = {
+        "data": {
+            "metrics": [
+                {"name": "flights", "units": "steps", "data": [{"date": at(0), "qty": 11}]},
+                {"name": "flights", "units": "count", "data": [{"date": at(1), "qty": 12}]},
+                {"name": "flights", "units": "steps", "data": [{"date": at(2), "qty": 13}]},
+            ]
+        }
+    }
+    caplog.set_level(logging.DEBUG)
+    written, outcome = fold(json.dumps(twice).encode(), MemoryProjection(), aggregation="minutes")
+    assert outcome.counters.unit_mismatches == 2
+    assert [obj.units for obj in written] == ["count"]
+    [message] = warn_messages(caplog)
+    assert message == (
+        "unit mismatch within the delivery, the first units in string order kept"
+        " metric=flights layer=minutes delivery=1"
+    )
+
+    caplog.clear()
+    rebuild = DeliveryFold(
+        json.dumps(twice).encode(),
+        DeliveryInfo(1, 1, "minutes"),
+        MemoryProjection(),
+        warn=False,
+    )
+    assert len(list(rebuild.writes())) == 1
+    assert warn_messages(caplog) == []
+    assert any("unit mismatch" in r.getMessage() for r in caplog.records)
