@@ -841,9 +841,11 @@ def test_each_fold_logs_its_counters_without_values_merge_28(
 def test_a_fold_failed_over_its_budget_is_logged_merge_28(
     journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """MERGE-28: a delivery recorded failed over its time budget is logged like any fold."""
+    """MERGE-28: a delivery recorded failed over its time budget is logged like any fold: at
+    INFO by the live folder, at DEBUG by a rebuild."""
     meta = append(journal, delivery(body({"hr": [point(1, 60), point(2, 61)]})))
-    caplog.set_level(logging.INFO, "healthlog")
+    rebuilt = append(journal, delivery(body({"hr": [point(3, 62), point(4, 63)]})))
+    caplog.set_level(logging.DEBUG, "healthlog")
 
     def over() -> None:
         raise BudgetExceeded
@@ -854,3 +856,8 @@ def test_a_fold_failed_over_its_budget_is_logged_merge_28(
     summaries = _fold_summaries(caplog, logging.INFO)
     assert len(summaries) == 1
     assert summaries[0].startswith(f"delivery {meta.id} folded: status=failed ")
+
+    caplog.clear()
+    assert store.fold(journal, rebuilt, epoch, guard=False, check_budget=over).status == "failed"
+    assert _fold_summaries(caplog, logging.INFO) == []
+    assert len(_fold_summaries(caplog, logging.DEBUG)) == 1

@@ -438,7 +438,7 @@ class Store(_objects.ObjectDatabase):
             return FoldReport(meta.id, OutcomeClass.DEFERRED)
         except CorruptBody:
             log.error("delivery %d: body does not match its sha256", meta.id)
-            return self.fail(meta, epoch, "body does not match its sha256")
+            return self.fail(meta, epoch, "body does not match its sha256", live=guard)
         except StorageError as exc:
             log.warning("delivery %d: body not readable: %s", meta.id, describe(exc))
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
@@ -446,7 +446,7 @@ class Store(_objects.ObjectDatabase):
             # No memory to inflate a large body, say: failed like a fold that breaks, or the
             # queue would stop at it for good.
             log.error("delivery %d: body not read: %s", meta.id, type(exc).__name__)
-            return self.fail(meta, epoch, f"internal error: {type(exc).__name__}")
+            return self.fail(meta, epoch, f"internal error: {type(exc).__name__}", live=guard)
         try:
             with self._lock:
                 return self._fold_locked(meta, body, epoch, guard, check_budget)
@@ -456,13 +456,13 @@ class Store(_objects.ObjectDatabase):
             log.warning("delivery %d: fold fenced, lease epoch %d lost", meta.id, epoch)
             return FoldReport(meta.id, OutcomeClass.FENCED)
         except BudgetExceeded:
-            return self.fail(meta, epoch, OVER_BUDGET)
+            return self.fail(meta, epoch, OVER_BUDGET, live=guard)
         except StorageError as exc:
             log.warning("delivery %d: fold not written: %s", meta.id, describe(exc))
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
         except Exception as exc:
             log.error("delivery %d: fold failed: %s", meta.id, type(exc).__name__)
-            return self.fail(meta, epoch, f"internal error: {type(exc).__name__}")
+            return self.fail(meta, epoch, f"internal error: {type(exc).__name__}", live=guard)
 
     def _fold_locked(
         self,
