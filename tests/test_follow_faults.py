@@ -569,3 +569,39 @@ async def test_a_replica_path_that_is_no_directory_is_refused_cli_61(
             assert run.err.splitlines() == [f"healthlog: {tmp_path / name} {says}"]
     assert fake.paths == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "file"]
+
+
+async def test_a_close_4401_alone_stops_the_follower_stream_85(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-85: WHEN the stream is closed with 4401 (unauthorized) without an `UNAUTHORIZED`
+    frame before it, after an event THEN the follower applies that event and stops for good with
+    a FollowError saying the token was refused, having connected once, and `healthlog follow`
+    exits 2 with one line saying so. (Before, it took the close for a lost connection and
+    reconnected forever.)"""
+    stream = {"id": "s", "instance": "i", "head": 3, "oldest_cursor": 0, "public_key": "k"}
+    answers: dict[bytes, bytes | Answer] = {
+        b"/v1/status": json_answer({"stream": stream}),
+        b"/v1/snapshots/key": json_answer({"public_key": "k"}),
+    }
+    async with faking(answers=answers, frames=[event(1)], close=4401) as fake:
+        with Replica(tmp_path / "replica") as replica:
+            with (
+                trio.fail_after(FRAME_LIMIT_S),
+                pytest.raises(FollowError, match=r"the server refused the token \(close 4401\)"),
+            ):
+                await follow(fake.url(), "hl_token", replica)
+            assert fake.upgrades == 1
+            assert await cursor_of(replica) == 1
+        run = await trio.to_thread.run_sync(
+            functools.partial(
+                run_cli,
+                *("follow", "--url", fake.url(), "--token", "hl_token"),
+                *("--replica", tmp_path / "cli"),
+            )
+        )
+    assert (run.code, run.err.splitlines()) == (
+        2,
+        ["healthlog: the server refused the token (close 4401)"],
+    )
+    assert fake.upgrades == 2

@@ -97,6 +97,8 @@ SNAPSHOT_RESERVE_BYTES = 64 * 2**20
 # was read; the next session sees its head behind the cursor and restores its snapshot.
 RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY", "CURSOR_IN_FUTURE"})
 STREAM_PATH = "/v1/stream"
+# The stream's close code for a missing, unknown or revoked token (interfaces.md).
+CLOSE_UNAUTHORIZED = 4401
 
 
 class FollowError(Exception):
@@ -363,7 +365,7 @@ class Follower:
                 try:
                     batch = await batches.receive()
                 except trio.EndOfChannel:
-                    raise ConnectionLost("the stream ended") from None
+                    raise ws.ended("the stream ended") from None
             if idle.cancelled_caught:
                 if acks.contiguous > acked:
                     await ws.send(_ack_frame(acks.contiguous))
@@ -572,6 +574,8 @@ class StreamSocket:
         # When bytes last came from the server, and when a ping was last sent.
         self.heard = trio.current_time()
         self.pinged = -math.inf
+        # The code of the server's close, once it came.
+        self.close_code: int | None = None
 
     async def open(self, host: str, resource: str, headers: list[tuple[bytes, bytes]]) -> None:
         """The opening handshake; messages that arrive with its answer are kept."""
@@ -590,8 +594,16 @@ class StreamSocket:
 
     async def send(self, message: str) -> None:
         if self._ws.state is not ConnectionState.OPEN:
-            raise ConnectionLost("the stream is closing")
+            raise self.ended("the stream is closing")
         await self._send_all(self._ws.send(TextMessage(data=message)))
+
+    def ended(self, reason: str) -> Exception:
+        """Why the stream can no longer be used: a close 4401 is a refused token, for good
+        (FollowError), whether an ``UNAUTHORIZED`` frame came before it or not; anything else
+        is a lost connection (``reason``)."""
+        if self.close_code == CLOSE_UNAUTHORIZED:
+            return FollowError("the server refused the token (close 4401)")
+        return ConnectionLost(reason)
 
     async def ping(self) -> None:
         """A ping, whose pong (or any frame) the server sends back moves ``heard`` on."""
@@ -655,6 +667,7 @@ class StreamSocket:
             elif isinstance(event, Ping):
                 self._outgoing += self._ws.send(event.response())
             elif isinstance(event, CloseConnection):
+                self.close_code = event.code
                 if self._ws.state is ConnectionState.REMOTE_CLOSING:
                     self._outgoing += self._ws.send(event.response())
             elif isinstance(event, AcceptConnection):
