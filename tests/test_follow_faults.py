@@ -17,6 +17,7 @@ import functools
 import logging
 import shutil
 import sqlite3
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from _stream_helpers import (
     listen,
     post,
     post_small,
+    prune,
     read_head,
     replica_export,
     revoke_token,
@@ -605,3 +607,71 @@ async def test_a_close_4401_alone_stops_the_follower_stream_85(
         ["healthlog: the server refused the token (close 4401)"],
     )
     assert fake.upgrades == 2
+
+
+async def paced(content: bytes, piece: int, every_s: float, client: trio.abc.Stream) -> None:
+    """A 200 with ``content``, sent ``piece`` bytes every ``every_s`` seconds."""
+    await client.send_all(
+        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(content)
+    )
+    for start in range(0, len(content), piece):
+        await trio.sleep(every_s)
+        await client.send_all(content[start : start + piece])
+
+
+async def test_a_snapshot_download_stalled_or_trickled_is_given_up_stream_86(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-86: GIVEN a fresh replica of a service whose window was pruned, so that it must
+    restore the snapshot, and a download window of 0.5 s for each 1 KiB WHEN the snapshot file
+    trickles in a byte every 50 ms THEN the download is given up as a lost connection (`the
+    snapshot download brought less than 1 KiB within 0.5 s`) and asked again after the
+    backoff, the replica unchanged; WHEN it comes 1 KiB every 0.1 s, in all several windows
+    long THEN it is restored and the replica equals the service. (Before, a trickled snapshot
+    held the follower for as long as the server pleased.)"""
+    monkeypatch.setattr(transport.follow, "SNAPSHOT_PACE_BYTES", 2**10)
+    window_s = 0.5
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, *range(0, 6000, 60))
+        await prune(service.data, keep=2)
+        manifest = (await service.get("/v1/snapshots")).json()
+        path = urllib.parse.urlsplit(manifest["url"]).path
+        content = (await service.get(path)).content
+        assert len(content) > 4 * 2**10
+        # Each answer on a connection of its own, so that the fake sees every request.
+        answers: dict[bytes, bytes | Answer] = {
+            b"/v1/status": json_answer(await service.status()),
+            b"/v1/snapshots/key": json_answer((await service.get("/v1/snapshots/key")).json()),
+            b"/v1/snapshots": json_answer(manifest),
+        }
+        with Replica(tmp_path / "trickled") as replica:
+            trickled = functools.partial(paced, content, 1, 0.05)
+            async with faking(answers={**answers, path.encode(): trickled}) as fake:
+                follower = Follower(
+                    Endpoints.parse(fake.url()),
+                    service.token,
+                    replica,
+                    snapshot_window_s=window_s,
+                )
+                with caplog.at_level(logging.INFO, "healthlog.follow"):
+                    limit_s = 2 * window_s + transport.follow.BACKOFF_START_S + window_s / 2
+                    with trio.move_on_after(limit_s):
+                        await follower.run()
+            assert fake.paths.count(path.encode()) == 2
+            assert "the snapshot download brought less than 1 KiB within 0.5 s" in caplog.text
+            assert await cursor_of(replica) == 0
+        with Replica(tmp_path / "slow") as replica:
+            slow = functools.partial(paced, content, 2**10, window_s / 5)
+            async with faking(answers={**answers, path.encode(): slow}) as fake:
+                follower = Follower(
+                    Endpoints.parse(fake.url()),
+                    service.token,
+                    replica,
+                    until_caught_up=True,
+                    snapshot_window_s=window_s,
+                )
+                with trio.fail_after(FRAME_LIMIT_S):
+                    await follower.run()
+            assert fake.paths.count(path.encode()) == 1
+            assert await cursor_of(replica) == total
+            assert await replica_export(replica) == await server_export(service)

@@ -10,7 +10,8 @@ the snapshot. A stream connection is used only once the status, read again after
 still names the stream the session started with. It reconnects with backoff after a broken or
 refused connection, a close for being too slow, an HTTP 5xx, and a snapshot reference gone
 stale (404) before its fetch; a connection silent past its keepalive time and the ping's, a
-request not answered within its timeout, a snapshot at its cursor, and a service whose store went
+request not answered within its timeout, a snapshot download that falls below its pace (stalled
+or trickled), a snapshot at its cursor, and a service whose store went
 back behind its cursor (restored from a backup: it then restores the snapshot) are retried
 alike. A token that cannot be sent as a header value is refused before connecting, and a
 request of its own that is not valid HTTP stops it: no retry could send either. What it logs
@@ -88,6 +89,13 @@ KEEPALIVE_S = 30.0
 # ``follow`` up or fill its memory.
 REQUEST_TIMEOUT_S = 30.0
 MAX_JSON_BYTES = 16 * 2**20
+# A snapshot download must bring SNAPSHOT_PACE_BYTES within SNAPSHOT_WINDOW_S of its request,
+# and each further SNAPSHOT_PACE_BYTES within as long again: a server or a front that stalls or
+# trickles the body is a lost connection, retried after the backoff. No overall time limit: a
+# large snapshot from a NAS is legitimately slow. 256 KiB a minute (about 4.4 KB/s, 35 kbit/s)
+# is far below any link a follower runs over, and a real download only falls below it stalled.
+SNAPSHOT_WINDOW_S = 60.0
+SNAPSHOT_PACE_BYTES = 256 * 2**10
 # Free space a snapshot download leaves on the replica's filesystem: the restore then writes the
 # objects into the replica, and the disk is shared. A body larger than the rest (a server's
 # endless or hostile answer) stops the follower instead of filling the disk at every retry.
@@ -174,6 +182,8 @@ class Follower:
     request_timeout_s: float = attrs.field(default=REQUEST_TIMEOUT_S, kw_only=True)
     # Free space a snapshot download must leave on the replica's filesystem.
     snapshot_reserve_bytes: int = attrs.field(default=SNAPSHOT_RESERVE_BYTES, kw_only=True)
+    # How long a snapshot download may take to bring each SNAPSHOT_PACE_BYTES.
+    snapshot_window_s: float = attrs.field(default=SNAPSHOT_WINDOW_S, kw_only=True)
     # The wait before the next reconnect; back to the start once a connection made progress.
     _backoff: float = attrs.field(default=BACKOFF_START_S, init=False)
     # Whether the WARNING that reconnecting gets nowhere was logged since the last progress.
@@ -488,7 +498,7 @@ class Follower:
         assert binding.public_key is not None
         with self.replica.snapshot_file() as path:
             room = await trio.to_thread.run_sync(self.replica.room, self.snapshot_reserve_bytes)
-            digest = await _download(http, manifest.url, path, room)
+            digest = await _download(http, manifest.url, path, room, self.snapshot_window_s)
             try:
                 snapshots.check(
                     manifest,
@@ -511,9 +521,37 @@ class Follower:
             )
 
 
-async def _download(http: httpx.AsyncClient, url: str, path: Path, room: int) -> str:
+async def _download(
+    http: httpx.AsyncClient,
+    url: str,
+    path: Path,
+    room: int,
+    window_s: float = SNAPSHOT_WINDOW_S,
+) -> str:
     """Stream the answer of ``url`` into the file ``path`` a chunk at a time; the sha256 of
-    its bytes. An answer of more than ``room`` bytes, announced or sent, is a FollowError."""
+    its bytes. An answer of more than ``room`` bytes, announced or sent, is a FollowError; one
+    that brings less than ``SNAPSHOT_PACE_BYTES`` within ``window_s`` of the request or of the
+    last such stretch (stalled, or trickled) is a lost connection."""
+    with trio.move_on_after(window_s) as window:
+        digest = await _download_paced(http, url, path, room, window, window_s)
+    if window.cancelled_caught:
+        raise ConnectionLost(
+            f"the snapshot download brought less than {SNAPSHOT_PACE_BYTES // 2**10} KiB"
+            f" within {window_s:g} s"
+        )
+    return digest
+
+
+async def _download_paced(
+    http: httpx.AsyncClient,
+    url: str,
+    path: Path,
+    room: int,
+    window: trio.CancelScope,
+    window_s: float,
+) -> str:
+    """:func:`_download`'s body: every ``SNAPSHOT_PACE_BYTES`` read move the deadline of
+    ``window`` to ``window_s`` from then."""
     digest = hashlib.sha256()
     async with http.stream("GET", url) as response:
         # A fresh reference, from a new connection, cures both: the server removed the file this
@@ -529,7 +567,7 @@ async def _download(http: httpx.AsyncClient, url: str, path: Path, room: int) ->
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > room:
             raise FollowError(too_large)
-        written = 0
+        written = paced = 0
         chunks = response.aiter_bytes()
         async with await trio.open_file(path, "wb") as out:
             async for chunk in chunks:
@@ -539,6 +577,9 @@ async def _download(http: httpx.AsyncClient, url: str, path: Path, room: int) ->
                     raise FollowError(too_large)
                 digest.update(chunk)
                 await out.write(chunk)
+                if written - paced >= SNAPSHOT_PACE_BYTES:
+                    paced = written
+                    window.deadline = trio.current_time() + window_s
     return digest.hexdigest()
 
 
