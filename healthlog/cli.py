@@ -41,7 +41,7 @@ from healthlog.storage.rebuild import (
     reindex,
     verify_all,
 )
-from healthlog.storage.replica import REPLICA_FILE, Replica
+from healthlog.storage.replica import REPLICA_FILE, NotAReplica, Replica, ReplicaReader
 from healthlog.storage.status import (
     DEFAULT_LISTED,
     MAX_LISTED,
@@ -497,9 +497,12 @@ def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
 def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
     if args.replica is not None and not (args.replica / REPLICA_FILE).is_file():
         raise CliError(f"no follow replica in {args.replica}")
-    source: Store | Replica = (
-        Replica(args.replica) if args.replica is not None else data.open_store()
-    )
+    try:
+        source: Store | ReplicaReader = (
+            ReplicaReader(args.replica) if args.replica is not None else data.open_store()
+        )
+    except NotAReplica as exc:
+        raise CliError(f"no follow replica in {args.replica}: {REPLICA_FILE} {exc}") from None
     with source:
         stored = source.iter_objects(
             metric=args.metric,

@@ -21,10 +21,14 @@ import hashlib
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import sqlite3
 import ssl
+import subprocess
+import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -60,7 +64,7 @@ from _stream_helpers import (
     small,
     until_cursor,
 )
-from conftest import CliRun, RunCli
+from conftest import PROCESS_TIMEOUT_S, CliRun, RunCli
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
@@ -1604,3 +1608,65 @@ async def test_a_restore_holds_one_object_at_a_time_stream_59(tmp_path: Path) ->
         assert sorted(os.listdir(directory)) == [REPLICA_FILE]
     assert peaks[1] < 1.5 * peaks[0]
     assert peaks[1] < RESTORE_PEAK_BYTES < sizes[1]
+
+
+def export_as_another_user(directory: Path) -> subprocess.CompletedProcess[bytes]:
+    """``healthlog export --replica DIRECTORY`` as a process of a user that does not own it:
+    this one when it is not root, else ``nobody`` (root may write whatever the modes say)."""
+    command = [sys.executable, "-m", "healthlog.cli", "export", "--replica", str(directory)]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    return subprocess.run(command, capture_output=True, timeout=PROCESS_TIMEOUT_S, check=False)
+
+
+async def test_export_reads_a_replica_without_writing_it_cli_68(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-68: GIVEN a replica in a directory of mode 0555 with its files 0444, read by a user
+    that may not write them, as `follow` left it (stopped cleanly: no -wal, no -shm) or after an
+    `export --replica` that could write there (which leaves them) WHEN `export --replica` runs
+    THEN it exits 0 with what the server exports, every file unchanged; WHEN `replica.sqlite`
+    is a 0-byte file THEN it exits 2 with one line saying there is no follow replica, and the
+    file stays 0 bytes. (Before, it opened the replica read-write: exit 3, `attempt to write a
+    readonly database`; and it wrote a replica's tables into the 0-byte file, 48 KiB, and
+    exported nothing with exit 0.)"""
+    async with serving(tmp_path / "server") as service:
+        await post_small(service, 0, 60, 120)
+        assert (await follow_process(run_cli, service, tmp_path)).code == 0
+        server = (await cli(run_cli, "export", "--data", service.data.path)).out
+    assert server
+    assert os.listdir(tmp_path / "replica") == [REPLICA_FILE]
+    # Where another user may reach it (the test's own directory is root's alone).
+    shared = Path(tempfile.mkdtemp())
+    copies = [shared / "clean", shared / "exported"]
+    try:
+        shared.chmod(0o755)
+        shutil.copytree(tmp_path / "replica", copies[0])
+        assert (await cli(run_cli, "export", "--replica", tmp_path / "replica")).out == server
+        shutil.copytree(tmp_path / "replica", copies[1])
+        assert len(os.listdir(copies[1])) == 3
+        for directory in copies:
+            files = {path.name: path.read_bytes() for path in directory.iterdir()}
+            for path in directory.iterdir():
+                path.chmod(0o444)
+            directory.chmod(0o555)
+            run = await trio.to_thread.run_sync(export_as_another_user, directory)
+            assert (run.returncode, run.stderr) == (0, b""), directory.name
+            assert run.stdout == server
+            assert {path.name: path.read_bytes() for path in directory.iterdir()} == files
+    finally:
+        for directory in copies:
+            with contextlib.suppress(FileNotFoundError):
+                directory.chmod(0o755)
+        shutil.rmtree(shared)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / REPLICA_FILE).write_bytes(b"")
+    run = await cli(run_cli, "export", "--replica", empty)
+    assert (run.code, run.out, run.err.splitlines()) == (
+        2,
+        b"",
+        [f"healthlog: no follow replica in {empty}: {REPLICA_FILE} is empty, or another database"],
+    )
+    assert os.listdir(empty) == [REPLICA_FILE]
+    assert (empty / REPLICA_FILE).stat().st_size == 0

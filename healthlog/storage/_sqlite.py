@@ -95,13 +95,16 @@ def connect(
     busy_timeout_ms: int = 5000,
     page_size: int | None = None,
     journal_mode: str = "WAL",
+    immutable: bool = False,
 ) -> sqlite3.Connection:
     """Open ``path`` with healthlog's settings.
 
     Autocommit mode, WAL, ``synchronous=FULL`` (every commit is fsync'd), foreign keys on, a busy
     timeout, and a writer's WAL cut back to :data:`WAL_SIZE_LIMIT` once it has been checkpointed.
     ``readonly`` opens the file through a ``mode=ro`` URI; a read-only connection leaves the
-    journal mode alone (WAL is a property of the file, set by its writers). Without ``create``
+    journal mode alone (WAL is a property of the file, set by its writers). ``immutable``
+    (with ``readonly``) adds ``immutable=1``: SQLite then takes no lock and reads no ``-wal`` or
+    ``-shm``, which only a file nobody can change may be opened with. Without ``create``
     a file that does not exist is an error rather than a new database. Another
     ``journal_mode`` is only for a file thrown away when anything fails (a rebuild's scratch
     file). The connection may be used from any thread (``check_same_thread=False``): callers
@@ -113,6 +116,8 @@ def connect(
     try:
         if readonly or not create:
             uri = Path(path).resolve().as_uri() + ("?mode=ro" if readonly else "?mode=rw")
+            if readonly and immutable:
+                uri += "&immutable=1"
             conn = sqlite3.connect(
                 uri,
                 uri=True,

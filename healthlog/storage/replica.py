@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sqlite3
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -17,7 +18,10 @@ import attrs
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
+    ConnectionGuard,
     StorageError,
+    classify,
+    connect,
     write_transaction,
 )
 
@@ -60,6 +64,10 @@ class ReplicaMismatch(StorageError):
 
 class ReplicaInUse(StorageError):
     """Another follower writes the replica."""
+
+
+class NotAReplica(StorageError):
+    """The replica's file holds no replica: empty, or another database."""
 
 
 @attrs.frozen
@@ -206,6 +214,90 @@ class Replica(_objects.ObjectDatabase):
             )
         else:
             _objects.write(self._conn, state)
+
+
+class ReplicaReader:
+    """A replica opened for reading only (``export --replica``), through a ``mode=ro`` URI:
+    nothing is written to the file, which may be on read-only media or belong to another user,
+    and a file that holds no replica (an empty one) is refused (:class:`NotAReplica`) rather
+    than given the replica's tables.
+
+    The replica is in WAL mode, whose readers need the ``-shm`` file beside it. On read-only
+    media without one, which SQLite cannot create, a file without a ``-wal`` either (its
+    follower stopped and checkpointed everything into it, and nobody can write it there) is
+    opened ``immutable``: SQLite then reads the file alone, which holds everything. With a
+    ``-wal`` and no ``-shm`` there (a follower killed while writing), it cannot be read there:
+    the StorageError names the file."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(Path(directory) / REPLICA_FILE)
+        self._conn = _connect_readonly(self.path)
+        self._lock = ConnectionGuard(self.path)
+        try:
+            with self._lock:
+                (version,) = self._conn.execute("PRAGMA user_version").fetchone()
+                if version == 0:
+                    raise NotAReplica("is empty, or another database")
+                if version > len(MIGRATIONS):
+                    raise StorageError("database schema is newer than this healthlog")
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def iter_objects(
+        self,
+        *,
+        metric: str | None = None,
+        layer: str | None = None,
+        hour_from: int | None = None,
+        hour_to: int | None = None,
+    ) -> Iterator[HourlyObject]:
+        """Objects sorted by metric, layer and hour, one at a time."""
+        return _objects.iterate(
+            self._conn,
+            self._lock,
+            metric=metric,
+            layer=layer,
+            hour_from=hour_from,
+            hour_to=hour_to,
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> ReplicaReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _connect_readonly(path: str) -> sqlite3.Connection:
+    """``path`` opened ``mode=ro`` and read once; on read-only media (a directory that cannot
+    be written) with neither ``-wal`` nor ``-shm`` beside it, where SQLite cannot make the
+    ``-shm`` that reading a WAL file needs, ``immutable`` (see :class:`ReplicaReader`)."""
+    try:
+        return _read_once(connect(path, readonly=True, create=False))
+    except StorageError:
+        if (
+            not os.path.isfile(path)
+            or os.path.exists(path + "-wal")
+            or os.path.exists(path + "-shm")
+            or os.access(os.path.dirname(path) or ".", os.W_OK)
+        ):
+            raise
+    return _read_once(connect(path, readonly=True, create=False, immutable=True))
+
+
+def _read_once(conn: sqlite3.Connection) -> sqlite3.Connection:
+    """``conn``, once a read went through it (a WAL file's reader opens its ``-shm`` then)."""
+    try:
+        conn.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as exc:
+        conn.close()
+        raise classify(exc) from exc
+    return conn
 
 
 def _identity(path: str) -> tuple[int, int] | None:
