@@ -453,6 +453,7 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
                 replica,
                 subscriber=args.subscriber,
                 until_caught_up=args.until_caught_up,
+                accept_key=args.accept_key,
             )
             _run(_until_stopped, following)
             cursor = replica.binding().cursor
@@ -770,6 +771,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replica", type=Path, required=True, help="replica directory")
     p.add_argument("--subscriber", default=None, help="name under which ACKs are stored")
     p.add_argument("--until-caught-up", action="store_true", help="exit once at the head")
+    p.add_argument(
+        "--accept-key",
+        default=None,
+        metavar="KEY",
+        help="the server's new snapshot key (healthlog status prints it), pinned in place of"
+        " the old one",
+    )
 
     p = command("serve", cmd_serve, "run the service until SIGINT or SIGTERM", makes_data=True)
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")

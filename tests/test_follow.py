@@ -321,6 +321,107 @@ async def test_follow_refuses_changed_snapshot_key(tmp_path: Path) -> None:
                 await follow(service.url, service.token, replica, until_caught_up=True)
 
 
+DAY = "2024-04-01 10:00:00 +0000"
+
+
+async def follow_accepting(
+    run_cli: RunCli, service: Service, tmp_path: Path, *accepting: str
+) -> CliRun:
+    """``healthlog follow --until-caught-up`` into ``tmp_path/replica``, with ``accepting``
+    (``--accept-key KEY``) if given."""
+    return await cli(
+        run_cli,
+        *("follow", "--url", service.url, "--token", service.token),
+        *("--replica", tmp_path / "replica", "--until-caught-up"),
+        *("--data", tmp_path / "client", *accepting),
+    )
+
+
+async def test_a_new_signing_key_is_warned_and_can_be_accepted_stream_87_stream_88(
+    tmp_path: Path, run_cli: RunCli, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-87: a service on a new data directory, and `status` on one whose deliveries were
+    imported before any key, make their signing key without a WARNING; GIVEN a data directory
+    that had a key (recorded in its journal) WHEN its signing.key is missing at a start THEN it
+    makes a new one and logs one WARNING naming both keys, saying that followers must be given
+    the new public key, and how (`healthlog status --data DIR` prints it, `follow
+    --accept-key`). (Before, it made a new key silently.) STREAM-88: a follower that pinned
+    the old key exits 2 with one line naming both keys and `--accept-key`; with `--accept-key`
+    and a key that is not the server's it exits 2; with the server's key (the one `status`
+    prints) it pins it with one WARNING, follows, and restores a snapshot signed with it.
+    (Before, it said only that the key changed, and no option took a new one: only a new
+    replica could.)"""
+    server_dir = tmp_path / "server"
+    with caplog.at_level(logging.WARNING):
+        async with serving(server_dir) as service:
+            await post_small(service, 0)
+            assert (await follow_accepting(run_cli, service, tmp_path)).code == 0
+            old_key = (await service.get("/v1/snapshots/key")).json()["public_key"]
+    assert [r for r in caplog.records if r.name == "healthlog.datadir"] == []
+    # Deliveries journaled before any key was made (`import` makes none): the first key is
+    # said nothing of.
+    imported = tmp_path / "imported"
+    one = write(tmp_path / "one.json", body(metric("step_count", "count", point(DAY, qty=1))))
+    assert (await cli(run_cli, "import", "--data", imported, one)).code == 0
+    assert not (imported / SIGNING_KEY_FILE).exists()
+    status = await cli(run_cli, "status", "--data", imported)
+    assert (status.code, status.err) == (0, "")
+    assert (imported / SIGNING_KEY_FILE).exists()
+    (server_dir / SIGNING_KEY_FILE).unlink()
+    revoke_token(server_dir)
+    with caplog.at_level(logging.WARNING):
+        async with serving(server_dir) as service:
+            new_key = (await service.get("/v1/snapshots/key")).json()["public_key"]
+            assert new_key != old_key
+            made = [r for r in caplog.records if r.name == "healthlog.datadir"]
+            assert [r.levelno for r in made] == [logging.WARNING]
+            said = made[0].getMessage()
+            assert (
+                f"signing.key in {server_dir}: the snapshot signing key is now {new_key}, not"
+                f" {old_key} as before (it was missing: made a new one)"
+            ) in said
+            assert f"`healthlog status --data {server_dir}` prints as 'snapshot key'" in said
+            assert "`healthlog follow --accept-key KEY`" in said
+            status = await cli(run_cli, "status", "--data", server_dir)
+            assert f"snapshot key (Ed25519) {new_key}" in status.out.decode()
+            refused = await follow_accepting(run_cli, service, tmp_path)
+            assert (refused.code, refused.err.splitlines()) == (
+                2,
+                [
+                    "healthlog: the server's snapshot key changed since first contact (pinned"
+                    f" {old_key}, the server's is now {new_key}): if the server made a new"
+                    " signing.key (its log says so), check that the key `healthlog status`"
+                    " prints there is that one and follow with --accept-key KEY; else this is"
+                    " not the server the replica followed"
+                ],
+            )
+            wrong = await follow_accepting(run_cli, service, tmp_path, "--accept-key", old_key)
+            assert (wrong.code, wrong.err.splitlines()) == (
+                2,
+                [
+                    f"healthlog: the server's snapshot key is {new_key}, not the {old_key} given"
+                    " to accept"
+                ],
+            )
+            with Replica(tmp_path / "replica") as replica:
+                cursor = replica.binding().cursor
+            total = await post_small(service, 60, 120)
+            await prune(service.data, keep=2)
+            # Its cursor out of the window: only the snapshot, checked with the key pinned, can
+            # bring the replica to the head.
+            assert (await service.status())["stream"]["oldest_cursor"] > cursor
+            accepted = await follow_accepting(run_cli, service, tmp_path, "--accept-key", new_key)
+            assert accepted.code == 0, accepted.err
+            assert f"pinned the server's new snapshot key {new_key}" in accepted.err
+            with Replica(tmp_path / "replica") as replica:
+                assert (replica.binding().public_key, replica.binding().cursor) == (
+                    new_key,
+                    total,
+                )
+            server, replica_out = await exports(run_cli, service, tmp_path)
+            assert server == replica_out
+
+
 async def test_caught_up_follower_still_acknowledges(tmp_path: Path) -> None:
     """STREAM-24: a follower already at the head still reports its cursor."""
     with Replica(tmp_path / "replica") as replica:

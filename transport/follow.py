@@ -180,6 +180,8 @@ class Follower:
     keepalive_s: float = attrs.field(default=KEEPALIVE_S, kw_only=True)
     # How long one status, key or snapshot reference request may take in all.
     request_timeout_s: float = attrs.field(default=REQUEST_TIMEOUT_S, kw_only=True)
+    # The snapshot key the server must have, pinned in place of another one (--accept-key).
+    accept_key: str | None = attrs.field(default=None, kw_only=True)
     # Free space a snapshot download must leave on the replica's filesystem.
     snapshot_reserve_bytes: int = attrs.field(default=SNAPSHOT_RESERVE_BYTES, kw_only=True)
     # How long a snapshot download may take to bring each SNAPSHOT_PACE_BYTES.
@@ -257,7 +259,14 @@ class Follower:
         """One connection; True when done (caught up)."""
         stream = await self._server_stream(http)
         key = _structured(await self._get_json(http, "/v1/snapshots/key"), _Key, "the snapshot key")
-        await trio.to_thread.run_sync(self.replica.bind, stream.instance, key.public_key)
+        replaced = await trio.to_thread.run_sync(
+            self.replica.bind, stream.instance, key.public_key, self.accept_key
+        )
+        if replaced:
+            log.warning(
+                "follow: pinned the server's new snapshot key %s, as --accept-key says",
+                key.public_key,
+            )
         self._met = True
         binding = await trio.to_thread.run_sync(self.replica.binding)
         if binding.stream is None and stream.oldest_cursor == 0:
@@ -850,10 +859,12 @@ async def follow(
     subscriber: str | None = None,
     until_caught_up: bool = False,
     ssl_context: ssl.SSLContext | None = None,
+    accept_key: str | None = None,
 ) -> None:
     """Run a follower; raises FollowError for conditions that retrying cannot fix, and the
     replica's own StorageError (a full disk, a damaged or removed file) as it is.
-    ``ssl_context`` is the trust for https:// and wss:// URLs (default: the system's)."""
+    ``ssl_context`` is the trust for https:// and wss:// URLs (default: the system's);
+    ``accept_key`` the snapshot key the server must have, pinned in place of another."""
     check_token(token)
     try:
         await Follower(
@@ -863,6 +874,7 @@ async def follow(
             subscriber,
             until_caught_up,
             ssl_context=ssl_context,
+            accept_key=accept_key,
         ).run()
     except (ReplicaMismatch, ReplicaInUse) as exc:
         raise FollowError(str(exc)) from None

@@ -5,6 +5,7 @@ optional ``healthlog.toml``."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -19,7 +20,8 @@ from cryptography.hazmat.primitives.serialization import (
     load_pem_private_key,
 )
 
-from healthlog.storage._sqlite import StorageError
+from healthlog.snapshots import public_key_text
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import Tokens
@@ -30,6 +32,8 @@ TOKENS_FILE = "tokens.sqlite"
 CONFIG_FILE = "healthlog.toml"
 SIGNING_KEY_FILE = "signing.key"
 SNAPSHOT_DIR = "snapshots"
+
+log = logging.getLogger("healthlog.datadir")
 
 
 def _absolute(path: str | os.PathLike[str]) -> Path:
@@ -76,10 +80,13 @@ class DataDir:
         each writes a key of its own to a file of its own and links it into place only if no
         key is there yet (the first wins), then reads the key that is. A key that cannot be
         read is a StorageError: it names the file, and a new key would not do (followers pin
-        the public key)."""
+        the public key).
+
+        Its public half is recorded in the journal: a key found other than the one recorded
+        (``signing.key`` lost and made anew, or replaced) is one followers that pinned the old
+        one refuse, and the process that finds it says so in a WARNING, with what to do."""
         path = self.path / SIGNING_KEY_FILE
-        if not path.exists():
-            self._create_signing_key(path)
+        made = not path.exists() and self._create_signing_key(path)
         try:
             key = load_pem_private_key(path.read_bytes(), password=None)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
@@ -89,9 +96,48 @@ class DataDir:
             ) from None
         if not isinstance(key, Ed25519PrivateKey):
             raise StorageError(f"{path} is not an Ed25519 key: restore it from a backup")
+        self._check_recorded(public_key_text(key), made=made)
         return key
 
-    def _create_signing_key(self, path: Path) -> None:
+    def _check_recorded(self, public_key: str, *, made: bool) -> None:
+        """Record ``public_key`` in the journal (when there is one) and warn when another key
+        was recorded there before."""
+        if not self.journal_path.exists():
+            return
+        try:
+            with self.open_journal(create=False) as journal:
+                recorded = journal.snapshot_key()
+                if recorded == public_key:
+                    return
+                try:
+                    journal.record_snapshot_key(public_key)
+                except StorageError as exc:
+                    # A journal this process may not write (a read-only `status`): said below
+                    # all the same, and recorded by the next process that can.
+                    log.debug("snapshot key not recorded: %s", describe(exc))
+        except StorageError as exc:
+            # The command at hand meets the journal's trouble itself, and says so.
+            log.debug("snapshot key not checked against the journal: %s", describe(exc))
+            return
+        if recorded is None:
+            return
+        log.warning(
+            "%s in %s: the snapshot signing key is now %s, not %s as before (%s)."
+            " Followers that pinned the old one refuse every snapshot ('the server's snapshot"
+            " key changed'): put the old %s back from a backup (and restart), or give them"
+            " the new public key, which `healthlog status --data %s` prints as 'snapshot"
+            " key': `healthlog follow --accept-key KEY`",
+            SIGNING_KEY_FILE,
+            self.path,
+            public_key,
+            recorded,
+            "it was missing: made a new one" if made else "the file was replaced",
+            SIGNING_KEY_FILE,
+            self.path,
+        )
+
+    def _create_signing_key(self, path: Path) -> bool:
+        """Make a key at ``path`` unless one is there; whether this call's key is the one."""
         self.path.mkdir(parents=True, exist_ok=True)
         pem = Ed25519PrivateKey.generate().private_bytes(
             Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
@@ -101,12 +147,13 @@ class DataDir:
             _write_synced(fd, pem)
             try:
                 os.link(tmp, path)
+                made = True
             except FileExistsError:
-                pass
+                made = False
             except OSError as exc:
                 if exc.errno not in _NO_HARD_LINKS:
                     raise
-                _create_exclusive(path, pem)
+                made = _create_exclusive(path, pem)
         finally:
             os.unlink(tmp)
         directory = os.open(self.path, os.O_RDONLY)
@@ -114,6 +161,7 @@ class DataDir:
             os.fsync(directory)
         finally:
             os.close(directory)
+        return made
 
     def open_tokens(self) -> Tokens:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -138,15 +186,16 @@ class DataDir:
 _NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
-def _create_exclusive(path: Path, pem: bytes) -> None:
+def _create_exclusive(path: Path, pem: bytes) -> bool:
     """Create ``path`` holding ``pem`` unless it exists (the first wins, as with a link); a
     process reading it in the instant before the bytes are in may find it empty and fail with
-    a StorageError, on such filesystems only."""
+    a StorageError, on such filesystems only. Whether it was created here."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return
+        return False
     _write_synced(fd, pem)
+    return True
 
 
 def _write_synced(fd: int, data: bytes) -> None:

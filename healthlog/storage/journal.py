@@ -387,6 +387,23 @@ class Journal:
         with self._lock:
             return self._stats
 
+    def snapshot_key(self) -> str | None:
+        """The public half of the snapshot signing key last recorded for this data directory
+        (:meth:`record_snapshot_key`), or None if none was."""
+        with self._lock:
+            row = self._conn.execute("SELECT value FROM meta WHERE key = 'snapshot_key'").fetchone()
+        return None if row is None else str(row[0])
+
+    def record_snapshot_key(self, public_key: str) -> None:
+        """Record the public half of the data directory's snapshot signing key: followers pin
+        it, so one found changed later is worth saying (``DataDir.signing_key``)."""
+        with self._lock, write_transaction(self._conn) as conn:
+            conn.execute(
+                "INSERT INTO meta (key, value) VALUES ('snapshot_key', ?)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (public_key,),
+            )
+
     def encoder(self) -> BodyEncoder:
         """An encoder for a body that streams in, with this journal's compression threshold."""
         return BodyEncoder(self._compress_min_bytes)

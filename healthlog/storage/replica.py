@@ -116,8 +116,10 @@ class Replica(_objects.ObjectDatabase):
             ).fetchone()
         return Binding(*row)
 
-    def bind(self, instance: str, public_key: str) -> None:
-        """Pin the instance and its snapshot key on first contact; refuse any other later."""
+    def bind(self, instance: str, public_key: str, accept_key: str | None = None) -> bool:
+        """Pin the instance and its snapshot key on first contact; refuse any other later.
+        With ``accept_key`` (the key the server's owner says it has now), the server's key
+        must be that one, and it is pinned in place of another; whether it replaced one."""
         with self._lock, write_transaction(self._conn):
             self._in_place()
             bound_instance, bound_key = self._conn.execute(
@@ -125,12 +127,24 @@ class Replica(_objects.ObjectDatabase):
             ).fetchone()
             if bound_instance not in (None, instance):
                 raise ReplicaMismatch("the replica follows another healthlog instance")
-            if bound_key not in (None, public_key):
-                raise ReplicaMismatch("the server's snapshot key changed since first contact")
+            if accept_key is not None and public_key != accept_key:
+                raise ReplicaMismatch(
+                    f"the server's snapshot key is {public_key}, not the {accept_key} given to"
+                    " accept"
+                )
+            if bound_key not in (None, public_key) and accept_key is None:
+                raise ReplicaMismatch(
+                    f"the server's snapshot key changed since first contact (pinned {bound_key},"
+                    f" the server's is now {public_key}): if the server made a new signing.key"
+                    " (its log says so), check that the key `healthlog status` prints there is"
+                    " that one and follow with --accept-key KEY; else this is not the server"
+                    " the replica followed"
+                )
             self._conn.execute(
                 "UPDATE binding SET instance = ?, public_key = ? WHERE id = 1",
                 (instance, public_key),
             )
+        return bound_key not in (None, public_key)
 
     def apply(self, stream: str, changes: Sequence[Change], through: int) -> None:
         """Apply changes of ``stream`` newer than the cursor and move it to ``through``."""
