@@ -1686,6 +1686,68 @@ async def test_a_refused_upload_is_drained_up_to_the_body_limit_serve_52(tmp_pat
         assert await service.journal() == []
 
 
+def server_side_connections(port: int) -> int:
+    """How many TCP connections (IPv4) with ``port`` as their local port the server holds open
+    (ESTABLISHED, or CLOSE_WAIT: closed by the client, not yet by the server)."""
+    held = {"01", "08"}
+    count = 0
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] in held:
+                count += 1
+    return count
+
+
+async def answer_to_a_buffered_upload(port: int, request: bytes) -> bytes:
+    """Hand the kernel as much of ``request`` as it takes at once, before the server can read
+    any of it, then read the answer until the server closes, and close."""
+    raw = socket.create_connection(("127.0.0.1", port))
+    raw.setblocking(False)
+    sent = 0
+    with contextlib.suppress(BlockingIOError):
+        while sent < len(request):
+            sent += raw.send(request[sent : sent + 65536])
+    answer = b""
+    async with trio.SocketStream(trio.socket.from_stdlib_socket(raw)) as stream:
+        with trio.move_on_after(NEXT_REQUEST_S), contextlib.suppress(trio.BrokenResourceError):
+            while data := await stream.receive_some():
+                answer += data
+    return answer
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
+async def test_a_refused_upload_read_ahead_has_its_connection_closed_serve_58(
+    tmp_path: Path,
+) -> None:
+    """SERVE-58: GIVEN ``max_body_mib = 0.05`` WHEN a client hands over an upload with the
+    token and a chunked body of 200 KiB in 1 KiB chunks at once (so that hypercorn has read
+    ahead of the app), reads its 413 and closes, three times THEN the server closes each
+    connection too. (Before, the answer's end waited for good on hypercorn handing the app a
+    disconnect into the app's queue, full of the chunks the drain had left, and each
+    connection stayed open, CLOSE_WAIT, until the service stopped, which then waited out its
+    graceful timeout.)"""
+    piece = b"z" * 1024
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(200))
+    async with serving(tmp_path / "data", max_body_mib=0.05) as service:
+        head = (
+            b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Authorization: Bearer %s\r\n\r\n" % service.token.encode()
+        )
+        for _ in range(3):
+            answer = await answer_to_a_buffered_upload(service.port, head + chunked)
+            assert answer.startswith(b"HTTP/1.1 413 "), answer[:100]
+        with trio.fail_after(CLOSE_LIMIT_S):
+            while server_side_connections(service.port):
+                await trio.sleep(POLL_S)
+        assert await service.journal() == []
+
+
+CLOSE_LIMIT_S = 10.0
+"""How long SERVE-58 gives the server to close the connections its clients closed."""
+
+
 def _few_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (FEW_FILES, FEW_FILES))
 

@@ -170,6 +170,8 @@ class IntakeEndpoint:
             # request is whole kept hypercorn from ever closing the kept-alive connection.
             if scope.get("http_version") == "2":
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            elif not body.done:
+                nursery.start_soon(_drop_until_disconnect, receive)
             with trio.move_on_after(self._idle_s):
                 await _send_answer(send, *answer)
             nursery.cancel_scope.cancel()
@@ -343,14 +345,25 @@ def _replayed(receipt: Receipt) -> Headers:
     return ((b"idempotent-replayed", b"true"),) if receipt.replayed else ()
 
 
+async def _drop_until_disconnect(receive: Any) -> None:
+    """Read and drop the request's messages until the disconnect, while an answer given
+    before the body's end (HTTP/1.1) goes out.
+
+    That answer ends the connection, and hypercorn hands the app the disconnect from within
+    the answer's last send, into the app's queue: with the queue full of the body's messages
+    that the drain left, that send waited for good, and the connection stayed open (the
+    client gone, the socket in CLOSE_WAIT) until the service stopped (SERVE-58)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _cancel_on_disconnect(receive: Any, scope: trio.CancelScope) -> None:
     """Cancel the answer once the stream ends: the body is all read, so the next message is
     the disconnect. Over HTTP/2, hypercorn stops sending when the connection closes, and an
     answer sent after that would wait forever, holding its connection open. hypercorn also
     hands the disconnect, from within the answer's last send, once the answer is whole; the
     cancel then ends nothing but that send (SERVE-47)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    await _drop_until_disconnect(receive)
     log.debug("intake: the stream ended (the answer is whole, or the client went away)")
     scope.cancel()
 
