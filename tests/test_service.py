@@ -28,6 +28,7 @@ from typing import Any
 import h2.config
 import h2.connection
 import h2.events
+import h11
 import hpack
 import httpx
 import pytest
@@ -661,6 +662,51 @@ async def test_points_equal_the_export(service: Service) -> None:
     assert (bad_format.status_code, bad_format.json()["error"]) == (400, "BAD_FORMAT")
     bad_time = await service.get("/v1/points", **{"from": "yesterday"})
     assert (bad_time.status_code, bad_time.json()["error"]) == (400, "BAD_TIMESTAMP")
+
+
+async def chunks_of(service: Service, target: str) -> list[bytes]:
+    """The body of a GET of ``target`` over HTTP/1.1, chunk by chunk as the server framed it."""
+    client = h11.Connection(h11.CLIENT)
+    stream = await trio.open_tcp_stream("127.0.0.1", service.port)
+    async with stream:
+        headers = [("Host", "127.0.0.1"), *service.auth.items(), *CLOSE.items()]
+        asked = h11.Request(method="GET", target=target, headers=headers)
+        await stream.send_all(client.send(asked))
+        await stream.send_all(client.send(h11.EndOfMessage()))
+        chunks: list[bytes] = []
+        while True:
+            event = client.next_event()
+            if event is h11.NEED_DATA:
+                client.receive_data(await stream.receive_some())
+            elif isinstance(event, h11.Response):
+                assert event.status_code == 200
+            elif isinstance(event, h11.Data):
+                if event.chunk_start or not chunks:
+                    chunks.append(b"")
+                chunks[-1] += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return chunks
+
+
+async def test_points_come_a_chunk_per_object_serve_54(service: Service) -> None:
+    """SERVE-54: 120 minute points in two hourly objects come in at most two chunks, not one
+    per point, and hold the bytes `healthlog export` prints."""
+    minutes = body(
+        metric(
+            "heart_rate",
+            "count/min",
+            *(
+                point(f"2024-02-06 {15 + m // 60}:{m % 60:02d}:00 +0000", qty=60 + m % 7)
+                for m in range(120)
+            ),
+        )
+    )
+    assert (await service.post(minutes, MINUTES)).status_code == 200
+    await service.wait_folded()
+    chunks = await chunks_of(service, "/v1/points?metric=heart_rate")
+    assert b"".join(chunks) == await export(service.data, {"metric": "heart_rate"}, "jsonl")
+    assert sum(chunk.count(b"\n") for chunk in chunks) == 120
+    assert len(chunks) <= 2, len(chunks)
 
 
 # -- bad input ------------------------------------------------------------------------------
