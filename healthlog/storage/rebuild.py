@@ -27,10 +27,10 @@ from healthlog import clock, objects
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage import _partition
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import StorageError, connect, read_transaction
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
-from healthlog.storage.store import ObjectSummary, Store
+from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.rebuild")
 
@@ -42,6 +42,26 @@ SCRATCH_OWNER = "owner.lock"
 # A scratch directory without its lock file this long is left over, not being set up.
 UNLOCKED_STALE_S = 3600.0
 PARALLEL_MIN_BYTES = 4 * 2**20
+# The live summaries a verify compares with, in its scratch directory.
+LIVE_SUMMARIES = "live.sqlite"
+_SAME_KEY = "n.metric = l.metric AND n.layer = l.layer AND n.hour = l.hour"
+_AGREE = "n.hash IS NOT NULL AND l.hash = n.hash AND l.sealed = n.sealed"
+_COLUMNS = "(l.units IS NOT n.units OR l.points != n.points OR l.created_by != n.created_by)"
+# Every live summary that differs from the rebuild (``agree`` 0), or agrees but with other
+# columns (``columns`` 1) or a live body that is not the rebuilt one (``now`` and ``fresh``,
+# for the caller to decompress and compare), then every rebuilt object the live store lacks.
+_DIFFERENCES = (
+    f"SELECT l.metric, l.layer, l.hour, l.hash, n.hash, {_AGREE}, {_COLUMNS}, o.body, n.body"
+    " FROM live.summaries AS l"
+    f" LEFT JOIN main.objects AS n ON {_SAME_KEY}"
+    " LEFT JOIN store.objects AS o ON o.metric = l.metric AND o.layer = l.layer"
+    f" AND o.hour = l.hour AND {_AGREE} AND o.hash = l.hash AND o.body != n.body"
+    f" WHERE NOT ({_AGREE}) OR {_COLUMNS} OR o.body IS NOT NULL"
+    " UNION ALL"
+    " SELECT n.metric, n.layer, n.hour, NULL, n.hash, 0, 0, NULL, NULL FROM main.objects AS n"
+    f" WHERE NOT EXISTS (SELECT 1 FROM live.summaries AS l WHERE {_SAME_KEY})"
+    " ORDER BY 1, 2, 3"
+)
 
 
 class RebuildError(Exception):
@@ -206,10 +226,15 @@ def verify_all(
 ) -> Verification:
     """:func:`verify`'s objects, and the folded deliveries whose recorded status or reason a
     rebuild records otherwise (their counters are not compared: they depend on what was
-    stored when each was folded, which a backfill changes)."""
-    folded, given_up, live = store.snapshot()
-    recorded = store.statuses()
+    stored when each was folded, which a backfill changes).
+
+    The live summaries are copied into a file beside the rebuild and compared with it in
+    SQLite, a row at a time: held in memory, those of 2.5 years (439,008 objects) took 674 MB
+    of a NAS's memory, twice over."""
     with _scratch(Path(store.path)) as path:
+        live = path.with_name(LIVE_SUMMARIES)
+        folded, given_up = store.snapshot_into(live)
+        recorded = store.statuses()
         rebuild_into(
             journal,
             path,
@@ -220,17 +245,8 @@ def verify_all(
             given_up=given_up,
         )
         with Store(path, durable=False) as rebuilt:
-            fresh = rebuilt.summaries()
-            agreeing = [
-                key
-                for key in live.keys() & fresh.keys()
-                if (live[key].hash, live[key].sealed) == (fresh[key].hash, fresh[key].sealed)
-            ]
-            # Columns the hash stands for (units) or that follow from the same points, wrong
-            # behind an intact hash: a damaged row, as a damaged body is.
-            corrupt = {key for key in agreeing if _columns(live[key]) != _columns(fresh[key])}
-            corrupt.update(_corrupt(store, rebuilt, agreeing, live))
             rebuilt_statuses = rebuilt.statuses()
+        objects = list(_differences(path, live, Path(store.path)))
     outcomes = [
         OutcomeDifference(delivery_id, recorded[delivery_id][0], rebuilt_statuses[delivery_id][0])
         for delivery_id in sorted(folded)
@@ -238,39 +254,40 @@ def verify_all(
         and delivery_id in rebuilt_statuses
         and recorded[delivery_id] != rebuilt_statuses[delivery_id]
     ]
-    objects = [
-        Difference(
-            key,
-            live[key].hash if key in live else None,
-            fresh[key].hash if key in fresh else None,
-            key in corrupt,
-        )
-        for key in sorted(live.keys() | fresh.keys(), key=attrs.astuple)
-        if key not in live
-        or key not in fresh
-        or (live[key].hash, live[key].sealed) != (fresh[key].hash, fresh[key].sealed)
-        or key in corrupt
-    ]
     return Verification(objects, outcomes)
 
 
-def _columns(summary: ObjectSummary) -> tuple[str | None, int, int]:
-    return summary.units, summary.points, summary.created_by
-
-
-def _corrupt(
-    store: Store, rebuilt: Store, keys: list[ObjectKey], live: dict[ObjectKey, ObjectSummary]
-) -> Iterator[ObjectKey]:
-    """The keys whose live body does not hold the rebuilt object's bytes. An object that
-    changed since the snapshot ``live`` was read is not what the rebuild stands for, and is
-    passed over; a body equal to the rebuilt one (taken from the live store) is not
+def _differences(rebuilt: Path, live: Path, store: Path) -> Iterator[Difference]:
+    """The objects that differ between the live summaries at ``live`` and the rebuilt store,
+    sorted by key: by hash or seal, or, where those agree, by a row damaged behind the hash:
+    units, a point count or a creating delivery that are not the rebuild's, or a body in the
+    live store (as it is now) that does not hold the rebuilt object's bytes. An object that
+    changed since the summaries were copied is not what the rebuild stands for, and its body
+    is passed over; a body equal to the rebuilt one (taken from the live store) is not
     decompressed."""
-    for key in keys:
-        now, fresh = store.object(key), rebuilt.object(key)
-        if now is None or fresh is None or now.hash != live[key].hash:
-            continue
-        if now.body != fresh.body and not objects.holds(now.body, objects.decompress(fresh.body)):
-            yield key
+    conn = connect(rebuilt, readonly=True)
+    try:
+        for name, path in (("live", live), ("store", store)):
+            conn.execute(f"ATTACH DATABASE ? AS {name}", (path.resolve().as_uri() + "?mode=ro",))
+        with read_transaction(conn):
+            for (
+                metric,
+                layer,
+                hour,
+                live_hash,
+                fresh_hash,
+                agree,
+                columns,
+                now,
+                fresh,
+            ) in conn.execute(_DIFFERENCES):
+                key = ObjectKey(metric, layer, hour)
+                if not agree:
+                    yield Difference(key, live_hash, fresh_hash)
+                elif columns or not objects.holds(now, objects.decompress(fresh)):
+                    yield Difference(key, live_hash, fresh_hash, corrupt=True)
+    finally:
+        conn.close()
 
 
 def reindex(

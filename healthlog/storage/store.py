@@ -150,6 +150,8 @@ MIGRATIONS = (
 # partial index ``outcomes_listed`` indexes, and its WHERE clause: SQLite takes a partial index
 # only for a query whose own WHERE holds that term, so each query of the lists holds it as is.
 LISTED_OUTCOMES = (FAILED, PARTIAL)
+# The columns of an object's summary (:class:`ObjectSummary`), in the order it is read.
+SUMMARY_COLUMNS = "metric, layer, hour, units, points, hash, created_by, sealed"
 _LISTED = "status IN ('failed', 'partial')"
 # The statements of the counts by status (:meth:`Store.folded_view`): every outcome, counted
 # over the smallest index that holds them all, and the failed and partial ones, over
@@ -831,14 +833,30 @@ class Store(_objects.ObjectDatabase):
             OutcomeRow(row[0], row[1], row[2], row[3], row[4], orjson.loads(row[5])) for row in rows
         ]
 
-    def snapshot(self) -> tuple[set[int], dict[int, str], dict[ObjectKey, ObjectSummary]]:
-        """The folded delivery ids, the reasons of those of them the machine gave up on
-        (:data:`GIVEN_UP`), and the object summaries, read in one transaction."""
-        with self._lock, read_transaction(self._conn):
-            folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
-            given_up = self._given_up_locked()
-            summaries = self._summaries_locked()
-        return folded, given_up, summaries
+    def snapshot_into(self, path: str | os.PathLike[str]) -> tuple[set[int], dict[int, str]]:
+        """The folded delivery ids and the reasons of those of them the machine gave up on
+        (:data:`GIVEN_UP`), read in one transaction with the object summaries, which are
+        copied row by row into table ``summaries`` of a new database at ``path`` (the columns
+        of :data:`SUMMARY_COLUMNS`) rather than held in memory: a store of years holds
+        hundreds of thousands of objects."""
+        target = connect(path, journal_mode="OFF")
+        try:
+            target.execute(
+                "CREATE TABLE summaries (metric TEXT NOT NULL, layer TEXT NOT NULL,"
+                " hour INTEGER NOT NULL, units TEXT, points INTEGER NOT NULL, hash BLOB NOT NULL,"
+                " created_by INTEGER NOT NULL, sealed INTEGER NOT NULL,"
+                " PRIMARY KEY (metric, layer, hour)) WITHOUT ROWID"
+            )
+            with self._lock, read_transaction(self._conn), write_transaction(target):
+                folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
+                given_up = self._given_up_locked()
+                target.executemany(
+                    "INSERT INTO summaries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    self._conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM objects"),
+                )
+        finally:
+            target.close()
+        return folded, given_up
 
     def statuses(self) -> dict[int, tuple[str, str | None]]:
         """The status and reason of every recorded outcome, by delivery id."""
@@ -871,9 +889,7 @@ class Store(_objects.ObjectDatabase):
             return self._summaries_locked()
 
     def _summaries_locked(self) -> dict[ObjectKey, ObjectSummary]:
-        rows = self._conn.execute(
-            "SELECT metric, layer, hour, units, points, hash, created_by, sealed FROM objects"
-        ).fetchall()
+        rows = self._conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM objects").fetchall()
         return {
             ObjectKey(m, la, h): ObjectSummary(ObjectKey(m, la, h), u, p, hs, c, bool(s))
             for m, la, h, u, p, hs, c, s in rows
