@@ -986,12 +986,15 @@ class Store(_objects.ObjectDatabase):
 
         One statement, so one snapshot: with no events left (all pruned) the head is the last
         sequence handed out, and an event committed meanwhile cannot make the window look
-        pruned up to it.
+        pruned up to it. Each end is a subquery of its own, which SQLite answers from one end
+        of the key; ``min`` and ``max`` in one SELECT read every event instead (82 ms at
+        442,656 events), and the stream's hub reads the window ten times a second while a
+        follower waits.
         """
         with self._lock:
             oldest, head, issued = self._conn.execute(
-                "SELECT min(seq), max(seq),"
-                " (SELECT seq FROM sqlite_sequence WHERE name = 'events') FROM events"
+                "SELECT (SELECT min(seq) FROM events), (SELECT max(seq) FROM events),"
+                " (SELECT seq FROM sqlite_sequence WHERE name = 'events')"
             ).fetchone()
         if head is None:
             return int(issued or 0), int(issued or 0)
