@@ -31,6 +31,7 @@ from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.store import MIGRATIONS, Lease, Store
 from healthlog.storage.tokens import Tokens
+from healthlog.timestamps import US_PER_HOUR
 
 
 def fold(
@@ -889,3 +890,46 @@ def test_event_window_reads_the_ends_of_the_key_only_store_48(
         store._conn.set_progress_handler(None, 0)
     assert window == (0, head)
     assert len(steps) < 10, len(steps)
+
+
+def test_an_hour_range_reads_only_its_hours_store_49(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-49: of 1,440 objects (two metrics of 700 hours in minutes, one of 40 in hours),
+    an hour range without metric or layer reads a few of SQLite's steps per object it yields,
+    not every object of the file, and yields what a filter over all objects does, for each
+    combination of metric and layer."""
+    hourly = [point(60 * h, h) for h in range(700)]
+    store.fold(journal, append(journal, delivery(body({"hr": hourly, "steps": hourly}))), epoch)
+    hours = delivery(body({"hr": hourly[:40]}), aggregation="hours")
+    store.fold(journal, append(journal, hours), epoch)
+    everything = list(store.iter_objects())
+    assert len(everything) == 1440
+    first, last = BASE_US + 30 * US_PER_HOUR, BASE_US + 31 * US_PER_HOUR
+    steps: list[int] = []
+
+    def step() -> int:
+        steps.append(1)
+        return 0
+
+    for metric, layer in [(None, None), ("hr", None), (None, "hours"), ("steps", "minutes")]:
+        expected = [
+            o.key
+            for o in everything
+            if first <= o.key.hour <= last
+            and metric in (None, o.key.metric)
+            and layer in (None, o.key.layer)
+        ]
+        steps.clear()
+        store._conn.set_progress_handler(step, 100)
+        try:
+            found = [
+                o.key
+                for o in store.iter_objects(
+                    metric=metric, layer=layer, hour_from=first, hour_to=last
+                )
+            ]
+        finally:
+            store._conn.set_progress_handler(None, 0)
+        assert found == expected, (metric, layer)
+        assert len(steps) < 10 * len(expected), (metric, layer, len(steps))

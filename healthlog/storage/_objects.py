@@ -56,7 +56,62 @@ def iterate(
     hour_from: int | None,
     hour_to: int | None,
 ) -> Iterator[HourlyObject]:
-    """Objects sorted by metric, layer and hour, read a page at a time under ``lock``."""
+    """Objects sorted by metric, layer and hour, read a page at a time under ``lock``.
+
+    With an hour range, each (metric, layer) is sought in turn along the key and only its
+    hours in the range are read: the hour is the key's last column, so a range without both
+    metric and layer otherwise read every object of the file (a one-day export of 2.5 years,
+    all 439,008)."""
+    if hour_from is None and hour_to is None:
+        yield from _pages(conn, lock, metric, layer, None, None)
+        return
+    for series_metric in _distinct(conn, lock, "metric", metric, {}):
+        for series_layer in _distinct(conn, lock, "layer", layer, {"metric": series_metric}):
+            yield from _pages(conn, lock, series_metric, series_layer, hour_from, hour_to)
+
+
+def _distinct(
+    conn: sqlite3.Connection,
+    lock: ConnectionGuard,
+    column: str,
+    given: str | None,
+    within: dict[str, str],
+) -> Iterator[str]:
+    """The values of ``column`` (a key column) among the objects matching ``within`` (the key
+    columns before it), in key order, each found by one seek; only ``given`` if it is set and
+    present."""
+    fixed = "".join(f" AND {name} = ?" for name in within)
+    if given is not None:
+        with lock:
+            row = conn.execute(
+                f"SELECT 1 FROM objects WHERE {column} = ?{fixed} LIMIT 1",
+                [given, *within.values()],
+            ).fetchone()
+        if row is not None:
+            yield given
+        return
+    last: list[str] = []
+    while True:
+        after = f" AND {column} > ?" if last else ""
+        with lock:
+            row = conn.execute(
+                f"SELECT {column} FROM objects WHERE 1{fixed}{after} ORDER BY {column} LIMIT 1",
+                [*within.values(), *last],
+            ).fetchone()
+        if row is None:
+            return
+        last = [str(row[0])]
+        yield last[0]
+
+
+def _pages(
+    conn: sqlite3.Connection,
+    lock: ConnectionGuard,
+    metric: str | None,
+    layer: str | None,
+    hour_from: int | None,
+    hour_to: int | None,
+) -> Iterator[HourlyObject]:
     clauses, args = ["1"], []
     for clause, value in (
         ("metric = ?", metric),
