@@ -693,14 +693,18 @@ class Store(_objects.ObjectDatabase):
             try:
                 with write_transaction(self._conn):
                     self._check_epoch(epoch)
-                    changed = self._conn.execute(
-                        "SELECT metric, layer, hour, hash, points FROM rebuilt.objects n"
+                    # Kept in a temporary table, not in memory: into an empty store (a
+                    # restore) every object changes, 439,008 of them for 2.5 years.
+                    self._conn.execute("DROP TABLE IF EXISTS temp.changed")
+                    self._conn.execute(
+                        "CREATE TEMP TABLE changed AS"
+                        " SELECT metric, layer, hour, hash, points FROM rebuilt.objects n"
                         f" WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE {_SAME_ROW})"
                         " UNION ALL"
                         " SELECT metric, layer, hour, NULL, 0 FROM main.objects o"
                         " WHERE NOT EXISTS (SELECT 1 FROM rebuilt.objects n WHERE o.metric ="
                         " n.metric AND o.layer = n.layer AND o.hour = n.hour)"
-                    ).fetchall()
+                    )
                     newly_folded = self._conn.execute(
                         "SELECT delivery_id, status, counters FROM rebuilt.outcomes n"
                         " WHERE NOT EXISTS (SELECT 1 FROM main.outcomes o"
@@ -730,9 +734,14 @@ class Store(_objects.ObjectDatabase):
                         " (SELECT received_at, delivery_id, ? FROM rebuilt.checkpoint)",
                         (epoch,),
                     )
+                    changed = self._conn.execute(
+                        "SELECT metric, layer, hour, hash, points FROM temp.changed ORDER BY rowid"
+                    )
+                    n = 0
                     for n, (metric, layer, hour, digest, count) in enumerate(changed, start=1):
                         payload = _object_event(ObjectKey(metric, layer, hour), digest, count, None)
                         self._event(f"reindex.{epoch}.{n}", "object.changed", payload)
+                    self._conn.execute("DROP TABLE temp.changed")
                     for delivery_id, status, counters in newly_folded:
                         self._event(
                             f"reindex.{epoch}.{delivery_id}.folded",
@@ -741,7 +750,7 @@ class Store(_objects.ObjectDatabase):
                         )
             finally:
                 self._conn.execute("DETACH DATABASE rebuilt")
-        return len(changed)
+        return n
 
     def record_outcomes(self, folded: Sequence[tuple[DeliveryMeta, Outcome]], epoch: int) -> None:
         """Record outcomes a partitioned rebuild put together, in journal order, as its folds
