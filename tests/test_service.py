@@ -22,6 +22,7 @@ import time
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import closing
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -707,6 +708,22 @@ async def test_points_come_a_chunk_per_object_serve_54(service: Service) -> None
     assert b"".join(chunks) == await export(service.data, {"metric": "heart_rate"}, "jsonl")
     assert sum(chunk.count(b"\n") for chunk in chunks) == 120
     assert len(chunks) <= 2, len(chunks)
+
+
+async def test_points_come_in_chunks_of_many_objects_serve_55(service: Service) -> None:
+    """SERVE-55: 600 hourly objects of one point each come in two chunks of at most 64 KiB
+    and a line, not one per object, and hold the bytes `healthlog export` prints."""
+    first = datetime(2024, 2, 1, tzinfo=UTC)
+    stamps = [(first + timedelta(hours=h)).strftime("%Y-%m-%d %H:%M:%S +0000") for h in range(600)]
+    hourly = body(metric("step_count", "count", *(point(stamp, qty=7) for stamp in stamps)))
+    assert (await service.post(hourly, MINUTES)).status_code == 200
+    await service.wait_folded()
+    chunks = await chunks_of(service, "/v1/points?metric=step_count")
+    assert b"".join(chunks) == await export(service.data, {"metric": "step_count"}, "jsonl")
+    assert sum(chunk.count(b"\n") for chunk in chunks) == 600
+    assert len(chunks) == 2, len(chunks)
+    longest_line = max(map(len, b"".join(chunks).splitlines(keepends=True)))
+    assert max(map(len, chunks)) < app_module.POINTS_CHUNK_BYTES + longest_line
 
 
 # -- bad input ------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Only HTTP lives here: every decision is made by the runtime and the storage behi
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from types import TracebackType
@@ -25,6 +26,7 @@ from healthlog import documents, layers
 from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject
+from healthlog.storage._objects import PAGE as OBJECTS_PAGE
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
@@ -50,6 +52,8 @@ from transport.stream import (
 
 JSONL = "application/x-ndjson"
 MAX_HEADER_BYTES = 64 * 1024
+# How many bytes of lines `/v1/points` gathers into one chunk of its body (at least a line).
+POINTS_CHUNK_BYTES = 64 * 1024
 SQLITE_MAX_INTEGER = 2**63 - 1
 RESPONSE_TIMEOUT_S = 60.0
 
@@ -300,7 +304,7 @@ def create_app(
                     "BAD_TIMESTAMP", name, f"an ISO 8601 instant such as {TIMESTAMP_EXAMPLE}"
                 )
         start_from, start_to = instants["from"], instants["to"]
-        objects = _objects(
+        pages = _object_pages(
             runtime,
             metric=args.get("metric") or None,
             layer=layer,
@@ -311,14 +315,23 @@ def create_app(
         async def lines() -> AsyncIterator[bytes]:
             for line in header(fmt):
                 yield line
-            # One chunk per object, not per point: hypercorn sends each chunk as a write of
-            # its own, and a line at a time a wide range took ten times the CLI's export.
-            async for obj in objects:
-                chunk = b"".join(
-                    object_lines(obj, start_from=start_from, start_to=start_to, fmt=fmt)
-                )
-                if chunk:
-                    yield chunk
+            # Lines gathered into chunks of POINTS_CHUNK_BYTES: hypercorn sends each chunk as
+            # a write of its own, and a line at a time a wide range took eight times the
+            # CLI's export (272 s against 33 s for 2.5 years).
+            chunk: list[bytes] = []
+            size = 0
+            async for page in pages:
+                for obj in page:
+                    for line in object_lines(
+                        obj, start_from=start_from, start_to=start_to, fmt=fmt
+                    ):
+                        chunk.append(line)
+                        size += len(line)
+                        if size >= POINTS_CHUNK_BYTES:
+                            yield b"".join(chunk)
+                            chunk, size = [], 0
+            if chunk:
+                yield b"".join(chunk)
 
         return _streamed(Response(lines(), content_type=JSONL if fmt == "jsonl" else "text/csv"))
 
@@ -379,13 +392,12 @@ def create_app(
     )
 
 
-async def _objects(runtime: Runtime, **where: Any) -> AsyncIterator[HourlyObject]:
-    """Objects read page by page in the store's worker thread."""
+async def _object_pages(runtime: Runtime, **where: Any) -> AsyncIterator[list[HourlyObject]]:
+    """Objects read a page at a time (the store's own, ``OBJECTS_PAGE``) in the store's worker
+    thread, one trip each."""
     iterator = await runtime.read_store(lambda s: s.iter_objects(**where))
-    sentinel = None
     while True:
-        obj = await runtime.read_store(lambda _s: next(iterator, sentinel))
-        if obj is None:
+        page = await runtime.read_store(lambda _s: list(itertools.islice(iterator, OBJECTS_PAGE)))
+        if not page:
             return
-        yield obj
-        await trio.lowlevel.checkpoint()
+        yield page
