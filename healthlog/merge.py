@@ -34,6 +34,8 @@ from healthlog.points import (
     Point,
     all_same_content,
     decode_all,
+    field_count,
+    numbers_differ,
     point_at,
     points_at,
     same_content,
@@ -190,6 +192,25 @@ def merge_points(
         ):
             counters.points_unchanged += len(meeting)
             return changed
+    elif not incoming.decoded:
+        old_values, new_values = decode_all(old_raws), decode_all(new_raws)
+    if (
+        not incoming.decoded
+        and old_values is not None
+        and new_values is not None
+        and set(map(type, old_values)) == set(map(type, new_values)) == _OBJECTS
+    ):
+        return (
+            _settle_meetings(
+                stored,
+                meeting,
+                (old_raws, old_values),
+                (new_raws, new_values),
+                counters,
+                on_collision,
+            )
+            or changed
+        )
     olds = points_at(old_raws, meeting, old_values)
     for key, old, point in zip(meeting, olds, incoming.points(meeting, new_values), strict=True):
         if same_content(old, point):
@@ -209,4 +230,57 @@ def merge_points(
         on_collision(key, collision)
         stored[key] = point.raw
         changed = True
+    return changed
+
+
+_OBJECTS = {dict}
+
+
+def _settle_meetings(
+    stored: dict[Coordinates, bytes],
+    meeting: list[Coordinates],
+    olds: tuple[list[bytes], list[Any]],
+    news: tuple[list[bytes], list[Any]],
+    counters: Counters,
+    on_collision: OnCollision,
+) -> bool:
+    """The meetings of :func:`merge_points` whose points are all decoded objects (``olds`` and
+    ``news``: the raw bytes and decoded values of the stored and incoming points, pair by pair),
+    settled as its loop settles them; a pair of a different completeness is decided by the two
+    counts alone, without building either point (MERGE-26). Returns whether anything stored
+    changed."""
+    old_raws, old_values = olds
+    new_raws, new_values = news
+    changed = False
+    unchanged = replaced = held = erased = 0
+    for n, key in enumerate(meeting):
+        old_value, new_value = old_values[n], new_values[n]
+        old_count, new_count = field_count(old_value), field_count(new_value)
+        if new_count > old_count:
+            replaced += 1
+            collision = Collision.REPLACED
+        elif new_count < old_count:
+            held += 1
+            on_collision(key, Collision.HELD)
+            continue
+        else:
+            # As same_content decides it: the raw bytes differ (else they would not meet) and
+            # so does a number, or the points are compared as same_content compares them.
+            if not numbers_differ(old_value, new_value):
+                start, end = key
+                old = Point(start, end, old_raws[n], old_count, old_value, None)
+                point = Point(start, end, new_raws[n], new_count, new_value, None)
+                if same_content(old, point):
+                    unchanged += 1
+                    continue
+            erased += 1
+            collision = Collision.ERASED
+        on_collision(key, collision)
+        stored[key] = new_raws[n]
+        changed = True
+    counters.points_unchanged += unchanged
+    counters.points_replaced += replaced
+    counters.points_held += held
+    counters.points_erased += erased
+    counters.overwrites += replaced + held + erased
     return changed

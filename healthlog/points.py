@@ -258,6 +258,12 @@ def all_same_content(olds: list[Any], news: list[Any]) -> bool:
 def _lazy_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Point:
     """A point that counts its fields without normalising them and leaves its canonical form
     for its first use: most meetings are decided without it (see :func:`same_content`)."""
+    return Point(start, end, raw, field_count(value), value, None)
+
+
+def field_count(value: dict[str, Any]) -> int:
+    """The completeness of a decoded point (the number of fields its canonical form keeps),
+    counted without normalising it."""
     values = list(value.values())
     # A field normalises to nothing only when null or "" (rule 3: 0 and false count), or when
     # it is an object or array that normalises to nothing (see :func:`_counts`).
@@ -266,7 +272,7 @@ def _lazy_point(value: dict[str, Any], start: int, end: int, raw: bytes) -> Poin
         for item in values:
             if type(item) in _NESTED and not _counts(item):
                 count -= 1
-    return Point(start, end, raw, count, value, None)
+    return count
 
 
 def _counts(field: dict[str, Any] | list[Any]) -> bool:
@@ -301,14 +307,14 @@ def same_content(a: Point, b: Point) -> bool:
     if a.completeness != b.completeness:
         return False
     if a._value is not None and b._value is not None:
-        if _numbers_differ(a._value, b._value):
+        if numbers_differ(a._value, b._value):
             return False
         if _sorted_encoder.encode(a._value) == _sorted_encoder.encode(b._value):
             return True
     return a.canonical == b.canonical
 
 
-def _numbers_differ(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def numbers_differ(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether some key holds a number in both whose canonical values differ."""
     for key, left in a.items():
         right: Any = b.get(key)

@@ -8,6 +8,8 @@ from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from healthlog.merge import (
     Collision,
@@ -17,7 +19,7 @@ from healthlog.merge import (
     merge_points,
     reduce_delivery,
 )
-from healthlog.points import Point, decode_point
+from healthlog.points import Point, canonical_form, completeness, decode_point, point_at
 
 DATE = "2024-02-06 07:00:00 -0800"
 AT = decode_point(b'{"date":"%s"}' % DATE.encode()).start
@@ -260,3 +262,65 @@ def test_resent_hour_in_another_key_order_merge_24(
     assert {key: stored[key] for key in raws if key != first} == {
         key: before[key] for key in raws if key != first
     }
+
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(["", "A", "B", "2024-02-06 07:00:00 -0800"]),
+    st.sampled_from([0, 1, 46, 46.0, 46.00000000000001, 0.3, 2**70, 1e20]),
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=2)
+        | st.dictionaries(st.sampled_from(["qty", "x"]), inner, max_size=2)
+    ),
+    max_leaves=4,
+)
+_FIELDS = st.dictionaries(
+    st.sampled_from(["qty", "source", "context", "meta"]), _VALUES, max_size=4
+)
+
+
+def _compact(value: dict[str, Any]) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+@given(
+    st.lists(
+        st.tuples(_FIELDS, _FIELDS, st.sampled_from(["same", "reordered", "other"])),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_meetings_of_decoded_objects_settled_as_point_by_point_merge_26(
+    pairs: list[tuple[dict[str, Any], dict[str, Any], str]],
+) -> None:
+    """MERGE-26: an object's meetings whose points all decode as objects are settled by their
+    completeness alone where it differs, with the same stored bytes, counters and collisions,
+    in the same order, as point by point (the path of points decoded before), and as the merge
+    table decides by canonical forms and completeness."""
+    stored, raws, decoded = {}, {}, {}
+    for minute, (left, right, how) in enumerate(pairs, start=1):
+        key = (AT + minute * 60_000_000,) * 2
+        old = {"date": DATE, **left}
+        new = {"date": DATE, **right} if how == "other" else dict(old)
+        if how == "reordered":
+            new = dict(reversed(new.items()))
+        stored[key], raws[key] = _compact(old), _compact(new)
+        decoded[key] = point_at(raws[key], *key)
+    results = []
+    for known in ({}, decoded):
+        kept, counters, recorder = dict(stored), Counters(), Recorder()
+        changed = merge_points(kept, Incoming(dict(raws), known), counters, recorder)
+        results.append((changed, kept, counters, recorder.seen))
+    assert results[0] == results[1]
+    changed, kept, counters, _ = results[0]
+    for key, old_raw in stored.items():
+        old, new = json.loads(old_raw), json.loads(raws[key])
+        if canonical_form(old) == canonical_form(new) or completeness(new) < completeness(old):
+            assert kept[key] == old_raw
+        else:
+            assert kept[key] == raws[key]
+    assert changed == (kept != stored)

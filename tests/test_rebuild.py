@@ -591,6 +591,71 @@ def test_assumed_layers_are_checked_and_folded_again_when_wrong_store_23(
     assert again == ([logging.DEBUG] if regrouped else [])
 
 
+def test_partitions_settle_as_they_finish_and_are_gathered_as_they_settle_store_42(
+    journal: Journal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STORE-42: once every delivery is handed out, a partition whose shares are all folded
+    settles while another still folds, and one settled is gathered while another still
+    settles; the result is the one-process rebuild's."""
+    day = [point(m, m % 7) for m in range(0, 600)]
+    for _ in range(3):
+        append(journal, delivery(body({"hr": day, "steps": day[::4], "energy": day[::4]})))
+    alone = rebuilt(journal, tmp_path / "one.sqlite", workers=1)
+    log_path = tmp_path / "tasks.log"
+    fold_chunk, settle = _partition.fold_chunk, _partition.settle
+
+    def record(kind: str, path: str, started: float, slow: bool) -> None:
+        if slow:
+            time.sleep(0.5)
+        with open(log_path, "a") as log:
+            log.write(f"{kind} {Path(path).name} {slow} {started} {time.monotonic()}\n")
+
+    def folding(path: str, chunk: list[Any], seals: list[Seal]) -> Any:
+        started, slow = time.monotonic(), any("hr" in share.metrics for _, share in chunk)
+        folded = fold_chunk(path, chunk, seals)
+        record("fold", path, started, slow)
+        return folded
+
+    def settling(path: str, reference: str | None) -> None:
+        started = time.monotonic()
+        settle(path, reference)
+        record("settle", path, started, Path(path).name in slow_parts())
+
+    def slow_parts() -> set[str]:
+        lines = log_path.read_text().split("\n")[:-1] if log_path.exists() else []
+        return {line.split()[1] for line in lines if line.split()[2] == "True"}
+
+    absorb = Store.absorb_objects
+
+    def absorbing(self: Store, part: str, epoch: int) -> None:
+        started = time.monotonic()
+        absorb(self, part, epoch)
+        record("gather", os.fspath(part), started, False)
+
+    for name, wrapper in (("fold_chunk", folding), ("settle", settling)):
+        wrapper.__qualname__ = name
+        wrapper.__module__ = _partition.__name__
+        monkeypatch.setattr(_partition, name, wrapper)
+    monkeypatch.setattr(Store, "absorb_objects", absorbing)
+
+    assert rebuilt(journal, tmp_path / "three.sqlite", workers=3) == alone
+
+    tasks = [line.split() for line in log_path.read_text().split("\n")[:-1]]
+    (slow,) = {part for _, part, slow, *_ in tasks if slow == "True"}
+    ends = {
+        (kind, part): max(float(end) for k, p, _, _, end in tasks if (k, p) == (kind, part))
+        for kind, part, *_ in tasks
+    }
+    starts = {
+        (kind, part): min(float(start) for k, p, _, start, _ in tasks if (k, p) == (kind, part))
+        for kind, part, *_ in tasks
+    }
+    others = {part for _, part, *_ in tasks} - {slow}
+    assert len(others) == 2
+    assert all(starts[("settle", part)] < ends[("fold", slow)] for part in others)
+    assert any(ends[("gather", part)] < ends[("settle", slow)] for part in others)
+
+
 def test_partitioned_reindex_renews_the_lease_and_stops_when_it_is_lost_store_19(
     journal: Journal, store: Store, epoch: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

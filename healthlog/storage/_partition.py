@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import attrs
@@ -301,31 +301,49 @@ def rebuild(
         ) as pool,
     ):
         try:
-            run = _Run(pool, Path(tmp) / "assumed", workers, len(queue), onwards, alone, known=None)
+            run = _Run(
+                pool,
+                Path(tmp) / "assumed",
+                workers,
+                len(queue),
+                onwards,
+                alone,
+                known=None,
+                reference=reference,
+            )
             run.fold(journal, queue)
             known = run.misassumed()
             if known is not None:
                 log.debug("layers were not those assumed; folding again under the known layers")
+                run.settled_all()
                 shutil.rmtree(Path(tmp) / "assumed")
                 run = _Run(
-                    pool, Path(tmp) / "known", workers, len(queue), onwards, alone, known=known
+                    pool,
+                    Path(tmp) / "known",
+                    workers,
+                    len(queue),
+                    onwards,
+                    alone,
+                    known=known,
+                    reference=reference,
                 )
                 run.fold(journal, queue)
-            run.settle(reference)
             outcomes = run.outcomes(journal.path, queue)
+            # The partitions settle meanwhile (STORE-42): the outcomes are recorded, and each
+            # partition's objects gathered as soon as it is settled.
+            batch: list[tuple[DeliveryMeta, Outcome]] = []
+            for meta in queue:
+                if meta.id in outcomes:
+                    batch.append((meta, outcomes[meta.id]))
+                else:
+                    target.record_outcomes(batch, epoch)
+                    batch = []
+                    fold_alone(meta)
+            target.record_outcomes(batch, epoch)
+            for part in run.settled():
+                target.absorb_objects(part.scratch, epoch)
         finally:
             pool.shutdown(cancel_futures=True)
-        batch: list[tuple[DeliveryMeta, Outcome]] = []
-        for meta in queue:
-            if meta.id in outcomes:
-                batch.append((meta, outcomes[meta.id]))
-            else:
-                target.record_outcomes(batch, epoch)
-                batch = []
-                fold_alone(meta)
-        target.record_outcomes(batch, epoch)
-        for part in run.parts:
-            target.absorb_objects(part.scratch, epoch)
         target.seal_covered(epoch)
     if progress is not None:
         progress(len(queue), len(queue))
@@ -383,8 +401,12 @@ class _Run:
         alone: frozenset[int],
         *,
         known: dict[int, str | None] | None,
+        reference: str | None,
     ) -> None:
         tmp.mkdir()
+        self._reference = reference
+        # Partitions whose every share is folded, settling (see :func:`settle`).
+        self._settling: dict[concurrent.futures.Future[None], _Part] = {}
         self._pool = pool
         self._tmp = tmp
         self._workers = workers
@@ -530,11 +552,21 @@ class _Run:
         return min(self.parts, key=lambda part: part.load)
 
     def finish(self) -> None:
-        """Wait until every share handed out is folded."""
+        """Wait until every share handed out is folded; once all are read, a partition whose
+        every share is folded starts settling at once, while the others still fold."""
         self._pump()
+        self._settle_idle()
         while any(part.running is not None for part in self.parts):
             self._wait()
             self._pump()
+            self._settle_idle()
+
+    def _settle_idle(self) -> None:
+        settling = set(self._settling.values())
+        for part in self.parts:
+            if part.running is None and not part.waiting and part not in settling:
+                future = self._pool.submit(settle, os.fspath(part.scratch), self._reference)
+                self._settling[future] = part
 
     def _pump(self) -> None:
         """Start a task for each idle partition with anything waiting; hold reading back while
@@ -588,15 +620,22 @@ class _Run:
         oldest = [part.positions[0] for part in self.parts if part.positions]
         self._progress(min(oldest, default=self._read), self._total)
 
-    def settle(self, reference: str | None) -> None:
-        """Compress every partition's objects, in the workers (see :func:`settle`)."""
-        settling = [
-            self._pool.submit(settle, os.fspath(part.scratch), reference) for part in self.parts
-        ]
-        while concurrent.futures.wait(settling, POLL_S).not_done:
+    def settled(self) -> Iterator[_Part]:
+        """Every partition, each once it is settled, in the order they finish."""
+        pending = set(self._settling)
+        while pending:
+            done, pending = concurrent.futures.wait(
+                pending, POLL_S, concurrent.futures.FIRST_COMPLETED
+            )
             self._report()
-        for future in settling:
-            future.result()
+            for future in done:
+                future.result()
+                yield self._settling[future]
+
+    def settled_all(self) -> None:
+        """Wait until no partition settles any more (their files are then thrown away)."""
+        for _ in self.settled():
+            pass
 
     def outcomes(self, journal_path: str, queue: list[DeliveryMeta]) -> dict[int, Outcome]:
         """The outcomes of the deliveries the partitions folded; the workers judge the status

@@ -15,7 +15,7 @@ import os
 import secrets
 import socket
 import sqlite3
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -677,6 +677,16 @@ class Store(_objects.ObjectDatabase):
             (event_id, kind, orjson.dumps(payload).decode(), clock.now_us()),
         )
 
+    def _events(self, events: Iterable[tuple[str, str, dict[str, Any]]]) -> None:
+        """:meth:`_event` of each of ``events`` (id, kind, payload), in order, in one statement."""
+        self._conn.executemany(
+            "INSERT INTO events (id, kind, payload, at) VALUES (?, ?, ?, ?)",
+            (
+                (event_id, kind, orjson.dumps(payload).decode(), clock.now_us())
+                for event_id, kind, payload in events
+            ),
+        )
+
     # -- rebuild swap (L3) ------------------------------------------------------------------
 
     def swap_in(self, rebuilt: str | os.PathLike[str], epoch: int) -> int:
@@ -711,15 +721,17 @@ class Store(_objects.ObjectDatabase):
                         " WHERE o.delivery_id = n.delivery_id) ORDER BY received_at, delivery_id"
                     ).fetchall()
                     # Only rows that differ are written: after a rebuild most are equal, and
-                    # rewriting every object would copy the whole store through the WAL.
+                    # rewriting every object would copy the whole store through the WAL. They
+                    # are the rows just found, written by their keys rather than compared
+                    # once more, column by column (STORE-43); a vanished one has no hash.
                     self._conn.execute(
-                        "DELETE FROM main.objects WHERE NOT EXISTS (SELECT 1 FROM rebuilt.objects n"
-                        " WHERE n.metric = objects.metric AND n.layer = objects.layer"
-                        " AND n.hour = objects.hour)"
+                        "DELETE FROM main.objects WHERE (metric, layer, hour) IN"
+                        " (SELECT metric, layer, hour FROM temp.changed WHERE hash IS NULL)"
                     )
                     self._conn.execute(
-                        "INSERT OR REPLACE INTO main.objects SELECT * FROM rebuilt.objects n"
-                        f" WHERE NOT EXISTS (SELECT 1 FROM main.objects o WHERE {_SAME_ROW})"
+                        "INSERT OR REPLACE INTO main.objects SELECT n.* FROM temp.changed k"
+                        " JOIN rebuilt.objects n USING (metric, layer, hour)"
+                        " WHERE k.hash IS NOT NULL"
                     )
                     self._conn.execute("DELETE FROM main.seals")
                     self._conn.execute("INSERT INTO main.seals SELECT * FROM rebuilt.seals")
@@ -734,13 +746,21 @@ class Store(_objects.ObjectDatabase):
                         " (SELECT received_at, delivery_id, ? FROM rebuilt.checkpoint)",
                         (epoch,),
                     )
-                    changed = self._conn.execute(
-                        "SELECT metric, layer, hour, hash, points FROM temp.changed ORDER BY rowid"
+                    (changed,) = self._conn.execute("SELECT count(*) FROM temp.changed").fetchone()
+                    self._events(
+                        (
+                            f"reindex.{epoch}.{n}",
+                            "object.changed",
+                            _object_event(ObjectKey(metric, layer, hour), digest, count, None),
+                        )
+                        for n, (metric, layer, hour, digest, count) in enumerate(
+                            self._conn.execute(
+                                "SELECT metric, layer, hour, hash, points FROM temp.changed"
+                                " ORDER BY rowid"
+                            ),
+                            start=1,
+                        )
                     )
-                    n = 0
-                    for n, (metric, layer, hour, digest, count) in enumerate(changed, start=1):
-                        payload = _object_event(ObjectKey(metric, layer, hour), digest, count, None)
-                        self._event(f"reindex.{epoch}.{n}", "object.changed", payload)
                     self._conn.execute("DROP TABLE temp.changed")
                     for delivery_id, status, counters in newly_folded:
                         self._event(
@@ -750,7 +770,7 @@ class Store(_objects.ObjectDatabase):
                         )
             finally:
                 self._conn.execute("DETACH DATABASE rebuilt")
-        return n
+        return int(changed)
 
     def record_outcomes(self, folded: Sequence[tuple[DeliveryMeta, Outcome]], epoch: int) -> None:
         """Record outcomes a partitioned rebuild put together, in journal order, as its folds
