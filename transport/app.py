@@ -26,10 +26,9 @@ from healthlog import documents, layers
 from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject
-from healthlog.storage._objects import PAGE as OBJECTS_PAGE
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.status import collect_status
-from healthlog.storage.store import Store
+from healthlog.storage.store import OBJECTS_PAGE, Store
 from healthlog.timestamps import (
     TIMESTAMP_EXAMPLE,
     TimestampError,

@@ -150,6 +150,8 @@ MIGRATIONS = (
 # partial index ``outcomes_listed`` indexes, and its WHERE clause: SQLite takes a partial index
 # only for a query whose own WHERE holds that term, so each query of the lists holds it as is.
 LISTED_OUTCOMES = (FAILED, PARTIAL)
+# How many objects :meth:`Store.iter_objects` reads from the file at a time.
+OBJECTS_PAGE = _objects.PAGE
 # The columns of an object's summary (:class:`ObjectSummary`), in the order it is read.
 SUMMARY_COLUMNS = "metric, layer, hour, units, points, hash, created_by, sealed"
 _LISTED = "status IN ('failed', 'partial')"
