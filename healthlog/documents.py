@@ -94,6 +94,33 @@ class DeliveryList:
     deliveries: list[ListedDelivery]
 
 
+@attrs.frozen
+class Manifest:
+    """The signed reference to a snapshot file (R4): the ``snapshot`` of a ``CURSOR_TOO_OLD``
+    error frame and the ``GET /v1/snapshots`` document. Its signature covers the schema,
+    instance, stream, sequence and sha256 (``healthlog/snapshots.py``)."""
+
+    url: str
+    seq: int
+    sha256: str
+    schema: str
+    instance: str
+    stream: str
+    signature: str
+
+
+@attrs.frozen
+class SnapshotHeader:
+    """The first line of a snapshot file: the schema, instance, stream and sequence its
+    manifest binds, and how many object lines follow."""
+
+    schema: str
+    instance: str
+    stream: str
+    seq: int
+    objects: int
+
+
 def dumps(document: Any) -> bytes:
     """A document as compact JSON."""
     return converter.dumps(document)

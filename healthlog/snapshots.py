@@ -17,12 +17,12 @@ import zlib
 from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
-import attrs
 import orjson
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
+from healthlog.documents import Manifest, SnapshotHeader, converter, dumps
 from healthlog.objects import HourlyObject, ObjectKey, from_wire, to_wire
 
 SCHEMA = "healthlog.snapshot.v1"
@@ -33,19 +33,6 @@ _HEADER_DIFFERS = "snapshot header does not match its manifest"
 
 class SnapshotError(ValueError):
     """A snapshot that must not be restored; the message says which check failed."""
-
-
-@attrs.frozen
-class Manifest:
-    """The reference a ``CURSOR_TOO_OLD`` error carries."""
-
-    url: str
-    seq: int
-    sha256: str
-    schema: str
-    instance: str
-    stream: str
-    signature: str
 
 
 def _signed_bytes(schema: str, instance: str, stream: str, seq: int, sha256: str) -> bytes:
@@ -74,8 +61,7 @@ def write(
     return the sha256 of the bytes written."""
     hashed = _Hashing(out)
     with gzip.GzipFile(fileobj=hashed, mode="wb", mtime=0) as file:
-        header = {"schema": SCHEMA, "instance": instance, "stream": stream, "seq": seq}
-        file.write(orjson.dumps({**header, "objects": count}) + b"\n")
+        file.write(dumps(SnapshotHeader(SCHEMA, instance, stream, seq, count)) + b"\n")
         for o in objects:
             line = {"metric": o.key.metric, "layer": o.key.layer, "hour": o.key.hour, **to_wire(o)}
             file.write(orjson.dumps(line) + b"\n")
@@ -164,12 +150,16 @@ def read(file: BinaryIO, manifest: Manifest) -> Iterator[HourlyObject]:
             # A last piece without its newline is not a line, as when the file was split at once.
             lines = (line for line in content if line.endswith(b"\n"))
             header = orjson.loads(next(lines, b""))
-            expected = {
-                "schema": manifest.schema,
-                "instance": manifest.instance,
-                "stream": manifest.stream,
-                "seq": manifest.seq,
-            }
+            # Every field but the count is the manifest's; the count is checked by the lines.
+            expected = converter.unstructure(
+                SnapshotHeader(
+                    manifest.schema,
+                    manifest.instance,
+                    manifest.stream,
+                    manifest.seq,
+                    header.get("objects"),
+                )
+            )
             if {k: header.get(k) for k in expected} != expected:
                 raise SnapshotError(_HEADER_DIFFERS)
             count, seen = header["objects"], 0

@@ -30,9 +30,9 @@ from _service_helpers import POLL_S, TOKEN_NAME, Service
 from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_client_stream
 
 from healthlog import snapshots
+from healthlog.documents import Manifest
 from healthlog.export import export_lines
 from healthlog.objects import HourlyObject
-from healthlog.snapshots import Manifest
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from transport.stream import StreamEndpoint

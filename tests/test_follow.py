@@ -80,8 +80,7 @@ from wsproto.events import (
 
 import transport.follow
 from healthlog import faults, snapshots
-from healthlog.documents import converter
-from healthlog.snapshots import Manifest
+from healthlog.documents import Manifest, converter
 from healthlog.storage import snapshot_files
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import SIGNING_KEY_FILE, DataDir

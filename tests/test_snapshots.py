@@ -28,9 +28,10 @@ from _stream_helpers import HOURS, fold_metrics, post_small, prune, validate
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import snapshots
+from healthlog.documents import Manifest
 from healthlog.objects import HourlyObject, to_wire
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
-from healthlog.snapshots import SCHEMA, Manifest, SnapshotError
+from healthlog.snapshots import SCHEMA, SnapshotError
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV

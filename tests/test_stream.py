@@ -68,10 +68,9 @@ from wsproto.events import CloseConnection, Request, TextMessage
 
 from actors.runtime import configured
 from healthlog import clock, faults
-from healthlog.documents import converter
+from healthlog.documents import Manifest, converter
 from healthlog.export import export_lines
 from healthlog.objects import ObjectKey, to_wire
-from healthlog.snapshots import Manifest
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal

@@ -57,9 +57,9 @@ from wsproto.utilities import RemoteProtocolError
 
 from healthlog import snapshots
 from healthlog.acks import AckTracker
-from healthlog.documents import StreamInfo, converter
+from healthlog.documents import Manifest, StreamInfo, converter
 from healthlog.objects import ObjectKey, from_wire
-from healthlog.snapshots import Manifest, SnapshotError
+from healthlog.snapshots import SnapshotError
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.replica import Change, Replica, ReplicaInUse, ReplicaMismatch
 from healthlog.timestamps import parse_instant

@@ -14,7 +14,7 @@ from quart.wrappers.response import ResponseBody
 
 from actors.runtime import Runtime
 from healthlog import snapshots
-from healthlog.snapshots import Manifest
+from healthlog.documents import Manifest
 from healthlog.storage import snapshot_files
 from healthlog.storage.store import Store
 

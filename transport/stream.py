@@ -50,8 +50,8 @@ import trio
 
 from actors.runtime import Runtime
 from healthlog import faults
+from healthlog.documents import Manifest, converter
 from healthlog.objects import HourlyObject, to_wire
-from healthlog.snapshots import Manifest
 from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Event, Store
 from transport.refusals import RefusalLog, client_address
@@ -338,7 +338,7 @@ class StreamEndpoint:
             log.warning("stream: no snapshot for a cursor too old: %s", snapshot_failure(exc))
             raise StreamRefused("SNAPSHOT_UNAVAILABLE", CLOSE_STORE_ERROR, frame=False) from None
         raise StreamRefused(
-            "CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, {"snapshot": attrs.asdict(manifest)}
+            "CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, {"snapshot": converter.unstructure(manifest)}
         )
 
     async def _send_loop(self, sub: _Subscription, send: Send) -> None:

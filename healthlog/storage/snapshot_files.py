@@ -22,7 +22,7 @@ from typing import BinaryIO
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import faults, snapshots
-from healthlog.snapshots import Manifest
+from healthlog.documents import Manifest
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 
