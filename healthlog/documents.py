@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import attrs
+from cattrs.gen import make_dict_unstructure_fn, override
 from cattrs.preconf.orjson import make_converter
 
 converter = make_converter()
@@ -119,6 +121,114 @@ class SnapshotHeader:
     stream: str
     seq: int
     objects: int
+
+
+@attrs.frozen
+class ObjectChanged:
+    """An ``object.changed`` event (R1), as stored and as its frame carries it: the object's
+    key (its hour as ISO text), hash and point count (no hash and 0 points: the object is
+    gone), and the delivery whose fold changed it (None: a rebuild or a seal's marking)."""
+
+    KIND: ClassVar[str] = "object.changed"
+
+    metric: str
+    layer: str
+    hour: str
+    hash: str | None
+    points: int
+    delivery_id: int | None
+
+
+@attrs.frozen
+class DeliveryFolded:
+    """A ``delivery.folded`` event (R1), as stored and as its frame carries it: the delivery,
+    its status, and its counters as its outcome stores them (a name for each count)."""
+
+    KIND: ClassVar[str] = "delivery.folded"
+
+    delivery_id: int
+    status: str
+    counters: dict[str, int]
+
+
+@attrs.frozen
+class EventFrame:
+    """A server-to-client event frame of the replay stream: ``{"type": "event", "seq", "id",
+    "kind", ...}``, the stored event's fields (:class:`ObjectChanged`, :class:`DeliveryFolded`)
+    after the head, and last, for an ``object.changed`` event only, ``object``: the object's
+    current state (``healthlog.objects.to_wire``), None once it is gone.
+
+    ``event`` is the event as stored, handed on as it was read: replay does not build a class
+    instance for each stored event only to take it apart again."""
+
+    type: str = attrs.field(default="event", init=False)
+    seq: int
+    id: str
+    kind: str
+    event: Mapping[str, Any]
+    object: dict[str, Any] | None = None
+
+
+def _unstructure_event_frame(frame: EventFrame) -> dict[str, Any]:
+    document = {"type": frame.type, "seq": frame.seq, "id": frame.id, "kind": frame.kind}
+    document.update(frame.event)
+    if frame.kind == ObjectChanged.KIND:
+        document["object"] = frame.object
+    return document
+
+
+converter.register_unstructure_hook(EventFrame, _unstructure_event_frame)
+
+
+@attrs.frozen
+class ErrorFrame:
+    """A server-to-client error frame: ``{"type": "error", "code"}``, and the one field its
+    code carries: ``head`` (``CURSOR_IN_FUTURE``), ``sent`` (``ACK_BEYOND_SENT``) or
+    ``snapshot`` (``CURSOR_TOO_OLD``); a field that is None is left out."""
+
+    type: str = attrs.field(default="error", init=False)
+    code: str
+    head: int | None = None
+    sent: int | None = None
+    snapshot: Manifest | None = None
+
+
+converter.register_unstructure_hook(
+    ErrorFrame,
+    make_dict_unstructure_fn(
+        ErrorFrame,
+        converter,
+        _cattrs_omit_if_default=True,
+        _cattrs_include_init_false=True,
+        type=override(omit_if_default=False),
+    ),
+)
+
+
+@attrs.frozen
+class AckFrame:
+    """A client-to-server frame: ``{"type": "ack", "seq"}``, the highest contiguous sequence
+    the client has made durable (R3)."""
+
+    type: str = attrs.field(default="ack", init=False)
+    seq: int
+
+
+def _structure_ack_frame(document: Any, _: type) -> AckFrame:
+    """An ACK only when it is a JSON object of type ``ack`` whose ``seq`` is a JSON integer of
+    at least 0 (not ``true``, not ``2.0``); ValueError otherwise."""
+    if not isinstance(document, dict) or document.get("type") != "ack":
+        raise ValueError("not an ACK frame")
+    seq = document.get("seq")
+    if type(seq) is not int or seq < 0:
+        raise ValueError("an ACK whose seq is not a cursor")
+    return AckFrame(seq)
+
+
+converter.register_unstructure_hook(
+    AckFrame, make_dict_unstructure_fn(AckFrame, converter, _cattrs_include_init_false=True)
+)
+converter.register_structure_hook(AckFrame, _structure_ack_frame)
 
 
 def dumps(document: Any) -> bytes:

@@ -57,7 +57,7 @@ from wsproto.utilities import RemoteProtocolError
 
 from healthlog import snapshots
 from healthlog.acks import AckTracker
-from healthlog.documents import Manifest, StreamInfo, converter
+from healthlog.documents import AckFrame, Manifest, ObjectChanged, StreamInfo, converter, dumps
 from healthlog.objects import ObjectKey, from_wire
 from healthlog.snapshots import SnapshotError
 from healthlog.storage._sqlite import StorageError
@@ -757,7 +757,7 @@ class _Batch:
                     seq = frame["seq"]
                     if type(seq) is not int:
                         raise TypeError("a sequence that is not an integer")
-                    change = _change(frame) if frame.get("kind") == "object.changed" else None
+                    change = _change(frame) if frame.get("kind") == ObjectChanged.KIND else None
                     seqs.append(seq)
                     if change is not None:
                         changes.append(change)
@@ -801,7 +801,7 @@ async def _read_ahead(ws: StreamSocket, batches: trio.MemorySendChannel[_Batch])
 
 
 def _ack_frame(seq: int) -> str:
-    return orjson.dumps({"type": "ack", "seq": seq}).decode()
+    return dumps(AckFrame(seq)).decode()
 
 
 # The metrics of one hour arrive side by side: their shared hour is parsed once.

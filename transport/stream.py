@@ -50,7 +50,7 @@ import trio
 
 from actors.runtime import Runtime
 from healthlog import faults
-from healthlog.documents import Manifest, converter
+from healthlog.documents import AckFrame, ErrorFrame, EventFrame, Manifest, converter, dumps
 from healthlog.objects import HourlyObject, to_wire
 from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Event, Store
@@ -158,15 +158,23 @@ def snapshot_failure(exc: OSError | StorageError) -> str:
 
 
 class StreamRefused(Exception):
-    """A reason to end a subscription with an error frame and a close code."""
+    """A reason to end a subscription with an error frame (unless ``frame`` is False) and a
+    close code; ``head``, ``sent`` and ``snapshot`` are the error frame's fields."""
 
     def __init__(
-        self, code: str, close: int, extra: dict[str, Any] | None = None, *, frame: bool = True
+        self,
+        code: str,
+        close: int,
+        *,
+        head: int | None = None,
+        sent: int | None = None,
+        snapshot: Manifest | None = None,
+        frame: bool = True,
     ) -> None:
         super().__init__(code)
         self.code = code
         self.close = close
-        self.extra = extra or {}
+        self.error = ErrorFrame(code, head=head, sent=sent, snapshot=snapshot)
         self.frame = frame
 
 
@@ -253,9 +261,8 @@ class StreamEndpoint:
         if refused is None:
             return
         if refused.frame:
-            frame = {"type": "error", "code": refused.code, **refused.extra}
             with trio.move_on_after(self.send_timeout_s):
-                await send({"type": "websocket.send", "text": orjson.dumps(frame).decode()})
+                await send({"type": "websocket.send", "text": dumps(refused.error).decode()})
         with trio.move_on_after(self.send_timeout_s):
             await send({"type": "websocket.close", "code": refused.close, "reason": refused.code})
 
@@ -324,7 +331,7 @@ class StreamEndpoint:
         after = int(raw_after)
         window_start, head = await self._read(Store.event_window)
         if after > head:
-            raise StreamRefused("CURSOR_IN_FUTURE", CLOSE_BAD_REQUEST, {"head": head})
+            raise StreamRefused("CURSOR_IN_FUTURE", CLOSE_BAD_REQUEST, head=head)
         if after < window_start:
             await self._too_old(after)
         return _Subscription(token, name, after, after)
@@ -337,9 +344,7 @@ class StreamEndpoint:
         except (OSError, StorageError) as exc:
             log.warning("stream: no snapshot for a cursor too old: %s", snapshot_failure(exc))
             raise StreamRefused("SNAPSHOT_UNAVAILABLE", CLOSE_STORE_ERROR, frame=False) from None
-        raise StreamRefused(
-            "CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, {"snapshot": converter.unstructure(manifest)}
-        )
+        raise StreamRefused("CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, snapshot=manifest)
 
     async def _send_loop(self, sub: _Subscription, send: Send) -> None:
         stream = await self._read(Store.stream_id)
@@ -380,16 +385,11 @@ class StreamEndpoint:
 
     async def _ack(self, sub: _Subscription, message: str) -> None:
         try:
-            frame = orjson.loads(message)
-        except orjson.JSONDecodeError:
+            seq = _structure_ack(orjson.loads(message), AckFrame).seq
+        except ValueError:  # orjson.JSONDecodeError is one
             raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST) from None
-        if not isinstance(frame, dict) or frame.get("type") != "ack":
-            raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST)
-        seq = frame.get("seq")
-        if type(seq) is not int or seq < 0:
-            raise StreamRefused("BAD_FRAME", CLOSE_BAD_REQUEST)
         if seq > sub.sent:
-            raise StreamRefused("ACK_BEYOND_SENT", CLOSE_BAD_REQUEST, {"sent": sub.sent})
+            raise StreamRefused("ACK_BEYOND_SENT", CLOSE_BAD_REQUEST, sent=sub.sent)
         if sub.name is not None and seq > sub.acked:
             await self._still_authorized(sub.token)
             # Another connection may hold the store's write lock (a fold, a reindex's swap): a
@@ -420,14 +420,12 @@ def _page(store: Store, after: int) -> list[tuple[Event, HourlyObject | None]]:
     return store.replay_page(after=after, limit=PAGE, max_bytes=PAGE_BYTES)
 
 
+# The documents' hooks, looked up once: a replay builds a frame for every event.
+_structure_ack = converter.get_structure_hook(AckFrame)
+_unstructure_event = converter.get_unstructure_hook(EventFrame)
+
+
 def _frame(stream: str, event: Event, current: HourlyObject | None) -> str:
-    frame: dict[str, Any] = {
-        "type": "event",
-        "seq": event.seq,
-        "id": f"{stream}:{event.seq}",
-        "kind": event.kind,
-        **event.payload,
-    }
-    if event.kind == "object.changed":
-        frame["object"] = None if current is None else to_wire(current)
-    return orjson.dumps(frame).decode()
+    state = None if current is None else to_wire(current)
+    frame = EventFrame(event.seq, f"{stream}:{event.seq}", event.kind, event.payload, state)
+    return orjson.dumps(_unstructure_event(frame)).decode()

@@ -22,6 +22,7 @@ import attrs
 import orjson
 
 from healthlog import clock, faults, seals
+from healthlog.documents import DeliveryFolded, ObjectChanged, converter, dumps
 from healthlog.fold import (
     FAILED,
     NO_LAYER,
@@ -210,7 +211,9 @@ class FoldedView:
 
 @attrs.frozen
 class Event:
-    """One change event of the replay stream."""
+    """One change event of the replay stream; ``payload`` is its stored document (an
+    :class:`~healthlog.documents.ObjectChanged` or :class:`~healthlog.documents.DeliveryFolded`
+    by its ``kind``) as read, a mapping: a replay hands it on to the frame as it is."""
 
     seq: int
     id: str
@@ -499,8 +502,8 @@ class Store(_objects.ObjectDatabase):
                 for n, written in enumerate(fold.writes(), start=1):
                     faults.point("fold.object_write")
                     self._write_object(written)
-                    payload = _object_event(written.key, written.hash, written.count, meta.id)
-                    self._event(f"{meta.id}.{n}", "object.changed", payload)
+                    event = _object_event(written.key, written.hash, written.count, meta.id)
+                    self._event(f"{meta.id}.{n}", event)
                     after = meta.received_at - (written.key.hour + US_PER_HOUR)
                     if after > 0:
                         late.append(after / 1_000_000)
@@ -541,8 +544,8 @@ class Store(_objects.ObjectDatabase):
         )
         marked = self._mark_sealed(seal)
         for n, (metric, layer, hour, digest, count) in enumerate(sorted(marked), start=1):
-            payload = _object_event(ObjectKey(metric, layer, hour), digest, count, meta.id)
-            self._event(f"{meta.id}.{n}", "object.changed", payload)
+            event = _object_event(ObjectKey(metric, layer, hour), digest, count, meta.id)
+            self._event(f"{meta.id}.{n}", event)
         level = logging.INFO if live else logging.DEBUG
         log.log(level, "seal %d folded: %d stored objects sealed", meta.id, len(marked))
         return Outcome(PARSED, None, None, Counters())
@@ -647,7 +650,7 @@ class Store(_objects.ObjectDatabase):
 
     def _write_outcome(self, meta: DeliveryMeta, outcome: Outcome, epoch: int) -> None:
         faults.point("fold.outcome_write")
-        counters = attrs.asdict(outcome.counters)
+        counters: dict[str, int] = converter.unstructure(outcome.counters)
         self._conn.execute(
             "INSERT INTO outcomes (delivery_id, received_at, automation, status, reason, layer,"
             " counters, epoch) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -658,7 +661,7 @@ class Store(_objects.ObjectDatabase):
                 outcome.status,
                 outcome.reason,
                 outcome.layer,
-                orjson.dumps(counters).decode(),
+                dumps(counters).decode(),
                 epoch,
             ),
         )
@@ -669,23 +672,21 @@ class Store(_objects.ObjectDatabase):
         ).rowcount
         if changed != 1:
             raise Fenced(f"checkpoint not written under epoch {epoch}")
-        self._event(
-            f"{meta.id}.folded", "delivery.folded", _folded_event(meta.id, outcome.status, counters)
-        )
+        self._event(f"{meta.id}.folded", DeliveryFolded(meta.id, outcome.status, counters))
 
-    def _event(self, event_id: str, kind: str, payload: dict[str, Any]) -> None:
+    def _event(self, event_id: str, event: ObjectChanged | DeliveryFolded) -> None:
         self._conn.execute(
             "INSERT INTO events (id, kind, payload, at) VALUES (?, ?, ?, ?)",
-            (event_id, kind, orjson.dumps(payload).decode(), clock.now_us()),
+            (event_id, event.KIND, dumps(event).decode(), clock.now_us()),
         )
 
-    def _events(self, events: Iterable[tuple[str, str, dict[str, Any]]]) -> None:
-        """:meth:`_event` of each of ``events`` (id, kind, payload), in order, in one statement."""
+    def _events(self, events: Iterable[tuple[str, ObjectChanged | DeliveryFolded]]) -> None:
+        """:meth:`_event` of each of ``events`` (id, event), in order, in one statement."""
         self._conn.executemany(
             "INSERT INTO events (id, kind, payload, at) VALUES (?, ?, ?, ?)",
             (
-                (event_id, kind, orjson.dumps(payload).decode(), clock.now_us())
-                for event_id, kind, payload in events
+                (event_id, event.KIND, dumps(event).decode(), clock.now_us())
+                for event_id, event in events
             ),
         )
 
@@ -752,7 +753,6 @@ class Store(_objects.ObjectDatabase):
                     self._events(
                         (
                             f"reindex.{epoch}.{n}",
-                            "object.changed",
                             _object_event(ObjectKey(metric, layer, hour), digest, count, None),
                         )
                         for n, (metric, layer, hour, digest, count) in enumerate(
@@ -767,8 +767,7 @@ class Store(_objects.ObjectDatabase):
                     for delivery_id, status, counters in newly_folded:
                         self._event(
                             f"reindex.{epoch}.{delivery_id}.folded",
-                            "delivery.folded",
-                            _folded_event(delivery_id, status, orjson.loads(counters)),
+                            DeliveryFolded(delivery_id, status, orjson.loads(counters)),
                         )
             finally:
                 self._conn.execute("DETACH DATABASE rebuilt")
@@ -1120,18 +1119,13 @@ class Store(_objects.ObjectDatabase):
 
 def _object_event(
     key: ObjectKey, digest: bytes | None, points: int, delivery_id: int | None
-) -> dict[str, Any]:
-    """The payload of an ``object.changed`` event (no hash and 0 points: the object is gone)."""
-    return {
-        "metric": key.metric,
-        "layer": key.layer,
-        "hour": format_instant(key.hour),
-        "hash": digest.hex() if digest is not None else None,
-        "points": points,
-        "delivery_id": delivery_id,
-    }
-
-
-def _folded_event(delivery_id: int, status: str, counters: dict[str, int]) -> dict[str, Any]:
-    """The payload of a ``delivery.folded`` event."""
-    return {"delivery_id": delivery_id, "status": status, "counters": counters}
+) -> ObjectChanged:
+    """The ``object.changed`` event of the object at ``key`` (no hash and 0 points: gone)."""
+    return ObjectChanged(
+        key.metric,
+        key.layer,
+        format_instant(key.hour),
+        digest.hex() if digest is not None else None,
+        points,
+        delivery_id,
+    )
