@@ -6,6 +6,7 @@ import fcntl
 import gzip
 import logging
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -24,6 +25,7 @@ import orjson
 import pytest
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from _bodies import stamp as minute_stamp
+from _disk import DISK_ERROR, files_limited_to
 from _hostile_corpus import corpus
 from _runtime_helpers import alive, children_of
 from hypothesis import given, settings
@@ -35,6 +37,7 @@ from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.storage import _partition, rebuild
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery
 from healthlog.storage.passes import Budget, run_pass
@@ -1061,3 +1064,28 @@ def test_swap_into_an_empty_store_holds_no_list_of_the_changes_store_50(
     assert len([e for e in events if e[2] == "object.changed"]) == 6000
     assert len(rows(store.path)["objects"]) == 6000
     assert peak < changed * SUMMARY_BYTES, peak
+
+
+def test_a_swap_the_disk_cannot_hold_names_the_error_and_the_next_goes_through_store_54(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path
+) -> None:
+    """STORE-54: a swap of 6,000 objects whose writes the disk refuses while its events are
+    written fails with SQLite's disk error and leaves the store as it was; once there is
+    room, the same swap goes through on the same store."""
+    for n in range(60):
+        metric, first_hour = f"m{n % 10}", n // 10 * 100
+        points = [point(60 * (first_hour + h), h) for h in range(100)]
+        append(journal, delivery(body({metric: points})))
+    rebuild_into(journal, tmp_path / "fresh.sqlite", workers=1)
+    before = rows(store.path)
+    largest = max(path.stat().st_size for path in tmp_path.glob("store.sqlite*"))
+
+    with pytest.raises(StorageError) as refused, files_limited_to(largest + 256 * 2**10):
+        store.swap_in(tmp_path / "fresh.sqlite", epoch)
+
+    assert re.fullmatch(rf"StorageError: {DISK_ERROR}.*", describe(refused.value)), describe(
+        refused.value
+    )
+    assert rows(store.path) == before
+    assert store.swap_in(tmp_path / "fresh.sqlite", epoch) == 6000
+    assert len(rows(store.path)["objects"]) == 6000

@@ -750,19 +750,22 @@ class Store(_objects.ObjectDatabase):
                         (epoch,),
                     )
                     (changed,) = self._conn.execute("SELECT count(*) FROM temp.changed").fetchone()
-                    self._events(
-                        (
-                            f"reindex.{epoch}.{n}",
-                            _object_event(ObjectKey(metric, layer, hour), digest, count, None),
+                    # Closed however the writing ends: a read left open when a write fails
+                    # (a full disk) kept ``rebuilt`` from being detached, which hid the
+                    # failure and refused every later swap on this connection (STORE-54).
+                    with contextlib.closing(
+                        self._conn.execute(
+                            "SELECT metric, layer, hour, hash, points FROM temp.changed"
+                            " ORDER BY rowid"
                         )
-                        for n, (metric, layer, hour, digest, count) in enumerate(
-                            self._conn.execute(
-                                "SELECT metric, layer, hour, hash, points FROM temp.changed"
-                                " ORDER BY rowid"
-                            ),
-                            start=1,
+                    ) as rows:
+                        self._events(
+                            (
+                                f"reindex.{epoch}.{n}",
+                                _object_event(ObjectKey(metric, layer, hour), digest, count, None),
+                            )
+                            for n, (metric, layer, hour, digest, count) in enumerate(rows, start=1)
                         )
-                    )
                     self._conn.execute("DROP TABLE temp.changed")
                     for delivery_id, status, counters in newly_folded:
                         self._event(
