@@ -1042,6 +1042,28 @@ def test_verify_holds_no_summary_of_every_object_in_memory_store_47(
     assert peak < objects_count * SUMMARY_BYTES, peak
 
 
+@pytest.mark.parametrize("room", [4096, 64 * 2**10])
+def test_a_verify_the_disk_cannot_hold_names_the_error_and_the_file_store_55(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path, room: int
+) -> None:
+    """STORE-55: a verify whose copy of the live summaries the disk refuses (before its table
+    is made, or while its 6,000 rows go in) fails with SQLite's disk error naming the copy's
+    file, not a raw sqlite3 error and not the live store's file, which it only read."""
+    for n in range(60):
+        metric, first_hour = f"m{n % 10}", n // 10 * 100
+        points = [point(60 * (first_hour + h), h) for h in range(100)]
+        append(journal, delivery(body({metric: points})))
+    rebuild_into(journal, tmp_path / "fresh.sqlite", workers=1)
+    store.swap_in(tmp_path / "fresh.sqlite", epoch)
+
+    with pytest.raises(StorageError) as refused, files_limited_to(room):
+        verify(journal, store, workers=1)
+
+    assert re.fullmatch(
+        rf"StorageError: {DISK_ERROR} \({rebuild.LIVE_SUMMARIES}\)", describe(refused.value)
+    ), describe(refused.value)
+
+
 def test_swap_into_an_empty_store_holds_no_list_of_the_changes_store_50(
     journal: Journal, store: Store, epoch: int, tmp_path: Path
 ) -> None:

@@ -39,6 +39,7 @@ from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.seals import Seal, SealError
 from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
+    ConnectionGuard,
     Deferred,
     StorageError,
     connect,
@@ -155,6 +156,8 @@ LISTED_OUTCOMES = (FAILED, PARTIAL)
 OBJECTS_PAGE = _objects.PAGE
 # The columns of an object's summary (:class:`ObjectSummary`), in the order it is read.
 SUMMARY_COLUMNS = "metric, layer, hour, units, points, hash, created_by, sealed"
+# How many object summaries :meth:`Store.snapshot_into` copies at a time.
+SUMMARIES_PAGE = 1024
 _LISTED = "status IN ('failed', 'partial')"
 # The statements of the counts by status (:meth:`Store.folded_view`): every outcome, counted
 # over the smallest index that holds them all, and the failed and partial ones, over
@@ -873,20 +876,31 @@ class Store(_objects.ObjectDatabase):
         of :data:`SUMMARY_COLUMNS`) rather than held in memory: a store of years holds
         hundreds of thousands of objects."""
         target = connect(path, journal_mode="OFF")
+        # The copy's own errors are classified and name its file: the live store is only read
+        # (STORE-55). The rows are read a page at a time outside it, so that an error reading
+        # them names the live store.
+        copying = ConnectionGuard(path)
         try:
-            target.execute(
-                "CREATE TABLE summaries (metric TEXT NOT NULL, layer TEXT NOT NULL,"
-                " hour INTEGER NOT NULL, units TEXT, points INTEGER NOT NULL, hash BLOB NOT NULL,"
-                " created_by INTEGER NOT NULL, sealed INTEGER NOT NULL,"
-                " PRIMARY KEY (metric, layer, hour)) WITHOUT ROWID"
-            )
-            with self._lock, read_transaction(self._conn), write_transaction(target):
+            with copying:
+                target.execute(
+                    "CREATE TABLE summaries (metric TEXT NOT NULL, layer TEXT NOT NULL,"
+                    " hour INTEGER NOT NULL, units TEXT, points INTEGER NOT NULL,"
+                    " hash BLOB NOT NULL, created_by INTEGER NOT NULL, sealed INTEGER NOT NULL,"
+                    " PRIMARY KEY (metric, layer, hour)) WITHOUT ROWID"
+                )
+                target.execute("BEGIN")
+            with self._lock, read_transaction(self._conn):
                 folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
                 given_up = self._given_up_locked()
-                target.executemany(
-                    "INSERT INTO summaries VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    self._conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM objects"),
-                )
+                summaries = self._conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM objects")
+                with contextlib.closing(summaries):
+                    while rows := summaries.fetchmany(SUMMARIES_PAGE):
+                        with copying:
+                            target.executemany(
+                                "INSERT INTO summaries VALUES (?, ?, ?, ?, ?, ?, ?, ?)", rows
+                            )
+            with copying:
+                target.execute("COMMIT")
         finally:
             target.close()
         return folded, given_up
