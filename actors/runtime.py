@@ -171,6 +171,8 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         journal.close()
         raise
     try:
+        journal.check_intact()
+        store.check_intact()
         check_same_journal(journal, store)
         journal_limiter = trio.CapacityLimiter(1)
         store_limiter = trio.CapacityLimiter(1)

@@ -523,6 +523,8 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
 def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("reindex")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
+        journal.check_intact()
+        store.check_intact()
         check_same_journal(journal, store)
         changed = reindex(journal, store, f"reindex:{default_holder()}", progress=progress)
     print(f"reindex: done, {changed} objects changed", file=sys.stderr)
@@ -540,6 +542,8 @@ _GIVEN_UP_WHY = {
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
+        journal.check_intact()
+        store.check_intact()
         check_same_journal(journal, store)
         verification = verify_all(journal, store, progress=progress)
         unfolded = len(pending(journal, store))

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -846,6 +847,125 @@ def test_a_storage_error_met_while_writing_names_its_file_cli_51(
     assert run.code == 3
     one_line_error(run.err, "(store.sqlite)")
     assert run_cli("verify", "--data", data).code == 0
+
+
+def torn_copy(run_cli: RunCli, tmp_path: Path, torn: str) -> Path:
+    """A copy of a data directory taken file by file while it changes, as `cp -a` or `rsync -a`
+    of a running service's directory takes it: ``torn`` (``journal.sqlite`` or
+    ``store.sqlite``) at one instant, its ``-wal`` file after SQLite has checkpointed the
+    file's later writes into it and written more; the other files whole (SQLite's backup)."""
+    live = tmp_path / "live"
+    args = ("import", "--aggregation", "minutes", "--data", live)
+
+    def sent(first: int, count: int) -> list[Path]:
+        files = []
+        for n in range(first, first + count):
+            metrics = [
+                metric(
+                    f"m{k}",
+                    "count",
+                    *(
+                        point(
+                            f"2024-02-{1 + n // 24:02d} {n % 24:02d}:{m // 4:02d}:{m % 4 * 15:02d}"
+                            " +0000",
+                            qty=(n * 7919 + m * 104729 + k * 1299709) % 1000003 / 7,
+                        )
+                        for m in range(240)
+                    ),
+                )
+                for k in range(8)
+            ]
+            files.append(write(tmp_path / f"sent-{n}.json", body(*metrics)))
+        return files
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    assert run_cli(*args, *sent(0, 20)).code == 0
+    # The service's connection: while it is open, a command's closing leaves the -wal file.
+    with closing(sqlite3.connect(live / torn)) as service:
+        service.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        assert run_cli(*args, *sent(20, 5)).code == 0
+        service.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        assert run_cli(*args, *sent(25, 5)).code == 0
+        # cp, as the user does: a copy in this process would drop the service's locks.
+        subprocess.run(["cp", "-a", live / torn, copy / torn], check=True)
+        service.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        assert run_cli(*args, *sent(30, 1)).code == 0
+        subprocess.run(["cp", "-a", live / f"{torn}-wal", copy / f"{torn}-wal"], check=True)
+    for whole in {"journal.sqlite", "store.sqlite", "tokens.sqlite"} - {torn}:
+        src, dst = sqlite3.connect(live / whole), sqlite3.connect(copy / whole)
+        with closing(src), closing(dst):
+            src.backup(dst)
+    return copy
+
+
+def serve_exit(data: Path) -> subprocess.CompletedProcess[str]:
+    """`healthlog serve` on ``data`` (port 0), as a real process that must stop by itself."""
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    return subprocess.run(
+        [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0", "--data", data],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+        check=False,
+    )
+
+
+def test_a_torn_copy_of_the_journal_is_refused_with_what_to_do_journal_39(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """JOURNAL-39: a copy of a data directory whose journal.sqlite was copied at another
+    instant than its -wal file (SQLite checkpointed in between) is damaged: `serve`, `import`,
+    `reindex` and `verify` exit 3 with one line naming journal.sqlite as damaged and how to
+    restore, and journal nothing. (Before, `serve` started on it and answered 200 for
+    deliveries appended to the damaged file, whose earlier deliveries it could not read.)"""
+    copy = torn_copy(run_cli, tmp_path, "journal.sqlite")
+    with closing(sqlite3.connect(copy / "journal.sqlite")) as conn:
+        size_before = conn.execute("PRAGMA page_count").fetchone()[0]
+    served = serve_exit(copy)
+    assert served.returncode == 3, served.stdout + served.stderr
+    assert "serving on" not in served.stdout
+    one_line_error(served.stderr, "journal.sqlite is damaged")
+    assert "sqlite3 .backup" in served.stderr
+    later = write(
+        tmp_path / "later.json",
+        body(metric("later", "count", point("2024-03-01 00:00:00 +0000", qty=1))),
+    )
+    for command in (
+        ("import", "--aggregation", "minutes", "--data", copy, later),
+        ("reindex", "--data", copy),
+        ("verify", "--data", copy),
+    ):
+        run = run_cli(*command)
+        assert run.code == 3, (command, run.err)
+        one_line_error(run.err, "journal.sqlite is damaged")
+    with closing(sqlite3.connect(copy / "journal.sqlite")) as conn:
+        assert conn.execute("PRAGMA page_count").fetchone()[0] == size_before
+
+
+def test_a_torn_copy_of_the_store_is_refused_until_rebuilt_store_53(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-53: a copy whose store.sqlite was copied at another instant than its -wal file is
+    damaged: `serve`, `verify` and `reindex` exit 3 with one line naming store.sqlite as damaged
+    and saying to move it away and reindex; done, `reindex` folds the whole journal, which
+    `verify` then proves. (Before, `serve` started and folded into the damaged store.)"""
+    copy = torn_copy(run_cli, tmp_path, "store.sqlite")
+    served = serve_exit(copy)
+    assert served.returncode == 3, served.stdout + served.stderr
+    one_line_error(served.stderr, "store.sqlite is damaged")
+    for command in ("verify", "reindex"):
+        run = run_cli(command, "--data", copy)
+        assert run.code == 3, (command, run.err)
+        one_line_error(run.err, "store.sqlite is damaged")
+        assert "healthlog reindex" in run.err
+    for store_file in copy.glob("store.sqlite*"):
+        store_file.unlink()
+    assert run_cli("reindex", "--data", copy).code == 0
+    assert run_cli("verify", "--data", copy).code == 0
+    status = json.loads(run_cli("status", "--json", "--data", copy).out)
+    assert status["deliveries"]["parsed"] == 31
 
 
 def test_a_store_folded_from_another_journal_is_refused_until_reindexed_cli_52(

@@ -48,7 +48,9 @@ _SQLITE_LOCKED = 6
 # not mend.
 _SQLITE_READONLY = 8
 _SQLITE_IOERR = 10
+_SQLITE_CORRUPT = 11
 _SQLITE_FULL = 13
+_SQLITE_NOTADB = 26
 FULL_BELOW_BYTES = 1 << 20
 """A file that cannot be opened for a disk error (SQLite says ``disk I/O error`` when it cannot
 size the ``-shm`` file beside a database, SQLITE_IOERR_SHMSIZE) while its file system has less
@@ -155,6 +157,43 @@ def connect(
             raise _opening(classify(exc), path) from exc
         raise
     return conn
+
+
+def check_intact(conn: sqlite3.Connection, path: str | os.PathLike[str], remedy: str) -> None:
+    """Raise :func:`damaged` unless SQLite's ``quick_check`` finds the database of ``conn``
+    whole (JOURNAL-39, STORE-53).
+
+    A copy of a running service's directory (``cp -a``, ``rsync -a``) takes a database and its
+    ``-wal`` file at different instants; when SQLite checkpointed in between, the copy's pages
+    no longer agree. Such a file may open, count its rows and take new ones, while some of them
+    are gone or unreadable: said at once, before anything is written into it. The check reads
+    every page once (31 ms for a 32 MB journal whose pages are cached)."""
+    try:
+        found = str(conn.execute("PRAGMA quick_check(1)").fetchone()[0])
+    except sqlite3.Error as exc:
+        error = classify(exc)
+        if not is_damage(error):
+            raise error from exc
+        raise damaged(path, str(exc), remedy) from exc
+    if found != "ok":
+        raise damaged(path, found, remedy)
+
+
+def is_damage(error: StorageError) -> bool:
+    """Whether SQLite found the file damaged (SQLITE_CORRUPT, SQLITE_NOTADB)."""
+    return error.code is not None and error.code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
+
+
+def damaged(path: str | os.PathLike[str], finding: str, remedy: str) -> StorageError:
+    """The error of a damaged database file: its name, SQLite's first ``finding`` and
+    ``remedy``, what the user can do."""
+    first = finding.removeprefix("*** in database main ***").strip().splitlines()[0]
+    name = os.path.basename(path)
+    error = StorageError(f"{name} is damaged (SQLite: {first}): {remedy}")
+    error.code = _SQLITE_CORRUPT
+    error.kind = f"SQLITE_CORRUPT: {_MEANINGS[_SQLITE_CORRUPT]}"
+    error.file = name
+    return error
 
 
 def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
@@ -380,6 +419,9 @@ class Database:
     MIGRATIONS: Sequence[str] = ()
     PAGE_SIZE: int | None = None
     JOURNAL_MODE = "WAL"
+    DAMAGED: str | None = None
+    """What the user can do about a damaged file, for a subclass whose damage :meth:`check_intact`
+    (and a damaged file met opening it) says so of."""
 
     def __init__(
         self,
@@ -396,9 +438,17 @@ class Database:
         self._lock = ConnectionGuard(path, self._reopen)
         try:
             migrate(self._conn, self.MIGRATIONS)
-        except BaseException:
+        except BaseException as exc:
             self._conn.close()
+            if isinstance(exc, StorageError) and is_damage(exc) and self.DAMAGED is not None:
+                raise damaged(self.path, str(exc), self.DAMAGED) from exc
             raise
+
+    def check_intact(self) -> None:
+        """Raise a :class:`StorageError` if the file is damaged (:func:`check_intact`)."""
+        assert self.DAMAGED is not None
+        with self._lock:
+            check_intact(self._conn, self.path, self.DAMAGED)
 
     def _open(self, *, create: bool) -> sqlite3.Connection:
         conn = connect(

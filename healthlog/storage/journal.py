@@ -31,8 +31,11 @@ from healthlog.content import content_digest
 from healthlog.storage._sqlite import (
     ConnectionGuard,
     StorageError,
+    check_intact,
     classify,
     connect,
+    damaged,
+    is_damage,
     migrate,
     read_transaction,
     reopened,
@@ -57,6 +60,15 @@ _IDENTITY: Final = "identity"
 _ZLIB: Final = "zlib"
 _ZLIB_LEVEL: Final = 1
 _INFLATE_CHUNK: Final = 1 << 20
+
+DAMAGED: Final = (
+    "deliveries answered before it was copied may be missing from it or unreadable"
+    ". A copy of the data directory taken while healthlog runs (cp, rsync) does"
+    " this when it copies the -wal file at another instant than journal.sqlite: restore a"
+    " backup taken with `sqlite3 .backup`, a filesystem snapshot, or one taken with healthlog"
+    " stopped"
+)
+"""What the user can do about a damaged journal."""
 
 _MIGRATIONS: Final = (
     """
@@ -346,8 +358,11 @@ class Journal:
             self._instance_id = self._load_instance_id()
         except BaseException as exc:
             self._conn.close()
-            if isinstance(exc, sqlite3.Error):
-                raise classify(exc) from exc
+            error = classify(exc) if isinstance(exc, sqlite3.Error) else exc
+            if isinstance(error, StorageError) and is_damage(error):
+                raise damaged(self.path, str(exc), DAMAGED) from exc
+            if error is not exc:
+                raise error from exc
             raise
 
     def __enter__(self) -> Journal:
@@ -391,6 +406,12 @@ class Journal:
             self.path,
             lambda: connect(self.path, create=False, busy_timeout_ms=self._busy_timeout_ms),
         )
+
+    def check_intact(self) -> None:
+        """Raise a :class:`StorageError` if the file is damaged, as a copy of it taken apart
+        from its ``-wal`` file is (JOURNAL-39)."""
+        with self._lock:
+            check_intact(self._conn, self.path, DAMAGED)
 
     def instance_id(self) -> str:
         """The random id of this journal file, created when the file was created."""

@@ -358,6 +358,10 @@ class Store(_objects.ObjectDatabase):
     """The projection database. Methods may be called from worker threads."""
 
     MIGRATIONS = MIGRATIONS
+    DAMAGED = (
+        "it is rebuilt from the journal: move store.sqlite and its -wal and -shm"
+        " files away, then `healthlog reindex` (or `serve`) folds the journal into a new one"
+    )
 
     # -- lease (L1) -------------------------------------------------------------------
 
