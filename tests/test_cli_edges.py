@@ -849,13 +849,17 @@ def test_a_storage_error_met_while_writing_names_its_file_cli_51(
     assert run_cli("verify", "--data", data).code == 0
 
 
-def torn_copy(run_cli: RunCli, tmp_path: Path, torn: str) -> Path:
+def torn_copy(run_cli: RunCli, tmp_path: Path, torn: str, *, points: int = 240) -> Path:
     """A copy of a data directory taken file by file while it changes, as `cp -a` or `rsync -a`
     of a running service's directory takes it: ``torn`` (``journal.sqlite`` or
     ``store.sqlite``) at one instant, its ``-wal`` file after SQLite has checkpointed the
-    file's later writes into it and written more; the other files whole (SQLite's backup)."""
+    file's later writes into it and written more; the other files whole (SQLite's backup).
+    Each delivery has ``points`` points in each of 8 metrics: with 240 the torn pages are
+    the b-tree's, with 60 only the bodies' (each a page of its own)."""
     live = tmp_path / "live"
     args = ("import", "--aggregation", "minutes", "--data", live)
+
+    step = 3600 // points
 
     def sent(first: int, count: int) -> list[Path]:
         files = []
@@ -866,11 +870,11 @@ def torn_copy(run_cli: RunCli, tmp_path: Path, torn: str) -> Path:
                     "count",
                     *(
                         point(
-                            f"2024-02-{1 + n // 24:02d} {n % 24:02d}:{m // 4:02d}:{m % 4 * 15:02d}"
-                            " +0000",
+                            f"2024-02-{1 + n // 24:02d} {n % 24:02d}:"
+                            f"{m * step // 60:02d}:{m * step % 60:02d} +0000",
                             qty=(n * 7919 + m * 104729 + k * 1299709) % 1000003 / 7,
                         )
-                        for m in range(240)
+                        for m in range(points)
                     ),
                 )
                 for k in range(8)
@@ -966,6 +970,32 @@ def test_a_torn_copy_of_the_store_is_refused_until_rebuilt_store_53(
     assert run_cli("verify", "--data", copy).code == 0
     status = json.loads(run_cli("status", "--json", "--data", copy).out)
     assert status["deliveries"]["parsed"] == 31
+
+
+def test_reindex_keeps_the_points_of_bodies_the_journal_lost_store_54(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-54: a torn copy of the journal whose lost pages were only bodies (SQLite's page
+    check finds it whole), beside the store that folded them: `verify` names the deliveries,
+    and `reindex` exits 3 with one line naming them and saying to restore the journal, and
+    changes nothing, the store keeping their points. (Before, `reindex` recorded them failed
+    and dropped their 40 objects from the store, the only copy left of them, with exit 0.)"""
+    copy = torn_copy(run_cli, tmp_path, "journal.sqlite", points=60)
+    with closing(sqlite3.connect(copy / "journal.sqlite")) as conn:
+        assert conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+    before = run_cli("export", "--data", copy).out
+    assert len(before.splitlines()) == 31 * 8 * 60
+    verified = run_cli("verify", "--data", copy)
+    assert verified.code == 1
+    assert "delivery 26 is recorded parsed, a rebuild records it failed" in verified.err
+    run = run_cli("reindex", "--data", copy)
+    assert run.code == 3, run.err
+    refusal = [line for line in run.err.splitlines() if line.startswith("healthlog: ")]
+    assert len(refusal) == 1, run.err
+    assert "delivery 26, 27, 28, 29, 30" in refusal[0]
+    assert "Restore the journal from a backup" in refusal[0]
+    assert "Traceback" not in run.err
+    assert run_cli("export", "--data", copy).out == before
 
 
 def test_a_store_folded_from_another_journal_is_refused_until_reindexed_cli_52(

@@ -322,6 +322,16 @@ def reindex(
             rebuild_into(
                 journal, path, progress=renewing, workers=workers, reference=Path(store.path)
             )
+            lost = store.bodies_lost(path)
+            if lost:
+                raise RebuildError(
+                    f"{os.path.basename(journal.path)} no longer holds the bodies of"
+                    f" {len(lost)} deliveries that {os.path.basename(store.path)} folded"
+                    f" (delivery {', '.join(map(str, lost[:5]))}{', ...' if len(lost) > 5 else ''}:"
+                    " they do not match their sha256), and a reindex would drop their points"
+                    " from it; nothing was changed. Restore the journal from a backup taken with"
+                    " `sqlite3 .backup`, a filesystem snapshot, or with healthlog stopped"
+                )
             changed = store.swap_in(path, epoch)
     finally:
         store.release_lease(holder, epoch)

@@ -64,6 +64,8 @@ OUT_OF_MEMORY = "internal error: MemoryError"
 # records them as the live fold did, so that verify compares what follows them as it was
 # folded; reindex folds them.
 GIVEN_UP = (OVER_BUDGET, WORKER_DIED, OUT_OF_MEMORY)
+# The reason of a delivery failed because its journaled body no longer matches its sha256.
+BODY_CORRUPT = "body does not match its sha256"
 # How far after now an event's stamp may lie and still count as recent when events are pruned.
 FUTURE_SKEW_US = 86_400 * 1_000_000
 # How long a write that is tried again later anyway (a subscriber's ACK, a mark, the runtime's
@@ -451,8 +453,8 @@ class Store(_objects.ObjectDatabase):
         except Deferred:
             return FoldReport(meta.id, OutcomeClass.DEFERRED)
         except CorruptBody:
-            log.error("delivery %d: body does not match its sha256", meta.id)
-            return self.fail(meta, epoch, "body does not match its sha256", live=guard)
+            log.error("delivery %d: %s", meta.id, BODY_CORRUPT)
+            return self.fail(meta, epoch, BODY_CORRUPT, live=guard)
         except StorageError as exc:
             log.warning("delivery %d: body not readable: %s", meta.id, describe(exc))
             return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
@@ -698,6 +700,33 @@ class Store(_objects.ObjectDatabase):
         )
 
     # -- rebuild swap (L3) ------------------------------------------------------------------
+
+    def bodies_lost(self, rebuilt: str | os.PathLike[str]) -> list[int]:
+        """The deliveries this store folded (parsed or partial) that the store at ``rebuilt``
+        failed because their journaled bodies no longer match their sha256 (STORE-54): this
+        store holds what the journal has lost of them, which a swap would drop."""
+        conn = connect(rebuilt, readonly=True, busy_timeout_ms=self._busy_timeout_ms)
+        try:
+            failed = [
+                row[0]
+                for row in conn.execute(
+                    "SELECT delivery_id FROM outcomes WHERE status = 'failed' AND reason = ?",
+                    (BODY_CORRUPT,),
+                )
+            ]
+        finally:
+            conn.close()
+        if not failed:
+            return []
+        with self._lock:
+            return [
+                delivery_id
+                for delivery_id in failed
+                if self._conn.execute(
+                    "SELECT 1 FROM outcomes WHERE delivery_id = ? AND status != 'failed'",
+                    (delivery_id,),
+                ).fetchone()
+            ]
 
     def swap_in(self, rebuilt: str | os.PathLike[str], epoch: int) -> int:
         """Replace objects, outcomes and checkpoint with a rebuilt store's, in one transaction.
