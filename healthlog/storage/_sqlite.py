@@ -167,7 +167,7 @@ def check_intact(conn: sqlite3.Connection, path: str | os.PathLike[str], remedy:
     ``-wal`` file at different instants; when SQLite checkpointed in between, the copy's pages
     no longer agree. Such a file may open, count its rows and take new ones, while some of them
     are gone or unreadable: said at once, before anything is written into it. The check reads
-    every page once (31 ms for a 32 MB journal whose pages are cached)."""
+    every page once (31 ms for a 52 MB journal, 66 ms for a 110 MB store, pages cached)."""
     try:
         found = str(conn.execute("PRAGMA quick_check(1)").fetchone()[0])
     except sqlite3.Error as exc:
