@@ -561,7 +561,7 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
             " was compared",
             file=sys.stderr,
         )
-    _say_outcomes(verification.outcomes)
+    _say_outcomes(verification.outcomes, verification.bodies_lost)
     differences = verification.objects
     try:
         with _writing_stdout():
@@ -580,11 +580,12 @@ OUTCOMES_NAMED = 10
 """How many deliveries recorded otherwise than a rebuild records them ``verify`` names."""
 
 
-def _say_outcomes(outcomes: list[OutcomeDifference]) -> None:
+def _say_outcomes(outcomes: list[OutcomeDifference], lost: list[int]) -> None:
     """On stderr, the deliveries whose recorded status or reason a rebuild records otherwise
     (an upgrade that changed a rule: a delivery recorded failed that now folds), which the
     object comparison cannot show when they wrote no object; the exit status stays the
-    objects'."""
+    objects'. Those whose bodies the journal lost (``lost``) are told apart: a reindex would
+    drop their points and refuses (STORE-54)."""
     for diff in outcomes[:OUTCOMES_NAMED]:
         rebuilt = "with another reason" if diff.rebuilt == diff.live else diff.rebuilt
         print(
@@ -592,12 +593,22 @@ def _say_outcomes(outcomes: list[OutcomeDifference]) -> None:
             f" it {rebuilt}",
             file=sys.stderr,
         )
-    if outcomes:
+    others = len(outcomes) - len(lost)
+    if others:
         unnamed = len(outcomes) - OUTCOMES_NAMED
         print(
-            f"verify: {len(outcomes)} deliveries are recorded otherwise than a rebuild records"
+            f"verify: {others} deliveries are recorded otherwise than a rebuild records"
             f" them{f' ({unnamed} not named)' if unnamed > 0 else ''}; `healthlog reindex`"
             " records them anew",
+            file=sys.stderr,
+        )
+    if lost:
+        print(
+            f"verify: {len(lost)} deliveries folded into the store no longer match their"
+            f" sha256 in the journal (delivery {', '.join(map(str, lost[:5]))}"
+            f"{', ...' if len(lost) > 5 else ''}): the store holds the only copy of their"
+            " points, which `healthlog reindex` refuses to drop; restore the journal from a"
+            " backup",
             file=sys.stderr,
         )
 

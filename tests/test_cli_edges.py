@@ -976,9 +976,10 @@ def test_reindex_keeps_the_points_of_bodies_the_journal_lost_store_54(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
     """STORE-54: a torn copy of the journal whose lost pages were only bodies (SQLite's page
-    check finds it whole), beside the store that folded them: `verify` names the deliveries,
-    and `reindex` exits 3 with one line naming them and saying to restore the journal, and
-    changes nothing, the store keeping their points. (Before, `reindex` recorded them failed
+    check finds it whole), beside the store that folded them: `verify` names the deliveries and
+    says to restore the journal, not to reindex, and `reindex` exits 3 with one line naming
+    them and saying to restore the journal, and changes nothing, the store keeping their
+    points. (Before, `reindex` recorded them failed
     and dropped their 40 objects from the store, the only copy left of them, with exit 0.)"""
     copy = torn_copy(run_cli, tmp_path, "journal.sqlite", points=60)
     with closing(sqlite3.connect(copy / "journal.sqlite")) as conn:
@@ -988,6 +989,11 @@ def test_reindex_keeps_the_points_of_bodies_the_journal_lost_store_54(
     verified = run_cli("verify", "--data", copy)
     assert verified.code == 1
     assert "delivery 26 is recorded parsed, a rebuild records it failed" in verified.err
+    assert "records them anew" not in verified.err
+    assert (
+        "verify: 5 deliveries folded into the store no longer match their sha256 in the journal"
+        " (delivery 26, 27, 28, 29, 30)"
+    ) in verified.err
     run = run_cli("reindex", "--data", copy)
     assert run.code == 3, run.err
     refusal = [line for line in run.err.splitlines() if line.startswith("healthlog: ")]

@@ -96,6 +96,9 @@ class Verification:
 
     objects: list[Difference]
     outcomes: list[OutcomeDifference]
+    bodies_lost: list[int]
+    """Of those, the deliveries whose bodies the journal lost (:meth:`Store.bodies_lost`),
+    which :func:`reindex` refuses to record failed (STORE-54)."""
 
 
 def rebuild_into(
@@ -247,6 +250,7 @@ def verify_all(
         with Store(path, durable=False) as rebuilt:
             rebuilt_statuses = rebuilt.statuses()
         objects = list(_differences(path, live, Path(store.path)))
+        lost = store.bodies_lost(path)
     outcomes = [
         OutcomeDifference(delivery_id, recorded[delivery_id][0], rebuilt_statuses[delivery_id][0])
         for delivery_id in sorted(folded)
@@ -254,7 +258,7 @@ def verify_all(
         and delivery_id in rebuilt_statuses
         and recorded[delivery_id] != rebuilt_statuses[delivery_id]
     ]
-    return Verification(objects, outcomes)
+    return Verification(objects, outcomes, lost)
 
 
 def _differences(rebuilt: Path, live: Path, store: Path) -> Iterator[Difference]:
