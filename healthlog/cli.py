@@ -585,7 +585,7 @@ def _say_outcomes(outcomes: list[OutcomeDifference], lost: list[int]) -> None:
     (an upgrade that changed a rule: a delivery recorded failed that now folds), which the
     object comparison cannot show when they wrote no object; the exit status stays the
     objects'. Those whose bodies the journal lost (``lost``) are told apart: a reindex would
-    drop their points and refuses (STORE-54)."""
+    drop their points and refuses (STORE-56)."""
     for diff in outcomes[:OUTCOMES_NAMED]:
         rebuilt = "with another reason" if diff.rebuilt == diff.live else diff.rebuilt
         print(

@@ -972,10 +972,10 @@ def test_a_torn_copy_of_the_store_is_refused_until_rebuilt_store_53(
     assert status["deliveries"]["parsed"] == 31
 
 
-def test_reindex_keeps_the_points_of_bodies_the_journal_lost_store_54(
+def test_reindex_keeps_the_points_of_bodies_the_journal_lost_store_56(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
-    """STORE-54: a torn copy of the journal whose lost pages were only bodies (SQLite's page
+    """STORE-56: a torn copy of the journal whose lost pages were only bodies (SQLite's page
     check finds it whole), beside the store that folded them: `verify` names the deliveries and
     says to restore the journal, not to reindex, and `reindex` exits 3 with one line naming
     them and saying to restore the journal, and changes nothing, the store keeping their

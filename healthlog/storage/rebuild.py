@@ -98,7 +98,7 @@ class Verification:
     outcomes: list[OutcomeDifference]
     bodies_lost: list[int]
     """Of those, the deliveries whose bodies the journal lost (:meth:`Store.bodies_lost`),
-    which :func:`reindex` refuses to record failed (STORE-54)."""
+    which :func:`reindex` refuses to record failed (STORE-56)."""
 
 
 def rebuild_into(

@@ -703,7 +703,7 @@ class Store(_objects.ObjectDatabase):
 
     def bodies_lost(self, rebuilt: str | os.PathLike[str]) -> list[int]:
         """The deliveries this store folded (parsed or partial) that the store at ``rebuilt``
-        failed because their journaled bodies no longer match their sha256 (STORE-54): this
+        failed because their journaled bodies no longer match their sha256 (STORE-56): this
         store holds what the journal has lost of them, which a swap would drop."""
         conn = connect(rebuilt, readonly=True, busy_timeout_ms=self._busy_timeout_ms)
         try:
