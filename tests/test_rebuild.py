@@ -244,7 +244,8 @@ def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
     """STORE-15: reindex appends object.changed only for objects whose hash changed (a vanished
     one with zero points), after the existing events, with no gap; a second reindex adds none
     and writes no object row (a trigger of the test's own counts the writes).
-    The same whether the rebuild runs in one process or partitioned."""
+    The same whether the rebuild runs in one process or partitioned. STORE-43: the swap writes
+    and deletes, by key, exactly the rows it found to differ."""
     append(
         journal,
         delivery(body({"hr": [point(1, 60)]}), received_at=BASE_US + 1, aggregation="hours"),
