@@ -16,6 +16,7 @@ from typing import cast
 import attrs
 import orjson
 import pytest
+from _sqlite_steps import counted_steps
 from fixtures import shuffled
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -833,19 +834,9 @@ def test_counting_reads_only_the_deliveries_journaled_since_journal_35(path: Pat
         assert journal.count() == (300, sum(map(len, bodies[:300])))
         with Journal(path) as writer:
             writer.append_many([delivery(body) for body in bodies[300:]])
-        steps = []
-
-        def step() -> int:
-            steps.append(1)
-            return 0
-
-        journal._conn.set_progress_handler(step, 10)
-        try:
-            counted = journal.count()
-        finally:
-            journal._conn.set_progress_handler(None, 0)
+        counted, steps = counted_steps(journal._conn, journal.count, every=10)
         assert counted == (302, sum(map(len, bodies)))
-        assert len(steps) < 10, len(steps)
+        assert steps < 10, steps
         journal._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         older.replace(path)
         journal._reopen()

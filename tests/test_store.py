@@ -7,6 +7,7 @@ specs/stream.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import sqlite3
@@ -21,11 +22,13 @@ import pytest
 import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from _disk import DISK_ERROR, files_limited_to, in_full_file_system, unwritable
+from _sqlite_steps import counted_steps
 
 from actors.retention import RetentionActor, RetentionStatistics
 from healthlog import clock, faults
 from healthlog.fold import NO_LAYER, BudgetExceeded
 from healthlog.folding import FoldReport, OutcomeClass
+from healthlog.objects import ObjectKey
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
@@ -877,19 +880,9 @@ def test_event_window_reads_the_ends_of_the_key_only_store_48(
             ((f"filler.{n}",) for n in range(20_000)),
         )
     head = store.last_seq()
-    steps = []
-
-    def step() -> int:
-        steps.append(1)
-        return 0
-
-    store._conn.set_progress_handler(step, 100)
-    try:
-        window = store.event_window()
-    finally:
-        store._conn.set_progress_handler(None, 0)
+    window, steps = counted_steps(store._conn, store.event_window)
     assert window == (0, head)
-    assert len(steps) < 10, len(steps)
+    assert steps < 10, steps
 
 
 def test_an_hour_range_reads_only_its_hours_store_49(
@@ -906,11 +899,10 @@ def test_an_hour_range_reads_only_its_hours_store_49(
     everything = list(store.iter_objects())
     assert len(everything) == 1440
     first, last = BASE_US + 30 * US_PER_HOUR, BASE_US + 31 * US_PER_HOUR
-    steps: list[int] = []
 
-    def step() -> int:
-        steps.append(1)
-        return 0
+    def keys(metric: str | None, layer: str | None) -> list[ObjectKey]:
+        objects = store.iter_objects(metric=metric, layer=layer, hour_from=first, hour_to=last)
+        return [o.key for o in objects]
 
     for metric, layer in [(None, None), ("hr", None), (None, "hours"), ("steps", "minutes")]:
         expected = [
@@ -920,16 +912,6 @@ def test_an_hour_range_reads_only_its_hours_store_49(
             and metric in (None, o.key.metric)
             and layer in (None, o.key.layer)
         ]
-        steps.clear()
-        store._conn.set_progress_handler(step, 100)
-        try:
-            found = [
-                o.key
-                for o in store.iter_objects(
-                    metric=metric, layer=layer, hour_from=first, hour_to=last
-                )
-            ]
-        finally:
-            store._conn.set_progress_handler(None, 0)
+        found, steps = counted_steps(store._conn, functools.partial(keys, metric, layer))
         assert found == expected, (metric, layer)
-        assert len(steps) < 10 * len(expected), (metric, layer, len(steps))
+        assert steps < 10 * len(expected), (metric, layer, steps)

@@ -140,8 +140,13 @@ def _pages(
         last = rows[-1][0], rows[-1][1], rows[-1][2]
 
 
-class ObjectDatabase(Database):
-    """A database with an ``objects`` table (the projection, a follower's replica)."""
+class ObjectReading:
+    """The reading of an ``objects`` table through ``_conn`` under ``_lock``: for a database
+    that writes one (:class:`ObjectDatabase`) and for a replica opened only to read it
+    (``replica.ReplicaReader``)."""
+
+    _conn: sqlite3.Connection
+    _lock: ConnectionGuard
 
     def iter_objects(
         self,
@@ -160,3 +165,7 @@ class ObjectDatabase(Database):
             hour_from=hour_from,
             hour_to=hour_to,
         )
+
+
+class ObjectDatabase(ObjectReading, Database):
+    """A database with an ``objects`` table (the projection, a follower's replica)."""

@@ -230,7 +230,7 @@ class Replica(_objects.ObjectDatabase):
             _objects.write(self._conn, state)
 
 
-class ReplicaReader:
+class ReplicaReader(_objects.ObjectReading):
     """A replica opened for reading only (``export --replica``), through a ``mode=ro`` URI:
     nothing is written to the file, which may be on read-only media or belong to another user,
     and a file that holds no replica (an empty one) is refused (:class:`NotAReplica`) rather
@@ -257,24 +257,6 @@ class ReplicaReader:
         except BaseException:
             self._conn.close()
             raise
-
-    def iter_objects(
-        self,
-        *,
-        metric: str | None = None,
-        layer: str | None = None,
-        hour_from: int | None = None,
-        hour_to: int | None = None,
-    ) -> Iterator[HourlyObject]:
-        """Objects sorted by metric, layer and hour, one at a time."""
-        return _objects.iterate(
-            self._conn,
-            self._lock,
-            metric=metric,
-            layer=layer,
-            hour_from=hour_from,
-            hour_to=hour_to,
-        )
 
     def close(self) -> None:
         with self._lock:
