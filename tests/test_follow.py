@@ -1727,9 +1727,9 @@ async def test_export_reads_a_replica_without_writing_it_cli_68(
     `export --replica` that could write there (which leaves them) WHEN `export --replica` runs
     THEN it exits 0 with what the server exports, every file unchanged; WHEN `replica.sqlite`
     is a 0-byte file THEN it exits 2 with one line saying there is no follow replica, and the
-    file stays 0 bytes. (Before, it opened the replica read-write: exit 3, `attempt to write a
-    readonly database`; and it wrote a replica's tables into the 0-byte file, 48 KiB, and
-    exported nothing with exit 0.)"""
+    file stays 0 bytes; CLI-74: so it does for a store copied in the replica's place. (Before,
+    it opened the replica read-write: exit 3, `attempt to write a readonly database`; and it
+    wrote a replica's tables into the 0-byte file, 48 KiB, and exported nothing with exit 0.)"""
     async with serving(tmp_path / "server") as service:
         await post_small(service, 0, 60, 120)
         assert (await follow_process(run_cli, service, tmp_path)).code == 0
@@ -1770,3 +1770,13 @@ async def test_export_reads_a_replica_without_writing_it_cli_68(
     )
     assert os.listdir(empty) == [REPLICA_FILE]
     assert (empty / REPLICA_FILE).stat().st_size == 0
+    # CLI-74: a store copied in a replica's place is another database too.
+    with DataDir(tmp_path / "elsewhere").open_store() as store:
+        store_file = Path(store.path)
+    (empty / REPLICA_FILE).write_bytes(store_file.read_bytes())
+    run = await cli(run_cli, "export", "--replica", empty)
+    assert (run.code, run.out, run.err.splitlines()) == (
+        2,
+        b"",
+        [f"healthlog: no follow replica in {empty}: {REPLICA_FILE} is empty, or another database"],
+    )

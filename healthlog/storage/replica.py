@@ -250,7 +250,12 @@ class ReplicaReader(_objects.ObjectReading):
         try:
             with self._lock:
                 (version,) = self._conn.execute("PRAGMA user_version").fetchone()
-                if version == 0:
+                # Another healthlog database (a store copied in its place, say) has a schema
+                # version too, but not the replica's binding (CLI-74).
+                binding = self._conn.execute(
+                    "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'binding'"
+                ).fetchone()
+                if version == 0 or binding is None:
                     raise NotAReplica("is empty, or another database")
                 if version > len(MIGRATIONS):
                     raise StorageError("database schema is newer than this healthlog")
