@@ -25,7 +25,7 @@ from actors.retention import RetentionActor, RetentionStatistics
 from healthlog.config import ServeConfig
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
-from healthlog.storage.passes import Budget, check_same_journal
+from healthlog.storage.passes import Budget, check_before_folding
 from healthlog.storage.store import Store, default_holder
 
 T = TypeVar("T")
@@ -171,9 +171,9 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         journal.close()
         raise
     try:
-        journal.check_intact()
-        store.check_intact()
-        check_same_journal(journal, store)
+        # In a thread: the checks read every page of both files, seconds for gigabytes on a
+        # NAS's disk, and a signal is heard meanwhile.
+        await trio.to_thread.run_sync(check_before_folding, journal, store)
         journal_limiter = trio.CapacityLimiter(1)
         store_limiter = trio.CapacityLimiter(1)
         submit_send, submit_receive = trio.open_memory_channel[Submission](SUBMISSION_BUFFER)

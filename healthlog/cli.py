@@ -33,7 +33,7 @@ from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
-from healthlog.storage.passes import check_same_journal, pending
+from healthlog.storage.passes import check_before_folding, check_same_journal, pending
 from healthlog.storage.rebuild import (
     Difference,
     OutcomeDifference,
@@ -523,9 +523,7 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
 def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("reindex")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
-        journal.check_intact()
-        store.check_intact()
-        check_same_journal(journal, store)
+        check_before_folding(journal, store)
         changed = reindex(journal, store, f"reindex:{default_holder()}", progress=progress)
     print(f"reindex: done, {changed} objects changed", file=sys.stderr)
     return 0
@@ -542,9 +540,7 @@ _GIVEN_UP_WHY = {
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
-        journal.check_intact()
-        store.check_intact()
-        check_same_journal(journal, store)
+        check_before_folding(journal, store)
         verification = verify_all(journal, store, progress=progress)
         unfolded = len(pending(journal, store))
         given_up = Counter(store.given_up().values())

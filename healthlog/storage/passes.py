@@ -62,6 +62,16 @@ def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     return [meta for meta in journal.iter_order(after=view.after) if meta.id not in view.folded]
 
 
+def check_before_folding(journal: Journal, store: Store) -> None:
+    """What is checked before anything folds into ``store`` or rebuilds it (``serve``,
+    ``import``, ``seal``, ``reindex``, ``verify``): that neither file is damaged (a torn copy:
+    JOURNAL-39, STORE-53), which reads every page of each, and that the store was folded from
+    this journal (:func:`check_same_journal`)."""
+    journal.check_intact()
+    store.check_intact()
+    check_same_journal(journal, store)
+
+
 def check_same_journal(journal: Journal, store: Store) -> None:
     """Raise a :class:`StorageError` unless the delivery at the store's checkpoint is in
     ``journal``, at the same position.
