@@ -15,7 +15,7 @@ import tempfile
 import time
 import tracemalloc
 from collections.abc import Iterator
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -33,13 +33,13 @@ from hypothesis import strategies as st
 
 from healthlog import faults, objects
 from healthlog.fold import DeliveryFold
-from healthlog.folding import OutcomeClass
+from healthlog.folding import FoldPass, OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.storage import _partition, rebuild
 from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.datadir import DataDir
-from healthlog.storage.journal import Journal, NewDelivery
+from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import Budget, run_pass
 from healthlog.storage.rebuild import Difference, RebuildError, rebuild_into, reindex, verify
 from healthlog.storage.store import OUT_OF_MEMORY, WORKER_DIED, Store
@@ -333,21 +333,34 @@ def journal_specs(journal: Journal, specs: list[DeliverySpec]) -> None:
         )
 
 
+@contextmanager
+def scratch_data() -> Iterator[tuple[Path, Journal, Store]]:
+    """A temporary directory with a journal and a store in it: a hypothesis example cannot
+    use ``tmp_path``, which one test shares between its examples."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Journal(Path(tmp) / "journal.sqlite") as journal,
+        Store(Path(tmp) / "store.sqlite") as store,
+    ):
+        yield Path(tmp), journal, store
+
+
+def fold_live(journal: Journal, store: Store) -> FoldPass[DeliveryMeta]:
+    """One pass of the live folder over ``journal``, under a lease of its own."""
+    held = store.acquire_lease("folder", now=NOW, ttl=TTL)
+    assert held is not None
+    return run_pass(journal, store, held)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(spec_delivery, min_size=2, max_size=6))
 def test_any_deliveries_folded_in_journal_order_verify_clean_store_16(
     specs: list[DeliverySpec],
 ) -> None:
     """STORE-16: random overlapping deliveries folded in journal order verify clean."""
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        Journal(Path(tmp) / "journal.sqlite") as journal,
-        Store(Path(tmp) / "store.sqlite") as store,
-    ):
+    with scratch_data() as (_, journal, store):
         journal_specs(journal, specs)
-        held = store.acquire_lease("folder", now=NOW, ttl=TTL)
-        assert held is not None
-        assert run_pass(journal, store, held).stopped_because == "empty"
+        assert fold_live(journal, store).stopped_because == "empty"
 
         assert verify(journal, store) == []
 
@@ -542,20 +555,14 @@ def test_any_journal_folds_live_and_rebuilds_the_same_both_ways_store_41(
     with a workout, in other units, some historical: the live fold, the one-process rebuild
     and the partitioned one (each delivery a task of its own) give the same objects and
     outcomes."""
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        Journal(Path(tmp) / "journal.sqlite") as journal,
-        Store(Path(tmp) / "store.sqlite") as store,
-    ):
+    with scratch_data() as (tmp, journal, store):
         _journal_steps(journal, steps)
-        held = store.acquire_lease("folder", now=NOW, ttl=TTL)
-        assert held is not None
-        assert run_pass(journal, store, held).reached_end
+        assert fold_live(journal, store).reached_end
         live = rows(store.path)
 
-        alone = rebuilt(journal, Path(tmp) / "one.sqlite", workers=1)
+        alone = rebuilt(journal, tmp / "one.sqlite", workers=1)
         with mock.patch.object(_partition, "TASK_BYTES", 1):
-            apart = rebuilt(journal, Path(tmp) / "three.sqlite", workers=3)
+            apart = rebuilt(journal, tmp / "three.sqlite", workers=3)
 
         for table, columns in (("objects", slice(0, 10)), ("outcomes", slice(0, 7))):
             folded = [row[columns] for row in live[table]]
