@@ -28,6 +28,7 @@ from _bodies import stamp as minute_stamp
 from _disk import DISK_ERROR, files_limited_to
 from _hostile_corpus import corpus
 from _runtime_helpers import alive, children_of
+from _summaries import summaries
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -135,7 +136,7 @@ def test_a_fold_the_machine_gave_up_verifies_as_failed_and_reindex_folds_it_stor
         ("failed", reason),
         ("failed", "layer not derivable: no header, no dense metric, no history"),
     ]
-    assert store.summaries() == {}
+    assert summaries(store) == {}
 
     assert verify(journal, store, workers=workers) == []
     store.release_lease("folder", epoch)
@@ -146,7 +147,7 @@ def test_a_fold_the_machine_gave_up_verifies_as_failed_and_reindex_folds_it_stor
     reindex(journal, store, "reindex", workers=workers)
     folded = [store.outcome(meta.id) for meta in (heavy, inheriting)]
     assert [(o.status, o.layer) for o in folded if o is not None] == [("parsed", "minutes")] * 2
-    assert {key.hour for key in store.summaries()} == {BASE_US, BASE_US + 3600 * 10**6}
+    assert {key.hour for key in summaries(store)} == {BASE_US, BASE_US + 3600 * 10**6}
     assert verify(journal, store, workers=workers) == []
 
 
@@ -157,7 +158,7 @@ def test_backfill_collision_is_found_and_reindex_repairs_it_store_13(
     """STORE-13: a backfill that collides with folded content makes verify report the object;
     reindex makes the live objects equal a fresh rebuild (in one process or partitioned)."""
     collide(journal, store, epoch)
-    live_hash = store.summaries()[HR].hash
+    live_hash = summaries(store)[HR].hash
 
     differences = verify(journal, store, workers=workers)
 
@@ -210,7 +211,7 @@ def test_reindex_announces_the_deliveries_only_the_rebuild_folded_store_34(
     assert reindex(journal, store, "reindex") == 1
 
     reindexed = epoch + 1
-    steps = store.summaries()[ObjectKey("steps", "minutes", BASE_US)]
+    steps = summaries(store)[ObjectKey("steps", "minutes", BASE_US)]
     outcome = store.outcome(pending.id)
     assert outcome is not None
     assert (outcome.status, outcome.counters["objects_written"]) == ("parsed", 1)
@@ -257,7 +258,7 @@ def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
     append(journal, delivery(late, received_at=BASE_US + 2, aggregation="minutes"))
     run_pass(journal, store, epoch)
     before = sorted(rows(store.path)["events"])
-    unchanged = {k: s.hash for k, s in store.summaries().items() if k.metric != "weight"}
+    unchanged = {k: s.hash for k, s in summaries(store).items() if k.metric != "weight"}
 
     assert reindex(journal, store, "reindex", workers=workers) == 2
 
@@ -265,7 +266,7 @@ def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
     assert after[: len(before)] == before
     assert [seq for seq, *_ in after] == list(range(1, len(after) + 1))
     added = [e.payload for e in store.events_after(before[-1][0], 1000)]
-    summaries = store.summaries()
+    live = summaries(store)
     weight = ObjectKey("weight", "minutes", BASE_US)
     assert sorted(added, key=lambda p: p["layer"]) == [
         {
@@ -280,12 +281,12 @@ def test_swap_in_announces_only_changed_objects_and_keeps_history_store_15(
             "metric": "weight",
             "layer": "minutes",
             "hour": "2024-03-01T00:00:00Z",
-            "hash": summaries[weight].hash.hex(),
+            "hash": live[weight].hash.hex(),
             "points": 1,
             "delivery_id": None,
         },
     ]
-    assert {k: summaries[k].hash for k in unchanged} == unchanged
+    assert {k: live[k].hash for k in unchanged} == unchanged
 
     with closing(sqlite3.connect(store.path, isolation_level=None)) as conn:
         conn.execute("CREATE TABLE object_writes (kind TEXT)")
@@ -743,13 +744,13 @@ def test_swap_writes_every_column_that_differs_store_21(
     run_pass(journal, store, epoch)
     backfill = append(journal, delivery(body({"hr": [point(1, 60)]}), received_at=BASE_US))
     run_pass(journal, store, epoch)
-    assert store.summaries()[HR].created_by != backfill.id
+    assert summaries(store)[HR].created_by != backfill.id
     events = store.last_seq()
-    hr_hash = store.summaries()[HR].hash
+    hr_hash = summaries(store)[HR].hash
 
     assert reindex(journal, store, "reindex") == 1
 
-    assert store.summaries()[HR].created_by == backfill.id
+    assert summaries(store)[HR].created_by == backfill.id
     assert [
         (e.kind, e.payload["metric"], e.payload["hash"]) for e in store.events_after(events, 9)
     ] == [("object.changed", "hr", hr_hash.hex())]
@@ -863,13 +864,13 @@ def test_rebuilt_objects_equal_to_the_live_ones_take_their_bodies_store_24(
     d = damaged(journal, store, epoch)
     kept, junk, other, kept_body, plains = d.kept, d.junk, d.other, d.kept_body, d.plains
     events = store.last_seq()
-    hashes = {key: summary.hash for key, summary in store.summaries().items()}
+    hashes = {key: summary.hash for key, summary in summaries(store).items()}
 
     assert reindex(journal, store, "reindex", workers=2) == 2
 
     added = [e.payload for e in store.events_after(events, 1000)]
     assert sorted((p["metric"], p["hour"], p["hash"], p["points"]) for p in added) == sorted(
-        (key.metric, format_instant(key.hour), hashes[key].hex(), store.summaries()[key].points)
+        (key.metric, format_instant(key.hour), hashes[key].hex(), summaries(store)[key].points)
         for key in (junk, other)
     )
     assert reindex(journal, store, "reindex", workers=2) == 0
@@ -894,7 +895,7 @@ def test_verify_reports_a_live_body_that_does_not_hold_its_content_store_26(
     not hold the bytes their hash names as corrupt, not the one compressed at another level;
     after a reindex it reports nothing."""
     d = damaged(journal, store, epoch)
-    hashes = {key: summary.hash for key, summary in store.summaries().items()}
+    hashes = {key: summary.hash for key, summary in summaries(store).items()}
 
     differences = verify(journal, store, workers=workers)
 
@@ -915,7 +916,7 @@ def test_verify_reports_a_live_row_whose_columns_are_not_the_rebuilds_store_28(
     append(journal, delivery(body({"hr": [point(n, n) for n in range(3)]}, units="count/min")))
     append(journal, delivery(body({"steps": [point(n, n) for n in range(2)]}, units="count")))
     run_pass(journal, store, epoch)
-    units_damaged, count_damaged = sorted(store.summaries(), key=attrs.astuple)[:2]
+    units_damaged, count_damaged = sorted(summaries(store), key=attrs.astuple)[:2]
     with sqlite3.connect(store.path) as conn:
         conn.execute(
             "UPDATE objects SET units = 'kg' WHERE metric = ? AND layer = ? AND hour = ?",
@@ -925,7 +926,7 @@ def test_verify_reports_a_live_row_whose_columns_are_not_the_rebuilds_store_28(
             "UPDATE objects SET points = points + 1 WHERE metric = ? AND layer = ? AND hour = ?",
             attrs.astuple(count_damaged),
         )
-    hashes = {key: summary.hash for key, summary in store.summaries().items()}
+    hashes = {key: summary.hash for key, summary in summaries(store).items()}
 
     differences = verify(journal, store, workers=workers)
 

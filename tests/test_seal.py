@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from _bodies import BASE_US, append, body, delivery, point, rows
+from _summaries import summaries
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +41,7 @@ def sealing(seal: Seal) -> NewDelivery:
 def flags(store: Store) -> dict[tuple[str, int], bool]:
     """(metric, hour offset from BASE_US in hours) -> sealed."""
     return {
-        (s.key.metric, (s.key.hour - BASE_US) // HOUR): s.sealed for s in store.summaries().values()
+        (s.key.metric, (s.key.hour - BASE_US) // HOUR): s.sealed for s in summaries(store).values()
     }
 
 
@@ -57,7 +58,7 @@ def test_a_seal_marks_the_stored_objects_it_covers_seal_1(
     with an `object.changed` event that keeps its hash; the seal's counters stay zero."""
     append(journal, delivery(TWO_HOURS))
     run_pass(journal, store, epoch)
-    hashes = {s.key: s.hash for s in store.summaries().values()}
+    hashes = {s.key: s.hash for s in summaries(store).values()}
     seal = append(journal, sealing(Seal(BASE_US + HOUR, "hr", "minutes")))
     last = store.events_after(0, 1000)[-1].seq
 
@@ -173,7 +174,7 @@ def test_a_seal_cannot_be_forged_seal_4(
     run_pass(journal, store, epoch)
 
     assert not any(flags(store).values())
-    assert store.summaries()
+    assert summaries(store)
     assert rows(store.path)["seals"] == []
 
 
@@ -255,7 +256,7 @@ def test_a_sealed_object_never_loses_its_flag_seal_11(
         assert flags(store)[heart]
         sealed_writes.append(outcome_of(store, meta)[2]["sealed_writes"])
     assert sealed_writes == [0, 1, 1]
-    summary = store.summaries()[ObjectKey("hr", "minutes", BASE_US)]
+    summary = summaries(store)[ObjectKey("hr", "minutes", BASE_US)]
     assert (summary.units, summary.points) == ("count", 2)
 
     store.release_lease("folder", epoch)

@@ -156,7 +156,7 @@ MIGRATIONS = (
 LISTED_OUTCOMES = (FAILED, PARTIAL)
 # How many objects :meth:`Store.iter_objects` reads from the file at a time.
 OBJECTS_PAGE = _objects.PAGE
-# The columns of an object's summary (:class:`ObjectSummary`), in the order it is read.
+# The columns of an object's summary (everything but its body), in the order it is read.
 SUMMARY_COLUMNS = "metric, layer, hour, units, points, hash, created_by, sealed"
 # How many object summaries :meth:`Store.snapshot_into` copies at a time.
 SUMMARIES_PAGE = 1024
@@ -174,18 +174,6 @@ COUNT_QUERIES = (
 
 class Fenced(StorageError):
     """The lease epoch changed under a fold: its result is not authoritative (L2, L5)."""
-
-
-@attrs.frozen
-class ObjectSummary:
-    """An object without its body."""
-
-    key: ObjectKey
-    units: str | None
-    points: int
-    hash: bytes
-    created_by: int
-    sealed: bool
 
 
 @attrs.frozen
@@ -963,17 +951,6 @@ class Store(_objects.ObjectDatabase):
         with self._lock:
             row = self._conn.execute(f"SELECT {columns} FROM outcomes").fetchone()
         return {name: int(value or 0) for name, value in zip(names, row, strict=True)}
-
-    def summaries(self) -> dict[ObjectKey, ObjectSummary]:
-        with self._lock:
-            return self._summaries_locked()
-
-    def _summaries_locked(self) -> dict[ObjectKey, ObjectSummary]:
-        rows = self._conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM objects").fetchall()
-        return {
-            ObjectKey(m, la, h): ObjectSummary(ObjectKey(m, la, h), u, p, hs, c, bool(s))
-            for m, la, h, u, p, hs, c, s in rows
-        }
 
     def checkpoint(self) -> tuple[int | None, int | None, int]:
         with self._lock:
