@@ -16,9 +16,12 @@ import functools
 import gzip
 import itertools
 import logging
+import os
 import random
+import re
 import socket
 import sqlite3
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +31,7 @@ import attrs
 import orjson
 import pytest
 import trio
+from _baseline import severe_lines
 from _bodies import append, delivery, point, rows
 from _bodies import body as storage_body
 from _disk import files_limited_to
@@ -433,6 +437,48 @@ async def test_cursor_in_future(tmp_path: Path) -> None:
         total = await post_small(service, 0)
         refused = await refused_beside_witness(service, resource(total + 1), bearer(service.token))
         assert refused == ({"type": "error", "code": "CURSOR_IN_FUTURE", "head": total}, 4400)
+
+
+CLOSING_SUBSCRIBERS = 40
+SERVE_START_LIMIT_S = 30.0
+SERVE_STOP_LIMIT_S = 60.0
+SERVING_LINE = re.compile(r"healthlog serving on http://127\.0\.0\.1:(\d+) ")
+
+
+async def test_refused_subscriber_closing_at_once_logs_no_error(tmp_path: Path) -> None:
+    """STREAM-100: subscribers of a `healthlog serve` process that close their side as soon as
+    the error frame of a refusal arrives (as a browser's ``onmessage`` calling ``close()``
+    does) each get the frame, and the service logs no ERROR. Its close met the one hypercorn
+    sends in answer to the client's, on the same socket (``trio.BusyResourceError``), and
+    hypercorn logged ``Error in ASGI Framework`` at ERROR for about one in four of them."""
+    data, out, err = tmp_path / "data", tmp_path / "serve.out", tmp_path / "serve.err"
+    cli = [sys.executable, "-m", "healthlog.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    made = await trio.run_process(
+        [*cli, "token", "add", TOKEN_NAME, "--data", data], env=env, capture_stdout=True
+    )
+    token = made.stdout.decode().strip()
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        process = await trio.lowlevel.open_process(
+            [*cli, "serve", "--data", data, "--port", "0"], env=env, stdout=stdout, stderr=stderr
+        )
+    try:
+        with trio.fail_after(SERVE_START_LIMIT_S):
+            while (found := SERVING_LINE.search(out.read_text())) is None:
+                assert process.poll() is None, err.read_text()
+                await trio.sleep(POLL_S)
+        port = int(found.group(1))
+        for _ in range(CLOSING_SUBSCRIBERS):
+            async with connect(port, resource("x"), bearer(token)) as ws:
+                frame = text_frame(await ws.get_message())
+                await ws.aclose()
+            assert frame == {"type": "error", "code": "BAD_CURSOR"}
+    finally:
+        process.terminate()
+        with trio.fail_after(SERVE_STOP_LIMIT_S):
+            await process.wait()
+    assert process.returncode == 0, err.read_text()
+    assert severe_lines(err.read_text()) == []
 
 
 async def test_cursor_older_than_window(tmp_path: Path) -> None:

@@ -83,6 +83,9 @@ IDLE_RECHECK_S = 2.0
 # and how long it waits in all before a WARNING says so (a long fold holds the store for a while).
 BUSY_RETRY_S = 1.0
 BUSY_WARN_S = 5.0
+# What a send of a refusal meets when the client closed its side meanwhile: hypercorn's own
+# task answering that close on the same socket (busy), or a connection already gone.
+CLIENT_CLOSING = (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError)
 
 
 class EventHub:
@@ -260,11 +263,20 @@ class StreamEndpoint:
                 refused = StreamRefused("STORE_ERROR", CLOSE_STORE_ERROR, frame=False)
         if refused is None:
             return
-        if refused.frame:
+        try:
+            if refused.frame:
+                with trio.move_on_after(self.send_timeout_s):
+                    await send({"type": "websocket.send", "text": dumps(refused.error).decode()})
             with trio.move_on_after(self.send_timeout_s):
-                await send({"type": "websocket.send", "text": dumps(refused.error).decode()})
-        with trio.move_on_after(self.send_timeout_s):
-            await send({"type": "websocket.close", "code": refused.close, "reason": refused.code})
+                await send(
+                    {"type": "websocket.close", "code": refused.close, "reason": refused.code}
+                )
+        except CLIENT_CLOSING as exc:
+            # The client closed as the refusal went out (on its error frame, say): hypercorn
+            # answers that close itself. Left to hypercorn, the error was logged at ERROR.
+            log.debug(
+                "stream: %s not sent, the client closed: %s", refused.code, type(exc).__name__
+            )
 
     async def _read(
         self,
