@@ -849,6 +849,27 @@ def test_a_storage_error_met_while_writing_names_its_file_cli_51(
     assert run_cli("verify", "--data", data).code == 0
 
 
+def test_a_signing_key_that_cannot_be_written_names_its_file_cli_80(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-80: `status` on a data directory that has no snapshot signing key yet (only
+    `import` wrote it, or a restore left `signing.key` out) makes one; where the key cannot be
+    written (a full disk) it exits 3 with one line naming `signing.key`, and leaves no key
+    behind. (Before: `healthlog: [Errno 28] No space left on device`, no file named.)"""
+    data = tmp_path / "data"
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, sent).code == 0
+    key = data / "signing.key"
+    assert not key.exists()
+    with files_limited_to(64):
+        run = run_cli("status", "--data", data)
+    assert run.code == 3
+    one_line_error(run.err, f"({key})")
+    assert [p.name for p in data.iterdir() if "signing" in p.name] == []
+    assert run_cli("status", "--data", data).code == 0
+    assert key.exists()
+
+
 def torn_copy(run_cli: RunCli, tmp_path: Path, torn: str, *, points: int = 240) -> Path:
     """A copy of a data directory taken file by file while it changes, as `cp -a` or `rsync -a`
     of a running service's directory takes it: ``torn`` (``journal.sqlite`` or

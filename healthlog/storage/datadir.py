@@ -80,13 +80,19 @@ class DataDir:
         each writes a key of its own to a file of its own and links it into place only if no
         key is there yet (the first wins), then reads the key that is. A key that cannot be
         read is a StorageError: it names the file, and a new key would not do (followers pin
-        the public key).
+        the public key); so is one that cannot be made (a full disk).
 
         Its public half is recorded in the journal: a key found other than the one recorded
         (``signing.key`` lost and made anew, or replaced) is one followers that pinned the old
         one refuse, and the process that finds it says so in a WARNING, with what to do."""
         path = self.path / SIGNING_KEY_FILE
-        made = not path.exists() and self._create_signing_key(path)
+        try:
+            made = not path.exists() and self._create_signing_key(path)
+        except OSError as exc:
+            # A write's error names no file (a full disk: ``[Errno 28] No space left on
+            # device``), a temporary file's names that file: say which key it was.
+            reason = exc.strerror or type(exc).__name__
+            raise StorageError(f"cannot make the snapshot signing key: {reason} ({path})") from None
         try:
             key = load_pem_private_key(path.read_bytes(), password=None)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
