@@ -207,6 +207,11 @@ def create_app(
     """
     app = _Http("healthlog")
     app.config["RESPONSE_TIMEOUT"] = response_timeout_s
+    # No route of this app reads a request body (intake has its own endpoint), yet quart keeps
+    # every body it is sent, up to this limit (16 MiB by default), for as long as its response
+    # lasts: a client sending one with each `/v1/points` request it reads slowly held 16 MiB of
+    # the service's memory per request (SERVE-60). At 0 quart keeps at most the first chunk.
+    app.config["MAX_CONTENT_LENGTH"] = 0
     hub = EventHub(runtime)
     refusals = RefusalLog()
 

@@ -1,0 +1,118 @@
+"""Hostile clients against a real ``healthlog serve`` process (specs/service.md): what they can
+make the service hold (memory, read from ``/proc``) or write to its log."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+from _service_helpers import FOLD_LIMIT_S, POLL_S, write_minute_body
+
+from healthlog.storage.datadir import DataDir
+
+MiB = 2**20
+STOP_LIMIT_S = 60.0
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="reads Linux's /proc/PID/status"
+)
+
+
+@attrs.frozen
+class Served:
+    """A ``healthlog serve`` process, its port and a client token."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    token: str
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def rss_mib(self) -> float:
+        """The process's resident memory now (not its peak)."""
+        with open(f"/proc/{self.process.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        raise AssertionError("no VmRSS")
+
+
+@contextlib.contextmanager
+def served(data: Path) -> Iterator[Served]:
+    """``healthlog serve`` on a free port over ``data``, with a token made first; stopped (and
+    its stderr closed) on exit."""
+    with DataDir(data).open_tokens() as tokens:
+        token = tokens.add("phone")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    command = [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0", "--data", str(data)]
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    ) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline().decode()
+            found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
+            assert found, line
+            yield Served(process, int(found.group(1)), token)
+        finally:
+            process.terminate()
+            process.wait(timeout=STOP_LIMIT_S)
+
+
+def wait_folded(client: httpx.Client, auth: dict[str, str]) -> None:
+    deadline = time.monotonic() + FOLD_LIMIT_S
+    while time.monotonic() < deadline:
+        status = client.get("/v1/status", headers=auth).json()
+        if not status["deliveries"]["pending"] and status["first_pass_completed"]:
+            return
+        time.sleep(POLL_S)
+    raise AssertionError("not folded in time")
+
+
+HELD_REQUESTS = 6
+IGNORED_BODY_BYTES = 16 * MiB
+"""quart's own limit on a request body it keeps (``MAX_CONTENT_LENGTH``, 16 MiB by default)."""
+
+
+def test_a_body_sent_with_a_slowly_read_points_request_is_not_kept_serve_60(
+    tmp_path: Path,
+) -> None:
+    """SERVE-60: GIVEN about 20 MB of points folded WHEN six clients each ask `/v1/points` for
+    all of them with a body of 16 MiB that no route reads, and read nothing of the answer THEN
+    the service's memory grows by less than 32 MiB while the answers wait. (Before, quart kept
+    each body whole for as long as its answer lasted: 96 MiB more for the six.)"""
+    body = tmp_path / "body.json"
+    write_minute_body(body, metrics=4, points=15 * 24 * 60)
+    with served(tmp_path / "data") as service:
+        base = f"http://127.0.0.1:{service.port}"
+        with httpx.Client(base_url=base, timeout=FOLD_LIMIT_S) as client:
+            posted = client.post("/v1/deliveries", content=body.read_bytes(), headers=service.auth)
+            assert posted.status_code == 200, posted.text
+            wait_folded(client, service.auth)
+        before = service.rss_mib()
+        with contextlib.ExitStack() as stack:
+            for _ in range(HELD_REQUESTS):
+                conn = stack.enter_context(socket.socket())
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                conn.connect(("127.0.0.1", service.port))
+                conn.settimeout(FOLD_LIMIT_S)
+                conn.sendall(
+                    b"GET /v1/points HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (service.token.encode(), IGNORED_BODY_BYTES)
+                )
+                conn.sendall(bytes(IGNORED_BODY_BYTES))
+            time.sleep(1.0)
+            grown_mib = service.rss_mib() - before
+    assert grown_mib < 32, grown_mib
