@@ -287,6 +287,27 @@ async def test_ack_beyond_sent(tmp_path: Path) -> None:
         assert (await service.status())["subscribers"] == {"nas": total}
 
 
+async def test_a_frame_over_64_kib_from_a_subscriber_is_refused_stream_93(tmp_path: Path) -> None:
+    """STREAM-93: a subscriber's text frame over 64 KiB (an ACK after 1 MiB of blanks) closes
+    the connection with 1009 before it is taken whole, and stores nothing; hypercorn took
+    messages of up to 16 MiB, held whole in memory, from any subscriber with a token."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0, 60)
+        async with subscribe(service, subscriber="nas") as ws:
+            assert consecutive(await receive(ws, total), 0)
+            await send_ack(ws, 1)
+            await acked(service, "nas", 1)
+            padded = " " * 2**20 + orjson.dumps({"type": "ack", "seq": total}).decode()
+            with contextlib.suppress(ConnectionClosed):
+                await ws.send_message(padded)
+            with trio.fail_after(FRAME_LIMIT_S), contextlib.suppress(ConnectionClosed):
+                while True:
+                    await ws.get_message()
+            assert ws.closed is not None
+            assert ws.closed.code == 1009
+        assert (await service.status())["subscribers"] == {"nas": 1}
+
+
 @pytest.mark.parametrize("ending", ["close handshake", "connection dropped"])
 async def test_final_ack_before_close_is_stored(tmp_path: Path, ending: str) -> None:
     """STREAM-5: the last ACK, sent right before the client goes, is stored."""

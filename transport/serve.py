@@ -45,6 +45,7 @@ from healthlog.storage.datadir import DataDir
 from transport.app import MAX_HEADER_BYTES, RESPONSE_TIMEOUT_S, create_app
 from transport.auth import TokenCache
 from transport.snapshots import SnapshotService
+from transport.stream import MAX_CLIENT_MESSAGE_BYTES
 
 log = logging.getLogger("healthlog.http")
 
@@ -262,6 +263,7 @@ def hypercorn_config(config: ServeConfig) -> _HypercornConfig:
     hc.graceful_timeout = config.graceful_timeout_s + COMMIT_GRACE_S
     hc.keep_alive_timeout = config.keep_alive_timeout_s
     hc.h11_max_incomplete_size = MAX_HEADER_BYTES
+    hc.websocket_max_message_size = MAX_CLIENT_MESSAGE_BYTES
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     return hc

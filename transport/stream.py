@@ -31,7 +31,8 @@ error's type. The event hub runs under the runtime's supervision (``app.py``).
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
 older than the online window (after an error frame with a signed snapshot reference), 1001
-server going away (on shutdown), 1011 the store cannot be read (no error frame).
+server going away (on shutdown), 1011 the store cannot be read (no error frame), 1009 (by
+hypercorn, no error frame) a message from the subscriber over ``MAX_CLIENT_MESSAGE_BYTES``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ STREAM_PATH = "/v1/stream"
 PAGE = 256
 PAGE_BYTES = 4 * 2**20
 MAX_SUBSCRIBER = 128
+MAX_CLIENT_MESSAGE_BYTES = 64 * 1024
+"""The largest message a subscriber may send (an ACK takes some 30 bytes); a longer one is
+closed with 1009 before it is whole. hypercorn's default, 16 MiB, let every subscriber with a
+token have the service hold 16 MiB per connection (STREAM-93)."""
 CLOSE_BAD_REQUEST = 4400
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_TOO_SLOW = 4408
