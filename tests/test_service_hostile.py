@@ -4,6 +4,7 @@ make the service hold (memory, read from ``/proc``) or write to its log."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import socket
@@ -19,6 +20,7 @@ import pytest
 from _service_helpers import FOLD_LIMIT_S, POLL_S, write_minute_body
 
 from healthlog.storage.datadir import DataDir
+from transport.refusals import Bucket, FaultLog
 
 MiB = 2**20
 STOP_LIMIT_S = 60.0
@@ -30,11 +32,12 @@ pytestmark = pytest.mark.skipif(
 
 @attrs.frozen
 class Served:
-    """A ``healthlog serve`` process, its port and a client token."""
+    """A ``healthlog serve`` process, its port, a client token and the file of its log."""
 
     process: subprocess.Popen[bytes]
     port: int
     token: str
+    log: Path
 
     @property
     def auth(self) -> dict[str, str]:
@@ -51,21 +54,23 @@ class Served:
 
 @contextlib.contextmanager
 def served(data: Path) -> Iterator[Served]:
-    """``healthlog serve`` on a free port over ``data``, with a token made first; stopped (and
-    its stderr closed) on exit."""
+    """``healthlog serve`` on a free port over ``data``, with a token made first, logging into
+    ``serve.log`` beside ``data``; stopped on exit."""
     with DataDir(data).open_tokens() as tokens:
         token = tokens.add("phone")
     env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
     command = [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0", "--data", str(data)]
-    with subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    ) as process:
+    log = data.parent / "serve.log"
+    with (
+        log.open("wb") as stderr,
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr) as process,
+    ):
         try:
             assert process.stdout is not None
             line = process.stdout.readline().decode()
             found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
             assert found, line
-            yield Served(process, int(found.group(1)), token)
+            yield Served(process, int(found.group(1)), token, log)
         finally:
             process.terminate()
             process.wait(timeout=STOP_LIMIT_S)
@@ -116,3 +121,56 @@ def test_a_body_sent_with_a_slowly_read_points_request_is_not_kept_serve_60(
             time.sleep(1.0)
             grown_mib = service.rss_mib() - before
     assert grown_mib < 32, grown_mib
+
+
+UPGRADE_WITH_TRAILING_BYTES = (
+    b"GET /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: bKdPyn3u98cTfZJSh4TNeQ==\r\n\r\nx\n"
+)
+BROKEN_HANDSHAKES = 200
+FAULT_LINES = ("stream: the websocket handshake failed", "a connection failed inside hypercorn")
+
+
+def test_broken_handshakes_in_a_flood_log_a_few_lines_serve_61(tmp_path: Path) -> None:
+    """SERVE-61: WHEN a peer without a token makes 200 websocket handshakes, each followed at
+    once by trailing bytes THEN the log gets at most a dozen lines about them (each kind a few a
+    minute, the next one saying how many were not logged), and the service answers after them.
+    (Before, two lines for each: 400 in the test, 2.2 MB in 10 s from one client.)"""
+    with served(tmp_path / "data") as service:
+        for _ in range(BROKEN_HANDSHAKES):
+            with socket.create_connection(("127.0.0.1", service.port)) as conn:
+                conn.settimeout(FOLD_LIMIT_S)
+                conn.sendall(UPGRADE_WITH_TRAILING_BYTES)
+                with contextlib.suppress(ConnectionResetError):
+                    while conn.recv(4096):
+                        pass
+        base = f"http://127.0.0.1:{service.port}"
+        with httpx.Client(base_url=base, timeout=FOLD_LIMIT_S) as client:
+            assert client.get("/v1/status", headers=service.auth).status_code == 200
+    lines = [
+        line
+        for line in service.log.read_text().splitlines()
+        if any(fault in line for fault in FAULT_LINES)
+    ]
+    assert 2 <= len(lines) <= 12, lines
+    assert all("level=ERROR" not in line for line in lines), lines
+
+
+def test_a_fault_log_says_how_many_lines_it_held_back_serve_61(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SERVE-61: a fault log lets five lines through at once and one more every twelve seconds;
+    the first after a held-back spell says how many were not logged."""
+    now = [0.0]
+    faults = FaultLog(
+        logging.getLogger("healthlog.http"), logging.WARNING, Bucket(clock=lambda: now[0])
+    )
+    with caplog.at_level(logging.WARNING, "healthlog.http"):
+        for n in range(20):
+            faults("broken %d", n)
+        now[0] = 12.0
+        faults("broken %d", 20)
+    assert [r.getMessage() for r in caplog.records] == [
+        *(f"broken {n}" for n in range(5)),
+        "broken 20; 15 more like it were not logged before this one",
+    ]

@@ -44,6 +44,7 @@ from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
 from transport.app import MAX_HEADER_BYTES, RESPONSE_TIMEOUT_S, create_app
 from transport.auth import TokenCache
+from transport.refusals import FaultLog
 from transport.snapshots import SnapshotService
 from transport.stream import MAX_CLIENT_MESSAGE_BYTES
 
@@ -98,7 +99,10 @@ class _ContainedTCPServer(TCPServer):
             await super().run()
         except* Exception as group:
             kinds = ", ".join(sorted({type(exc).__name__ for exc in _leaves(group)}))
-            log.warning("http: a connection failed inside hypercorn and was closed: %s", kinds)
+            assert isinstance(self.config, _HypercornConfig)
+            self.config.contained(
+                "http: a connection failed inside hypercorn and was closed: %s", kinds
+            )
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
@@ -199,6 +203,9 @@ class _HypercornConfig(HypercornConfig):
     """hypercorn's configuration, whose TCP listeners bound how long a send may stall."""
 
     stalled_send_s: float
+    contained: FaultLog
+    """Logs a connection failure that ``_ContainedTCPServer`` contained, in a flood a few a
+    minute: a peer causes one at will (SERVE-61)."""
     _bound: Sockets | None = None
 
     def bind_now(self) -> None:
@@ -259,6 +266,7 @@ def hypercorn_config(config: ServeConfig) -> _HypercornConfig:
     host = f"[{config.host}]" if ":" in config.host and "[" not in config.host else config.host
     hc = _HypercornConfig()
     hc.stalled_send_s = config.stream_send_timeout_s
+    hc.contained = FaultLog(log, logging.WARNING)
     hc.bind = [f"{host}:{config.port}"]
     hc.graceful_timeout = config.graceful_timeout_s + COMMIT_GRACE_S
     hc.keep_alive_timeout = config.keep_alive_timeout_s

@@ -55,7 +55,7 @@ from healthlog.documents import AckFrame, ErrorFrame, EventFrame, Manifest, conv
 from healthlog.objects import HourlyObject, to_wire
 from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Event, Store
-from transport.refusals import RefusalLog, client_address
+from transport.refusals import FaultLog, RefusalLog, client_address
 
 log = logging.getLogger("healthlog.stream")
 
@@ -217,6 +217,9 @@ class StreamEndpoint:
     closing: trio.Event
     refusals: RefusalLog
     idle_recheck_s: float = IDLE_RECHECK_S
+    failed_handshakes: FaultLog = attrs.field(factory=lambda: FaultLog(log, logging.INFO))
+    """A peer fails a handshake at will (bytes after its upgrade request): a few lines a minute
+    in a flood (SERVE-61)."""
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         """Serve one subscription; whatever ends it, the handler ends (no stuck connection)."""
@@ -227,7 +230,7 @@ class StreamEndpoint:
         except Exception as exc:
             # The handshake cannot be answered: bytes after the upgrade request, say. The
             # peer's doing.
-            log.info("stream: the websocket handshake failed: %s", type(exc).__name__)
+            self.failed_handshakes("stream: the websocket handshake failed: %s", type(exc).__name__)
             with contextlib.suppress(Exception):
                 await send({"type": "websocket.close", "code": 1008})
             return
