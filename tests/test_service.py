@@ -1605,6 +1605,33 @@ async def test_a_websocket_handshake_to_an_http_route_is_404_as_json_serve_49(
             assert json.loads(content) == {"error": "NOT_FOUND"}, (path, answer)
 
 
+async def test_a_request_framed_twice_is_refused_and_closed_serve_62(tmp_path: Path) -> None:
+    """SERVE-62: a request with both ``Transfer-Encoding: chunked`` and ``Content-Length`` (a
+    delivery, ``/healthz``), followed at once by another request, is answered 400 and its
+    connection closed: the request after it is not served and nothing is journaled. h11 read
+    the body as chunked and served the bytes after it as a request of their own, which a proxy
+    going by ``Content-Length`` takes for body (request smuggling)."""
+    async with serving(tmp_path / "data") as service:
+        for head in (
+            b"POST /v1/deliveries HTTP/1.1\r\nAuthorization: Bearer %s\r\n"
+            % service.token.encode(),
+            b"GET /healthz HTTP/1.1\r\n",
+        ):
+            request = (
+                head + b"Host: x\r\nContent-Length: 40\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"2\r\n[]\r\n0\r\n\r\nGET /v1/snapshots/key HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+                await conn.send_all(request)
+                answer = b""
+                with trio.fail_after(CLIENT_TIMEOUT_S):
+                    while chunk := await conn.receive_some():
+                        answer += chunk
+            assert answer.startswith(b"HTTP/1.1 400 "), (head, answer)
+            assert answer.count(b"HTTP/1.1 ") == 1, (head, answer)
+        assert await service.journal() == []
+
+
 async def test_blank_lines_before_a_request_are_ignored_serve_50(tmp_path: Path) -> None:
     """SERVE-50: on a kept-alive connection, a delivery whose body is followed by a CRLF (as
     some clients send), then a second delivery, sent after the first answer or with the CRLF

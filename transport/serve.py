@@ -118,6 +118,10 @@ def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
 hypercorn.trio.run.TCPServer = _ContainedTCPServer  # type: ignore[attr-defined]
 
 
+_FRAMINGS = frozenset({b"transfer-encoding", b"content-length"})
+"""The two headers that each say where a request's body ends."""
+
+
 class _ClosingConnection(h11.Connection):
     """An h11 server connection that skips blank lines before a request, and takes nothing
     more from a client once its request has closed the connection (``Connection: close``, or
@@ -134,6 +138,12 @@ class _ClosingConnection(h11.Connection):
     of a connection waiting for a request free of them), and so is whatever follows a request
     that closed the connection: what arrived with its end is never parsed, later bytes are not
     kept.
+
+    A request with both ``Transfer-Encoding`` and ``Content-Length`` is refused with 400 and its
+    connection closed (RFC 9112, 6.1, allows the refusal, and asks for the close at least). h11
+    read its body as chunked and kept the connection: behind a proxy that goes by
+    ``Content-Length``, the bytes after the chunked body's end were served as a request of
+    their own that the proxy never saw (request smuggling, SERVE-62).
     """
 
     def receive_data(self, data: bytes) -> None:
@@ -152,7 +162,13 @@ class _ClosingConnection(h11.Connection):
         if self.their_state is h11.MUST_CLOSE:
             # The end of the stream, too: hypercorn learns it from the socket (``Closed``).
             return h11.NEED_DATA
-        return super().next_event()
+        event = super().next_event()
+        if isinstance(event, h11.Request) and {name for name, _ in event.headers} >= _FRAMINGS:
+            # hypercorn answers 400 and closes the connection.
+            raise h11.RemoteProtocolError(
+                "Transfer-Encoding and Content-Length", error_status_hint=400
+            )
+        return event
 
     def _skip_blank_lines(self) -> None:
         """Drop the CRs and LFs the buffer starts with, where a request is to start. Done only
