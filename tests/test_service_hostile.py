@@ -15,6 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
+import h2.config
+import h2.connection
+import h2.settings
 import httpx
 import pytest
 from _service_helpers import FOLD_LIMIT_S, POLL_S, write_minute_body
@@ -86,6 +89,26 @@ def wait_folded(client: httpx.Client, auth: dict[str, str]) -> None:
     raise AssertionError("not folded in time")
 
 
+def served_points(tmp_path: Path) -> contextlib.AbstractContextManager[Served]:
+    """:func:`served` over about 20 MB of `/v1/points` lines, folded."""
+    body = tmp_path / "body.json"
+    write_minute_body(body, metrics=4, points=15 * 24 * 60)
+
+    @contextlib.contextmanager
+    def points() -> Iterator[Served]:
+        with served(tmp_path / "data") as service:
+            base = f"http://127.0.0.1:{service.port}"
+            with httpx.Client(base_url=base, timeout=FOLD_LIMIT_S) as client:
+                posted = client.post(
+                    "/v1/deliveries", content=body.read_bytes(), headers=service.auth
+                )
+                assert posted.status_code == 200, posted.text
+                wait_folded(client, service.auth)
+            yield service
+
+    return points()
+
+
 HELD_REQUESTS = 6
 IGNORED_BODY_BYTES = 16 * MiB
 """quart's own limit on a request body it keeps (``MAX_CONTENT_LENGTH``, 16 MiB by default)."""
@@ -98,14 +121,7 @@ def test_a_body_sent_with_a_slowly_read_points_request_is_not_kept_serve_60(
     all of them with a body of 16 MiB that no route reads, and read nothing of the answer THEN
     the service's memory grows by less than 32 MiB while the answers wait. (Before, quart kept
     each body whole for as long as its answer lasted: 96 MiB more for the six.)"""
-    body = tmp_path / "body.json"
-    write_minute_body(body, metrics=4, points=15 * 24 * 60)
-    with served(tmp_path / "data") as service:
-        base = f"http://127.0.0.1:{service.port}"
-        with httpx.Client(base_url=base, timeout=FOLD_LIMIT_S) as client:
-            posted = client.post("/v1/deliveries", content=body.read_bytes(), headers=service.auth)
-            assert posted.status_code == 200, posted.text
-            wait_folded(client, service.auth)
+    with served_points(tmp_path) as service:
         before = service.rss_mib()
         with contextlib.ExitStack() as stack:
             for _ in range(HELD_REQUESTS):
@@ -121,6 +137,42 @@ def test_a_body_sent_with_a_slowly_read_points_request_is_not_kept_serve_60(
             time.sleep(1.0)
             grown_mib = service.rss_mib() - before
     assert grown_mib < 32, grown_mib
+
+
+SHUT_STREAMS = 10
+SHUT_WINDOW_WAIT_S = 5.0
+
+
+def test_points_to_a_peer_with_its_window_shut_are_not_buffered_serve_63(
+    tmp_path: Path,
+) -> None:
+    """SERVE-63: GIVEN about 20 MB of points folded WHEN an h2c peer sets its flow control
+    window to zero and asks `/v1/points` for all of them on ten streams THEN the service's
+    memory grows by less than 48 MiB in the 5 s after. (Before, hypercorn let the app go on
+    sending while the peer took nothing, so that each stream's whole export was built and held:
+    1.4 GiB more within a minute for a hundred streams of 137 MB.)"""
+    with served_points(tmp_path) as service:
+        before = service.rss_mib()
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        peer.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        for _ in range(SHUT_STREAMS):
+            peer.send_headers(
+                peer.get_next_available_stream_id(),
+                [
+                    (":method", "GET"),
+                    (":path", "/v1/points"),
+                    (":scheme", "http"),
+                    (":authority", "127.0.0.1"),
+                    ("authorization", f"Bearer {service.token}"),
+                ],
+                end_stream=True,
+            )
+        with socket.create_connection(("127.0.0.1", service.port)) as conn:
+            conn.sendall(peer.data_to_send())
+            time.sleep(SHUT_WINDOW_WAIT_S)
+            grown_mib = service.rss_mib() - before
+    assert grown_mib < 48, grown_mib
 
 
 UPGRADE_WITH_TRAILING_BYTES = (

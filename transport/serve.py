@@ -27,6 +27,7 @@ from typing import Any
 
 import h11
 import hypercorn.protocol
+import hypercorn.protocol.h2
 import hypercorn.protocol.ws_stream
 import hypercorn.trio.run
 import trio
@@ -213,6 +214,31 @@ class _DeclinedDeflate(PerMessageDeflate):
 
 # hypercorn offers the extensions of a websocket handshake from the name its module imported.
 hypercorn.protocol.ws_stream.PerMessageDeflate = _DeclinedDeflate  # type: ignore[attr-defined]
+
+
+class _BoundedStreamBuffer(hypercorn.protocol.h2.StreamBuffer):
+    """hypercorn's buffer of one HTTP/2 stream's response, which lets the app send more only
+    once what it holds has gone below the low water mark.
+
+    hypercorn let the app go on as soon as it took less than the low water mark out of the
+    buffer, and with the peer's flow control window shut it takes nothing, again and again: a
+    peer that set its window to zero and asked for ``/v1/points`` had the whole export built
+    and held in the service's memory, on each of a connection's 100 streams (SERVE-63).
+    """
+
+    async def pop(self, max_length: int) -> bytes:
+        length = min(len(self.buffer), max_length)
+        data = bytes(self.buffer[:length])
+        del self.buffer[:length]
+        if len(self.buffer) < hypercorn.protocol.h2.BUFFER_LOW_WATER:
+            await self._paused.set()
+        if not self.buffer:
+            await self._is_empty.set()
+        return data
+
+
+# hypercorn's HTTP/2 protocol makes each stream's buffer from the name its module defines.
+hypercorn.protocol.h2.StreamBuffer = _BoundedStreamBuffer  # type: ignore[misc]
 
 
 class _HypercornConfig(HypercornConfig):
