@@ -28,7 +28,9 @@ from typing import Any
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
+import h2.settings
 import h11
 import hpack
 import httpx
@@ -1603,6 +1605,51 @@ async def test_a_websocket_handshake_to_an_http_route_is_404_as_json_serve_49(
             assert head.startswith(b"HTTP/1.1 404 "), (path, answer)
             assert b"content-type: application/json" in head.lower(), (path, answer)
             assert json.loads(content) == {"error": "NOT_FOUND"}, (path, answer)
+
+
+STALLED_STREAM_LIMIT_S = 10.0
+"""How long SERVE-64 waits for the reset of a stream its peer stalls (the limit is 1 s)."""
+
+
+async def test_an_h2_stream_its_peer_stalls_is_reset_serve_64(tmp_path: Path) -> None:
+    """SERVE-64: GIVEN ``stream_send_timeout_s = 1`` and 330 KB of `/v1/points` lines WHEN an
+    h2c peer with its flow control window at zero asks for them THEN the stream is reset
+    (``CANCEL``) once its response has waited that long, and the connection serves a request
+    after it. (Before, the response waited for good, holding its task and a page of points:
+    the kernel drops a stalled HTTP/1.1 connection, but an HTTP/2 peer keeps its connection
+    alive while one stream takes nothing.)"""
+    body = tmp_path / "body.json"
+    write_minute_body(body, metrics=1, points=24 * 60)
+    async with serving(tmp_path / "data", stream_send_timeout_s=1) as service:
+        assert (await service.post(body.read_bytes())).status_code == 200
+        await service.wait_folded()
+        peer = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        peer.initiate_connection()
+        peer.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+        request = [(":method", "GET"), (":scheme", "http"), (":authority", "127.0.0.1")]
+        auth = [("authorization", f"Bearer {service.token}")]
+        peer.send_headers(1, [*request, (":path", "/v1/points"), *auth], end_stream=True)
+        events: list[h2.events.Event] = []
+        async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+            await conn.send_all(peer.data_to_send())
+            with trio.fail_after(STALLED_STREAM_LIMIT_S):
+                while not any(isinstance(e, h2.events.StreamReset) for e in events):
+                    events += peer.receive_data(await conn.receive_some())
+                    await conn.send_all(peer.data_to_send())
+                (reset,) = [e for e in events if isinstance(e, h2.events.StreamReset)]
+                assert (reset.stream_id, reset.error_code) == (1, h2.errors.ErrorCodes.CANCEL)
+                peer.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 65535})
+                peer.send_headers(3, [*request, (":path", "/healthz")], end_stream=True)
+                await conn.send_all(peer.data_to_send())
+                while not any(isinstance(e, h2.events.StreamEnded) for e in events):
+                    events += peer.receive_data(await conn.receive_some())
+                    await conn.send_all(peer.data_to_send())
+        answers = {
+            e.stream_id: dict(e.headers)[b":status"]
+            for e in events
+            if isinstance(e, h2.events.ResponseReceived)
+        }
+        assert answers[3] == b"200", answers
 
 
 async def test_a_request_framed_twice_is_refused_and_closed_serve_62(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ upgrade request).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -25,6 +26,8 @@ import socket
 import sys
 from typing import Any
 
+import h2.errors
+import h2.exceptions
 import h11
 import hypercorn.protocol
 import hypercorn.protocol.h2
@@ -34,6 +37,9 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.events import Event, Updated
+from hypercorn.protocol.events import Body, Data
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
@@ -239,6 +245,38 @@ class _BoundedStreamBuffer(hypercorn.protocol.h2.StreamBuffer):
 
 # hypercorn's HTTP/2 protocol makes each stream's buffer from the name its module defines.
 hypercorn.protocol.h2.StreamBuffer = _BoundedStreamBuffer  # type: ignore[misc]
+
+
+class _StalledStreamsH2Protocol(H2Protocol):
+    """hypercorn's HTTP/2 protocol, which resets a stream whose response has waited
+    ``stalled_send_s`` for its peer to take any of it, as the kernel drops an HTTP/1.1
+    connection that stalls as long (``TCP_USER_TIMEOUT``, :meth:`_HypercornConfig._open_sockets`).
+
+    An HTTP/2 peer can shut one stream's flow control window and keep the connection alive:
+    the kernel sees nothing stalled, and the response waited for good, holding its task and
+    what it had read (a page of `/v1/points`, 0.35 MiB), on each of a connection's 100 streams
+    (SERVE-64). The stream is reset (``CANCEL``) and closed as when the peer resets it: its
+    request is told the client went away.
+    """
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        if not isinstance(event, Body | Data):
+            await super().stream_send(event)
+            return
+        assert isinstance(self.config, _HypercornConfig)
+        with trio.move_on_after(self.config.stalled_send_s) as waiting:
+            await super().stream_send(event)
+        if waiting.cancelled_caught:
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.connection.reset_stream(event.stream_id, h2.errors.ErrorCodes.CANCEL)
+                await self._flush()
+            await self._close_stream(event.stream_id)
+            await self._window_updated(event.stream_id)
+
+
+# hypercorn's protocol wrapper makes each HTTP/2 connection's protocol from the name its module
+# imported (a name it does not export, hence the ignore).
+hypercorn.protocol.H2Protocol = _StalledStreamsH2Protocol  # type: ignore[attr-defined]
 
 
 class _HypercornConfig(HypercornConfig):
