@@ -175,6 +175,40 @@ def test_points_to_a_peer_with_its_window_shut_are_not_buffered_serve_63(
     assert grown_mib < 48, grown_mib
 
 
+IGNORED_CLOSE_BYTES = 48 * MiB
+
+
+def test_a_subscriber_going_on_past_the_message_limit_is_not_buffered_stream_94(
+    tmp_path: Path,
+) -> None:
+    """STREAM-94: WHEN a subscriber with the token sends one text frame of 48 MiB, whole,
+    without answering the close 1009 its first 64 KiB bring THEN the service's memory grows by
+    less than 16 MiB. (Before, hypercorn went on writing the frame into the message's buffer
+    after the limit: 48 MiB more.)"""
+    with served(tmp_path / "data") as service:
+        before = service.rss_mib()
+        with socket.create_connection(("127.0.0.1", service.port)) as conn:
+            conn.settimeout(FOLD_LIMIT_S)
+            conn.sendall(
+                b"GET /v1/stream?after=0 HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer %s\r\n\r\n"
+                % service.token.encode()
+            )
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += conn.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 101 "), answer
+            # FIN, text, masked with the key 0 (which leaves the payload as it is), 64-bit length.
+            head = bytes([0x81, 0x80 | 127]) + IGNORED_CLOSE_BYTES.to_bytes(8, "big") + bytes(4)
+            conn.sendall(head)
+            for _ in range(IGNORED_CLOSE_BYTES // MiB):
+                conn.sendall(b" " * MiB)
+            time.sleep(1.0)
+            grown_mib = service.rss_mib() - before
+    assert grown_mib < 16, grown_mib
+
+
 UPGRADE_WITH_TRAILING_BYTES = (
     b"GET /v1/stream HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
     b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: bKdPyn3u98cTfZJSh4TNeQ==\r\n\r\nx\n"

@@ -34,6 +34,7 @@ import hypercorn.protocol.h2
 import hypercorn.protocol.ws_stream
 import hypercorn.trio.run
 import trio
+import wsproto.events
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.events import Event, Updated
@@ -220,6 +221,26 @@ class _DeclinedDeflate(PerMessageDeflate):
 
 # hypercorn offers the extensions of a websocket handshake from the name its module imported.
 hypercorn.protocol.ws_stream.PerMessageDeflate = _DeclinedDeflate  # type: ignore[attr-defined]
+
+
+class _CappedWebsocketBuffer(hypercorn.protocol.ws_stream.WebsocketBuffer):
+    """hypercorn's buffer of a websocket message coming in, which keeps nothing beyond its
+    limit (``MAX_CLIENT_MESSAGE_BYTES``).
+
+    hypercorn wrote each piece of a message into the buffer before it checked the limit, and
+    kept the buffer: past the limit it sent close 1009 and went on writing whatever the peer
+    sent after it, into a buffer no one would read. A subscriber that did not answer the close
+    grew the service's memory for as long as it went on sending (STREAM-94).
+    """
+
+    def extend(self, event: wsproto.events.Message[Any]) -> None:
+        if self.length + len(event.data) > self.max_length:
+            raise hypercorn.protocol.ws_stream.FrameTooLargeError
+        super().extend(event)
+
+
+# hypercorn makes each websocket's message buffer from the name its module defines.
+hypercorn.protocol.ws_stream.WebsocketBuffer = _CappedWebsocketBuffer  # type: ignore[misc]
 
 
 class _BoundedStreamBuffer(hypercorn.protocol.h2.StreamBuffer):
