@@ -13,6 +13,7 @@ import select
 import signal
 import socket
 import sqlite3
+import stat
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from _runtime_helpers import alive, children_of, lease_row
 
 from healthlog.cli import build_parser
 from healthlog.config import load_serve_config
+from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
 
 if TYPE_CHECKING:
@@ -1154,3 +1156,35 @@ def test_a_token_that_cannot_be_shown_is_not_kept_cli_58(run_cli: RunCli, tmp_pa
     again = run_cli("token", "add", "phone", "--data", data)
     assert again.code == 0
     assert again.out.decode().startswith("hl_")
+
+
+def test_the_data_directory_s_files_are_readable_by_its_user_alone_store_62(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-62: under the usual umask 022, every file healthlog makes in a new data directory
+    (the journal, the store, the tokens, their ``-wal`` and ``-shm`` files, a store swapped in
+    by ``reindex``, a snapshot file, the signing key) is its user's alone, mode 0600."""
+    data = DataDir(tmp_path / "data")
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    previous = os.umask(0o022)
+    try:
+        assert run_cli("token", "add", "phone", "--data", data.path).code == 0
+        assert run_cli("import", "--aggregation", "minutes", "--data", data.path, hr).code == 0
+        assert run_cli("reindex", "--data", data.path).code == 0
+        with data.open_journal() as journal, data.open_store() as store, data.open_tokens():
+            snapshot_files.build(
+                data.snapshot_dir, journal, store, data.signing_key(), "/v1/snapshots"
+            )
+            modes = {
+                path.relative_to(data.path).as_posix(): stat.S_IMODE(path.stat().st_mode)
+                for path in data.path.rglob("*")
+                if path.is_file()
+            }
+    finally:
+        os.umask(previous)
+    names = {name.rsplit("/", 1)[-1] for name in modes}
+    assert {"journal.sqlite-wal", "store.sqlite-shm", "tokens.sqlite", "signing.key"} <= names
+    assert any(name.endswith(".snap") for name in names)
+    assert {name: oct(mode) for name, mode in modes.items() if mode & 0o077} == {}

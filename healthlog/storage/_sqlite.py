@@ -98,6 +98,7 @@ def connect(
     page_size: int | None = None,
     journal_mode: str = "WAL",
     immutable: bool = False,
+    private: bool = True,
 ) -> sqlite3.Connection:
     """Open ``path`` with healthlog's settings.
 
@@ -111,10 +112,13 @@ def connect(
     ``journal_mode`` is only for a file thrown away when anything fails (a rebuild's scratch
     file). The connection may be used from any thread (``check_same_thread=False``): callers
     guard it with a lock. SQL on it may call ``now_us()``, healthlog's wall clock
-    (:func:`healthlog.clock.now_us`), which a migration stamps rows with.
+    (:func:`healthlog.clock.now_us`), which a migration stamps rows with. A file it creates is
+    ``private`` (:func:`_create_private`) unless told otherwise.
     """
     if busy_timeout_ms < 0:
         raise ValueError("busy_timeout_ms must not be negative")
+    if private and create and not readonly:
+        _create_private(path)
     try:
         if readonly or not create:
             uri = Path(path).resolve().as_uri() + ("?mode=ro" if readonly else "?mode=rw")
@@ -157,6 +161,16 @@ def connect(
             raise _opening(classify(exc), path) from exc
         raise
     return conn
+
+
+def _create_private(path: str | os.PathLike[str]) -> None:
+    """Make ``path`` an empty file of mode 0600 unless something is there, for SQLite to take as
+    a new database: SQLite creates one readable by every user under the usual umask 022, and
+    gives its ``-wal`` and ``-shm`` files the database file's mode, so health data would be
+    readable by every account of the machine (STORE-62). A file that cannot be made here is
+    left to SQLite, which says why as it always did."""
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def check_intact(conn: sqlite3.Connection, path: str | os.PathLike[str], remedy: str) -> None:
@@ -419,6 +433,8 @@ class Database:
     MIGRATIONS: Sequence[str] = ()
     PAGE_SIZE: int | None = None
     JOURNAL_MODE = "WAL"
+    PRIVATE = True
+    """Whether a file this makes is its user's alone (:func:`connect`)."""
     DAMAGED: str | None = None
     """What the user can do about a damaged file, for a subclass whose damage :meth:`check_intact`
     (and a damaged file met opening it) says so of."""
@@ -457,6 +473,7 @@ class Database:
             busy_timeout_ms=self._busy_timeout_ms,
             page_size=self.PAGE_SIZE,
             journal_mode=self.JOURNAL_MODE,
+            private=self.PRIVATE,
         )
         if not self._durable:
             try:

@@ -94,6 +94,8 @@ class Replica(_objects.ObjectDatabase):
     # An object row (a gzip body of a few KB) spills into an overflow page of its own with
     # 4 KiB pages: 16 KiB pages keep it in its leaf, a third of the file and of the writes.
     PAGE_SIZE = 16 * 2**10
+    PRIVATE = False
+    """As the umask says: ``export --replica`` may read it as another user than ``follow``'s."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ def build(
             seq = head.seq
             path = _path(directory, stream, seq)
             tmp = path.with_suffix(".tmp")
-            with _removed_on_failure(tmp), open(tmp, "wb") as out:
+            with _removed_on_failure(tmp), _private(tmp) as out:
                 digest = snapshots.write(
                     out, head.objects, count=head.count, instance=instance, stream=stream, seq=seq
                 )
@@ -107,6 +107,12 @@ def _locked(directory: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _private(path: Path) -> BinaryIO:
+    """``path`` opened for writing, made mode 0600 if new: a snapshot holds every object
+    (STORE-62)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
 
 
 @contextlib.contextmanager
