@@ -26,6 +26,7 @@ from healthlog.config import ServeConfig
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
 from healthlog.storage.passes import Budget, check_before_folding
+from healthlog.storage.rebuild import remove_stale_scratch
 from healthlog.storage.store import Store, default_holder
 
 T = TypeVar("T")
@@ -174,6 +175,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         # In a thread: the checks read every page of both files, seconds for gigabytes on a
         # NAS's disk, and a signal is heard meanwhile.
         await trio.to_thread.run_sync(check_before_folding, journal, store)
+        await trio.to_thread.run_sync(remove_stale_scratch, data.path)
         journal_limiter = trio.CapacityLimiter(1)
         store_limiter = trio.CapacityLimiter(1)
         submit_send, submit_receive = trio.open_memory_channel[Submission](SUBMISSION_BUFFER)

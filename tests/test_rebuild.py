@@ -23,15 +23,17 @@ from unittest import mock
 import attrs
 import orjson
 import pytest
+import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from _bodies import stamp as minute_stamp
 from _disk import DISK_ERROR, files_limited_to
 from _hostile_corpus import corpus
-from _runtime_helpers import alive, children_of
+from _runtime_helpers import alive, children_of, config
 from _summaries import summaries
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.runtime import open_runtime
 from healthlog import faults, objects
 from healthlog.fold import DeliveryFold
 from healthlog.folding import FoldPass, OutcomeClass
@@ -987,6 +989,30 @@ def test_a_killed_rebuild_leaves_no_worker_and_its_scratch_goes_store_29(tmp_pat
         done = subprocess.run(command, capture_output=True, check=False, timeout=120)
         assert done.returncode == 0, done.stderr
     assert list(data.path.glob(".rebuild-*")) == [busy]
+
+
+def test_a_starting_service_removes_what_a_killed_rebuild_left_store_63(tmp_path: Path) -> None:
+    """STORE-63: the scratch directory of a rebuild that was killed (its lock gone with its
+    process) is removed when a runtime (``serve``, ``import``, ``seal``) opens the data
+    directory, not only by the next reindex; that of a rebuild still running is kept."""
+    data = DataDir(tmp_path / "data")
+    with data.open_journal(), data.open_store():
+        pass
+    stale = data.path / f"{rebuild.SCRATCH_PREFIX}stale"
+    stale.mkdir()
+    (stale / rebuild.SCRATCH_OWNER).touch()
+    (stale / "store.sqlite").write_bytes(bytes(2**20))
+    busy = data.path / f"{rebuild.SCRATCH_PREFIX}busy"
+    busy.mkdir()
+
+    async def start_and_stop() -> None:
+        async with open_runtime(config(data.path)):
+            pass
+
+    with open(busy / rebuild.SCRATCH_OWNER, "wb") as owner:
+        fcntl.flock(owner, fcntl.LOCK_EX)
+        trio.run(start_and_stop)
+    assert list(data.path.glob(f"{rebuild.SCRATCH_PREFIX}*")) == [busy]
 
 
 def test_a_rebuild_stopped_with_its_process_group_exits_143_store_30(tmp_path: Path) -> None:

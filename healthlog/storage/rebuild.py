@@ -172,7 +172,7 @@ def rebuild_into(
 def _scratch(near: Path) -> Iterator[Path]:
     """A scratch store in a directory of its own next to ``near``, locked while in use; what
     killed rebuilds left there is removed first."""
-    _remove_stale_scratch(near.parent)
+    remove_stale_scratch(near.parent)
     with (
         tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=near.parent) as tmp,
         open(Path(tmp) / f"{SCRATCH_OWNER}.new", "wb") as owner,
@@ -183,9 +183,11 @@ def _scratch(near: Path) -> Iterator[Path]:
         yield Path(tmp) / "store.sqlite"
 
 
-def _remove_stale_scratch(directory: Path) -> None:
+def remove_stale_scratch(directory: Path) -> None:
     """Remove the scratch directories of rebuilds that were killed: their lock died with their
-    process. One without a lock file is another's only for a moment after it is made."""
+    process. One without a lock file is another's only for a moment after it is made. The next
+    rebuild calls it, and so does a runtime as it opens (STORE-63): a scratch directory holds
+    a second store, and with nobody reindexing it would take that room for good."""
     for scratch in directory.glob(f"{SCRATCH_PREFIX}*"):
         if not _in_use(scratch):
             shutil.rmtree(scratch, ignore_errors=True)
