@@ -10,12 +10,14 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import sqlite3
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -1188,3 +1190,56 @@ def test_the_data_directory_s_files_are_readable_by_its_user_alone_store_62(
     assert {"journal.sqlite-wal", "store.sqlite-shm", "tokens.sqlite", "signing.key"} <= names
     assert any(name.endswith(".snap") for name in names)
     assert {name: oct(mode) for name, mode in modes.items() if mode & 0o077} == {}
+
+
+def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(
+    run_cli: RunCli,
+) -> None:
+    """CLI-90: a command run as a user that may not write the data directory's files (another
+    user's, or read-only) exits 3 with one line naming the file, the user, the file's owner and
+    mode, and what to do (`sudo -u OWNER`, `chown -R`); reading commands too, since every
+    command opens the databases to write. As root, whom modes do not stop, the commands run as
+    user 65534; otherwise the files are made read-only."""
+    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
+    with tempfile.TemporaryDirectory(prefix="healthlog-cli-90-") as base:
+        home = Path(base)
+        home.chmod(0o755)
+        data = home / "data"
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+        assert run_cli("token", "add", "phone", "--data", data).code == 0
+        assert run_cli("status", "--data", data).code == 0
+        files = list(data.iterdir())
+        as_another: list[str] = []
+        if os.geteuid() == 0:
+            setpriv = shutil.which("setpriv")
+            if setpriv is None:
+                pytest.skip("root is stopped by no mode, and setpriv is missing")
+            as_another = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+        else:
+            for path in files:
+                path.chmod(0o400)
+            data.chmod(0o555)
+        try:
+            for args in (("export",), ("status",), ("status", "--failed"), ("token", "list")):
+                done = subprocess.run(
+                    [*as_another, *healthlog(*args, "--data", data)],
+                    capture_output=True,
+                    timeout=LIMIT_S,
+                    check=False,
+                    cwd=home,
+                )
+                err = done.stderr.decode()
+                assert done.returncode == 3, (args, err)
+                one_line_error(err, " may not ")
+                assert re.search(r"\(it is \S+'s, mode 0[0-7]{3}\)", err), err
+                assert "as the user it belongs to (`sudo -u " in err, err
+                user = re.search(r"user (\S+) may not", err)
+                assert user is not None, err
+                assert f"(`chown -R {user.group(1)}: {data} && chmod -R u+rwX {data}`)" in err, err
+        finally:
+            data.chmod(0o755)
+            for path in files:
+                path.chmod(0o600)

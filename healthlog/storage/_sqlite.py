@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pwd
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -41,6 +43,7 @@ WAL_SIZE_LIMIT = 16 * 2**20
 SQLite checkpoints by itself (1000 pages: 4 MiB at 4 KiB pages, 16 MiB at the replica's 16 KiB),
 so ordinary writing never cuts and regrows it."""
 
+_SQLITE_PERM = 3
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
 # Extended code 8 alone: the connection is read-only. Not its other forms (a file moved or
@@ -50,7 +53,11 @@ _SQLITE_READONLY = 8
 _SQLITE_IOERR = 10
 _SQLITE_CORRUPT = 11
 _SQLITE_FULL = 13
+_SQLITE_CANTOPEN = 14
 _SQLITE_NOTADB = 26
+_NOT_PERMITTED = frozenset({_SQLITE_PERM, _SQLITE_READONLY, _SQLITE_CANTOPEN})
+"""What SQLite says when the file, or the directory where its ``-wal`` and ``-shm`` files go,
+is one this user may not write: a file another user made, or a read-only mode."""
 FULL_BELOW_BYTES = 1 << 20
 """A file that cannot be opened for a disk error (SQLite says ``disk I/O error`` when it cannot
 size the ``-shm`` file beside a database, SQLITE_IOERR_SHMSIZE) while its file system has less
@@ -214,6 +221,8 @@ def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     """``error``, naming the file that could not be opened (a data directory has several),
     and saying that the disk is full when a disk error met a full one."""
     cause = ""
+    if error.code is not None and error.code & 0xFF in _NOT_PERMITTED:
+        cause = not_permitted(path)
     if error.code is not None and error.code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL):
         try:
             stats = os.statvfs(Path(path).parent)
@@ -227,6 +236,44 @@ def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     opening.kind = error.kind
     opening.file = os.path.basename(path)
     return opening
+
+
+def not_permitted(path: str | os.PathLike[str]) -> str:
+    """Why this process's user may not use the data directory's file ``path`` (read and write
+    it, or make the ``-wal`` and ``-shm`` files beside it), as a clause for an error line, with
+    what to do; empty when nothing stops it.
+
+    Every healthlog command opens its databases to write (SQLite makes a reader's ``-shm``
+    file too), so a data directory belongs to one user, the service's: another user met
+    ``unable to open database file``, or for a mere ``export`` ``attempt to write a readonly
+    database``, which named no cause (CLI-90)."""
+    file = Path(path)
+    for what, candidate, needed in (
+        ("read and write", file, os.R_OK | os.W_OK),
+        ("make files in", file.parent, os.W_OK | os.X_OK),
+    ):
+        if os.access(candidate, needed):
+            continue
+        try:
+            stats = candidate.stat()
+        except OSError:
+            continue
+        user, owner = _user_name(os.geteuid()), _user_name(stats.st_uid)
+        return (
+            f": user {user} may not {what} {candidate} (it is {owner}'s, mode"
+            f" {stat.S_IMODE(stats.st_mode):04o}); run every healthlog command on"
+            f" {file.parent} as the user it belongs to (`sudo -u {owner} healthlog ...`),"
+            f" or make it {user}'s to read and write"
+            f" (`chown -R {user}: {file.parent} && chmod -R u+rwX {file.parent}`)"
+        )
+    return ""
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def classify(exc: sqlite3.Error) -> StorageError:

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from healthlog.snapshots import public_key_text
-from healthlog.storage._sqlite import StorageError, describe
+from healthlog.storage._sqlite import StorageError, describe, not_permitted
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import Tokens
@@ -88,13 +88,22 @@ class DataDir:
         path = self.path / SIGNING_KEY_FILE
         try:
             made = not path.exists() and self._create_signing_key(path)
+            pem = path.read_bytes()
+        except PermissionError as exc:
+            raise StorageError(
+                f"cannot {'read' if path.exists() else 'make'} {path}: {exc.strerror}"
+                f"{not_permitted(path)}"
+            ) from None
         except OSError as exc:
             # A write's error names no file (a full disk: ``[Errno 28] No space left on
             # device``), a temporary file's names that file: say which key it was.
             reason = exc.strerror or type(exc).__name__
-            raise StorageError(f"cannot make the snapshot signing key: {reason} ({path})") from None
+            doing = "read" if path.exists() else "make"
+            raise StorageError(
+                f"cannot {doing} the snapshot signing key: {reason} ({path})"
+            ) from None
         try:
-            key = load_pem_private_key(path.read_bytes(), password=None)
+            key = load_pem_private_key(pem, password=None)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
             raise StorageError(
                 f"{path} is not a readable private key ({type(exc).__name__}): restore it from"
