@@ -26,7 +26,7 @@ import pytest
 import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from _bodies import stamp as minute_stamp
-from _disk import DISK_ERROR, files_limited_to
+from _disk import DISK_ERROR, files_limited_to, in_full_file_system
 from _hostile_corpus import corpus
 from _runtime_helpers import alive, children_of, config
 from _summaries import summaries
@@ -1146,3 +1146,49 @@ def test_a_swap_the_disk_cannot_hold_names_the_error_and_the_next_goes_through_s
     assert rows(store.path) == before
     assert store.swap_in(tmp_path / "fresh.sqlite", epoch) == 6000
     assert len(rows(store.path)["objects"]) == 6000
+
+
+@pytest.mark.parametrize("room", [150_000, 300_000])
+def test_a_rebuild_the_disk_cannot_hold_says_so_store_64(tmp_path: Path, room: int) -> None:
+    """STORE-64: on a real file system (a 1 MiB tmpfs) left with too little room for a second
+    store, `healthlog reindex` and `healthlog verify` each exit 3 with one line saying that the
+    disk is full, how much is free, and that a rebuild needs room for a second store beside
+    ``store.sqlite`` (its size), and leave no scratch directory; with the room back, both
+    exit 0. With less room the scratch store cannot be made (SQLite's ``database or disk is
+    full``), with more a fold into it fails (``delivery 1 could not be rebuilt
+    (unwritten)``): both are said so."""
+    payload = tmp_path / "body.json"
+    payload.write_bytes(
+        body({f"m{n}": [point(m, n + m / 7) for m in range(1200)] for n in range(4)})
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        'cd "$1" || exit 98\n'
+        '"$PY" -m healthlog.cli import --aggregation minutes --data data "$2" 2> /dev/null'
+        " || exit 98\n"
+        "free=$(df -B1 --output=avail . | tail -1)\n"
+        "head -c $((free - ROOM)) /dev/zero > fill\n"
+        "for command in reindex verify; do\n"
+        '  "$PY" -m healthlog.cli $command --data data 2> "$3"\n'
+        '  echo "$command exit $?" >&2\n'
+        '  grep -v ": [0-9]*/[0-9]*$" "$3" >&2\n'
+        "  echo \"scratch $(ls -a data | grep -c '^\\.rebuild-')\" >&2\n"
+        "done\n"
+        "rm fill\n"
+        "for command in reindex verify; do\n"
+        '  "$PY" -m healthlog.cli $command --data data > /dev/null 2>&1\n'
+        '  echo "$command afterwards exit $?" >&2\n'
+        "done\n"
+    ).replace("ROOM", str(room))
+    stderr = in_full_file_system(script, point_dir, payload, tmp_path / "err")
+    said = (
+        r"healthlog: the disk is full \([0-9,]+ bytes free in \S+/data\): a rebuild writes a"
+        r" second store beside store\.sqlite \([0-9,]+ bytes\) until it is done; free at least"
+        r" that much and run it again \(nothing was changed\)"
+    )
+    for command in ("reindex", "verify"):
+        assert re.search(
+            rf"^{command} exit 3\n(time=.*\n)*{said}\nscratch 0\n", stderr, re.MULTILINE
+        ), stderr
+        assert f"{command} afterwards exit 0\n" in stderr, stderr

@@ -27,7 +27,14 @@ from healthlog import clock, objects
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage import _partition
-from healthlog.storage._sqlite import StorageError, connect, read_transaction
+from healthlog.storage._sqlite import (
+    FULL_BELOW_BYTES,
+    Deferred,
+    StorageError,
+    connect,
+    is_damage,
+    read_transaction,
+)
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
 from healthlog.storage.store import Store
@@ -66,6 +73,10 @@ _DIFFERENCES = (
 
 class RebuildError(Exception):
     """A rebuild could not fold every delivery it was asked to."""
+
+
+class RebuildUnwritten(RebuildError):
+    """A rebuild whose writes into its scratch store failed (a full disk, a failing one)."""
 
 
 @attrs.frozen
@@ -140,7 +151,12 @@ def rebuild_into(
             else:
                 report = target.fold(journal, meta, epoch, guard=False)
             if report.outcome_class is not OutcomeClass.DONE:
-                raise RebuildError(
+                error = (
+                    RebuildUnwritten
+                    if report.outcome_class is OutcomeClass.UNWRITTEN
+                    else RebuildError
+                )
+                raise error(
                     f"delivery {meta.id} could not be rebuilt ({report.outcome_class.value})"
                 )
 
@@ -161,7 +177,7 @@ def rebuild_into(
             except _partition.PartitionFailed as exc:
                 log.warning("partitioned rebuild broke (%s); rebuilding in one process", exc)
             except (StorageError, BrokenProcessPool) as exc:
-                raise RebuildError(f"partitioned rebuild failed: {exc}") from exc
+                raise RebuildUnwritten(f"partitioned rebuild failed: {exc}") from exc
         for done, meta in enumerate(queue, start=1):
             fold(meta)
             if progress is not None:
@@ -180,7 +196,35 @@ def _scratch(near: Path) -> Iterator[Path]:
         # Locked before it takes its name, so that no rebuild ever finds it unlocked.
         fcntl.flock(owner, fcntl.LOCK_EX)
         os.replace(Path(tmp) / f"{SCRATCH_OWNER}.new", Path(tmp) / SCRATCH_OWNER)
-        yield Path(tmp) / "store.sqlite"
+        try:
+            yield Path(tmp) / "store.sqlite"
+        except (StorageError, RebuildUnwritten) as exc:
+            if isinstance(exc, Deferred) or (isinstance(exc, StorageError) and is_damage(exc)):
+                raise
+            no_room = _no_room(Path(tmp), near)
+            if no_room is None:
+                raise
+            raise no_room from exc
+
+
+def _no_room(scratch: Path, near: Path) -> RebuildError | None:
+    """The error of a rebuild into ``scratch`` that failed for want of room, measured while
+    the scratch directory still holds what it wrote (STORE-64); None when there is room.
+    SQLite's own line named neither the file nor the cause (``database error: database or
+    disk is full``, ``delivery 1 could not be rebuilt (unwritten)``)."""
+    try:
+        stats = os.statvfs(scratch)
+        size = near.stat().st_size
+    except OSError:
+        return None
+    free = stats.f_bavail * stats.f_frsize
+    if free >= FULL_BELOW_BYTES:
+        return None
+    return RebuildError(
+        f"the disk is full ({free:,} bytes free in {near.parent}): a rebuild writes a second"
+        f" store beside {near.name} ({size:,} bytes) until it is done; free at least that much"
+        " and run it again (nothing was changed)"
+    )
 
 
 def remove_stale_scratch(directory: Path) -> None:
