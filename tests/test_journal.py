@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import random
 import sqlite3
 import threading
@@ -34,6 +35,7 @@ from healthlog.storage.journal import (
 from healthlog.storage.replica import Replica
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import Tokens
+from healthlog.timestamps import format_instant
 from healthlog.workload import big_body, encode
 
 
@@ -841,3 +843,40 @@ def test_counting_reads_only_the_deliveries_journaled_since_journal_35(path: Pat
         older.replace(path)
         journal._reopen()
         assert journal.count() == (300, sum(map(len, bodies[:300])))
+
+
+def test_a_clock_set_back_behind_the_last_stamp_is_said_once_journal_44(
+    path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """JOURNAL-44: a clock more than a minute behind the last live stamp (a NAS that booted
+    with its clock ahead, then NTP set it back) is said in one WARNING with both instants and
+    what it means; not again while the stamps stay clamped, again once the clock has caught up
+    and falls behind anew; a step back of less than a minute says nothing."""
+    hour = 3_600_000_000
+    base = 1_764_576_000_000_000
+    readings = (
+        base,
+        base - 3 * hour,
+        base - 3 * hour + 1,
+        base + 1,
+        base - 30_000_000,
+        base - hour,
+    )
+    caplog.set_level(logging.INFO, "healthlog")
+    with Journal(path, clock=clock_of(*readings)) as journal:
+        stamps = [journal.append(delivery()).received_at for _ in readings]
+    assert stamps == [base, base, base, base + 1, base + 1, base + 1]
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("healthlog")]
+    assert said == [
+        f"the clock reads {format_instant(base - 3 * hour)}, 10,800 s behind the journal's last"
+        f" stamp {format_instant(base)} (was it ahead, and set back since?): live deliveries"
+        " are stamped with that instant until the clock passes it, and their lag reads 0"
+        " meanwhile",
+        f"the clock reads {format_instant(base - hour)}, 3,600 s behind the journal's last"
+        f" stamp {format_instant(base + 1)} (was it ahead, and set back since?): live"
+        " deliveries are stamped with that instant until the clock passes it, and their lag"
+        " reads 0 meanwhile",
+    ]
+    assert all(
+        r.levelno == logging.WARNING for r in caplog.records if r.name.startswith("healthlog")
+    )

@@ -41,6 +41,7 @@ from healthlog.storage._sqlite import (
     reopened,
     write_transaction,
 )
+from healthlog.timestamps import format_instant
 
 __all__ = [
     "BodyEncoder",
@@ -55,6 +56,9 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+
+CLOCK_BEHIND_US: Final = 60_000_000
+"""How far behind the last live stamp the clock may read unsaid (an NTP step of seconds)."""
 
 _IDENTITY: Final = "identity"
 _ZLIB: Final = "zlib"
@@ -352,6 +356,9 @@ class Journal:
         self._stats = JournalStatistics()
         self._counted = (0, 0, 0)
         """The last delivery id :meth:`_count` counted, the deliveries and their raw bytes."""
+        self._clock_behind = False
+        """Whether the clock was last seen more than :data:`CLOCK_BEHIND_US` behind the last
+        live stamp (said once: JOURNAL-44)."""
         self._conn = connect(path, create=create, busy_timeout_ms=busy_timeout_ms)
         try:
             migrate(self._conn, _MIGRATIONS)
@@ -607,6 +614,25 @@ class Journal:
             digest = content_digest(raw, encoded.sha256)
         return _Prepared(delivery, encoded, digest)
 
+    def _note_clock(self, reading: int, last: int) -> None:
+        """Say once (JOURNAL-44) that the clock reads more than a minute behind the last live
+        stamp, which live deliveries then take (stamps never decrease): a NAS that booted with
+        its clock ahead and had it set back by NTP stamps everything with the instant it
+        reached until the clock passes it, and the lag of what waits reads 0, with nothing
+        else to say why."""
+        if reading >= last:
+            self._clock_behind = False
+        elif last - reading > CLOCK_BEHIND_US and not self._clock_behind:
+            self._clock_behind = True
+            _log.warning(
+                "the clock reads %s, %s s behind the journal's last stamp %s (was it ahead, and"
+                " set back since?): live deliveries are stamped with that instant until the"
+                " clock passes it, and their lag reads 0 meanwhile",
+                format_instant(reading),
+                f"{(last - reading) // 1_000_000:,}",
+                format_instant(last),
+            )
+
     def _append_locked(
         self, conn: sqlite3.Connection, prepared: list[_Prepared]
     ) -> list[Receipt | IdempotencyCollision]:
@@ -621,7 +647,9 @@ class Journal:
                     results.append(earlier)
                     continue
             if delivery.received_at is None:
-                received_at = max(self._clock(), last)
+                reading = self._clock()
+                self._note_clock(reading, last)
+                received_at = max(reading, last)
                 last = received_at
             else:
                 received_at = delivery.received_at
