@@ -19,10 +19,19 @@ a second for as long as it lasts."""
 ACCEPT_LOG_PERIOD_S = 60.0
 
 
-class KeyValueFormatter(logging.Formatter):
+class _UtcFormatter(logging.Formatter):
+    """Record times in UTC with a ``Z``, as every instant healthlog writes (TIME-18): in the
+    zone of ``TZ`` and without an offset, they could not be set beside a ``received_at``, and
+    the hour repeated at the end of daylight saving time read the same twice."""
+
+    def utc_time(self, record: logging.LogRecord) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))
+
+
+class KeyValueFormatter(_UtcFormatter):
     def format(self, record: logging.LogRecord) -> str:
         line = (
-            f"time={self.formatTime(record, '%Y-%m-%dT%H:%M:%S')} level={record.levelname}"
+            f"time={self.utc_time(record)} level={record.levelname}"
             f" logger={record.name} msg={orjson.dumps(record.getMessage()).decode()}"
         )
         if record.exc_info and record.levelno <= logging.DEBUG:
@@ -30,10 +39,10 @@ class KeyValueFormatter(logging.Formatter):
         return line
 
 
-class JsonFormatter(logging.Formatter):
+class JsonFormatter(_UtcFormatter):
     def format(self, record: logging.LogRecord) -> str:
         document = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
+            "time": self.utc_time(record),
             "level": record.levelname,
             "logger": record.name,
             "msg": record.getMessage(),

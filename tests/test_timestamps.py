@@ -1,12 +1,15 @@
 """Tests for healthlog.timestamps; scenario ids refer to specs/timestamps.md."""
 
+import logging
 import re
+import time
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from healthlog.logs import JsonFormatter, KeyValueFormatter
 from healthlog.points import instant_of
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
 
@@ -443,3 +446,28 @@ def test_time_17_fast_path_at_the_ends_of_the_range(value: str) -> None:
 def test_time_17_fast_path_refuses_what_parse_instant_refuses(value: object) -> None:
     """TIME-17: leap seconds, minute 60 and non-strings are refused on the fast path too."""
     assert _fast(value) == _both(value) == ("refused", None)
+
+
+@pytest.mark.parametrize("formatter", [KeyValueFormatter(), JsonFormatter()])
+def test_log_times_are_utc_whatever_the_zone_time_18(
+    formatter: logging.Formatter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TIME-18: a log record's time is UTC with a ``Z``, as every other instant healthlog
+    writes, whatever ``TZ`` says: two records an hour apart across the end of daylight saving
+    time in New York (05:30Z and 06:30Z, both 01:30 local) keep their order and their hour."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        lines = []
+        for created in (1_730_611_800.0, 1_730_615_400.0):
+            record = logging.LogRecord("healthlog.test", logging.INFO, __file__, 1, "x", (), None)
+            record.created = created
+            lines.append(formatter.format(record))
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    stamps = [re.search(r'time"?[=:]"?([0-9T:Z-]+)', line) for line in lines]
+    assert [m.group(1) if m else line for m, line in zip(stamps, lines, strict=True)] == [
+        "2024-11-03T05:30:00Z",
+        "2024-11-03T06:30:00Z",
+    ]
