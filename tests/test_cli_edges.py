@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from _cli_bodies import body, metric, point, write
-from _disk import files_limited_to, unwritable
+from _disk import files_limited_to, in_full_file_system, unwritable
 from _runtime_helpers import alive, children_of, lease_row
 
 from healthlog.cli import build_parser
@@ -1243,3 +1243,34 @@ def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(
             data.chmod(0o755)
             for path in files:
                 path.chmod(0o600)
+
+
+def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path: Path) -> None:
+    """CLI-91: on a file system mounted read-only (as the kernel remounts one after disk
+    errors), `export` and `status` exit 3 with one line saying that the file system is mounted
+    read-only, not that the user may not write the file (root may not either) nor whose it is."""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -m healthlog.cli status --data "$1/data" > /dev/null || exit 97\n'
+        'mount -o remount,ro "$1" || exit 96\n'
+        "for command in export status; do\n"
+        '  "$PY" -m healthlog.cli $command --data "$1/data" > /dev/null\n'
+        '  echo "$command exit $?" >&2\n'
+        "done\n"
+    )
+    stderr = in_full_file_system(script, point_dir, payload)
+    for command, file in (("export", "store.sqlite"), ("status", "journal.sqlite")):
+        assert re.search(
+            rf"^healthlog: database error: unable to open database file: the file system of"
+            rf" \S+/data is mounted read-only \(as the kernel remounts one after disk errors:"
+            rf" see `dmesg`\), and every healthlog command writes there, export and status too"
+            rf" \(\S+/data/{re.escape(file)}\)\n{command} exit 3$",
+            stderr,
+            re.MULTILINE,
+        ), stderr

@@ -248,6 +248,17 @@ def not_permitted(path: str | os.PathLike[str]) -> str:
     ``unable to open database file``, or for a mere ``export`` ``attempt to write a readonly
     database``, which named no cause (CLI-90)."""
     file = Path(path)
+    try:
+        read_only = bool(os.statvfs(file.parent).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        # Where no user may write, whose the files are is beside the point (CLI-91).
+        return (
+            f": the file system of {file.parent} is mounted read-only (as the kernel remounts"
+            " one after disk errors: see `dmesg`), and every healthlog command writes there,"
+            " export and status too"
+        )
     for what, candidate, needed in (
         ("read and write", file, os.R_OK | os.W_OK),
         ("make files in", file.parent, os.W_OK | os.X_OK),
