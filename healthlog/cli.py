@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import logging
 import math
@@ -68,6 +69,7 @@ from healthlog.timestamps import (
 if TYPE_CHECKING:
     from actors.runtime import Runtime
 
+log = logging.getLogger("healthlog.cli")
 IMPORT_CLIENT = "cli:import"
 T = TypeVar("T")
 INTERRUPTED = 128 + signal.SIGINT
@@ -376,14 +378,29 @@ async def _serve(data: DataDir, config: ServeConfig) -> None:
 
     async with trio.open_nursery() as nursery:
         url = await nursery.start(serve, data, config)
-        print(f"healthlog serving on {url} (data in {data.path})", flush=True)
+        _announce(f"healthlog serving on {url} (data in {data.path})")
         with data.open_tokens() as tokens:
             if not tokens.list():
-                print(
+                _announce(
                     f"no client token yet: create one with `healthlog token add NAME --data"
-                    f" {data.path}` and send it as `Authorization: Bearer TOKEN`",
-                    flush=True,
+                    f" {data.path}` and send it as `Authorization: Bearer TOKEN`"
                 )
+
+
+def _announce(line: str) -> None:
+    """One of ``serve``'s own lines on stdout. One that cannot be written (a reader gone, as
+    after ``healthlog serve | head -1``; a full disk behind ``>> healthlog.log``) is logged at
+    WARNING instead and stdout pointed at /dev/null: the service serves whether or not anyone
+    reads it, where the write's error stopped it (exit 3) a second after it began (CLI-92)."""
+    try:
+        print(line, flush=True)
+    except OSError as exc:
+        _quiet_stdout()
+        log.warning(
+            "stdout cannot be written (%s), serving on: %s",
+            errno.errorcode.get(exc.errno or 0, type(exc).__name__),
+            line,
+        )
 
 
 def cmd_token(args: argparse.Namespace, data: DataDir) -> int:

@@ -5,6 +5,7 @@ CLI-49, CLI-51 to CLI-54, CLI-57, CLI-58). Most commands run as a real process."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -1274,3 +1275,64 @@ def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path:
             stderr,
             re.MULTILINE,
         ), stderr
+
+
+def _free_port() -> int:
+    """A port of 24000 to 24999 nothing listens on now."""
+    for port in range(24000, 25000):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    pytest.skip("no free port in 24000-24999")
+
+
+@pytest.mark.parametrize("stdout", ["reader gone", "full disk"])
+def test_serve_serves_on_when_its_stdout_cannot_be_written_cli_92(
+    tmp_path: Path, stdout: str
+) -> None:
+    """CLI-92: `serve` whose stdout cannot be written (a pipe whose reader has gone, as after
+    `healthlog serve | head -1`; a full disk behind `>> healthlog.log`, here /dev/full) logs one
+    WARNING with the line it could not print and serves on: it answers, and stops with 0 on
+    SIGTERM."""
+    if stdout == "full disk" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    port = _free_port()
+    with contextlib.ExitStack() as stack:
+        if stdout == "reader gone":
+            reader, writer = os.pipe()
+            os.close(reader)
+            out = stack.enter_context(os.fdopen(writer, "wb"))
+        else:
+            out = stack.enter_context(open("/dev/full", "wb"))
+        serving = subprocess.Popen(
+            healthlog("serve", "--port", str(port), "--data", tmp_path / "data"),
+            stdout=out,
+            stderr=subprocess.PIPE,
+        )
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while True:
+            assert serving.poll() is None, serving.communicate()[1].decode()
+            with socket.socket() as client:
+                if client.connect_ex(("127.0.0.1", port)) == 0:
+                    client.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    answer = client.recv(64)
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        serving.send_signal(signal.SIGTERM)
+        err = serving.communicate(timeout=LIMIT_S)[1].decode()
+    finally:
+        if serving.poll() is None:
+            serving.kill()
+            serving.wait()
+    assert serving.returncode == 0, err
+    assert "Traceback" not in err
+    assert not [line for line in err.splitlines() if line.startswith("healthlog: [Errno")], err
+    (warning,) = [line for line in err.splitlines() if "stdout" in line]
+    assert "level=WARNING" in warning
+    assert f"healthlog serving on http://127.0.0.1:{port}" in warning
