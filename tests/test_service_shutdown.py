@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 from _baseline import severe_lines
 from _cli_bodies import body, metric, point
@@ -317,6 +318,33 @@ async def test_a_stop_signal_delivered_twice_stops_cleanly_serve_45(tmp_path: Pa
     assert process.returncode == 0, (process.returncode, err.decode()[-3000:])
     assert "healthlog: interrupted" not in err.decode()
     assert severe_lines(err.decode()) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+async def test_a_stop_signal_queued_as_the_stop_ends_is_not_delivered_again_run_58(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """RUN-58: the same stop signal twice, the second 0 to 40 ms after the first (as `timeout`
+    delivers it to the service and then to its process group): each of five services stops as
+    at one signal, exit 0, without `healthlog: interrupted`; a second signal that came as the
+    stop ended, still queued when the service stopped watching for signals, is not delivered
+    again (SIGINT's then raised KeyboardInterrupt, exit 130; SIGTERM's killed the process,
+    -15)."""
+    cli = [sys.executable, "-m", "healthlog.cli"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    for n, gap_s in enumerate((0.0, 0.01, 0.02, 0.03, 0.04)):
+        out, err = bytearray(), bytearray()
+        async with trio.open_nursery() as nursery:
+            serve = [*cli, "serve", "--data", tmp_path / f"data{n}", "--port", "0"]
+            process, _ = await start_serve(nursery, serve, env, out, err, start_new_session=True)
+            process.send_signal(signum)
+            await trio.sleep(gap_s)
+            if process.returncode is None:
+                process.send_signal(signum)
+            with trio.fail_after(EXIT_MARGIN_S):
+                await process.wait()
+        assert process.returncode == 0, (gap_s, process.returncode, err.decode()[-3000:])
+        assert "healthlog: interrupted" not in err.decode()
 
 
 async def test_a_stop_signal_repeated_later_stops_at_once_serve_45(tmp_path: Path) -> None:

@@ -442,13 +442,27 @@ async def _on_signals(stop: trio.Event) -> None:
     """Stop at the first SIGINT or SIGTERM. One more within ``REPEATED_SIGNAL_S`` is the same
     stop delivered twice (``timeout`` signals the service and then its process group; a kill of
     the group reaches it beside its parent's) and changes nothing; a later one is someone
-    insisting, and stops at once, as a second Ctrl-C does (``healthlog: interrupted``, 130)."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        first: float | None = None
-        async for _ in signals:
-            now = trio.current_time()
-            if first is None:
-                first = now
-                stop.set()
-            elif now - first > REPEATED_SIGNAL_S:
-                raise KeyboardInterrupt
+    insisting, and stops at once, as a second Ctrl-C does (``healthlog: interrupted``, 130).
+
+    Once a signal has stopped the service, both stay ignored when the watch ends: the process
+    is on its way out, and the same stop once more (queued in the receiver as it closed, which
+    delivers it again, or just after) raised KeyboardInterrupt (130) through trio's handler, or
+    with the default one killed the process (-15), after a clean stop (RUN-58). So the receiver
+    is opened with both ignored, which it puts back as it closes; stopped otherwise (the
+    ``shutdown`` event), the handlers from before are put back."""
+    stopping = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stopping}
+    first: float | None = None
+    try:
+        with trio.open_signal_receiver(*stopping) as signals:
+            async for _ in signals:
+                now = trio.current_time()
+                if first is None:
+                    first = now
+                    stop.set()
+                elif now - first > REPEATED_SIGNAL_S:
+                    raise KeyboardInterrupt
+    finally:
+        if first is None:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
