@@ -284,10 +284,9 @@ async def _import(
                 )
             )
             ids.append(receipt.delivery_id)
-            print(
+            _tell(
                 f"journaled {name} as delivery {receipt.delivery_id}"
-                f" ({receipt.bytes} bytes, received_at {format_instant(receipt.received_at)})",
-                file=sys.stderr,
+                f" ({receipt.bytes} bytes, received_at {format_instant(receipt.received_at)})"
             )
         if args.no_wait:
             return 0
@@ -298,7 +297,7 @@ async def _import(
                 functools.partial(Store.outcome, delivery_id=delivery_id)
             )
             assert outcome is not None
-            print(f"delivery {delivery_id}: {outcome.status}", file=sys.stderr)
+            _tell(f"delivery {delivery_id}: {outcome.status}")
     return 0
 
 
@@ -323,10 +322,9 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
             for name, value in (("metric", seal.metric), ("layer", seal.layer))
             if value is not None
         )
-        print(
+        _tell(
             f"journaled the seal of the hours before {format_instant(seal.before)}"
-            f"{' of ' + scope if scope else ''} as delivery {receipt.delivery_id}",
-            file=sys.stderr,
+            f"{' of ' + scope if scope else ''} as delivery {receipt.delivery_id}"
         )
         if args.no_wait:
             return 0
@@ -342,11 +340,19 @@ async def _say_who_folds(runtime: Runtime, command: str) -> None:
     ours = runtime.statistics().lease.holder
     lease = await runtime.read_store(Store.lease)
     if lease.holder not in (None, ours) and lease.expires_at > clock.now_us():
-        print(
+        _tell(
             f"{command}: waiting for the running service, which holds the fold lease, to fold at"
-            " its next pass (within its wake_period_s, 60 s unless set; --no-wait does not wait)",
-            file=sys.stderr,
+            " its next pass (within its wake_period_s, 60 s unless set; --no-wait does not wait)"
         )
+
+
+def _tell(line: str) -> None:
+    """One of a command's own lines on stderr, for a person. One that cannot be written (a
+    reader gone, as after ``2>&1 | head -1``; a full disk behind ``2>> log``) is dropped and
+    the command carries on: the write's error ended ``import`` after its first file, exit 1,
+    and on a full disk before it journaled any (CLI-93)."""
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
@@ -885,7 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _log_as_configured(data if uses_data else None)
         if args.makes_data and not data.path.exists():
             # A mistyped --data would otherwise start a data directory nobody looks in.
-            print(f"healthlog: no data directory at {data.path}: making a new one", file=sys.stderr)
+            _tell(f"healthlog: no data directory at {data.path}: making a new one")
         return func(args, data)
     except BrokenPipeError:
         _quiet_stdout()
@@ -893,12 +899,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BaseException as exc:
         stopped = _stopped_by_signal(exc)
         if stopped is not None:
-            print("healthlog: interrupted", file=sys.stderr)
+            _tell("healthlog: interrupted")
             return stopped
         error = _user_error(exc)
         if error is None:
             raise
-        print(f"healthlog: {_naming_its_file(error)}", file=sys.stderr)
+        _tell(f"healthlog: {_naming_its_file(error)}")
         return 2 if isinstance(error, CliError) else 3
 
 

@@ -1336,3 +1336,40 @@ def test_serve_serves_on_when_its_stdout_cannot_be_written_cli_92(
     (warning,) = [line for line in err.splitlines() if "stdout" in line]
     assert "level=WARNING" in warning
     assert f"healthlog serving on http://127.0.0.1:{port}" in warning
+
+
+@pytest.mark.parametrize("stderr", ["reader gone", "full disk"])
+def test_import_journals_every_file_when_its_stderr_cannot_be_written_cli_93(
+    tmp_path: Path, stderr: str
+) -> None:
+    """CLI-93: `import A B C` whose stderr cannot be written (a pipe whose reader has gone, as
+    after `healthlog import ... 2>&1 | head -1`; a full disk behind `2>> log`, here /dev/full)
+    journals and folds all three and exits 0: its lines on stderr are for a person, and one
+    that cannot be written is dropped."""
+    if stderr == "full disk" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    files = [
+        write(
+            tmp_path / f"hr{n}.json",
+            body(metric(HR, BPM, point(f"2024-02-06 0{n}:00:00 -0800", qty=60.5 + n))),
+        )
+        for n in range(3)
+    ]
+    data = tmp_path / "data"
+    with contextlib.ExitStack() as stack:
+        if stderr == "reader gone":
+            reader, writer = os.pipe()
+            os.close(reader)
+            err = stack.enter_context(os.fdopen(writer, "wb"))
+        else:
+            err = stack.enter_context(open("/dev/full", "wb"))
+        done = subprocess.run(
+            healthlog("import", "--aggregation", "minutes", "--data", data, *files),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            timeout=LIMIT_S,
+            check=False,
+        )
+    assert done.returncode == 0
+    with DataDir(data).open_store() as store:
+        assert store.folded_ids() == {1, 2, 3}
