@@ -138,7 +138,9 @@ class Progress:
         self._last = now
         end = "\n" if done >= total or not self._tty else ""
         prefix = "\r" if self._tty else ""
-        print(f"{prefix}{self._what}: {done}/{total}", end=end, file=sys.stderr, flush=True)
+        # Dropped when stderr cannot be written, as :func:`_tell`'s lines are (CLI-94).
+        with contextlib.suppress(OSError):
+            print(f"{prefix}{self._what}: {done}/{total}", end=end, file=sys.stderr, flush=True)
 
 
 def _instant(value: str) -> int:
@@ -350,7 +352,8 @@ def _tell(line: str) -> None:
     """One of a command's own lines on stderr, for a person. One that cannot be written (a
     reader gone, as after ``2>&1 | head -1``; a full disk behind ``2>> log``) is dropped and
     the command carries on: the write's error ended ``import`` after its first file, exit 1,
-    and on a full disk before it journaled any (CLI-93)."""
+    and on a full disk before it journaled any (CLI-93); ``reindex`` and ``verify`` at their
+    first progress line, ``verify`` with exit 0 on a projection that differs (CLI-94)."""
     with contextlib.suppress(OSError):
         print(line, file=sys.stderr, flush=True)
 
@@ -548,7 +551,7 @@ def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         check_before_folding(journal, store)
         changed = reindex(journal, store, f"reindex:{default_holder()}", progress=progress)
-    print(f"reindex: done, {changed} objects changed", file=sys.stderr)
+    _tell(f"reindex: done, {changed} objects changed")
     return 0
 
 
@@ -569,16 +572,14 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
         given_up = Counter(store.given_up().values())
     for reason, why in _GIVEN_UP_WHY.items():
         if given_up[reason]:
-            print(
+            _tell(
                 f"verify: {given_up[reason]} deliveries failed {why} and were compared as"
-                " failed; `healthlog reindex` folds them",
-                file=sys.stderr,
+                " failed; `healthlog reindex` folds them"
             )
     if unfolded:
-        print(
+        _tell(
             f"verify: {unfolded} journaled deliveries are not folded yet; only what is folded"
-            " was compared",
-            file=sys.stderr,
+            " was compared"
         )
     _say_outcomes(verification.outcomes, verification.bodies_lost)
     differences = verification.objects
@@ -591,7 +592,7 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
                 )
     except BrokenPipeError:
         _quiet_stdout()
-    print(f"verify: {len(differences)} objects differ", file=sys.stderr)
+    _tell(f"verify: {len(differences)} objects differ")
     return 1 if differences else 0
 
 
@@ -607,28 +608,25 @@ def _say_outcomes(outcomes: list[OutcomeDifference], lost: list[int]) -> None:
     drop their points and refuses (STORE-56)."""
     for diff in outcomes[:OUTCOMES_NAMED]:
         rebuilt = "with another reason" if diff.rebuilt == diff.live else diff.rebuilt
-        print(
+        _tell(
             f"verify: delivery {diff.delivery_id} is recorded {diff.live}, a rebuild records"
-            f" it {rebuilt}",
-            file=sys.stderr,
+            f" it {rebuilt}"
         )
     others = len(outcomes) - len(lost)
     if others:
         unnamed = len(outcomes) - OUTCOMES_NAMED
-        print(
+        _tell(
             f"verify: {others} deliveries are recorded otherwise than a rebuild records"
             f" them{f' ({unnamed} not named)' if unnamed > 0 else ''}; `healthlog reindex`"
-            " records them anew",
-            file=sys.stderr,
+            " records them anew"
         )
     if lost:
-        print(
+        _tell(
             f"verify: {len(lost)} deliveries folded into the store no longer match their"
             f" sha256 in the journal (delivery {', '.join(map(str, lost[:5]))}"
             f"{', ...' if len(lost) > 5 else ''}): the store holds the only copy of their"
             " points, which `healthlog reindex` refuses to drop; restore the journal from a"
-            " backup",
-            file=sys.stderr,
+            " backup"
         )
 
 

@@ -1373,3 +1373,34 @@ def test_import_journals_every_file_when_its_stderr_cannot_be_written_cli_93(
     assert done.returncode == 0
     with DataDir(data).open_store() as store:
         assert store.folded_ids() == {1, 2, 3}
+
+
+@pytest.mark.parametrize("stderr", ["reader gone", "full disk"])
+def test_reindex_and_verify_finish_when_their_stderr_cannot_be_written_cli_94(
+    run_cli: RunCli, tmp_path: Path, stderr: str
+) -> None:
+    """CLI-94: `verify`, `reindex`, `verify` on a projection that differs from a rebuild, each
+    with a stderr that cannot be written (a pipe whose reader has gone, a full disk behind
+    `2>> log`), do what they would otherwise: exit 1 (one object differs), 0 (rebuilt), 0
+    (equal), their progress and lines dropped."""
+    if stderr == "full disk" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    data = differing(run_cli, tmp_path)
+    codes = []
+    for command in ("verify", "reindex", "verify"):
+        with contextlib.ExitStack() as stack:
+            if stderr == "reader gone":
+                reader, writer = os.pipe()
+                os.close(reader)
+                err = stack.enter_context(os.fdopen(writer, "wb"))
+            else:
+                err = stack.enter_context(open("/dev/full", "wb"))
+            done = subprocess.run(
+                healthlog(command, "--data", data),
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                timeout=LIMIT_S,
+                check=False,
+            )
+        codes.append(done.returncode)
+    assert codes == [1, 0, 0]
