@@ -95,24 +95,35 @@ def signalled_after(
 ) -> tuple[list[str], str]:
     """Read ``process``'s stderr line by line until what it said is ``enough``, then send it
     ``signum`` and wait for it to end: the lines read, and the rest of its stderr. It is killed
-    if that fails."""
+    if that fails.
+
+    The pipe is read with ``os.read`` into a buffer of this function's own: the file object's
+    ``readline`` buffers whatever one read brings, and two lines written together (as a loaded
+    machine schedules them) left the second in that buffer, where ``select`` does not see it,
+    so the wait for it ran out."""
     assert process.stderr is not None
+    fd = process.stderr.fileno()
+    pending = bytearray()
     try:
         deadline = time.monotonic() + LIMIT_S
         said: list[str] = []
         while not said or not enough(said):
-            left = deadline - time.monotonic()
-            assert left > 0, said
-            assert select.select([process.stderr], [], [], left)[0], said
-            line = process.stderr.readline()
-            assert line, f"stderr ended after {said}"
-            said.append(line.decode().rstrip("\n"))
+            while b"\n" not in pending:
+                left = deadline - time.monotonic()
+                assert left > 0, said
+                assert select.select([fd], [], [], left)[0], said
+                chunk = os.read(fd, 65536)
+                assert chunk, f"stderr ended after {said}"
+                pending += chunk
+            line, _, rest = bytes(pending).partition(b"\n")
+            pending[:] = rest
+            said.append(line.decode())
         process.send_signal(signum)
         _, rest = process.communicate(timeout=LIMIT_S)
     finally:
         if process.poll() is None:
             process.kill()
-    return said, rest.decode()
+    return said, (bytes(pending) + rest).decode()
 
 
 # A log record as a command other than ``serve`` writes it to stderr.
