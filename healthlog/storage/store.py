@@ -149,6 +149,15 @@ MIGRATIONS = (
     ALTER TABLE subscribers ADD COLUMN acked_at INTEGER NOT NULL DEFAULT 0;
     UPDATE subscribers SET acked_at = now_us();
     """,
+    # Each fold counter summed over every outcome, kept as outcomes are written (and copied
+    # with a swap's), so that ``/metrics`` reads a few rows: it summed every outcome's counters
+    # at each scrape, 0.25 s at 508,000 deliveries, holding the store's one thread meanwhile,
+    # and more with every delivery (STORE-58).
+    """
+    CREATE TABLE counter_totals (name TEXT PRIMARY KEY, total INTEGER NOT NULL) WITHOUT ROWID;
+    INSERT INTO counter_totals
+        SELECT key, sum(value) FROM outcomes, json_each(outcomes.counters) GROUP BY key;
+    """,
 )
 # The statuses of the outcomes a delivery list holds (:meth:`Store.newest_outcomes`), which the
 # partial index ``outcomes_listed`` indexes, and its WHERE clause: SQLite takes a partial index
@@ -662,6 +671,11 @@ class Store(_objects.ObjectDatabase):
                 epoch,
             ),
         )
+        self._conn.executemany(
+            "INSERT INTO counter_totals (name, total) VALUES (?, ?)"
+            " ON CONFLICT (name) DO UPDATE SET total = total + excluded.total",
+            [(name, value) for name, value in counters.items() if value],
+        )
         changed = self._conn.execute(
             "UPDATE checkpoint SET received_at = ?, delivery_id = ?, epoch = ? WHERE id = 1"
             " AND (SELECT epoch FROM lease WHERE name = ?) = ?",
@@ -767,6 +781,10 @@ class Store(_objects.ObjectDatabase):
                         "INSERT INTO main.outcomes SELECT delivery_id, received_at, automation,"
                         " status, reason, layer, counters, ? FROM rebuilt.outcomes",
                         (epoch,),
+                    )
+                    self._conn.execute("DELETE FROM main.counter_totals")
+                    self._conn.execute(
+                        "INSERT INTO main.counter_totals SELECT * FROM rebuilt.counter_totals"
                     )
                     self._conn.execute(
                         "UPDATE main.checkpoint SET (received_at, delivery_id, epoch) ="
@@ -946,11 +964,11 @@ class Store(_objects.ObjectDatabase):
         return {row[0]: row[1] for row in rows}
 
     def counter_totals(self, names: Sequence[str]) -> dict[str, int]:
-        """Fold counters summed over every recorded outcome."""
-        columns = ", ".join(f"sum(json_extract(counters, '$.{name}'))" for name in names)
+        """Fold counters summed over every recorded outcome, as the table ``counter_totals``
+        keeps them (a row per counter, not a read of every outcome)."""
         with self._lock:
-            row = self._conn.execute(f"SELECT {columns} FROM outcomes").fetchone()
-        return {name: int(value or 0) for name, value in zip(names, row, strict=True)}
+            rows = dict(self._conn.execute("SELECT name, total FROM counter_totals").fetchall())
+        return {name: int(rows.get(name, 0)) for name in names}
 
     def checkpoint(self) -> tuple[int | None, int | None, int]:
         with self._lock:
