@@ -955,6 +955,8 @@ def test_a_data_directory_of_the_previous_schema_lists_the_same_cli_45(
         # The later migrations are undone too: the schema is then that before the index.
         conn.execute("ALTER TABLE subscribers DROP COLUMN acked_at")
         conn.execute("DROP TABLE counter_totals")
+        conn.execute("ALTER TABLE checkpoint DROP COLUMN outcomes")
+        conn.execute("ALTER TABLE checkpoint DROP COLUMN outcome_ids")
         conn.execute(f"PRAGMA user_version = {len(BEFORE_LISTED_INDEX)}")
     assert cli("status", "--failed", "--partial", "--data", data).out == plain
     assert [listed(cli, data, *f) for f in flags] == documents

@@ -354,7 +354,7 @@ class Journal:
         self._busy_timeout_ms = busy_timeout_ms
         self._lock = ConnectionGuard(self.path, self._reopen)
         self._stats = JournalStatistics()
-        self._counted = (0, 0, 0)
+        self._counted = (0, 0, 0, 0)
         """The last delivery id :meth:`_count` counted, the deliveries and their raw bytes."""
         self._clock_behind = False
         """Whether the clock was last seen more than :data:`CLOCK_BEHIND_US` behind the last
@@ -390,24 +390,26 @@ class Journal:
 
     def _count(self, conn: sqlite3.Connection) -> tuple[int, int]:
         """(number of deliveries, total raw bytes), the deliveries journaled since the last
-        count added to those it found (JOURNAL-35).
+        count added to those it found (JOURNAL-35); the sum of their ids is kept with them
+        (:meth:`span_through`).
 
         The journal is append-only and its ids only grow, commit after commit, so the rows
         after the last id counted are exactly the new ones. Summing every row instead read a
         page of each delivery at every status and every ``/metrics`` scrape: 1,059 pages
         (4.3 MB) for 2.5 years. A connection opened again (:meth:`_reopen`), perhaps to
         another file at the path, counts from nothing."""
-        last, deliveries, total = self._counted
-        added, added_bytes, top = conn.execute(
-            "SELECT count(*), coalesce(sum(bytes), 0), max(id) FROM deliveries WHERE id > ?",
+        last, deliveries, total, ids = self._counted
+        added, added_bytes, added_ids, top = conn.execute(
+            "SELECT count(*), coalesce(sum(bytes), 0), coalesce(sum(id), 0), max(id)"
+            " FROM deliveries WHERE id > ?",
             (last,),
         ).fetchone()
         if top is not None:
-            self._counted = (top, deliveries + added, total + added_bytes)
+            self._counted = (top, deliveries + added, total + added_bytes, ids + added_ids)
         return deliveries + added, total + added_bytes
 
     def _reopen(self) -> None:
-        self._counted = (0, 0, 0)
+        self._counted = (0, 0, 0, 0)
         self._conn = reopened(
             self._conn,
             self.path,
@@ -567,16 +569,20 @@ class Journal:
     def span_through(self, position: tuple[int, int]) -> tuple[int, int]:
         """(number, sum of ids) of the deliveries at or before ``position`` in journal order.
 
-        Read from the order index alone, so a caller can tell cheaply whether every one of them
-        is accounted for elsewhere.
+        Every delivery, as :meth:`_count` keeps them, less those after ``position``, read from
+        the order index: a caller tells cheaply whether every one of them is accounted for
+        elsewhere. Counting those up to ``position`` read the whole index at every folding
+        pass, status and scrape, 0.2 s at 508,000 deliveries (STORE-60).
         """
-        with self._reading() as conn:
-            number, ids = conn.execute(
+        with self._reading() as conn, read_transaction(conn):
+            self._count(conn)
+            _, number, _, ids = self._counted
+            later, later_ids = conn.execute(
                 "SELECT count(*), coalesce(sum(id), 0) FROM deliveries"
-                " WHERE (received_at, id) <= (?, ?)",
+                " WHERE (received_at, id) > (?, ?)",
                 position,
             ).fetchone()
-        return int(number), int(ids)
+        return number - int(later), ids - int(later_ids)
 
     def keyed(self) -> list[tuple[str, str, int]]:
         """(client, idempotency key, delivery id) of every delivery journaled with a key."""

@@ -158,6 +158,16 @@ MIGRATIONS = (
     INSERT INTO counter_totals
         SELECT key, sum(value) FROM outcomes, json_each(outcomes.counters) GROUP BY key;
     """,
+    # How many outcomes there are and the sum of their ids, kept as outcomes are written (and
+    # copied with a swap's), so that a pass tells whether every delivery up to the checkpoint
+    # has its outcome from the outcomes after it alone: it counted every outcome up to the
+    # checkpoint at each pass, status and scrape, 0.16 s at 508,000 deliveries (STORE-60).
+    """
+    ALTER TABLE checkpoint ADD COLUMN outcomes INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE checkpoint ADD COLUMN outcome_ids INTEGER NOT NULL DEFAULT 0;
+    UPDATE checkpoint SET (outcomes, outcome_ids) =
+        (SELECT count(*), coalesce(sum(delivery_id), 0) FROM outcomes);
+    """,
 )
 # The statuses of the outcomes a delivery list holds (:meth:`Store.newest_outcomes`), which the
 # partial index ``outcomes_listed`` indexes, and its WHERE clause: SQLite takes a partial index
@@ -677,9 +687,10 @@ class Store(_objects.ObjectDatabase):
             [(name, value) for name, value in counters.items() if value],
         )
         changed = self._conn.execute(
-            "UPDATE checkpoint SET received_at = ?, delivery_id = ?, epoch = ? WHERE id = 1"
+            "UPDATE checkpoint SET received_at = ?, delivery_id = ?, epoch = ?,"
+            " outcomes = outcomes + 1, outcome_ids = outcome_ids + ? WHERE id = 1"
             " AND (SELECT epoch FROM lease WHERE name = ?) = ?",
-            (meta.received_at, meta.id, epoch, FOLD_LEASE, epoch),
+            (meta.received_at, meta.id, epoch, meta.id, FOLD_LEASE, epoch),
         ).rowcount
         if changed != 1:
             raise Fenced(f"checkpoint not written under epoch {epoch}")
@@ -787,8 +798,9 @@ class Store(_objects.ObjectDatabase):
                         "INSERT INTO main.counter_totals SELECT * FROM rebuilt.counter_totals"
                     )
                     self._conn.execute(
-                        "UPDATE main.checkpoint SET (received_at, delivery_id, epoch) ="
-                        " (SELECT received_at, delivery_id, ? FROM rebuilt.checkpoint)",
+                        "UPDATE main.checkpoint SET (received_at, delivery_id, epoch, outcomes,"
+                        " outcome_ids) = (SELECT received_at, delivery_id, ?, outcomes,"
+                        " outcome_ids FROM rebuilt.checkpoint)",
                         (epoch,),
                     )
                     (changed,) = self._conn.execute("SELECT count(*) FROM temp.changed").fetchone()
@@ -857,17 +869,21 @@ class Store(_objects.ObjectDatabase):
         outcomes do. If it does, only the ids after the checkpoint are read; otherwise every id.
         """
         with self._lock, read_transaction(self._conn):
-            received_at, delivery_id = self._conn.execute(
-                "SELECT received_at, delivery_id FROM checkpoint WHERE id = 1"
+            received_at, delivery_id, outcomes, outcome_ids = self._conn.execute(
+                "SELECT received_at, delivery_id, outcomes, outcome_ids FROM checkpoint"
+                " WHERE id = 1"
             ).fetchone()
             after = None if received_at is None else (int(received_at), int(delivery_id))
             if after is not None:
-                number, ids = self._conn.execute(
+                # Those up to the checkpoint are every outcome but those after it: the kept
+                # totals less a read of the few after it, not of every one before it.
+                later, later_ids = self._conn.execute(
                     "SELECT count(*), coalesce(sum(delivery_id), 0) FROM outcomes"
-                    " WHERE (received_at, delivery_id) <= (?, ?)",
+                    " WHERE (received_at, delivery_id) > (?, ?)",
                     after,
                 ).fetchone()
-                if not agrees(after, (int(number), int(ids))):
+                through = (int(outcomes) - int(later), int(outcome_ids) - int(later_ids))
+                if not agrees(after, through):
                     after = None
             if after is None:
                 rows = self._conn.execute("SELECT delivery_id FROM outcomes")
