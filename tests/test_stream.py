@@ -68,7 +68,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionClosed, WebSocketConnection
 from websockets.sync.client import connect as websockets_connect
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import CloseConnection, Request, TextMessage
+from wsproto.events import AcceptConnection, CloseConnection, Request, TextMessage
 
 from actors.runtime import configured
 from healthlog import clock, faults
@@ -306,6 +306,43 @@ async def test_a_frame_over_64_kib_from_a_subscriber_is_refused_stream_93(tmp_pa
             assert ws.closed is not None
             assert ws.closed.code == 1009
         assert (await service.status())["subscribers"] == {"nas": 1}
+
+
+async def test_a_refused_subscriber_with_frames_in_flight_is_let_go_stream_98(
+    tmp_path: Path,
+) -> None:
+    """STREAM-98: a subscriber that sends a frame the service refuses and, in the same write,
+    30 more (its ACKs on their way) gets its BAD_FRAME frame and close 4400, answers the close,
+    and sees the service let the connection go. (Before, hypercorn queued 10 of them for the
+    stream that had ended and its reader of the connection waited on the next for good: the
+    connection, its tasks and its descriptor stayed until the service stopped.)"""
+    async with serving(tmp_path) as service:
+        client = WSConnection(ConnectionType.CLIENT)
+        request = Request(host="127.0.0.1", target=resource(0), extra_headers=bearer(service.token))
+        tcp = await trio.open_tcp_stream("127.0.0.1", service.port)
+        async with tcp:
+            await tcp.send_all(client.send(request))
+            with trio.fail_after(REFUSAL_LIMIT_S):
+                while not any(isinstance(event, AcceptConnection) for event in client.events()):
+                    client.receive_data(await tcp.receive_some())
+            ack = orjson.dumps({"type": "ack", "seq": 0}).decode()
+            frames = [client.send(TextMessage(data="{nope"))]
+            frames += [client.send(TextMessage(data=ack)) for _ in range(30)]
+            await tcp.send_all(b"".join(frames))
+            texts: list[str] = []
+            codes: list[int] = []
+            with trio.fail_after(REFUSAL_LIMIT_S):
+                while data := await tcp.receive_some():
+                    client.receive_data(data)
+                    for event in client.events():
+                        if isinstance(event, TextMessage):
+                            texts.append(event.data)
+                        elif isinstance(event, CloseConnection):
+                            codes.append(event.code)
+                            with contextlib.suppress(trio.BrokenResourceError):
+                                await tcp.send_all(client.send(event.response()))
+        assert [orjson.loads(text)["code"] for text in texts] == ["BAD_FRAME"]
+        assert codes == [4400]
 
 
 @pytest.mark.parametrize("ending", ["close handshake", "connection dropped"])

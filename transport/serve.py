@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h2.errors
@@ -33,6 +34,8 @@ import hypercorn.protocol
 import hypercorn.protocol.h2
 import hypercorn.protocol.ws_stream
 import hypercorn.trio.run
+import hypercorn.trio.task_group
+import hypercorn.trio.tcp_server
 import trio
 import wsproto.events
 from hypercorn.config import Config as HypercornConfig
@@ -44,6 +47,14 @@ from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.typing import (
+    AppWrapper,
+    ASGIReceiveCallable,
+    ASGIReceiveEvent,
+    ASGISendCallable,
+    ASGISendEvent,
+    Scope,
+)
 from wsproto.extensions import PerMessageDeflate
 
 from actors.runtime import configured, open_runtime
@@ -124,6 +135,59 @@ def _leaves(group: BaseExceptionGroup[Exception]) -> list[Exception]:
 # hypercorn's trio worker hands each connection to the ``TCPServer`` its module imported (a name
 # it does not export, hence the ignore).
 hypercorn.trio.run.TCPServer = _ContainedTCPServer  # type: ignore[attr-defined]
+
+
+class _ClosingTaskGroup(hypercorn.trio.task_group.TaskGroup):
+    """hypercorn's task group of one connection, whose app's queue of events is closed when the
+    app ends, and whose puts into a closed queue are dropped.
+
+    hypercorn queues at most ``max_app_queue_size`` (10) events for the app and, once the app
+    has ended, goes on putting what the peer sends: a subscriber refused while frames of its
+    were on the way (ACKs in flight) filled the queue, and hypercorn's reader of that
+    connection, and the close it makes after the app, waited on it for good. The connection, its
+    tasks and its descriptor were never let go (STREAM-98)."""
+
+    async def spawn_app(
+        self,
+        app: AppWrapper,
+        config: HypercornConfig,
+        scope: Scope,
+        send: Callable[[ASGISendEvent | None], Awaitable[None]],
+    ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
+        sending, receiving = trio.open_memory_channel[ASGIReceiveEvent](config.max_app_queue_size)
+
+        async def closing_after(
+            scope: Scope,
+            receive: ASGIReceiveCallable,
+            send: ASGISendCallable,
+            sync_spawn: Callable[..., Any],
+            call_soon: Callable[..., Any],
+        ) -> None:
+            with receiving:
+                await app(scope, receive, send, sync_spawn, call_soon)
+
+        async def dropping_when_closed(event: ASGIReceiveEvent) -> None:
+            with contextlib.suppress(trio.BrokenResourceError):
+                await sending.send(event)
+
+        assert self._nursery is not None
+        # As hypercorn's own spawn_app, but for the app run and the queue.
+        self._nursery.start_soon(
+            hypercorn.trio.task_group._handle,
+            closing_after,
+            config,
+            scope,
+            receiving.receive,
+            send,
+            trio.to_thread.run_sync,
+            trio.from_thread.run,
+        )
+        return dropping_when_closed
+
+
+# hypercorn's handler of a connection makes its task group from the name its module imported (a
+# name it does not export, hence the ignore).
+hypercorn.trio.tcp_server.TaskGroup = _ClosingTaskGroup  # type: ignore[attr-defined]
 
 
 _FRAMINGS = frozenset({b"transfer-encoding", b"content-length"})
