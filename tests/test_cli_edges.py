@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import pytest
 from _cli_bodies import body, metric, point, write
@@ -1289,15 +1289,22 @@ def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path:
 
 
 def _free_port() -> int:
-    """A port of 24000 to 24999 nothing listens on now."""
-    for port in range(24000, 25000):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    pytest.skip("no free port in 24000-24999")
+    """A port of loopback that nothing listens on now, as the kernel picks one (``serve``
+    whose stdout cannot be written cannot say which port 0 gave it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+def _unwritable(stack: contextlib.ExitStack, kind: str) -> BinaryIO:
+    """A file every write to fails: a pipe whose reader has gone (``reader gone``) or
+    /dev/full (``full disk``), closed with ``stack``."""
+    if kind == "reader gone":
+        reader, writer = os.pipe()
+        os.close(reader)
+        return stack.enter_context(os.fdopen(writer, "wb"))
+    return stack.enter_context(open("/dev/full", "wb"))
 
 
 @pytest.mark.parametrize("stdout", ["reader gone", "full disk"])
@@ -1312,12 +1319,7 @@ def test_serve_serves_on_when_its_stdout_cannot_be_written_cli_92(
         pytest.skip("no /dev/full")
     port = _free_port()
     with contextlib.ExitStack() as stack:
-        if stdout == "reader gone":
-            reader, writer = os.pipe()
-            os.close(reader)
-            out = stack.enter_context(os.fdopen(writer, "wb"))
-        else:
-            out = stack.enter_context(open("/dev/full", "wb"))
+        out = _unwritable(stack, stdout)
         serving = subprocess.Popen(
             healthlog("serve", "--port", str(port), "--data", tmp_path / "data"),
             stdout=out,
@@ -1368,12 +1370,7 @@ def test_import_journals_every_file_when_its_stderr_cannot_be_written_cli_93(
     ]
     data = tmp_path / "data"
     with contextlib.ExitStack() as stack:
-        if stderr == "reader gone":
-            reader, writer = os.pipe()
-            os.close(reader)
-            err = stack.enter_context(os.fdopen(writer, "wb"))
-        else:
-            err = stack.enter_context(open("/dev/full", "wb"))
+        err = _unwritable(stack, stderr)
         done = subprocess.run(
             healthlog("import", "--aggregation", "minutes", "--data", data, *files),
             stdout=subprocess.DEVNULL,
@@ -1400,12 +1397,7 @@ def test_reindex_and_verify_finish_when_their_stderr_cannot_be_written_cli_94(
     codes = []
     for command in ("verify", "reindex", "verify"):
         with contextlib.ExitStack() as stack:
-            if stderr == "reader gone":
-                reader, writer = os.pipe()
-                os.close(reader)
-                err = stack.enter_context(os.fdopen(writer, "wb"))
-            else:
-                err = stack.enter_context(open("/dev/full", "wb"))
+            err = _unwritable(stack, stderr)
             done = subprocess.run(
                 healthlog(command, "--data", data),
                 stdout=subprocess.DEVNULL,
