@@ -224,18 +224,24 @@ def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     if error.code is not None and error.code & 0xFF in _NOT_PERMITTED:
         cause = not_permitted(path)
     if error.code is not None and error.code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL):
-        try:
-            stats = os.statvfs(Path(path).parent)
-        except OSError:
-            pass
-        else:
-            free = stats.f_bavail * stats.f_frsize
-            if free < FULL_BELOW_BYTES:
-                cause = f": the disk is full ({free} bytes free), free some space"
+        free = free_when_full(Path(path).parent)
+        if free is not None:
+            cause = f": the disk is full ({free} bytes free), free some space"
     opening = type(error)(f"{error}{cause} ({os.fspath(path)})")
     opening.kind = error.kind
     opening.file = os.path.basename(path)
     return opening
+
+
+def free_when_full(directory: str | os.PathLike[str]) -> int | None:
+    """The bytes this user may still write on the file system of ``directory`` when it is
+    full (under :data:`FULL_BELOW_BYTES`); None when it is not, or cannot be read."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return None
+    free = stats.f_bavail * stats.f_frsize
+    return free if free < FULL_BELOW_BYTES else None
 
 
 def not_permitted(path: str | os.PathLike[str]) -> str:

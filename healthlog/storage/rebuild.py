@@ -28,10 +28,10 @@ from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage import _partition
 from healthlog.storage._sqlite import (
-    FULL_BELOW_BYTES,
     Deferred,
     StorageError,
     connect,
+    free_when_full,
     is_damage,
     read_transaction,
 )
@@ -212,13 +212,12 @@ def _no_room(scratch: Path, near: Path) -> RebuildError | None:
     the scratch directory still holds what it wrote (STORE-64); None when there is room.
     SQLite's own line named neither the file nor the cause (``database error: database or
     disk is full``, ``delivery 1 could not be rebuilt (unwritten)``)."""
+    free = free_when_full(scratch)
+    if free is None:
+        return None
     try:
-        stats = os.statvfs(scratch)
         size = near.stat().st_size
     except OSError:
-        return None
-    free = stats.f_bavail * stats.f_frsize
-    if free >= FULL_BELOW_BYTES:
         return None
     return RebuildError(
         f"the disk is full ({free:,} bytes free in {near.parent}): a rebuild writes a second"
