@@ -7,7 +7,6 @@ test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
@@ -59,7 +58,7 @@ from healthlog.logs import Throttle
 from healthlog.storage.datadir import DataDir
 from healthlog.timestamps import format_instant
 from transport import app as app_module
-from transport.refusals import RefusalLog
+from transport.refusals import Bucket, RefusalLog
 
 MiB = 2**20
 HEART_RATE = body(
@@ -1481,7 +1480,7 @@ async def test_a_flood_of_401s_logs_a_few_lines_and_counts_the_rest_serve_44(
     monkeypatch.setattr(
         app_module,
         "RefusalLog",
-        functools.partial(RefusalLog, clock=lambda: trio.current_time() + quiet[0]),
+        lambda: RefusalLog(Bucket(clock=lambda: trio.current_time() + quiet[0])),
     )
     wrong = {"Authorization": "Bearer hl_wrong"}
     async with serving(tmp_path / "data") as service:
@@ -1508,7 +1507,7 @@ def test_refusal_log_counts_what_it_holds_back_serve_44(caplog: pytest.LogCaptur
     a held-back run says exactly how many were held back, one as well as 95, and a quiet
     minute refills it."""
     now = [0.0]
-    refusals = RefusalLog(clock=lambda: now[0])
+    refusals = RefusalLog(Bucket(clock=lambda: now[0]))
     with caplog.at_level(logging.INFO, "healthlog.http"):
         for _ in range(100):
             refusals.unauthorized("POST", "/v1/deliveries", "192.0.2.1", presented=True)

@@ -78,15 +78,10 @@ class FaultLog:
 
 
 class RefusalLog:
-    """Logs refused requests at INFO, at most ``burst`` lines per ``period_s`` in a flood."""
+    """Logs refused requests at INFO, in a flood at most as a :class:`Bucket` lets it."""
 
-    def __init__(
-        self,
-        burst: int = BURST,
-        period_s: float = PERIOD_S,
-        clock: Callable[[], float] = trio.current_time,
-    ) -> None:
-        self._bucket = Bucket(burst, period_s, clock)
+    def __init__(self, bucket: Bucket | None = None) -> None:
+        self._bucket = Bucket() if bucket is None else bucket
 
     def refused(self, status: int, method: str, route: str, address: str | None, why: str) -> None:
         """Log one refused request (or count it, in a flood)."""
