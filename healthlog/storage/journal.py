@@ -355,7 +355,8 @@ class Journal:
         self._lock = ConnectionGuard(self.path, self._reopen)
         self._stats = JournalStatistics()
         self._counted = (0, 0, 0, 0)
-        """The last delivery id :meth:`_count` counted, the deliveries and their raw bytes."""
+        """The last delivery id :meth:`_count` counted, the deliveries, their raw bytes and the
+        sum of their ids."""
         self._clock_behind = False
         """Whether the clock was last seen more than :data:`CLOCK_BEHIND_US` behind the last
         live stamp (said once: JOURNAL-44)."""
