@@ -592,6 +592,13 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
                 )
     except BrokenPipeError:
         _quiet_stdout()
+    provenance = sum(diff.provenance for diff in differences)
+    if provenance:
+        _tell(
+            f"verify: {provenance} objects (`provenance`) hold the points a rebuild holds but"
+            " name another delivery as the one that created them (a backfill folded after a"
+            " later delivery); `healthlog reindex` records the rebuild's"
+        )
     _tell(f"verify: {len(differences)} objects differ")
     return 1 if differences else 0
 
@@ -654,7 +661,9 @@ def _what_differs(diff: Difference) -> str:
         return "missing"
     if diff.rebuilt is None:
         return "extra"
-    return "corrupt" if diff.corrupt else "differs"
+    if diff.corrupt:
+        return "corrupt"
+    return "provenance" if diff.provenance else "differs"
 
 
 def cmd_status(args: argparse.Namespace, data: DataDir) -> int:

@@ -761,6 +761,41 @@ def test_swap_writes_every_column_that_differs_store_21(
         assert list(store.iter_objects()) == list(fresh.iter_objects())
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_verify_names_an_object_differing_only_by_provenance_store_75(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path, cli: Cli, workers: int
+) -> None:
+    """STORE-75: an object whose points equal the rebuild's but whose creating delivery does
+    not (a backfill of the same point folded after the live delivery) is a difference by its
+    provenance, not corrupt: ``verify`` returns it so, in one process and partitioned, and
+    ``healthlog verify`` prints ``provenance`` with its key, says on stderr what differs, and
+    exits 1; after a reindex nothing differs."""
+    append(journal, delivery(body({"hr": [point(1, 60)], "steps": [point(2, 10)]})))
+    run_pass(journal, store, epoch)
+    append(journal, delivery(body({"hr": [point(1, 60)]}), received_at=BASE_US))
+    run_pass(journal, store, epoch)
+    hr_hash = summaries(store)[HR].hash
+
+    run = cli("verify", "--data", tmp_path)
+
+    assert run.code == 1
+    assert run.lines() == [
+        f"provenance\t{HR.metric}\t{HR.layer}\t{format_instant(HR.hour)}\n".encode()
+    ]
+    assert "corrupt" not in run.err
+    assert run.err.splitlines()[-2:] == [
+        "verify: 1 objects (`provenance`) hold the points a rebuild holds but name another"
+        " delivery as the one that created them (a backfill folded after a later delivery);"
+        " `healthlog reindex` records the rebuild's",
+        "verify: 1 objects differ",
+    ]
+    assert verify(journal, store, workers=workers) == [
+        Difference(HR, hr_hash, hr_hash, provenance=True)
+    ]
+    reindex(journal, store, "reindex", workers=workers)
+    assert verify(journal, store, workers=workers) == []
+
+
 def test_the_command_line_reindexes_a_large_journal_in_worker_processes_store_22(
     run_cli: RunCli, tmp_path: Path
 ) -> None:

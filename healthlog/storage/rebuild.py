@@ -53,19 +53,22 @@ PARALLEL_MIN_BYTES = 4 * 2**20
 LIVE_SUMMARIES = "live.sqlite"
 _SAME_KEY = "n.metric = l.metric AND n.layer = l.layer AND n.hour = l.hour"
 _AGREE = "n.hash IS NOT NULL AND l.hash = n.hash AND l.sealed = n.sealed"
-_COLUMNS = "(l.units IS NOT n.units OR l.points != n.points OR l.created_by != n.created_by)"
+_COLUMNS = "(l.units IS NOT n.units OR l.points != n.points)"
+_PROVENANCE = "l.created_by != n.created_by"
 # Every live summary that differs from the rebuild (``agree`` 0), or agrees but with other
-# columns (``columns`` 1) or a live body that is not the rebuilt one (``now`` and ``fresh``,
-# for the caller to decompress and compare), then every rebuilt object the live store lacks.
+# columns (``columns`` 1), another creating delivery (``provenance`` 1) or a live body that is
+# not the rebuilt one (``now`` and ``fresh``, for the caller to decompress and compare), then
+# every rebuilt object the live store lacks.
 _DIFFERENCES = (
-    f"SELECT l.metric, l.layer, l.hour, l.hash, n.hash, {_AGREE}, {_COLUMNS}, o.body, n.body"
+    f"SELECT l.metric, l.layer, l.hour, l.hash, n.hash, {_AGREE}, {_COLUMNS}, {_PROVENANCE},"
+    " o.body, n.body"
     " FROM live.summaries AS l"
     f" LEFT JOIN main.objects AS n ON {_SAME_KEY}"
     " LEFT JOIN store.objects AS o ON o.metric = l.metric AND o.layer = l.layer"
     f" AND o.hour = l.hour AND {_AGREE} AND o.hash = l.hash AND o.body != n.body"
-    f" WHERE NOT ({_AGREE}) OR {_COLUMNS} OR o.body IS NOT NULL"
+    f" WHERE NOT ({_AGREE}) OR {_COLUMNS} OR {_PROVENANCE} OR o.body IS NOT NULL"
     " UNION ALL"
-    " SELECT n.metric, n.layer, n.hour, NULL, n.hash, 0, 0, NULL, NULL FROM main.objects AS n"
+    " SELECT n.metric, n.layer, n.hour, NULL, n.hash, 0, 0, 0, NULL, NULL FROM main.objects AS n"
     f" WHERE NOT EXISTS (SELECT 1 FROM live.summaries AS l WHERE {_SAME_KEY})"
     " ORDER BY 1, 2, 3"
 )
@@ -82,13 +85,16 @@ class RebuildUnwritten(RebuildError):
 @attrs.frozen
 class Difference:
     """One object that differs between the live store and a rebuild: by its hashes (None
-    where the object is missing), by its seal, or, with ``corrupt``, by a live body that does
-    not hold the bytes its hash names."""
+    where the object is missing), by its seal, with ``corrupt`` by a live row damaged behind
+    its hash (a body that does not hold the bytes its hash names, units or a point count that
+    are not the rebuild's), or, with ``provenance``, by the delivery that created it alone (a
+    backfill of the same points folded after a later delivery): its points are the rebuild's."""
 
     key: ObjectKey
     live: bytes | None
     rebuilt: bytes | None
     corrupt: bool = False
+    provenance: bool = False
 
 
 @attrs.frozen
@@ -309,8 +315,9 @@ def verify_all(
 def _differences(rebuilt: Path, live: Path, store: Path) -> Iterator[Difference]:
     """The objects that differ between the live summaries at ``live`` and the rebuilt store,
     sorted by key: by hash or seal, or, where those agree, by a row damaged behind the hash:
-    units, a point count or a creating delivery that are not the rebuild's, or a body in the
-    live store (as it is now) that does not hold the rebuilt object's bytes. An object that
+    units or a point count that are not the rebuild's, or a body in the live store (as it is
+    now) that does not hold the rebuilt object's bytes; else by a creating delivery that is
+    not the rebuild's (its provenance, which a backfill folded late changes). An object that
     changed since the summaries were copied is not what the rebuild stands for, and its body
     is passed over; a body equal to the rebuilt one (taken from the live store) is not
     decompressed."""
@@ -327,14 +334,19 @@ def _differences(rebuilt: Path, live: Path, store: Path) -> Iterator[Difference]
                 fresh_hash,
                 agree,
                 columns,
+                provenance,
                 now,
                 fresh,
             ) in conn.execute(_DIFFERENCES):
                 key = ObjectKey(metric, layer, hour)
                 if not agree:
                     yield Difference(key, live_hash, fresh_hash)
-                elif columns or not objects.holds(now, objects.decompress(fresh)):
+                elif columns or (
+                    now is not None and not objects.holds(now, objects.decompress(fresh))
+                ):
                     yield Difference(key, live_hash, fresh_hash, corrupt=True)
+                elif provenance:
+                    yield Difference(key, live_hash, fresh_hash, provenance=True)
     finally:
         conn.close()
 
