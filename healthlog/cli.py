@@ -294,12 +294,7 @@ async def _import(
             return 0
         await _say_who_folds(runtime, "import")
         await runtime.wait_folded(ids)
-        for delivery_id in ids:
-            outcome = await runtime.read_store(
-                functools.partial(Store.outcome, delivery_id=delivery_id)
-            )
-            assert outcome is not None
-            _tell(f"delivery {delivery_id}: {outcome.status}")
+        await _tell_outcomes(runtime, ids)
     return 0
 
 
@@ -332,7 +327,18 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
             return 0
         await _say_who_folds(runtime, "seal")
         await runtime.wait_folded([receipt.delivery_id])
+        await _tell_outcomes(runtime, [receipt.delivery_id])
     return 0
+
+
+async def _tell_outcomes(runtime: Runtime, ids: list[int]) -> None:
+    """One line for each of the folded deliveries ``ids``: its outcome (``delivery 2: parsed``)."""
+    for delivery_id in ids:
+        outcome = await runtime.read_store(
+            functools.partial(Store.outcome, delivery_id=delivery_id)
+        )
+        assert outcome is not None
+        _tell(f"delivery {delivery_id}: {outcome.status}")
 
 
 async def _say_who_folds(runtime: Runtime, command: str) -> None:

@@ -304,6 +304,28 @@ def test_seal_from_the_command_line_seal_6(run_cli: RunCli, tmp_path: Path) -> N
     assert run_cli("verify", "--data", data).code == 0
 
 
+def test_seal_says_its_outcome_once_folded_seal_17(run_cli: RunCli, tmp_path: Path) -> None:
+    """SEAL-17: `healthlog seal`, once its seal is folded, says the outcome on stderr as
+    `import` does (`delivery 2: parsed`); with `--no-wait` it says only what it journaled."""
+    data = tmp_path / "data"
+    payload = tmp_path / "day.json"
+    payload.write_bytes(TWO_HOURS)
+    assert run_cli("import", "--data", data, "--aggregation", "minutes", payload).code == 0
+
+    sealed = run_cli("seal", "--data", data, "--before", "2024-03-01T01:00:00Z")
+    unwaited = run_cli("seal", "--data", data, "--before", "2024-03-01T02:00:00Z", "--no-wait")
+
+    assert sealed.code == 0, sealed.err
+    assert sealed.err.splitlines() == [
+        "journaled the seal of the hours before 2024-03-01T01:00:00Z as delivery 2",
+        "delivery 2: parsed",
+    ]
+    assert unwaited.code == 0, unwaited.err
+    assert unwaited.err.splitlines() == [
+        "journaled the seal of the hours before 2024-03-01T02:00:00Z as delivery 3"
+    ]
+
+
 def test_the_stream_carries_the_flag_seal_8(journal: Journal, store: Store, epoch: int) -> None:
     """SEAL-8: the replay stream's page shows a sealed object's state with its flag set."""
     append(journal, delivery(TWO_HOURS))
