@@ -1227,3 +1227,43 @@ def test_a_rebuild_the_disk_cannot_hold_says_so_store_64(tmp_path: Path, room: i
             rf"^{command} exit 3\n(time=.*\n)*{said}\nscratch 0\n", stderr, re.MULTILINE
         ), stderr
         assert f"{command} afterwards exit 0\n" in stderr, stderr
+
+
+def test_a_verify_on_a_read_only_file_system_says_so_store_76(tmp_path: Path) -> None:
+    """STORE-76: on a file system mounted read-only (as the kernel remounts one after disk
+    errors) under a data directory whose databases stay readable (a process holding them was
+    killed, leaving their ``-wal`` and ``-shm`` files), `healthlog verify` exits 3 with one
+    line saying that the file system of the data directory is mounted read-only and that a
+    rebuild needs to write a second store beside ``store.sqlite``, not the name of a scratch
+    directory it could not make."""
+    payload = tmp_path / "body.json"
+    payload.write_bytes(body({"hr": [point(1, 60)]}))
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    holder = (
+        "import os, signal, sqlite3, sys\n"
+        "for name in ('journal.sqlite', 'store.sqlite'):\n"
+        "    conn = sqlite3.connect(os.path.join(sys.argv[1], name))\n"
+        "    conn.execute('SELECT count(*) FROM sqlite_master').fetchall()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -c "$3" "$1/data"\n'
+        'test -e "$1/data/store.sqlite-shm" || exit 97\n'
+        'mount -o remount,ro "$1" || exit 96\n'
+        '"$PY" -m healthlog.cli verify --data "$1/data" > /dev/null\n'
+        'echo "verify exit $?" >&2\n'
+        'echo "scratch $(ls -a "$1/data" | grep -c \'^\\.rebuild-\')" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, holder)
+    assert re.search(
+        r"^healthlog: the file system of \S+/data is mounted read-only \(as the kernel remounts"
+        r" one after disk errors: see `dmesg`\): `verify` and `reindex` rebuild into a second"
+        r" store beside store\.sqlite, which cannot be written there \(nothing was changed\)\n"
+        r"verify exit 3\nscratch 0\n",
+        stderr,
+        re.MULTILINE,
+    ), stderr
+    assert "Errno" not in stderr

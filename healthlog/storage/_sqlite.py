@@ -244,6 +244,22 @@ def free_when_full(directory: str | os.PathLike[str]) -> int | None:
     return free if free < FULL_BELOW_BYTES else None
 
 
+def mounted_read_only(directory: Path) -> str | None:
+    """``the file system of DIRECTORY is mounted read-only (...)``, as a clause for an error
+    line, when it is (as the kernel remounts one after disk errors); None when it is not, or
+    cannot be read."""
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return None
+    if not read_only:
+        return None
+    return (
+        f"the file system of {directory} is mounted read-only (as the kernel remounts one after"
+        " disk errors: see `dmesg`)"
+    )
+
+
 def not_permitted(path: str | os.PathLike[str]) -> str:
     """Why this process's user may not use the data directory's file ``path`` (read and write
     it, or make the ``-wal`` and ``-shm`` files beside it), as a clause for an error line, with
@@ -254,17 +270,10 @@ def not_permitted(path: str | os.PathLike[str]) -> str:
     ``unable to open database file``, or for a mere ``export`` ``attempt to write a readonly
     database``, which named no cause (CLI-90)."""
     file = Path(path)
-    try:
-        read_only = bool(os.statvfs(file.parent).f_flag & os.ST_RDONLY)
-    except OSError:
-        read_only = False
-    if read_only:
+    read_only = mounted_read_only(file.parent)
+    if read_only is not None:
         # Where no user may write, whose the files are is beside the point (CLI-91).
-        return (
-            f": the file system of {file.parent} is mounted read-only (as the kernel remounts"
-            " one after disk errors: see `dmesg`), and every healthlog command writes there,"
-            " export and status too"
-        )
+        return f": {read_only}, and every healthlog command writes there, export and status too"
     for what, candidate, needed in (
         ("read and write", file, os.R_OK | os.W_OK),
         ("make files in", file.parent, os.W_OK | os.X_OK),

@@ -33,6 +33,7 @@ from healthlog.storage._sqlite import (
     connect,
     free_when_full,
     is_damage,
+    mounted_read_only,
     read_transaction,
 )
 from healthlog.storage.journal import DeliveryMeta, Journal
@@ -193,10 +194,22 @@ def rebuild_into(
 @contextlib.contextmanager
 def _scratch(near: Path) -> Iterator[Path]:
     """A scratch store in a directory of its own next to ``near``, locked while in use; what
-    killed rebuilds left there is removed first."""
+    killed rebuilds left there is removed first. A :class:`RebuildError` saying so where the
+    file system is mounted read-only."""
     remove_stale_scratch(near.parent)
+    try:
+        scratch = tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=near.parent)
+    except OSError as exc:
+        read_only = mounted_read_only(near.parent)
+        if read_only is None:
+            raise
+        # Not the scratch directory's own name, which the user never made (STORE-76).
+        raise RebuildError(
+            f"{read_only}: `verify` and `reindex` rebuild into a second store beside"
+            f" {near.name}, which cannot be written there (nothing was changed)"
+        ) from exc
     with (
-        tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=near.parent) as tmp,
+        scratch as tmp,
         open(Path(tmp) / f"{SCRATCH_OWNER}.new", "wb") as owner,
     ):
         # Locked before it takes its name, so that no rebuild ever finds it unlocked.
