@@ -1267,3 +1267,28 @@ def test_a_verify_on_a_read_only_file_system_says_so_store_76(tmp_path: Path) ->
         re.MULTILINE,
     ), stderr
     assert "Errno" not in stderr
+
+
+def test_a_warning_of_the_rebuilds_store_names_its_file_store_77(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STORE-77: a verify whose rebuilt store the disk refuses (files limited to 128 KiB: the
+    copy of the live summaries fits, the rebuilt objects do not) logs the fold's WARNING
+    naming the rebuilt store's own file, not ``store.sqlite``, which it only read."""
+    append(
+        journal,
+        delivery(body({f"m{n}": [point(m, n + m / 7) for m in range(1200)] for n in range(4)})),
+    )
+    run_pass(journal, store, epoch)
+
+    with pytest.raises(RebuildError), files_limited_to(128 * 2**10):
+        verify(journal, store, workers=1)
+
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings
+    for warning in warnings:
+        assert re.fullmatch(
+            rf"delivery 1: fold not written: StorageError: {DISK_ERROR}"
+            r" \(rebuilt\.sqlite\)",
+            warning,
+        ), warning

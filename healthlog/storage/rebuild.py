@@ -52,6 +52,9 @@ UNLOCKED_STALE_S = 3600.0
 PARALLEL_MIN_BYTES = 4 * 2**20
 # The live summaries a verify compares with, in its scratch directory.
 LIVE_SUMMARIES = "live.sqlite"
+# The rebuilt store, in its scratch directory: a name of its own, so that what is logged of
+# its writes (a full disk) is not taken for the live store's (STORE-77).
+SCRATCH_STORE = "rebuilt.sqlite"
 _SAME_KEY = "n.metric = l.metric AND n.layer = l.layer AND n.hour = l.hour"
 _AGREE = "n.hash IS NOT NULL AND l.hash = n.hash AND l.sealed = n.sealed"
 _COLUMNS = "(l.units IS NOT n.units OR l.points != n.points)"
@@ -216,7 +219,7 @@ def _scratch(near: Path) -> Iterator[Path]:
         fcntl.flock(owner, fcntl.LOCK_EX)
         os.replace(Path(tmp) / f"{SCRATCH_OWNER}.new", Path(tmp) / SCRATCH_OWNER)
         try:
-            yield Path(tmp) / "store.sqlite"
+            yield Path(tmp) / SCRATCH_STORE
         except (StorageError, RebuildUnwritten) as exc:
             if isinstance(exc, Deferred) or (isinstance(exc, StorageError) and is_damage(exc)):
                 raise
