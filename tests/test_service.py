@@ -1175,6 +1175,7 @@ async def test_a_connection_failing_inside_hypercorn_stays_with_it_serve_37(
                 assert b'"UNAUTHORIZED"' in await refused_then_closed(service.port)
             assert (await service.post(small(1))).status_code == 200
     records = contained(caplog)
+    assert [r.getMessage() for r in records] == [f"{CONTAINED}LocalProtocolError"]
     assert {r.levelno for r in records} == {logging.WARNING}
     for record in records:
         assert CONTAINED_LINE.fullmatch(record.getMessage()), record.getMessage()

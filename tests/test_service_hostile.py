@@ -20,7 +20,10 @@ import h2.connection
 import h2.settings
 import httpx
 import pytest
+from _baseline import severe_lines
 from _service_helpers import FOLD_LIMIT_S, POLL_S, write_minute_body
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import CloseConnection, Request, TextMessage
 
 from healthlog.storage.datadir import DataDir
 from transport.refusals import Bucket, FaultLog
@@ -240,6 +243,47 @@ def test_broken_handshakes_in_a_flood_log_a_few_lines_serve_61(tmp_path: Path) -
     ]
     assert 2 <= len(lines) <= 12, lines
     assert all("level=ERROR" not in line for line in lines), lines
+
+
+REFUSED_CLOSERS = 40
+
+
+def refused_closing_at_once(port: int) -> bytes:
+    """A subscriber with a wrong token that closes its side as soon as the refusal's frame
+    arrives (as a browser's ``onmessage`` calling ``close()`` does); what the service sent."""
+    ws = WSConnection(ConnectionType.CLIENT)
+    received = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=FOLD_LIMIT_S) as conn:
+        request = Request(
+            host="127.0.0.1",
+            target="/v1/stream?after=0",
+            extra_headers=[(b"authorization", b"Bearer hl_wrong")],
+        )
+        conn.sendall(ws.send(request))
+        with contextlib.suppress(ConnectionResetError):
+            while data := conn.recv(2**16):
+                received += data
+                ws.receive_data(data)
+                if any(isinstance(event, TextMessage) for event in ws.events()):
+                    conn.sendall(ws.send(CloseConnection(code=1000)))
+    return received
+
+
+def test_subscribers_closing_as_they_are_refused_log_no_failure_serve_73(tmp_path: Path) -> None:
+    """SERVE-73: 40 subscribers of a `healthlog serve` process with a wrong token, each closing
+    its side as soon as the refusal's frame arrives, each get the frame, and the log holds no
+    line of a connection failing inside hypercorn and nothing at ERROR. (Before, hypercorn's
+    answer to the client's close met its own half-close of the socket, `BusyResourceError`,
+    logged at WARNING as a failure: 23 of 160 such subscribers in a loop.)"""
+    with served(tmp_path / "data") as service:
+        for _ in range(REFUSED_CLOSERS):
+            assert b'"UNAUTHORIZED"' in refused_closing_at_once(service.port)
+        base = f"http://127.0.0.1:{service.port}"
+        with httpx.Client(base_url=base, timeout=FOLD_LIMIT_S) as client:
+            assert client.get("/v1/status", headers=service.auth).status_code == 200
+    log = service.log.read_text()
+    assert [line for line in log.splitlines() if "failed inside hypercorn" in line] == []
+    assert severe_lines(log) == []
 
 
 def test_a_fault_log_says_how_many_lines_it_held_back_serve_61(

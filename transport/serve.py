@@ -83,7 +83,9 @@ class _ContainedTCPServer(TCPServer):
     ends there. Left to hypercorn, such a failure ends the whole
     server: two of its tasks writing to one socket when a websocket client closes as the
     server does (``trio.BusyResourceError``), or an upgrade request followed by trailing bytes
-    (h11's ``LocalProtocolError``) took ``healthlog serve`` down, without a token."""
+    (h11's ``LocalProtocolError``) took ``healthlog serve`` down, without a token. It also
+    half-closes a socket holding hypercorn's send lock, so that the first of those no longer
+    happens (SERVE-73)."""
 
     _peer_closed = False
 
@@ -112,6 +114,24 @@ class _ContainedTCPServer(TCPServer):
             # the timer does not wait on the peer.
             with trio.CancelScope(shield=True):
                 await super().protocol_send(event)
+
+    async def _close(self) -> None:
+        # hypercorn half-closes the socket (``send_eof``) without its send lock, and a send
+        # that takes the lock meanwhile (its answer to the client's websocket close, as a
+        # refused subscriber closes at once) met the half-close on the socket: a
+        # BusyResourceError that ended the connection's handling, logged at WARNING as a
+        # failure for 23 of 160 such connections (SERVE-73). The half-close now holds the lock;
+        # while a send holds it, the connection is closed whole, as hypercorn does when its
+        # half-close meets a send.
+        try:
+            self.send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            await self.stream.aclose()
+            return
+        try:
+            await super()._close()
+        finally:
+            self.send_lock.release()
 
     async def run(self) -> None:
         try:
