@@ -31,7 +31,7 @@ from healthlog.logs import LEVELS, setup_logging
 from healthlog.objects import ObjectCorrupt
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.snapshots import public_key_text
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import StorageError, not_permitted, write_refused
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import check_before_folding, check_same_journal, pending
@@ -917,7 +917,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         error = _user_error(exc)
         if error is None:
             raise
-        _tell(f"healthlog: {_naming_its_file(error)}")
+        _tell(f"healthlog: {_naming_its_file(error, data)}")
         return 2 if isinstance(error, CliError) else 3
 
 
@@ -941,12 +941,15 @@ def _log_as_configured(data: DataDir | None) -> None:
     setup_logging(config.log_format, config.log_level)
 
 
-def _naming_its_file(error: Exception) -> str:
+def _naming_its_file(error: Exception, data: DataDir) -> str:
     """``error`` for its one line: a storage error met once its file was open says which of the
-    data directory's files it was (one met opening it names it already)."""
+    data directory's files it was (one met opening it names it already), and a write SQLite
+    refused for want of permission why, as an opening does (CLI-100)."""
     text = str(error)
     if isinstance(error, StorageError) and error.file and error.file not in text:
-        return f"{text} ({error.file})"
+        path = data.path / error.file
+        cause = not_permitted(path) if write_refused(error) and path.exists() else ""
+        return f"{text}{cause} ({error.file})"
     return text
 
 

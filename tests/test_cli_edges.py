@@ -1288,6 +1288,44 @@ def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path:
         ), stderr
 
 
+def test_a_write_refused_on_a_read_only_file_system_is_said_so_cli_100(tmp_path: Path) -> None:
+    """CLI-100: on a file system mounted read-only under a data directory whose databases
+    stay readable (a process holding them was killed, leaving their `-wal` and `-shm` files, so
+    SQLite opens them read-only), `reindex`, whose first write SQLite refuses, exits 3 with
+    one line saying that the file system is mounted read-only, in CLI-91's words, after
+    SQLite's own error and before the file."""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    holder = (
+        "import os, signal, sqlite3, sys\n"
+        "for name in ('journal.sqlite', 'store.sqlite'):\n"
+        "    conn = sqlite3.connect(os.path.join(sys.argv[1], name))\n"
+        "    conn.execute('SELECT count(*) FROM sqlite_master').fetchall()\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -c "$3" "$1/data"\n'
+        'test -e "$1/data/store.sqlite-shm" || exit 97\n'
+        'mount -o remount,ro "$1" || exit 96\n'
+        '"$PY" -m healthlog.cli reindex --data "$1/data" > /dev/null\n'
+        'echo "reindex exit $?" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, holder)
+    assert re.search(
+        r"^healthlog: database error: attempt to write a readonly database: the file system of"
+        r" \S+/data is mounted read-only \(as the kernel remounts one after disk errors: see"
+        r" `dmesg`\), and every healthlog command writes there, export and status too"
+        r" \(store\.sqlite\)\nreindex exit 3$",
+        stderr,
+        re.MULTILINE,
+    ), stderr
+
+
 def _free_port() -> int:
     """A port of loopback that nothing listens on now, as the kernel picks one (``serve``
     whose stdout cannot be written cannot say which port 0 gave it)."""

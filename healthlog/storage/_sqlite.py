@@ -205,6 +205,13 @@ def is_damage(error: StorageError) -> bool:
     return error.code is not None and error.code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
 
 
+def write_refused(error: StorageError) -> bool:
+    """Whether SQLite refused a write for want of permission (a connection it opened read-only,
+    on a file this user may not write or a file system mounted read-only): see
+    :func:`not_permitted` for why."""
+    return error.code is not None and error.code & 0xFF in _NOT_PERMITTED
+
+
 def damaged(path: str | os.PathLike[str], finding: str, remedy: str) -> StorageError:
     """The error of a damaged database file: its name, SQLite's first ``finding`` and
     ``remedy``, what the user can do."""
@@ -221,7 +228,7 @@ def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     """``error``, naming the file that could not be opened (a data directory has several),
     and saying that the disk is full when a disk error met a full one."""
     cause = ""
-    if error.code is not None and error.code & 0xFF in _NOT_PERMITTED:
+    if write_refused(error):
         cause = not_permitted(path)
     if error.code is not None and error.code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL):
         free = free_when_full(Path(path).parent)
