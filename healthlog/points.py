@@ -123,12 +123,19 @@ class Point:
 
 
 def instant_of(value: object) -> int:
-    """``parse_instant``, fast for the app's own shape ``yyyy-MM-dd HH:mm:ss ±hhmm``.
+    """The instant of a point's timestamp: ``parse_instant``, fast for the app's own shape
+    ``yyyy-MM-dd HH:mm:ss ±hhmm``, with a Buddhist-era year read as its Gregorian year.
 
     Minute-level bodies bring a new timestamp on almost every point but few distinct hours,
     so the instant of the hour (date, hour and offset) is cached and the minutes and seconds
     are added from a table, which also validates them. Anything else, and any hour that does
-    not parse or lands out of range, goes through ``parse_instant`` (and its error message).
+    not parse, goes through ``parse_instant`` (and its error message). No hour made Gregorian
+    is near the end of ``parse_instant``'s range (9999), so the minutes never carry past it.
+
+    A year from ``BUDDHIST_ERA_FROM`` on is a Buddhist-era year, written by a phone set to the
+    Buddhist calendar (the app writes dates in the phone's calendar, as it writes its 12-hour
+    clock): its Gregorian year is 543 less; month, day and time are the same (PARSE-41). It is
+    made Gregorian where an hour is first parsed, so a cached hour costs nothing more.
     """
     if type(value) is str and len(value) == _APP_SHAPE_LENGTH:
         within = _WITHIN_HOUR.get(value[13:19])
@@ -137,14 +144,33 @@ def instant_of(value: object) -> int:
             hour = _hours.get(key)
             if hour is None:
                 hour = _hour_instant(key)
-            if hour is not None and hour + within <= _LAST_INSTANT:
+            if hour is not None:
                 return hour + within
-    return parse_instant(value)
+    return parse_instant(gregorian(value) if type(value) is str else value)
+
+
+BUDDHIST_ERA_FROM = "2500"
+"""The first Buddhist-era year read as one (1957 of the Gregorian calendar): no Gregorian year
+from it on can date a health record."""
+_BUDDHIST_ERA_OFFSET = 543
+
+
+def gregorian(value: str) -> str:
+    """``value`` with a Buddhist-era year (its first four characters after any whitespace, before
+    a ``-``) replaced by its Gregorian year, four digits as well; any other value unchanged."""
+    if value < BUDDHIST_ERA_FROM and not value[:1].isspace():
+        return value
+    text = value.lstrip()
+    year = text[:4]
+    if year >= BUDDHIST_ERA_FROM and year.isascii() and year.isdigit() and text[4:5] == "-":
+        lead = len(value) - len(text)
+        return f"{value[:lead]}{int(year) - _BUDDHIST_ERA_OFFSET:04d}{text[4:]}"
+    return value
 
 
 def _hour_instant(key: str) -> int | None:
     try:
-        hour = parse_instant(key[:13] + ":00:00" + key[13:])
+        hour = parse_instant(gregorian(key[:13] + ":00:00" + key[13:]))
     except TimestampError:
         return None
     if len(_hours) >= _HOURS_LIMIT:
@@ -155,7 +181,6 @@ def _hour_instant(key: str) -> int | None:
 
 _APP_SHAPE_LENGTH = len("2024-02-06 07:00:00 -0800")
 _WITHIN_HOUR = {f":{m:02d}:{s:02d}": (m * 60 + s) * 1_000_000 for m in range(60) for s in range(60)}
-_LAST_INSTANT = parse_instant("9999-12-31T23:59:59.999999Z")
 _hours: dict[str, int] = {}
 _HOURS_LIMIT = 1 << 12
 

@@ -1,8 +1,8 @@
 """The projection store and its fold transaction against real SQLite files.
 
-Scenarios: STORE-n in specs/storage.md, FOLD-n in specs/folding.md; the replay stream's
-pruning and the removal of gone subscribers (STREAM-39, STREAM-63 to STREAM-65) in
-specs/stream.md.
+Scenarios: STORE-n in specs/storage.md, FOLD-n in specs/folding.md, PARSE-41 in
+specs/parsing.md; the replay stream's pruning and the removal of gone subscribers (STREAM-39,
+STREAM-63 to STREAM-65) in specs/stream.md.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from _disk import DISK_ERROR, files_limited_to, in_full_file_system, unwritable
 from _sqlite_steps import counted_steps
 
 from actors.retention import RetentionActor, RetentionStatistics
-from healthlog import clock, faults
+from healthlog import clock, faults, objects
 from healthlog.fold import NO_LAYER, BudgetExceeded
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.objects import ObjectKey
@@ -1017,3 +1017,42 @@ def test_an_hour_range_reads_only_its_hours_store_49(
         found, steps = counted_steps(store._conn, functools.partial(keys, metric, layer))
         assert found == expected, (metric, layer)
         assert steps < 10 * len(expected), (metric, layer, steps)
+
+
+def test_a_buddhist_era_year_is_read_as_its_gregorian_year_parse_41(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """PARSE-41: a phone set to the Buddhist calendar writes 2567 for 2024; its points are stored
+    at the Gregorian instants (29 February 2567 is 29 February 2024, a leap day), and the same
+    points re-sent by a phone set to the Gregorian calendar are the same points, unchanged."""
+    buddhist = [
+        {"date": "2567-02-29 10:00:00 +0700", "qty": 1},
+        {"date": "2567-03-01 1:05:00\u202fpm +0700", "qty": 2},
+        {"startDate": "2567-03-01", "endDate": "2567-03-02", "value": "Core"},
+    ]
+    gregorian = [
+        {"date": "2024-02-29 10:00:00 +0700", "qty": 1},
+        {"date": "2024-03-01 1:05:00\u202fpm +0700", "qty": 2},
+        {"startDate": "2024-03-01", "endDate": "2024-03-02", "value": "Core"},
+    ]
+    first = store.fold(journal, append(journal, delivery(body({"s": buddhist}))), epoch)
+    again = store.fold(journal, append(journal, delivery(body({"s": gregorian}))), epoch)
+
+    assert (first.status, again.status) == ("parsed", "parsed")
+    resent = store.outcome(again.delivery_id)
+    assert resent is not None
+    assert (resent.counters["points_new"], resent.counters["points_unchanged"]) == (0, 3)
+    stored = {
+        coordinates: raw
+        for stored_object in store.iter_objects()
+        for coordinates, raw in objects.decode(stored_object.body).items()
+    }
+    day = 24 * US_PER_HOUR
+    leap_day = 1_709_175_600_000_000  # 2024-02-29T03:00:00Z
+    march_first = leap_day + day - 3 * US_PER_HOUR  # 2024-03-01T00:00:00Z
+    assert sorted(stored) == [
+        (leap_day, leap_day),
+        (march_first, march_first + day),
+        (march_first + 6 * US_PER_HOUR + 5 * 60_000_000,) * 2,
+    ]
+    assert sorted(stored.values()) == sorted(orjson.dumps(p) for p in buddhist)
