@@ -1,0 +1,237 @@
+"""What a user's deliveries come out as, end to end through a real ``healthlog serve``.
+
+Scenario: PARSE-42 in specs/parsing.md. Every section the app sends and every metric shape, in
+the odd offsets, across the end of daylight saving time, on a leap day and in the phone's
+12-hour clock and Buddhist calendar, is posted over HTTP; ``GET /v1/points`` must give each
+point exactly once, verbatim, sorted, at its UTC coordinates; re-sends that differ only in how
+they are written must change nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from _service_helpers import Service, serving
+
+MINUTES = {"automation-aggregation": "minutes", "automation-id": "A"}
+DAYS = {"automation-aggregation": "days", "automation-id": "B"}
+
+# Points as the phone writes them, and their starts in UTC.
+HEART_RATE = [
+    b'{"date":"2024-02-06 07:00:00 +0545","Min":50,"Avg":60.5,"Max":70,"source":"A|B"}',
+    b'{"date":"2024-02-06 07:01:00 +1245","Min":51,"Avg":61,"Max":71}',
+    b'{"date":"2024-02-06 07:02:00 -0930","Min":52,"Avg":62,"Max":72,"source":""}',
+    b'{"date":"2024-11-03 01:30:00 -0400","Min":53,"Avg":63,"Max":73}',
+    b'{"date":"2024-11-03 01:30:00 -0500","Min":54,"Avg":64,"Max":74}',
+    b'{"date":"2024-02-29 23:59:59 +0000","Min":55,"Avg":65,"Max":75}',
+    b'{"date":"2024-03-01 00:00:00 +0000","Min":56,"Avg":66,"Max":76}',
+    b'{"date":"2024-09-21 7:57:00\\u202fpm +1000","Min":57,"Avg":67,"Max":77}',
+    b'{"date":"2567-02-29 10:00:00 +0700","Min":58,"Avg":68,"Max":78,"source":"Caf\xc3\xa9"}',
+]
+HEART_RATE_AT = [
+    "2024-02-06T01:15:00Z",
+    "2024-02-05T18:16:00Z",
+    "2024-02-06T16:32:00Z",
+    "2024-11-03T05:30:00Z",
+    "2024-11-03T06:30:00Z",
+    "2024-02-29T23:59:59Z",
+    "2024-03-01T00:00:00Z",
+    "2024-09-21T09:57:00Z",
+    "2024-02-29T03:00:00Z",
+]
+# Two sleep segments sharing a start: (point, end in UTC).
+SLEEP_SEGMENTS = [
+    (
+        b'{"startDate":"2024-03-01 01:00:00 +0000","endDate":"2024-03-01 02:00:00 +0000",'
+        b'"value":"Core","qty":1}',
+        "2024-03-01T02:00:00Z",
+    ),
+    (
+        b'{"startDate":"2024-03-01 01:00:00 +0000","endDate":"2024-03-01 01:30:00 +0000",'
+        b'"value":"Deep","qty":0.5}',
+        "2024-03-01T01:30:00Z",
+    ),
+]
+DAILY = [
+    (
+        "blood_pressure",
+        "mmHg",
+        b'{"date":"2024-02-06 00:00:00 -0800","systolic":120,"diastolic":80}',
+        "2024-02-06T08:00:00Z",
+        "2024-02-06T08:00:00Z",
+    ),
+    (
+        "sleep_analysis",
+        "hr",
+        b'{"date":"2024-02-06","totalSleep":7.1,"core":3,"deep":1,"rem":2,"inBed":0,'
+        b'"sleepStart":"2024-02-05 23:00:00 -0800","sleepEnd":"2024-02-06 06:30:00 -0800"}',
+        "2024-02-06T00:00:00Z",
+        "2024-02-06T00:00:00Z",
+    ),
+]
+RECORDS = [
+    (
+        "workouts",
+        b'{"id":"W1","name":"Walk","start":"2024-02-06 07:00:00 -0800",'
+        b'"end":"2024-02-06 08:00:00 -0800","route":[{"latitude":1.5,"longitude":2.5,'
+        b'"timestamp":"2024-02-06 07:00:01 -0800"}],"heartRateData":[{"date":'
+        b'"2024-02-06 07:00:00 -0800","Min":80,"Avg":90,"Max":100,"units":"count/min"}]}',
+        "2024-02-06T15:00:00Z",
+        "2024-02-06T16:00:00Z",
+    ),
+    (
+        "symptoms",
+        b'{"start":"2024-02-06 07:00:00 -0800","end":"2024-02-06 07:00:00 -0800",'
+        b'"name":"Headache","severity":"Mild"}',
+        "2024-02-06T15:00:00Z",
+        "2024-02-06T15:00:00Z",
+    ),
+    (
+        "ecg",
+        b'{"start":"2024-02-06 07:10:00 -0800","end":"2024-02-06 07:10:30 -0800",'
+        b'"classification":"Sinus Rhythm","voltageMeasurements":[{"date":'
+        b'"2024-02-06 07:10:00 -0800","voltage":0.1}]}',
+        "2024-02-06T15:10:00Z",
+        "2024-02-06T15:10:30Z",
+    ),
+    (
+        "stateOfMind",
+        b'{"start":"2024-02-06 07:20:00 -0800","end":"2024-02-06 07:20:00 -0800",'
+        b'"valence":0.5,"labels":["Calm"],"note":"a \\"b\\" <&> \\/ \\u00e9"}',
+        "2024-02-06T15:20:00Z",
+        "2024-02-06T15:20:00Z",
+    ),
+    (
+        "medications",
+        b'{"start":"2024-02-06 07:30:00 -0800","displayText":"X","dosage":1}',
+        "2024-02-06T15:30:00Z",
+        "2024-02-06T15:30:00Z",
+    ),
+    ("cycleTracking", b'{"date":"2024-02-06","flow":"light"}', "2024-02-06T00:00:00Z", None),
+    (
+        "heartRateNotifications",
+        b'{"start":"2024-02-06 07:40:00 -0800","end":"2024-02-06 07:50:00 -0800","threshold":120}',
+        "2024-02-06T15:40:00Z",
+        "2024-02-06T15:50:00Z",
+    ),
+]
+
+# The same points written otherwise: keys reordered, another offset, escapes for characters,
+# a number spelled otherwise, the Gregorian year, an accented name written as an escape.
+HEART_RATE_AGAIN = [
+    b'{"Max":70,"Avg":60.50,"Min":5e1,"date":"2024-02-06 01:15:00 +0000","source":"A|B"}',
+    b'{"date":"2024-02-06 07:01:00 +1245","Min":51,"Avg":61.000000000000001,"Max":71}',
+    b'{"date":"2024-02-06 07:02:00 -0930","Min":52,"Avg":62,"Max":72}',
+    b'{"date":"2024-11-03 05:30:00 +0000","Min":53,"Avg":63,"Max":73}',
+    b'{"date":"2024-11-03 01:30:00 -0500","Min":54,"Avg":64,"Max":74}',
+    b'{"date":"2024-02-29T23:59:59Z","Min":55,"Avg":65,"Max":75}',
+    b'{"date":"2024-03-01 00:00:00 +0000","Min":56,"Avg":66,"Max":76}',
+    b'{"date":"2024-09-21 19:57:00 +1000","Min":57,"Avg":67,"Max":77}',
+    b'{"date":"2024-02-29 10:00:00 +0700","Min":58,"Avg":68,"Max":78,"source":"Caf\\u00e9"}',
+]
+STATE_OF_MIND_AGAIN = (
+    b'{"note":"a \\"b\\" \\u003c\\u0026\\u003e / \xc3\xa9","labels":["Calm"],"valence":5e-1,'
+    b'"end":"2024-02-06 15:20:00 +0000","start":"2024-02-06 15:20:00 +0000"}'
+)
+
+
+def envelope(
+    sections: dict[str, list[bytes]], metrics: list[tuple[str, str, list[bytes]]]
+) -> bytes:
+    """A ``{"data": {...}}`` body holding the raw points given, as the app writes it."""
+    parts = [
+        b'{"name":%s,"units":%s,"data":[%s]}'
+        % (json.dumps(name).encode(), json.dumps(units).encode(), b",".join(points))
+        for name, units, points in metrics
+    ]
+    fields = [b'"metrics":[%s]' % b",".join(parts)] if parts else []
+    fields += [b'"%s":[%s]' % (name.encode(), b",".join(raws)) for name, raws in sections.items()]
+    return b'{"data":{%s}}' % b",".join(fields)
+
+
+def line(
+    metric: str, layer: str, units: str | None, raw: bytes, start: str, end: str | None
+) -> bytes:
+    """The line ``GET /v1/points`` gives for a point: the point embedded byte for byte."""
+    head = json.dumps(
+        {"metric": metric, "layer": layer, "start": start, "end": end or start, "units": units},
+        separators=(",", ":"),
+    ).encode()
+    return head[:-1] + b',"point":' + raw + b"}"
+
+
+def expected_lines() -> list[bytes]:
+    heart_rate = [
+        line("heart_rate", "minutes", "count/min", raw, at, None)
+        for raw, at in zip(HEART_RATE, HEART_RATE_AT, strict=True)
+    ]
+    sleep = [
+        line("sleep_analysis", "minutes", "hr", raw, "2024-03-01T01:00:00Z", end)
+        for raw, end in SLEEP_SEGMENTS
+    ]
+    daily = [line(name, "days", units, raw, s, e) for name, units, raw, s, e in DAILY]
+    records = [line(name, "records", None, raw, s, e) for name, raw, s, e in RECORDS]
+    every = heart_rate + sleep + daily + records
+
+    def order(found: bytes) -> tuple[Any, ...]:
+        document = json.loads(found)
+        return tuple(document[key] for key in ("metric", "layer", "start", "end"))
+
+    return sorted(every, key=order)
+
+
+async def points(service: Service, **params: str) -> list[bytes]:
+    response = await service.get("/v1/points", **params)
+    assert response.status_code == 200, response.text
+    return response.content.splitlines()
+
+
+async def post_folded(service: Service, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
+    response = await service.post(body, headers)
+    assert response.status_code == 200, response.text
+    await service.wait_folded()
+    outcome = await service.get(f"/v1/deliveries/{response.json()['delivery_id']}")
+    document: dict[str, Any] = outcome.json()
+    return document
+
+
+async def test_every_section_and_shape_comes_out_once_verbatim_parse_42(tmp_path: Path) -> None:
+    """PARSE-42: every section and metric shape a phone sends, in any offset, calendar and
+    clock, comes out of ``GET /v1/points`` exactly once, byte for byte, sorted by metric,
+    layer, start and end; re-sends that differ only in how they are written change nothing."""
+    minutes = envelope(
+        {name: [raw] for name, raw, _, _ in RECORDS},
+        [
+            ("heart_rate", "count/min", HEART_RATE),
+            ("sleep_analysis", "hr", [raw for raw, _ in SLEEP_SEGMENTS]),
+        ],
+    )
+    days = envelope({}, [(name, units, [raw]) for name, units, raw, _, _ in DAILY])
+    again = envelope(
+        {"stateOfMind": [STATE_OF_MIND_AGAIN]},
+        [("heart_rate", "count/min", HEART_RATE_AGAIN)],
+    )
+    async with serving(tmp_path / "data") as service:
+        first = await post_folded(service, minutes, MINUTES)
+        daily = await post_folded(service, days, DAYS)
+        assert (first["status"], daily["status"]) == ("parsed", "parsed")
+        assert first["counters"]["points_new"] + daily["counters"]["points_new"] == 20
+        stored = await points(service)
+        assert stored == expected_lines()
+
+        resent = await post_folded(service, again, MINUTES)
+
+        assert resent["status"] == "parsed"
+        changed = {
+            name: count
+            for name, count in resent["counters"].items()
+            if count and name not in ("metrics", "sections", "points", "objects_unchanged")
+        }
+        assert changed == {"points_unchanged": 10}
+        assert await points(service) == stored
+        records = await points(service, layer="RECORDS", format="jsonl")
+        assert [json.loads(found)["metric"] for found in records] == sorted(
+            name for name, _, _, _ in RECORDS
+        )
