@@ -1591,28 +1591,27 @@ async def test_a_service_restarted_on_a_new_store_while_connecting_is_followed_s
 
 
 def test_a_killed_restore_leaves_no_download_for_good_stream_60(tmp_path: Path) -> None:
-    """STREAM-60: a download file a killed follower left beside its replica (untouched for over
-    an hour) is removed when the next restore makes its own; one written to within the hour (a
-    restore running in another process) is left alone.
+    """STREAM-60: the download files killed followers left beside their replica, an old one
+    and one written to a moment ago, are removed when the next follower takes the replica
+    (only the holder of its lock downloads, so no other can be running); a download's own file
+    is removed when it ends.
 
     Both are download files as restores make them, whose blocks never end (as when the
     follower is killed), so that they are named as the files a killed follower leaves."""
     directory = tmp_path / "replica"
     with Replica(directory) as replica, contextlib.ExitStack() as never_ended:
         left = never_ended.enter_context(replica.snapshot_file())
-        running = never_ended.enter_context(replica.snapshot_file())
+        recent = never_ended.enter_context(replica.snapshot_file())
         left.write_bytes(b"\x1f\x8b half a snapshot")
-        running.write_bytes(b"\x1f\x8b")
+        recent.write_bytes(b"\x1f\x8b")
         hours_ago = time.time() - 2 * 3600
         os.utime(left, (hours_ago, hours_ago))
-        within_the_hour = time.time() - 50 * 60
-        os.utime(running, (within_the_hour, within_the_hour))
-        with replica.snapshot_file() as download:
-            assert download.exists()
-            assert not left.exists()
-            assert running.exists()
-        assert not download.exists()
-        assert [path.name for path in directory.glob("*.tmp")] == [running.name]
+        with replica.following():
+            assert list(directory.glob("*.tmp")) == []
+            with replica.snapshot_file() as download:
+                assert download.exists()
+            assert not download.exists()
+        assert list(directory.glob("*.tmp")) == []
 
 
 async def test_a_snapshot_larger_than_the_disk_has_room_for_stops_follow_stream_61(

@@ -16,7 +16,10 @@ import contextlib
 import functools
 import logging
 import shutil
+import signal
 import sqlite3
+import subprocess
+import sys
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -674,4 +677,55 @@ async def test_a_snapshot_download_stalled_or_trickled_is_given_up_stream_86(
                     await follower.run()
             assert fake.paths.count(path.encode()) == 1
             assert await cursor_of(replica) == total
+            assert await replica_export(replica) == await server_export(service)
+
+
+async def test_a_download_left_by_a_killed_follower_is_removed_at_once_stream_101(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-101: GIVEN a `healthlog follow` process restoring a snapshot that trickles in
+    WHEN it is killed (SIGKILL) with part of the file downloaded THEN that download file is left
+    beside the replica; WHEN `follow --until-caught-up` runs again on the replica at once THEN
+    it exits 0 equal to the service and no download file is left in the directory. (Before, a
+    dead follower's file stayed until a restore an hour later removed it: each kill left one
+    more, every one counted against the room a snapshot download may take.)"""
+    directory = tmp_path / "replica"
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, *range(0, 6000, 60))
+        await prune(service.data, keep=2)
+        manifest = (await service.get("/v1/snapshots")).json()
+        path = urllib.parse.urlsplit(manifest["url"]).path
+        content = (await service.get(path)).content
+        answers: dict[bytes, bytes | Answer] = {
+            b"/v1/status": json_answer(await service.status()),
+            b"/v1/snapshots/key": json_answer((await service.get("/v1/snapshots/key")).json()),
+            b"/v1/snapshots": json_answer(manifest),
+            path.encode(): functools.partial(paced, content, 64, 0.05),
+        }
+        async with faking(answers=answers) as fake, trio.open_nursery() as nursery:
+            command = [
+                *(sys.executable, "-m", "healthlog.cli", "follow", "--url", fake.url()),
+                *("--token", service.token, "--replica", str(directory)),
+            ]
+            process: trio.Process = await nursery.start(
+                functools.partial(trio.run_process, command, stderr=subprocess.DEVNULL, check=False)
+            )
+            with trio.fail_after(FRAME_LIMIT_S):
+                while not any(f.stat().st_size > 2**10 for f in directory.glob("snapshot-*.tmp")):
+                    await trio.sleep(POLL_S)
+            process.send_signal(signal.SIGKILL)
+        [left] = directory.glob("snapshot-*.tmp")
+        assert 2**10 < left.stat().st_size < len(content)
+
+        run = await trio.to_thread.run_sync(
+            functools.partial(
+                run_cli,
+                *("follow", "--url", service.url, "--token", service.token),
+                *("--replica", directory, "--until-caught-up"),
+            )
+        )
+        assert run.code == 0, run.err
+        assert sorted(f.name for f in directory.iterdir() if f.suffix == ".tmp") == []
+        with Replica(directory) as replica:
+            assert replica.binding().cursor == total
             assert await replica_export(replica) == await server_export(service)

@@ -9,7 +9,6 @@ import fcntl
 import os
 import sqlite3
 import tempfile
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -26,9 +25,6 @@ from healthlog.storage._sqlite import (
 )
 
 REPLICA_FILE = "replica.sqlite"
-# A download file untouched this long was left by a follower that was killed: one downloading
-# writes to it all the time.
-STALE_DOWNLOAD_S = 3600.0
 
 MIGRATIONS = (
     """
@@ -185,7 +181,12 @@ class Replica(_objects.ObjectDatabase):
         """Held by the one follower of the replica while it runs: an exclusive ``flock`` on
         the replica's directory, which the kernel releases when its holder dies. A second
         follower is refused (:class:`ReplicaInUse`) rather than write beside the first, where
-        one's long restore holds the other's writes past their busy timeout."""
+        one's long restore holds the other's writes past their busy timeout.
+
+        Once it holds the lock, the snapshot download files in the directory
+        (:meth:`snapshot_file`) are those of followers that died (killed, a power cut): only
+        the lock's holder downloads, so they are removed then, however recent. Left for an
+        hour, each kill added one, all counted against the room of the next download."""
         directory = Path(self.path).parent
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -195,6 +196,9 @@ class Replica(_objects.ObjectDatabase):
                 raise ReplicaInUse(
                     f"another follow is running on the replica in {directory}"
                 ) from None
+            for left in directory.glob("snapshot-*.tmp"):
+                with contextlib.suppress(OSError):
+                    left.unlink()
             yield
         finally:
             os.close(fd)
@@ -209,12 +213,8 @@ class Replica(_objects.ObjectDatabase):
     def snapshot_file(self) -> Iterator[Path]:
         """A new empty file in the replica's directory (``snapshot-*.tmp``) to download a
         snapshot into; removed when the block ends, however it ends. Those a killed follower
-        left there (untouched for ``STALE_DOWNLOAD_S``) are removed first."""
+        left there are removed when the next one takes the replica (:meth:`following`)."""
         directory = Path(self.path).parent
-        for left in directory.glob("snapshot-*.tmp"):
-            with contextlib.suppress(OSError):
-                if time.time() - left.stat().st_mtime > STALE_DOWNLOAD_S:
-                    left.unlink()
         fd, name = tempfile.mkstemp(prefix="snapshot-", suffix=".tmp", dir=directory)
         os.close(fd)
         try:
