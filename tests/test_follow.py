@@ -58,10 +58,12 @@ from _stream_helpers import (
     post_small,
     prune,
     read_head,
+    receive_through,
     replica_export,
     revoke_token,
     server_export,
     small,
+    subscribe,
     until_cursor,
 )
 from conftest import PROCESS_TIMEOUT_S, CliRun, RunCli
@@ -1484,6 +1486,59 @@ async def test_a_reindex_that_drops_an_object_reaches_the_follower_stream_68(
             assert await layers_of(replica, "weight_body_mass") == ["minutes"]
             assert await replica_export(replica) == await server_export(service)
             follower.cancel()
+
+
+async def test_a_reindex_announces_the_deliveries_whose_status_it_changed_stream_102(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-102: GIVEN a weight point without a layer header, the first delivery of its
+    automation, failed live (no layer), and a backfill of that automation (`import
+    --aggregation minutes --received-at`) stamped before it WHEN `healthlog reindex` runs while
+    a subscriber follows THEN the rebuild passes the layer on, and the subscriber gets the new
+    object and a `delivery.folded` event saying the delivery is now `parsed`, as
+    `/v1/deliveries/ID` says; WHEN reindex runs again THEN it announces nothing. (Before, the
+    stream said only `failed` about that delivery: a subscriber that keeps the deliveries'
+    statuses kept it failed for good.)"""
+    weight = body(metric("weight_body_mass", "kg", point("2024-03-01 00:30:00 +0000", qty=80.5)))
+    steps = write(
+        tmp_path / "steps.json",
+        body(metric("step_count", "count", point("2024-03-01 01:00:00 +0000", qty=10))),
+    )
+    async with serving(tmp_path / "server") as service:
+        stamp = await stamp_of(service, weight, {"automation-id": "A"})
+        await service.wait_folded()
+        [failed] = await service.journal()
+        backfill = await cli(
+            run_cli,
+            *("import", "--automation-id", "A", "--aggregation", "minutes"),
+            *("--received-at", format_instant(stamp - 10**6), "--data", service.data.path),
+            steps,
+        )
+        assert backfill.code == 0, backfill.err
+        before = int((await service.wait_folded())["stream"]["head"])
+        delivery = f"/v1/deliveries/{failed.id}"
+        assert (await service.get(delivery)).json()["status"] == "failed"
+
+        async with subscribe(service, after=before) as ws:
+            reindexed = await cli(run_cli, "reindex", "--data", service.data.path)
+            assert reindexed.code == 0, reindexed.err
+            frames = await receive_through(ws, await head(service))
+        assert [(f["kind"], f.get("metric")) for f in frames] == [
+            ("object.changed", "weight_body_mass"),
+            ("delivery.folded", None),
+        ]
+        outcome = (await service.get(delivery)).json()
+        assert outcome["status"] == "parsed"
+        assert {k: frames[1][k] for k in ("delivery_id", "status", "counters")} == {
+            "delivery_id": failed.id,
+            "status": "parsed",
+            "counters": outcome["counters"],
+        }
+
+        total = await head(service)
+        again = await cli(run_cli, "reindex", "--data", service.data.path)
+        assert again.code == 0, again.err
+        assert await head(service) == total
 
 
 async def layers_of(replica: Replica, name: str) -> list[str]:

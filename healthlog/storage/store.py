@@ -748,7 +748,7 @@ class Store(_objects.ObjectDatabase):
         ``object.changed`` event for every object whose row differs in any column (a repaired
         body under the same hash too: a follower's replica copies the row; a vanished object
         reports zero points) and a ``delivery.folded`` event for every delivery only the
-        rebuild folded; returns the number of objects changed.
+        rebuild folded or whose status it changed; returns the number of objects changed.
         """
         with self._lock:
             self._conn.execute("ATTACH DATABASE ? AS rebuilt", (os.fspath(rebuilt),))
@@ -767,10 +767,13 @@ class Store(_objects.ObjectDatabase):
                         " WHERE NOT EXISTS (SELECT 1 FROM rebuilt.objects n WHERE o.metric ="
                         " n.metric AND o.layer = n.layer AND o.hour = n.hour)"
                     )
-                    newly_folded = self._conn.execute(
-                        "SELECT delivery_id, status, counters FROM rebuilt.outcomes n"
-                        " WHERE NOT EXISTS (SELECT 1 FROM main.outcomes o"
-                        " WHERE o.delivery_id = n.delivery_id) ORDER BY received_at, delivery_id"
+                    # Those only the rebuild folded, and those whose status it changed (a
+                    # parser fix, a layer a backfill passed on, a fold given up over its budget):
+                    # a subscriber that keeps the deliveries' statuses learns the new one.
+                    refolded = self._conn.execute(
+                        "SELECT n.delivery_id, n.status, n.counters FROM rebuilt.outcomes n"
+                        " LEFT JOIN main.outcomes o ON o.delivery_id = n.delivery_id"
+                        " WHERE o.status IS NOT n.status ORDER BY n.received_at, n.delivery_id"
                     ).fetchall()
                     # Only rows that differ are written: after a rebuild most are equal, and
                     # rewriting every object would copy the whole store through the WAL. They
@@ -821,7 +824,7 @@ class Store(_objects.ObjectDatabase):
                             for n, (metric, layer, hour, digest, count) in enumerate(rows, start=1)
                         )
                     self._conn.execute("DROP TABLE temp.changed")
-                    for delivery_id, status, counters in newly_folded:
+                    for delivery_id, status, counters in refolded:
                         self._event(
                             f"reindex.{epoch}.{delivery_id}.folded",
                             DeliveryFolded(delivery_id, status, orjson.loads(counters)),
