@@ -33,6 +33,7 @@ POINTS = (
     "stream.ack",
     "snapshot.build",
     "snapshot.write",
+    "schema.migrate",
 )
 
 

@@ -267,6 +267,44 @@ def test_no_wait_leaves_deliveries_pending_until_a_later_import_cli_6(
     assert [json.loads(line)["point"]["qty"] for line in exported(cli, data)] == [60, 61, 62]
 
 
+@pytest.mark.parametrize("live_first", [False, True], ids=["backfill", "live-then-backfill"])
+def test_a_backfill_waits_from_when_it_was_journaled_cli_95(
+    cli: Cli, run_cli: RunCli, tmp_path: Path, live_first: bool
+) -> None:
+    """CLI-95: while another process holds the fold lease, a delivery imported with a
+    historical `--received-at` has waited, in `status`, since it was journaled, not since its
+    `received_at` two years before; with a live delivery journaled before it and pending too,
+    the lag names the live one, journaled first, though the backfill is first in journal
+    order."""
+    data = tmp_path / "data"
+    files = [
+        write(tmp_path / f"{n}.json", body(metric(HR, BPM, point(minute(n), qty=60 + n))))
+        for n in range(2)
+    ]
+
+    def imported(*args: str | Path) -> int:
+        run = run_cli("import", "--no-wait", "--aggregation", "minutes", "--data", data, *args)
+        assert run.code == 0, run.err
+        found = re.search(r"as delivery (\d+) ", run.out.decode() + run.err)
+        assert found is not None, run.err
+        return int(found.group(1))
+
+    with DataDir(data).open_store() as store:
+        epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        assert epoch is not None
+        before = time.time_ns() // 1000
+        live = imported(files[1]) if live_first else None
+        backfill = imported("--received-at", "2024-02-06T15:00:00Z", files[0])
+        lag = status_of(cli, data)["lag"]
+        waited_at_most = (time.time_ns() // 1000 - before) / 1e6
+        with DataDir(data).open_journal() as journal:
+            assert journal.iter_order()[0].id == backfill
+        store.release_lease("elsewhere", epoch)
+
+    assert lag["oldest_pending_id"] == (live if live_first else backfill)
+    assert 0 <= lag["waited_s"] <= waited_at_most
+
+
 def test_automation_id_lets_a_sparse_delivery_inherit_its_layer_cli_24(
     cli: Cli, outcomes: Outcomes, tmp_path: Path
 ) -> None:

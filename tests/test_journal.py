@@ -5,8 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
+import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,6 +29,7 @@ from hypothesis import strategies as st
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Database, Deferred, StorageError
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.faultplan import PLAN_ENV
 from healthlog.storage.journal import (
     CorruptBody,
     IdempotencyCollision,
@@ -37,6 +42,9 @@ from healthlog.storage.store import Store
 from healthlog.storage.tokens import Tokens
 from healthlog.timestamps import format_instant
 from healthlog.workload import big_body, encode
+
+# What a process that opens a file loads first, as `serve` does: the plan in its environment.
+LOAD_PLAN = "from healthlog.storage import faultplan; faultplan.load_environment()"
 
 
 @pytest.fixture
@@ -179,7 +187,8 @@ def test_live_stamps_never_decrease_journal_4(path: Path) -> None:
 
 def test_historical_stamps_journal_5(path: Path) -> None:
     """JOURNAL-5: backfill keeps its stamp, takes its place in order, never pulls stamps back."""
-    with Journal(path, clock=clock_of(10_000, 9_000, 11_000)) as journal:
+    # The clock is read for every delivery: a backfill's reading is when it was journaled.
+    with Journal(path, clock=clock_of(10_000, 10_500, 9_000, 12_000, 11_000)) as journal:
         live = journal.append(delivery(b"live-1"))
         old = journal.append(delivery(b"old", received_at=5_000))
         after_old = journal.append(delivery(b"live-2"))
@@ -197,9 +206,98 @@ def test_historical_stamps_journal_5(path: Path) -> None:
     ]
 
 
+def test_when_each_delivery_was_journaled_journal_45(path: Path) -> None:
+    """JOURNAL-45: every delivery keeps when it was journaled, in the same insert: a live one
+    its stamp, a backfill the live stamp of that instant (the clock, never behind the last live
+    stamp), whatever its historical `received_at`; a backfill moves no live stamp; metadata
+    read by id, by ids and in journal order says the same."""
+    readings = (10_000, 12_000, 9_000, 13_000, 11_000, 14_000)
+    with Journal(path, clock=clock_of(*readings)) as journal:
+        live = journal.append(delivery(b"live-1"))
+        old = journal.append(delivery(b"old", received_at=5_000))
+        behind = journal.append(delivery(b"clock behind", received_at=6_000))
+        group = journal.append_many(
+            [delivery(b"live-2"), delivery(b"future", received_at=20_000), delivery(b"live-3")]
+        )
+        receipts = [live, old, behind, *(r for r in group if isinstance(r, Receipt))]
+        ids = [r.delivery_id for r in receipts]
+        by_id = journal.get_metas(ids)
+        assert {i: journal.get_meta(i) for i in ids} == by_id
+        assert {m.id: m for m in journal.iter_order()} == by_id
+    stamps = [(by_id[i].received_at, by_id[i].journaled_at) for i in ids]
+    assert stamps == [
+        (10_000, 10_000),
+        (5_000, 12_000),
+        (6_000, 10_000),
+        (13_000, 13_000),
+        (20_000, 13_000),
+        (20_000, 20_000),
+    ]
+
+
+OLD_COLUMNS = (
+    "id, received_at, sha256, bytes, content_type, automation_name, automation_id,"
+    " automation_aggregation, automation_period, session_id, client, idempotency_key,"
+    " encoding, body"
+)
+
+
+def test_a_journal_from_before_journaled_at_migrates_once_journal_46(path: Path) -> None:
+    """JOURNAL-46: a journal of the schema before `journaled_at` (version 1): a process killed
+    (SIGKILL) in the middle of its migration leaves it at version 1, whole, every row as it
+    was; opened again, it is migrated to version 2 in one step that rewrites no row (every
+    column of every row reads the same), its rows read `journaled_at` = `received_at`, and a
+    delivery journaled then keeps when it was."""
+    with Journal(path, clock=clock_of(1_000, 2_000, 3_000)) as journal:
+        journal.append(delivery(b"live"))
+        journal.append(delivery(b"x" * 5000, received_at=500, idempotency_key="k"))
+        journal.append(delivery(b"\xff not json"))
+    with raw(path) as conn:
+        conn.execute("ALTER TABLE deliveries DROP COLUMN journaled_at")
+        conn.execute("PRAGMA user_version = 1")
+        rows = conn.execute(f"SELECT {OLD_COLUMNS} FROM deliveries ORDER BY id").fetchall()
+
+    plan = json.dumps({"schema.migrate": {"hits": [1], "do": "kill"}})
+    opening = f"from healthlog.storage.journal import Journal; Journal({str(path)!r})"
+    killed = subprocess.run(
+        [sys.executable, "-c", f"{LOAD_PLAN}; {opening}"],
+        env={**os.environ, PLAN_ENV: plan},
+        capture_output=True,
+        timeout=60,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (1,)
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(deliveries)")]
+        assert "journaled_at" not in columns
+        assert conn.execute(f"SELECT {OLD_COLUMNS} FROM deliveries ORDER BY id").fetchall() == rows
+
+    with Journal(path, clock=clock_of(4_000)) as journal:
+        metas = journal.iter_order()
+        assert [(m.id, m.received_at, m.journaled_at) for m in metas] == [
+            (2, 500, 500),
+            (1, 1_000, 1_000),
+            (3, 3_000, 3_000),
+        ]
+        assert journal.read_body(2) == b"x" * 5000
+        added = journal.append(delivery(b"after", received_at=700))
+        after = journal.get_meta(added.delivery_id)
+        assert after is not None
+        assert (after.received_at, after.journaled_at) == (700, 4_000)
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        assert (
+            conn.execute(
+                f"SELECT {OLD_COLUMNS} FROM deliveries WHERE id <= 3 ORDER BY id"
+            ).fetchall()
+            == rows
+        )
+
+
 def test_iter_order_after_and_limit_journal_6(path: Path) -> None:
     """JOURNAL-6: iter_order returns at most limit deliveries strictly after the position."""
-    with Journal(path, clock=clock_of(100, 100, 200, 300)) as journal:
+    with Journal(path, clock=clock_of(100, 100, 200, 300, 300)) as journal:
         live = [journal.append(delivery()) for _ in range(4)]
         backfill = journal.append(delivery(received_at=150))
         positions = [(r.received_at, r.delivery_id) for r in (*live[:2], backfill, *live[2:])]

@@ -50,6 +50,8 @@ NOT_WALKED = frozenset(
         "stream.ack",
         "snapshot.build",
         "snapshot.write",
+        # Fires only while a file is migrated, before anything is served: JOURNAL-46 kills there.
+        "schema.migrate",
     }
 )
 assert NOT_WALKED.issubset(faults.POINTS), "an excluded fault point no longer exists"

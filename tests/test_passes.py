@@ -207,12 +207,13 @@ def test_lag_mark_and_first_pass_flag_on_an_empty_selection_fold_6(
 
 
 def test_lag_mark_at_a_deferred_barrier_fold_7(journal: Journal, store: Store, epoch: int) -> None:
-    """FOLD-7: a pass stopped by a deferral records the stuck delivery and its wait, and does
-    not set the first-pass flag; a later pass that reaches the end does."""
+    """FOLD-7: a pass stopped by a deferral records the stuck delivery and its wait since it
+    was journaled (not since its historical `received_at`), and does not set the first-pass
+    flag; a later pass that reaches the end does."""
     _, second, _ = three(journal)
 
     with faults.loaded(plan(fold__begin=({2}, Deferred))):
-        run_pass(journal, store, epoch, now=lambda: second.received_at + 90_000_000)
+        run_pass(journal, store, epoch, now=lambda: second.journaled_at + 90_000_000)
 
     assert store.mark(LAG_MARK) == {
         "oldest_pending_id": second.id,

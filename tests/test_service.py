@@ -56,7 +56,8 @@ from wsproto.events import CloseConnection, Request, TextMessage
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.logs import Throttle
 from healthlog.storage.datadir import DataDir
-from healthlog.timestamps import format_instant
+from healthlog.storage.journal import NewDelivery
+from healthlog.timestamps import format_instant, parse_instant
 from transport import app as app_module
 from transport.refusals import Bucket, RefusalLog
 
@@ -522,6 +523,35 @@ async def test_readyz_waits_for_the_first_pass(tmp_path: Path) -> None:
 
 
 # -- metrics --------------------------------------------------------------------------------
+
+
+async def test_lag_of_a_backfill_counts_from_when_it_was_journaled_cli_95(tmp_path: Path) -> None:
+    """CLI-95: with the fold lease held elsewhere, a delivery journaled with a `received_at`
+    two years back reads, in `healthlog_lag_seconds` and the status's `waited_s`, how long it
+    has waited since it was journaled: at most the seconds since before it was journaled."""
+    data = DataDir(tmp_path / "data")
+    with data.open_store() as store:
+        held = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        assert held is not None
+    async with serving(data.path) as service:
+        before = time.time_ns() // 1000
+
+        def backfill() -> int:
+            with data.open_journal() as journal:
+                old = parse_instant("2024-12-01T00:00:00Z")
+                return journal.append(
+                    NewDelivery(HEART_RATE, "import", received_at=old)
+                ).delivery_id
+
+        delivery_id = await trio.to_thread.run_sync(backfill)
+        samples = await metric_samples(service.client)
+        status = await service.status()
+        waited_at_most = (time.time_ns() // 1000 - before) / 1e6
+
+    assert status["lag"]["oldest_pending_id"] == delivery_id
+    assert status["deliveries"]["pending"] == 1
+    assert 0 <= status["lag"]["waited_s"] <= waited_at_most
+    assert 0 <= samples["healthlog_lag_seconds", labelled()] <= waited_at_most
 
 
 async def test_metrics_after_holding_erasing_and_failing(service: Service) -> None:

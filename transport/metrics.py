@@ -52,7 +52,7 @@ class _Snapshot(Collector):
         )
         yield GaugeMetricFamily(
             "healthlog_lag_seconds",
-            "How long the oldest pending delivery has waited",
+            "How long the oldest pending delivery has waited since it was journaled",
             value=self.status.lag.waited_s,
         )
         yield GaugeMetricFamily(

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Self
 
-from healthlog import clock
+from healthlog import clock, faults
 
 __all__ = [
     "WAL_SIZE_LIMIT",
@@ -470,6 +470,7 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[str]) -> None:
                 return
             for statement in _statements(migrations[version]):
                 conn.execute(statement)
+            faults.point("schema.migrate")
             conn.execute(f"PRAGMA user_version = {version + 1}")
         _log.debug("schema migrated to version %d", version + 1)
 

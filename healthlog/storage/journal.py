@@ -111,11 +111,17 @@ _MIGRATIONS: Final = (
     CREATE TRIGGER receipts_no_delete BEFORE DELETE ON receipts
     BEGIN SELECT RAISE(ABORT, 'receipts are append-only'); END;
     """,
+    # When each delivery was journaled (JOURNAL-45), which a backfill's ``received_at`` is not.
+    # The rows of an older journal keep NULL (adding the column rewrites none of them: the
+    # migration is one schema change, committed with its version bump or not at all) and read
+    # as their ``received_at`` (:data:`_META_COLUMNS`).
+    "ALTER TABLE deliveries ADD COLUMN journaled_at INTEGER;",
 )
 
 _META_COLUMNS: Final = (
     "id, received_at, sha256, bytes, content_type, automation_name, automation_id,"
-    " automation_aggregation, automation_period, session_id, client"
+    " automation_aggregation, automation_period, session_id, client,"
+    " coalesce(journaled_at, received_at)"
 )
 
 
@@ -255,6 +261,11 @@ class DeliveryMeta:
     automation_period: str | None
     session_id: str | None
     client: str
+    journaled_at: int
+    """When the delivery was journaled (µs UTC): the live stamp of that instant, which is its
+    ``received_at`` unless it was backfilled with a historical one (JOURNAL-45); what its wait
+    for the fold counts from. A delivery journaled before the journal kept it reads its
+    ``received_at``."""
 
 
 @attrs.frozen
@@ -326,6 +337,7 @@ def _meta(row: Any) -> DeliveryMeta:
         automation_period=row[8],
         session_id=row[9],
         client=row[10],
+        journaled_at=row[11],
     )
 
 
@@ -653,21 +665,22 @@ class Journal:
                 if earlier is not None:
                     results.append(earlier)
                     continue
+            reading = self._clock()
+            journaled_at = max(reading, last)
             if delivery.received_at is None:
-                reading = self._clock()
                 self._note_clock(reading, last)
-                received_at = max(reading, last)
-                last = received_at
+                received_at = last = journaled_at
             else:
                 received_at = delivery.received_at
                 last = max(last, received_at)
             (delivery_id,) = conn.execute(
-                "INSERT INTO deliveries (received_at, sha256, bytes, content_type,"
+                "INSERT INTO deliveries (received_at, journaled_at, sha256, bytes, content_type,"
                 " automation_name, automation_id, automation_aggregation, automation_period,"
                 " session_id, client, idempotency_key, encoding, body)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING id",
                 (
                     received_at,
+                    journaled_at,
                     item.body.sha256,
                     item.body.length,
                     delivery.content_type,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -60,6 +60,23 @@ def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     faults.point("fold.select")
     view = store.folded_view(_agrees(journal))
     return [meta for meta in journal.iter_order(after=view.after) if meta.id not in view.folded]
+
+
+def oldest_pending(waiting: Sequence[DeliveryMeta]) -> DeliveryMeta | None:
+    """Of the pending deliveries (in journal order), the one journaled first, the first in
+    journal order of those journaled at the same instant; None when none is pending.
+
+    Its wait is the lag (F7): how long a delivery has waited for the fold since it was
+    journaled. A backfill takes its place in journal order by a historical ``received_at``
+    (J3), so neither the head of the queue nor its ``received_at`` says that (CLI-95).
+    """
+    return min(waiting, key=lambda meta: meta.journaled_at, default=None)
+
+
+def waited_s(oldest: DeliveryMeta | None, now: int) -> float:
+    """How long ``oldest`` has waited at ``now`` (µs), in seconds: 0 when nothing waits, or
+    when it was journaled at a later stamp than ``now`` (JOURNAL-44)."""
+    return max(0, now - oldest.journaled_at) / 1e6 if oldest else 0.0
 
 
 def check_before_folding(journal: Journal, store: Store) -> None:
@@ -157,13 +174,12 @@ def write_marks(
     if folding.stopped_because in ("fenced", "selection_failed"):
         return
     try:
-        left = pending(journal, store)
-        oldest = left[0] if left else None
+        oldest = oldest_pending(pending(journal, store))
         store.set_mark(
             LAG_MARK,
             {
                 "oldest_pending_id": oldest.id if oldest else None,
-                "waited_s": max(0, now() - oldest.received_at) / 1e6 if oldest else 0.0,
+                "waited_s": waited_s(oldest, now()),
                 "stopped_because": folding.stopped_because,
             },
         )

@@ -17,7 +17,7 @@ from healthlog.documents import (
     StreamInfo,
 )
 from healthlog.storage.journal import Journal
-from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted
+from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted, oldest_pending, waited_s
 from healthlog.storage.store import LISTED_OUTCOMES, Store
 from healthlog.timestamps import format_instant
 
@@ -41,7 +41,7 @@ def collect_status(journal: Journal, store: Store, public_key: str | None = None
     """
     read = counted(journal, store)
     waiting, counts, (deliveries, size) = read.pending, read.counts, read.journal
-    oldest = waiting[0] if waiting else None
+    oldest = oldest_pending(waiting)
     mark = store.mark(LAG_MARK) or {}
     lease = store.lease()
     now = clock.now_us()
@@ -56,7 +56,7 @@ def collect_status(journal: Journal, store: Store, public_key: str | None = None
         ),
         lag=Lag(
             oldest_pending_id=oldest.id if oldest else None,
-            waited_s=round(max(0, now - oldest.received_at) / 1e6, 3) if oldest else 0.0,
+            waited_s=round(waited_s(oldest, now), 3),
             stopped_because=str(mark.get("stopped_because", NO_PASS_YET)),
         ),
         lease=LeaseInfo(lease.holder, lease.epoch),
