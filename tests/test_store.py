@@ -549,6 +549,28 @@ def test_backfill_behind_a_folded_delivery_warns_once_fold_10(
     assert "healthlog reindex" in warnings[0]
 
 
+def test_the_out_of_order_warning_says_the_wait_since_journaled_store_65(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STORE-65: the out-of-order WARNING of a backfill stamped two years back, folded behind
+    a parsed live delivery, says how long it waited since it was journaled: at most the whole
+    seconds since just before it was journaled, not since its `received_at`."""
+    later = append(journal, delivery(body({"hr": [point(1, 60)]})))
+    assert fold(journal, store, later, epoch).status == "parsed"
+    before = clock.now_us()
+    backfill = append(journal, delivery(body({"steps": [point(1, 5)]}), received_at=BASE_US))
+    caplog.clear()
+
+    report = fold(journal, store, backfill, epoch)
+    waited_at_most = (clock.now_us() - before) // 1_000_000
+
+    assert (report.status, report.out_of_order) == ("parsed", True)
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    found = re.search(r"\(waited (\d+) s\)", warning)
+    assert found is not None, warning
+    assert 0 <= int(found.group(1)) <= waited_at_most
+
+
 @pytest.mark.parametrize(
     "case", ["later_failed", "later_without_layer_elsewhere", "guard_off", "not_committed"]
 )

@@ -530,7 +530,7 @@ class Store(_objects.ObjectDatabase):
         if not seal:
             _log_folded(meta.id, outcome, live=guard)
         if later:
-            waited = max(0, clock.now_us() - meta.received_at) // 1_000_000
+            waited = max(0, clock.now_us() - meta.journaled_at) // 1_000_000
             log.warning(
                 "delivery %d folded after a later delivery (waited %d s): the projection no"
                 " longer follows journal order; run `healthlog reindex`",
