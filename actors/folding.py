@@ -114,6 +114,10 @@ class FoldingStatistics:
     late_sum_s: float
     workers_lost: int
     dying: int
+    unrecorded_stop: str | None
+    """Why this folder's last pass ended when the store's lag mark does not say it: the mark
+    could not be written (a full disk), or the selection failed (which writes none); None once
+    a pass's mark is written, after a fenced pass, or before any pass (STORE-66)."""
 
 
 class FoldingActor:
@@ -154,6 +158,7 @@ class FoldingActor:
         self._late = _Histogram(LATE_BOUNDS_S)
         self._deaths: Counter[int] = Counter()
         self._workers_lost = 0
+        self._unrecorded_stop: str | None = None
 
     def statistics(self) -> FoldingStatistics:
         return FoldingStatistics(
@@ -172,6 +177,7 @@ class FoldingActor:
             late_sum_s=self._late.total,
             workers_lost=self._workers_lost,
             dying=len(self._deaths),
+            unrecorded_stop=self._unrecorded_stop,
         )
 
     async def run(self) -> None:
@@ -214,6 +220,7 @@ class FoldingActor:
         except StorageError as exc:
             log.error("folding pass: selection failed: %s", describe(exc))
             self._stops["selection_failed"] += 1
+            self._unrecorded_stop = "selection_failed"
             return
         folding = FoldPass(queue)
         try:
@@ -239,9 +246,11 @@ class FoldingActor:
             # The epoch is lost: wait for the lease actor to report one again rather than fold
             # under it on every wake, each time fenced again after reading a body.
             self._epoch = None
-        await trio.to_thread.run_sync(
+        written = await trio.to_thread.run_sync(
             write_marks, self._journal, self._store, folding, now_us, limiter=self._limiter
         )
+        fenced = folding.stopped_because == "fenced"
+        self._unrecorded_stop = None if written or fenced else folding.stopped_because
 
     def _run(self, queue: list[DeliveryMeta], start: int) -> list[DeliveryMeta]:
         """The deliveries to fold in one call, from ``queue[start]`` on.

@@ -20,6 +20,7 @@ import orjson
 import pytest
 import trio
 import trio_parallel
+from _disk import files_limited_to
 from _runtime_helpers import (
     EVERY_HIT,
     HISTORY_US,
@@ -287,6 +288,34 @@ async def test_a_failed_selection_ends_the_pass_not_the_loop_run_21(
     assert stats.folding.passes_by_stop["selection_failed"] == 1
     assert stats.crashes == {}
     assert mark(tmp_path, FIRST_PASS_MARK) is True
+
+
+async def test_why_a_pass_ended_is_kept_while_its_mark_cannot_say_it_store_66(
+    tmp_path: Path,
+) -> None:
+    """STORE-66: while the disk takes no write, the folder keeps why its last pass ended
+    (`unwritten`), which the store's lag mark, left from the pass before, does not say; once
+    there is room, the next pass folds the delivery, writes its mark, and the folder keeps
+    nothing. A failed selection, which writes no mark, is kept likewise until a pass writes
+    one."""
+    async with open_runtime(config(tmp_path, wake_period_s=0.05)) as runtime:
+        await passes_ended(runtime, 1)
+        assert runtime.statistics().folding.unrecorded_stop is None
+        # Journaled without yielding to the event loop: no pass folds it before the limit.
+        ids = journal_directly(tmp_path, [new_delivery(0)])
+        with files_limited_to(4096):
+            await until(lambda: runtime.statistics().folding.unrecorded_stop == "unwritten")
+            assert mark(tmp_path, LAG_MARK)["stopped_because"] == "empty"
+        await wait_folded(tmp_path, ids)
+        await until(lambda: runtime.statistics().folding.unrecorded_stop is None)
+        assert mark(tmp_path, LAG_MARK)["stopped_because"] == "empty"
+
+        def disk_error(_: str) -> None:
+            raise StorageError("database error: disk I/O error")
+
+        with faults.loaded(faults.Plan(actions={"fold.select": action(EVERY_HIT, disk_error)})):
+            await until(lambda: runtime.statistics().folding.unrecorded_stop == "selection_failed")
+        await until(lambda: runtime.statistics().folding.unrecorded_stop is None)
 
 
 async def test_leaving_the_runtime_mid_pass_is_no_error_run_22(

@@ -911,6 +911,45 @@ async def test_metrics_count_failed_journal_commits_and_show_the_process_serve_4
     assert any(name == "python_info" for name, _ in after)
 
 
+async def test_a_pass_whose_mark_the_disk_refuses_is_still_said_store_66(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STORE-66: on a disk that takes no write, a pass that could not write a delivery's
+    outcome nor its lag mark is said in `/v1/status`: `stopped_because` is `unwritten`, with
+    the delivery pending, while the store's mark still says `empty`, from the pass before.
+
+    (The fold workers started under the file size limit keep it, so this service does not
+    fold again once the test lifts it; the folding actor's test of STORE-66 does.)"""
+    async with serving(tmp_path / "data") as service:
+        await service.wait_folded()
+        assert (await service.status())["lag"]["stopped_because"] == "empty"
+        # Journaled without yielding to the event loop, so no pass folds it before the disk
+        # takes no write.
+        with service.data.open_journal() as journal:
+            journal.append(NewDelivery(HEART_RATE, "phone", automation_aggregation="minutes"))
+        with (
+            caplog.at_level(logging.WARNING),
+            files_limited_to(4096),
+            trio.fail_after(FOLD_LIMIT_S),
+        ):
+            while (full := await service.status())["lag"]["stopped_because"] != "unwritten":
+                await trio.sleep(POLL_S)
+        with service.data.open_store() as store:
+            marked = store.mark("lag")
+
+    assert full["deliveries"]["pending"] == 1
+    assert full["lag"]["oldest_pending_id"] == 1
+    assert marked["stopped_because"] == "empty"
+    passes = [r.getMessage() for r in caplog.records if r.name == "healthlog.pass"]
+    assert passes
+    assert all(
+        re.fullmatch(
+            rf"folding pass: lag mark not written: StorageError: {DISK_ERROR} \(store\.sqlite\)", m
+        )
+        for m in passes
+    ), passes
+
+
 async def test_slow_journal_commit_is_still_answered(tmp_path: Path) -> None:
     """SERVE-24: the journal is write-locked for 2 s with `body_timeout_s = 1`."""
     async with serving(tmp_path / "data", body_timeout_s=1) as service:

@@ -261,7 +261,12 @@ def create_app(
         if await client() is None:
             return unauthorized()
         status = await runtime.read_store(
-            functools.partial(collect_status, runtime.journal, public_key=snapshots.public_key)
+            functools.partial(
+                collect_status,
+                runtime.journal,
+                public_key=snapshots.public_key,
+                stopped_because=runtime.statistics().folding.unrecorded_stop,
+            )
         )
         return _json(status)
 

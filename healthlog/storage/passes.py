@@ -169,10 +169,14 @@ def run_pass(
 
 def write_marks(
     journal: Journal, store: Store, folding: FoldPass[DeliveryMeta], now: Callable[[], int]
-) -> None:
-    """The lag mark at every pass end (F7), the first-pass flag only at the end of the queue."""
+) -> bool:
+    """The lag mark at every pass end (F7), the first-pass flag only at the end of the queue.
+
+    Whether the lag mark was written: on a full disk it is not (a WARNING says so), and the
+    mark then says why an earlier pass stopped, not this one (STORE-66)."""
     if folding.stopped_because in ("fenced", "selection_failed"):
-        return
+        return False
+    written = False
     try:
         oldest = oldest_pending(pending(journal, store))
         store.set_mark(
@@ -183,7 +187,9 @@ def write_marks(
                 "stopped_because": folding.stopped_because,
             },
         )
+        written = True
         if folding.reached_end:
             store.set_mark(FIRST_PASS_MARK, True)
     except StorageError as exc:
         log.warning("folding pass: lag mark not written: %s", describe(exc))
+    return written

@@ -32,8 +32,17 @@ MAX_LISTED = 1000
 NO_PASS_YET = "no_pass_yet"
 
 
-def collect_status(journal: Journal, store: Store, public_key: str | None = None) -> Status:
+def collect_status(
+    journal: Journal,
+    store: Store,
+    public_key: str | None = None,
+    *,
+    stopped_because: str | None = None,
+) -> Status:
     """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors.
+
+    Why the last pass stopped is the lag mark's, unless ``stopped_because`` (the folder of
+    this process knows why its last pass ended, which the mark could not record: STORE-66).
 
     The deliveries by status, pending included, come from one snapshot of the store, so each
     journaled delivery is counted once; the journal's figures are read with the pending ones,
@@ -57,7 +66,7 @@ def collect_status(journal: Journal, store: Store, public_key: str | None = None
         lag=Lag(
             oldest_pending_id=oldest.id if oldest else None,
             waited_s=round(waited_s(oldest, now), 3),
-            stopped_because=str(mark.get("stopped_because", NO_PASS_YET)),
+            stopped_because=stopped_because or str(mark.get("stopped_because", NO_PASS_YET)),
         ),
         lease=LeaseInfo(lease.holder, lease.epoch),
         first_pass_completed=bool(store.mark(FIRST_PASS_MARK)),
