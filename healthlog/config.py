@@ -117,6 +117,9 @@ class ServeConfig:
     stream_send_timeout_s: float = attrs.field(
         converter=float, default=30.0, validator=_seconds(TCP_USER_TIMEOUT_MAX_S)
     )
+    stream_max_subscribers: int = attrs.field(
+        default=32, validator=Accepts(int, "a whole number of 1 or more", 1)
+    )
     stream_window_events: int = attrs.field(
         default=100_000,
         validator=Accepts(

@@ -454,6 +454,13 @@ def test_settings_an_earlier_healthlog_took_are_still_taken_cli_37(tmp_path: Pat
             " it must be a number of days above zero, at most 1,000,000",
         ),
         ('log_format = "' + "x" * 500 + '"', {}, [], "invalid log_format: 'xxxx"),
+        (
+            "stream_max_subscribers = 0",
+            {},
+            [],
+            "invalid stream_max_subscribers: 0 (from {toml}); it must be a whole number of 1 or"
+            " more",
+        ),
     ],
     ids=[
         "port-range",
@@ -470,6 +477,7 @@ def test_settings_an_earlier_healthlog_took_are_still_taken_cli_37(tmp_path: Pat
         "send-timeout-beyond-kernel",
         "window-days-beyond-sqlite",
         "long-value",
+        "max-subscribers-zero",
     ],
 )
 def test_serve_refuses_a_setting_of_the_wrong_kind_or_beyond_what_works_cli_37(

@@ -214,6 +214,7 @@ def create_app(
     # the service's memory per request (SERVE-60). At 0 quart keeps at most the first chunk.
     app.config["MAX_CONTENT_LENGTH"] = 0
     hub = EventHub(runtime)
+    slots = trio.CapacityLimiter(config.stream_max_subscribers)
     refusals = RefusalLog()
 
     @app.errorhandler(NotFound)
@@ -396,6 +397,7 @@ def create_app(
         config.stream_send_timeout_s,
         closing,
         refusals,
+        slots,
     )
     return HealthlogApp(
         app,

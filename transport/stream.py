@@ -16,6 +16,12 @@ shields its socket writes. There the kernel ends it: every accepted socket has
 ``TCP_USER_TIMEOUT`` set to the same time (``transport/serve.py``), so a peer that has taken
 nothing for that long is dropped, the write fails, and the handler ends as for a client gone.
 
+At most ``stream_max_subscribers`` connections are served at a time: each held one page of
+events with its objects (up to ``PAGE_BYTES``) and hypercorn's buffers for as long as it stalled,
+and a token holder could open hundreds. One over the limit is refused before the upgrade, with
+an HTTP 503 ``{"error": "TOO_MANY_SUBSCRIBERS"}`` and ``Retry-After``, having read nothing of the
+store; its slot is given back however a connection ends (its close, a cut-off, a cancellation).
+
 The token is checked at the handshake, again before each page is sent and before an ACK is
 stored, and every ``IDLE_RECHECK_S`` while the stream waits for events (cheap: the token cache
 answers without a thread between its reloads), so a token revoked while its stream is open,
@@ -88,6 +94,10 @@ IDLE_RECHECK_S = 2.0
 # and how long it waits in all before a WARNING says so (a long fold holds the store for a while).
 BUSY_RETRY_S = 1.0
 BUSY_WARN_S = 5.0
+# The refusal of a subscriber over ``stream_max_subscribers``, before the upgrade: a slot frees
+# when a subscriber leaves, a stalled one within ``stream_send_timeout_s`` (30 s by default).
+TOO_MANY_SUBSCRIBERS = "TOO_MANY_SUBSCRIBERS"
+RETRY_AFTER_S = 30
 # What a send of a refusal meets when the client closed its side meanwhile: hypercorn's own
 # task answering that close on the same socket (busy), or a connection already gone.
 CLIENT_CLOSING = (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -216,15 +226,51 @@ class StreamEndpoint:
     send_timeout_s: float
     closing: trio.Event
     refusals: RefusalLog
+    slots: trio.CapacityLimiter
+    """One token for each subscriber served (``stream_max_subscribers`` in all)."""
     idle_recheck_s: float = IDLE_RECHECK_S
     failed_handshakes: FaultLog = attrs.field(factory=lambda: FaultLog(log, logging.INFO))
     """A peer fails a handshake at will (bytes after its upgrade request): a few lines a minute
     in a flood (SERVE-61)."""
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        """Serve one subscription; whatever ends it, the handler ends (no stuck connection)."""
+        """Serve one subscription, if a slot is free; whatever ends it, the handler ends (no
+        stuck connection) and gives its slot back."""
         if (await receive())["type"] != "websocket.connect":
             return
+        try:
+            self.slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._too_many(scope, send)
+            return
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            self.slots.release()
+
+    async def _too_many(self, scope: dict[str, Any], send: Send) -> None:
+        """Refuse the upgrade with 503 and ``Retry-After``, as a refusal is logged; within
+        ``send_timeout_s``, and nothing if the client has gone meanwhile."""
+        self.refusals.refused(
+            503,
+            "GET",
+            STREAM_PATH,
+            client_address(scope),
+            f"{self.slots.total_tokens} stream subscribers are served, as many as"
+            " stream_max_subscribers allows",
+        )
+        body = orjson.dumps({"error": TOO_MANY_SUBSCRIBERS})
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"retry-after", str(RETRY_AFTER_S).encode()),
+            (b"connection", b"close"),
+        ]
+        with trio.move_on_after(self.send_timeout_s), contextlib.suppress(*CLIENT_CLOSING):
+            await send({"type": "websocket.http.response.start", "status": 503, "headers": headers})
+            await send({"type": "websocket.http.response.body", "body": body})
+
+    async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         try:
             await send({"type": "websocket.accept"})
         except Exception as exc:

@@ -1,0 +1,163 @@
+"""The limit on replay stream subscribers a serving process serves at once
+(``stream_max_subscribers``, specs/stream.md, STREAM-103 to STREAM-105), against a real
+``healthlog serve`` with real websocket clients and the reference follower."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from pathlib import Path
+
+import orjson
+import pytest
+import trio
+from _runtime_helpers import hold_at
+from _service_helpers import POLL_S, Service, serving
+from _stream_helpers import (
+    FRAME_LIMIT_S,
+    SECONDS,
+    consecutive,
+    noisy,
+    post,
+    post_small,
+    receive,
+    receive_through,
+    replica_export,
+    server_export,
+    stalled,
+    stream_handlers,
+    subscribe,
+)
+from trio_websocket import ConnectionRejected
+
+from healthlog import faults
+from healthlog.storage.replica import Replica
+from transport.follow import follow
+
+# As STREAM-12's: some 10 MB of event frames, each carrying one large object.
+NOISY_POINTS = 2000
+NOISY_ADDITIONS = 36
+REFUSED = "refused 503 GET /v1/stream from 127.0.0.1: 2 stream subscribers are served, as many as"
+REFUSED_FOLLOW = "follow: connection lost (ConnectionLost: the server refused the stream (503))"
+
+
+async def refused(service: Service) -> ConnectionRejected:
+    """The answer to a subscriber the service refuses before the upgrade."""
+    rejected: list[ConnectionRejected] = []
+    try:
+        async with subscribe(service):
+            pass
+    except* ConnectionRejected as group:
+        rejected.extend(e for e in group.exceptions if isinstance(e, ConnectionRejected))
+    assert rejected, "the subscriber was served"
+    return rejected[0]
+
+
+def assert_too_many(rejected: ConnectionRejected) -> None:
+    assert rejected.status_code == 503
+    assert (b"retry-after", b"30") in rejected.headers
+    assert rejected.body is not None
+    assert orjson.loads(rejected.body) == {"error": "TOO_MANY_SUBSCRIBERS"}
+
+
+async def until_handlers(count: int) -> None:
+    """Wait until ``count`` stream handlers run in this trio run."""
+    with trio.fail_after(FRAME_LIMIT_S):
+        while stream_handlers() != count:
+            await trio.sleep(POLL_S)
+
+
+async def test_subscribers_over_the_limit_are_refused_503_stream_103(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-103: with ``stream_max_subscribers = 2`` two subscribers are served and a third is
+    refused before the upgrade: 503 ``TOO_MANY_SUBSCRIBERS`` with ``Retry-After: 30``, while the
+    store's reader is held (the refusal reads nothing of it), logged as refusals are; once one
+    of the two has closed, a new one is served from its cursor."""
+    async with serving(tmp_path, stream_max_subscribers=2) as service:
+        total = await post_small(service, 0)
+        async with subscribe(service) as kept:
+            assert consecutive(await receive(kept, total), 0)
+            async with subscribe(service) as leaving:
+                assert consecutive(await receive(leaving, total), 0)
+                entered, release = trio.Event(), threading.Event()
+                plan = faults.Plan(actions={"stream.page": hold_at(entered, release)})
+                with faults.loaded(plan), caplog.at_level(logging.INFO, logger="healthlog.http"):
+                    with trio.fail_after(FRAME_LIMIT_S):
+                        await entered.wait()
+                    try:
+                        for _ in range(12):
+                            assert_too_many(await refused(service))
+                    finally:
+                        release.set()
+            lines = [r.getMessage() for r in caplog.records if r.name == "healthlog.http"]
+            assert lines
+            assert all(line.startswith(REFUSED) for line in lines)
+            assert len(lines) < 12
+            assert all(r.levelno < logging.WARNING for r in caplog.records)
+            await until_handlers(1)
+            async with subscribe(service) as third:
+                assert consecutive(await receive(third, total), 0)
+                assert_too_many(await refused(service))
+
+
+async def fill(service: Service) -> int:
+    """Some 10 MB of event frames (as STREAM-12's): a subscriber that never reads stalls in a
+    send. The head after them."""
+    await post(service, noisy(0, NOISY_POINTS), SECONDS)
+    for n in range(NOISY_ADDITIONS):
+        await post(service, noisy(NOISY_POINTS + n, 1), SECONDS)
+    return int((await service.wait_folded())["stream"]["head"])
+
+
+@pytest.mark.parametrize(("ending", "send_timeout_s"), [("closes", 30.0), ("cut-off", 1.0)])
+async def test_a_stalled_subscriber_gives_its_slot_back_stream_104(
+    tmp_path: Path, ending: str, send_timeout_s: float
+) -> None:
+    """STREAM-104: with ``stream_max_subscribers = 1`` a subscriber that never reads holds the
+    slot, its handler waiting in a send, and another is refused 503; WHEN the stalled one closes
+    its connection, or is cut off (``stream_send_timeout_s = 1``) while it keeps it open, THEN
+    the next subscriber is served every event."""
+    async with serving(
+        tmp_path, stream_max_subscribers=1, stream_send_timeout_s=send_timeout_s
+    ) as service:
+        total = await fill(service)
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(stalled(service))
+            await until_handlers(1)
+            assert_too_many(await refused(service))
+            if ending == "closes":
+                await stack.aclose()
+            await until_handlers(0)
+            async with subscribe(service) as ws:
+                assert consecutive(await receive_through(ws, total), 0)
+
+
+async def test_follow_retries_a_refusal_and_catches_up_stream_105(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-105: with ``stream_max_subscribers = 1`` and its slot taken, ``follow
+    --until-caught-up`` is refused 503, logs it at INFO as a lost connection, and retries after
+    its backoff; once the slot is free it catches up, equal to the service, having logged
+    nothing at WARNING or above."""
+    async with serving(tmp_path / "server", stream_max_subscribers=1) as service:
+        total = await post_small(service, 0, 60)
+        with (
+            Replica(tmp_path / "replica") as replica,
+            caplog.at_level(logging.INFO, logger="healthlog.follow"),
+        ):
+            with trio.fail_after(2 * FRAME_LIMIT_S):
+                async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as holder:
+                    await holder.enter_async_context(subscribe(service, after=total))
+                    nursery.start_soon(
+                        lambda: follow(service.url, service.token, replica, until_caught_up=True)
+                    )
+                    while REFUSED_FOLLOW not in caplog.messages:
+                        await trio.sleep(POLL_S)
+                    await holder.aclose()
+            assert replica.binding().cursor == total
+            assert await replica_export(replica) == await server_export(service)
+        follow_records = [r for r in caplog.records if r.name == "healthlog.follow"]
+        assert [r for r in follow_records if r.levelno >= logging.WARNING] == []
+        assert "follow: retrying in 0.5 s" in caplog.messages
