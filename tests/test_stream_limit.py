@@ -1,6 +1,7 @@
 """The limit on replay stream subscribers a serving process serves at once
-(``stream_max_subscribers``, specs/stream.md, STREAM-103 to STREAM-105), against a real
-``healthlog serve`` with real websocket clients and the reference follower."""
+(``stream_max_subscribers``, specs/stream.md, STREAM-103 to STREAM-105) and its gauge in
+``/metrics`` (specs/service.md, SERVE-69), against a real ``healthlog serve`` with real
+websocket clients and the reference follower."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from _stream_helpers import (
     stream_handlers,
     subscribe,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionRejected
 
 from healthlog import faults
@@ -161,3 +163,33 @@ async def test_follow_retries_a_refusal_and_catches_up_stream_105(
         follow_records = [r for r in caplog.records if r.name == "healthlog.follow"]
         assert [r for r in follow_records if r.levelno >= logging.WARNING] == []
         assert "follow: retrying in 0.5 s" in caplog.messages
+
+
+async def connections(service: Service) -> float:
+    """``healthlog_stream_connections`` of ``/metrics``."""
+    response = await service.client.get("/metrics")
+    assert response.status_code == 200
+    (value,) = [
+        sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == "healthlog_stream_connections"
+    ]
+    return value
+
+
+async def test_metrics_show_the_stream_connections_served_serve_69(tmp_path: Path) -> None:
+    """SERVE-69: ``healthlog_stream_connections`` is 0 with no subscriber, 2 with two served
+    (the limit), still 2 after a third was refused, and 1 once one of the two has closed."""
+    async with serving(tmp_path, stream_max_subscribers=2) as service:
+        total = await post_small(service, 0)
+        assert await connections(service) == 0
+        async with subscribe(service) as kept:
+            assert consecutive(await receive(kept, total), 0)
+            async with subscribe(service) as leaving:
+                assert consecutive(await receive(leaving, total), 0)
+                assert await connections(service) == 2
+                assert_too_many(await refused(service))
+                assert await connections(service) == 2
+            await until_handlers(1)
+            assert await connections(service) == 1

@@ -386,7 +386,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = await render_metrics(runtime)
+        text = await render_metrics(runtime, slots.borrowed_tokens)
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     stream = StreamEndpoint(

@@ -34,6 +34,7 @@ class _Snapshot(Collector):
     status: Status
     statistics: RuntimeStatistics
     totals: dict[str, int]
+    stream_connections: int
 
     def collect(self) -> Iterator[Metric]:
         deliveries = GaugeMetricFamily(
@@ -67,6 +68,11 @@ class _Snapshot(Collector):
             "healthlog_websocket_subscribers",
             "Named replay subscribers with a stored cursor",
             value=len(self.status.subscribers),
+        )
+        yield GaugeMetricFamily(
+            "healthlog_stream_connections",
+            "Replay stream subscribers this process serves now (at most stream_max_subscribers)",
+            value=self.stream_connections,
         )
         points = CounterMetricFamily(
             "healthlog_points", "Fold counters over every outcome", labels=["counter"]
@@ -116,13 +122,13 @@ def _read(journal: Journal, store: Store) -> tuple[Status, dict[str, int]]:
     return collect_status(journal, store), store.counter_totals(COUNTERS)
 
 
-async def render_metrics(runtime: Runtime) -> bytes:
+async def render_metrics(runtime: Runtime, stream_connections: int) -> bytes:
     """The exposition text, from one read of status and counters in the store's worker thread,
-    with the serving process's own figures (``process_*``: RSS, open files, CPU) and Python's
-    version (``python_info``)."""
+    with the serving process's own figures (``process_*``: RSS, open files, CPU), Python's
+    version (``python_info``) and the ``stream_connections`` it serves now."""
     status, totals = await runtime.read_store(functools.partial(_read, runtime.journal))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(status, runtime.statistics(), totals))
+    registry.register(_Snapshot(status, runtime.statistics(), totals, stream_connections))
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return generate_latest(registry)
