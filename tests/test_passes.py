@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import threading
+import tracemalloc
 from contextlib import closing
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from healthlog.storage.passes import (
     Budget,
     pending,
     run_pass,
+    write_marks,
 )
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
@@ -225,6 +227,37 @@ def test_lag_mark_at_a_deferred_barrier_fold_7(journal: Journal, store: Store, e
     run_pass(journal, store, epoch)
     assert store.mark(LAG_MARK)["oldest_pending_id"] is None
     assert store.mark(FIRST_PASS_MARK) is True
+
+
+BACKLOG = 4000
+
+
+def test_lag_mark_names_the_oldest_without_holding_the_backlog_store_71(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-71: with 4,000 deliveries waiting behind one folded, the lag mark written at a
+    pass's end names the oldest of them and its wait while holding less than 256 KiB of Python
+    memory at its peak, however many wait. (Before, it built the metadata of every waiting
+    delivery to take the first: 2.7 MB at its peak here, at the end of every pass.)"""
+    first = append(journal, delivery(body({"hr": [point(0, 1)]})))
+    run_pass(journal, store, epoch)
+    journal.append_many([delivery(body({"hr": [point(n, n)]})) for n in range(1, BACKLOG + 1)])
+    oldest = journal.iter_order(after=(first.received_at, first.id), limit=1)[0]
+    folding: FoldPass[DeliveryMeta] = FoldPass([])
+    assert folding.next() is None
+    tracemalloc.start()
+    try:
+        write_marks(journal, store, folding, lambda: oldest.received_at + 5_000_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert store.mark(LAG_MARK) == {
+        "oldest_pending_id": oldest.id,
+        "waited_s": 5.0,
+        "stopped_because": "empty",
+    }
+    assert len(pending(journal, store)) == BACKLOG
+    assert peak < 256 * 2**10, peak
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import logging
 import re
 import sqlite3
 import threading
+import tracemalloc
 from contextlib import closing
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import pending
 from healthlog.storage.rebuild import reindex
+from healthlog.storage.status import collect_status
 from healthlog.storage.store import MIGRATIONS, Lease, Store
 from healthlog.storage.tokens import Tokens
 from healthlog.timestamps import US_PER_HOUR
@@ -1007,6 +1009,35 @@ def test_a_pass_selects_from_the_deliveries_after_the_checkpoint_store_60(
         assert max(store_steps, journal_steps) < 10, (store_steps, journal_steps)
         backfill = append(journal, delivery(body({"hr": [point(2, 1)]}), received_at=BASE_US))
         assert pending_steps(journal, upgraded)[0] == [backfill.id, newer.id]
+
+
+STATUS_BACKLOG = 4000
+
+
+def test_status_reads_the_backlog_without_holding_it_store_70(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-70: with 4,000 deliveries waiting behind one folded, the status document (which
+    every `status`, `/v1/status` and `/metrics` scrape reads) counts them and names the oldest
+    while holding less than 256 KiB of Python memory at its peak, however many wait. (Before, it
+    built the metadata of every waiting delivery to count them: 2.6 MB at its peak here, about
+    650 bytes per waiting delivery at every scrape, 33 MB for a backlog of 50,000.)"""
+    fold(journal, store, append(journal, delivery(body({"hr": [point(0, 1)]}))), epoch)
+    journal.append_many(
+        [delivery(body({"hr": [point(n, n)]})) for n in range(1, STATUS_BACKLOG + 1)]
+    )
+    oldest = journal.iter_order(limit=2)[1]
+    tracemalloc.start()
+    try:
+        status = collect_status(journal, store)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert status.deliveries.pending == STATUS_BACKLOG
+    assert status.deliveries.parsed == 1
+    assert status.lag.oldest_pending_id == oldest.id
+    assert status.journal.deliveries == STATUS_BACKLOG + 1
+    assert peak < 256 * 2**10, peak
 
 
 def test_an_hour_range_reads_only_its_hours_store_49(

@@ -18,8 +18,8 @@ import os
 import sqlite3
 import uuid
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import closing, contextmanager
 from types import TracebackType
 from typing import Any, Final
 
@@ -324,6 +324,32 @@ def _order(
     return [_meta(row) for row in cursor.fetchall()]
 
 
+def _waiting(
+    conn: sqlite3.Connection, folded: Collection[int], after: tuple[int, int] | None
+) -> tuple[int, tuple[int, int] | None]:
+    """How many deliveries strictly after ``after`` in journal order are not in ``folded``, and
+    the ``(journaled_at, id)`` of the one of them journaled first (of those journaled at the
+    same instant, the first in journal order; JOURNAL-45).
+
+    The rows are taken one at a time and only their id and stamp are read, so a backlog of any
+    length costs the same memory (STORE-70, STORE-71)."""
+    select = "SELECT id, coalesce(journaled_at, received_at) FROM deliveries"
+    if after is None:
+        cursor = conn.execute(f"{select} ORDER BY received_at, id")
+    else:
+        cursor = conn.execute(
+            f"{select} WHERE (received_at, id) > (?, ?) ORDER BY received_at, id", after
+        )
+    waiting, oldest = 0, None
+    with closing(cursor) as rows:
+        for delivery_id, journaled_at in rows:
+            if delivery_id not in folded:
+                waiting += 1
+                if oldest is None or journaled_at < oldest[0]:
+                    oldest = (int(journaled_at), int(delivery_id))
+    return waiting, oldest
+
+
 def _meta(row: Any) -> DeliveryMeta:
     return DeliveryMeta(
         id=row[0],
@@ -571,13 +597,22 @@ class Journal:
         with self._reading() as conn:
             return _order(conn, after, -1 if limit is None else limit)
 
-    def tail_and_count(
-        self, *, after: tuple[int, int] | None = None
-    ) -> tuple[list[DeliveryMeta], tuple[int, int]]:
-        """``iter_order(after=after)`` and :meth:`count`, read in one transaction: a delivery
-        journaled meanwhile is in both or in neither."""
+    def waiting_and_count(
+        self, folded: Collection[int], *, after: tuple[int, int] | None = None
+    ) -> tuple[int, tuple[int, int] | None, tuple[int, int]]:
+        """:meth:`oldest_waiting` with how many wait, and :meth:`count`, read in one
+        transaction: a delivery journaled meanwhile is in both or in neither."""
         with self._reading() as conn, read_transaction(conn):
-            return _order(conn, after, -1), self._count(conn)
+            waiting, oldest = _waiting(conn, folded, after)
+            return waiting, oldest, self._count(conn)
+
+    def oldest_waiting(
+        self, folded: Collection[int], *, after: tuple[int, int] | None = None
+    ) -> tuple[int, int] | None:
+        """Of the deliveries strictly after ``after`` in journal order that are not in
+        ``folded``, the ``(journaled_at, id)`` of the one journaled first (see ``_waiting``)."""
+        with self._reading() as conn:
+            return _waiting(conn, folded, after)[1]
 
     def span_through(self, position: tuple[int, int]) -> tuple[int, int]:
         """(number, sum of ids) of the deliveries at or before ``position`` in journal order.

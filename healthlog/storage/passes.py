@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import attrs
 
@@ -62,21 +62,24 @@ def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     return [meta for meta in journal.iter_order(after=view.after) if meta.id not in view.folded]
 
 
-def oldest_pending(waiting: Sequence[DeliveryMeta]) -> DeliveryMeta | None:
-    """Of the pending deliveries (in journal order), the one journaled first, the first in
-    journal order of those journaled at the same instant; None when none is pending.
+def oldest_pending(journal: Journal, store: Store) -> tuple[int, int] | None:
+    """Of the deliveries :func:`pending` would select, the ``(journaled_at, id)`` of the one
+    journaled first (the first in journal order of those journaled at the same instant); None
+    when none is pending. Found a row at a time, without building their metadata (STORE-71).
 
     Its wait is the lag (F7): how long a delivery has waited for the fold since it was
     journaled. A backfill takes its place in journal order by a historical ``received_at``
     (J3), so neither the head of the queue nor its ``received_at`` says that (CLI-95).
     """
-    return min(waiting, key=lambda meta: meta.journaled_at, default=None)
+    view = store.folded_view(_agrees(journal))
+    return journal.oldest_waiting(view.folded, after=view.after)
 
 
-def waited_s(oldest: DeliveryMeta | None, now: int) -> float:
-    """How long ``oldest`` has waited at ``now`` (µs), in seconds: 0 when nothing waits, or
-    when it was journaled at a later stamp than ``now`` (JOURNAL-44)."""
-    return max(0, now - oldest.journaled_at) / 1e6 if oldest else 0.0
+def waited_s(oldest: tuple[int, int] | None, now: int) -> float:
+    """How long the delivery journaled at ``oldest`` (``(journaled_at, id)``) has waited at
+    ``now`` (µs), in seconds: 0 when nothing waits, or when it was journaled at a later stamp
+    than ``now`` (JOURNAL-44)."""
+    return max(0, now - oldest[0]) / 1e6 if oldest else 0.0
 
 
 def check_before_folding(journal: Journal, store: Store) -> None:
@@ -117,22 +120,25 @@ def check_same_journal(journal: Journal, store: Store) -> None:
 
 @attrs.frozen
 class Counted:
-    """The pending deliveries in journal order, the outcomes by status, and the journal's
-    (number of deliveries, raw bytes), as :func:`counted` read them."""
+    """How many deliveries wait, the ``(journaled_at, id)`` of the one of them journaled first
+    (:func:`oldest_pending`), the outcomes by status, and the journal's (number of deliveries,
+    raw bytes), as :func:`counted` read them."""
 
-    pending: list[DeliveryMeta]
+    pending: int
+    oldest: tuple[int, int] | None
     counts: dict[str, int]
     journal: tuple[int, int]
 
 
 def counted(journal: Journal, store: Store) -> Counted:
-    """:func:`pending`, with the outcomes by status from the same snapshot of the store (a
-    delivery folded meanwhile is counted either as pending or by its status), and the
-    journal's figures from the same read as the pending deliveries (a delivery journaled
-    meanwhile is in both or in neither)."""
+    """What :func:`pending` would select, counted, with the outcomes by status from the same
+    snapshot of the store (a delivery folded meanwhile is counted either as pending or by its
+    status), and the journal's figures from the same read as the pending deliveries (a delivery
+    journaled meanwhile is in both or in neither). Nothing of the waiting deliveries is kept
+    but their number and the oldest one's stamp and id (STORE-70)."""
     view = store.folded_view(_agrees(journal), counts=True)
-    journaled, figures = journal.tail_and_count(after=view.after)
-    return Counted([meta for meta in journaled if meta.id not in view.folded], view.counts, figures)
+    waiting, oldest, figures = journal.waiting_and_count(view.folded, after=view.after)
+    return Counted(waiting, oldest, view.counts, figures)
 
 
 def _agrees(journal: Journal) -> Callable[[tuple[int, int], tuple[int, int]], bool]:
@@ -178,11 +184,11 @@ def write_marks(
         return False
     written = False
     try:
-        oldest = oldest_pending(pending(journal, store))
+        oldest = oldest_pending(journal, store)
         store.set_mark(
             LAG_MARK,
             {
-                "oldest_pending_id": oldest.id if oldest else None,
+                "oldest_pending_id": oldest[1] if oldest else None,
                 "waited_s": waited_s(oldest, now()),
                 "stopped_because": folding.stopped_because,
             },

@@ -17,7 +17,7 @@ from healthlog.documents import (
     StreamInfo,
 )
 from healthlog.storage.journal import Journal
-from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted, oldest_pending, waited_s
+from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted, waited_s
 from healthlog.storage.store import LISTED_OUTCOMES, Store
 from healthlog.timestamps import format_instant
 
@@ -49,8 +49,7 @@ def collect_status(
     so they count the same deliveries.
     """
     read = counted(journal, store)
-    waiting, counts, (deliveries, size) = read.pending, read.counts, read.journal
-    oldest = oldest_pending(waiting)
+    counts, (deliveries, size) = read.counts, read.journal
     mark = store.mark(LAG_MARK) or {}
     lease = store.lease()
     now = clock.now_us()
@@ -58,14 +57,14 @@ def collect_status(
     return Status(
         journal=JournalFigures(deliveries, size),
         deliveries=DeliveryCounts(
-            pending=len(waiting),
+            pending=read.pending,
             parsed=counts.get("parsed", 0),
             partial=counts.get("partial", 0),
             failed=counts.get("failed", 0),
         ),
         lag=Lag(
-            oldest_pending_id=oldest.id if oldest else None,
-            waited_s=round(waited_s(oldest, now), 3),
+            oldest_pending_id=read.oldest[1] if read.oldest else None,
+            waited_s=round(waited_s(read.oldest, now), 3),
             stopped_because=stopped_because or str(mark.get("stopped_because", NO_PASS_YET)),
         ),
         lease=LeaseInfo(lease.holder, lease.epoch),
