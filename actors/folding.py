@@ -31,7 +31,7 @@ from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Budget, pending, write_marks
 from healthlog.storage.store import WORKER_DIED, Store
-from healthlog.storage.worker import fold_run
+from healthlog.storage.worker import fold_run, retire
 
 log = logging.getLogger("healthlog.folding")
 
@@ -181,7 +181,7 @@ class FoldingActor:
         )
 
     async def run(self) -> None:
-        workers = trio_parallel.cache_scope(init=_start_worker)
+        workers = trio_parallel.cache_scope(init=_start_worker, retire=retire)
         async with workers, trio.open_nursery() as nursery:
             nursery.start_soon(self._follow_lease)
             while True:

@@ -22,6 +22,7 @@ import trio
 import trio_parallel
 from _disk import files_limited_to
 from _runtime_helpers import (
+    CLIENT,
     EVERY_HIT,
     HISTORY_US,
     HOLDER,
@@ -44,7 +45,7 @@ from _runtime_helpers import (
 
 from actors.folding import Executor
 from actors.runtime import open_runtime
-from healthlog import clock, faults
+from healthlog import clock, faults, workload
 from healthlog.folding import OutcomeClass
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.datadir import DataDir
@@ -53,7 +54,7 @@ from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, Budget
 from healthlog.storage.rebuild import verify
 from healthlog.storage.store import Store, default_holder
-from healthlog.storage.worker import fold_run
+from healthlog.storage.worker import RETIRE_AFTER_BYTES, fold_run
 
 
 def deferred_at(hit: int) -> faults.Plan:
@@ -587,6 +588,44 @@ async def test_fold_workers_run_nicer_than_the_service_run_28(tmp_path: Path) ->
     assert started
     own = os.getpriority(os.PRIO_PROCESS, 0)
     assert set(started.values()) == {min(19, own + 10)}
+
+
+async def test_a_fold_worker_ends_after_a_large_body_run_59(tmp_path: Path) -> None:
+    """RUN-59: the worker that folded a small delivery folds the next one too, and the worker
+    that folded a body of RETIRE_AFTER_BYTES (8 MiB) or more ends after it, so that what the
+    fold took goes back to the system (23 MiB more than before it stayed with the worker after
+    a 50 MiB body, for as long as deliveries kept it busy); a new worker folds the next one.
+    (Before, the worker that had folded the large body lived on.)"""
+    before = set(worker_processes())
+    large = NewDelivery(
+        workload.big_body(1, target_bytes=RETIRE_AFTER_BYTES + 2**20),
+        CLIENT,
+        content_type="application/json",
+        automation_id="A",
+        automation_aggregation="minutes",
+    )
+    async with open_runtime(config(tmp_path, executor=Executor.PROCESS)) as runtime:
+        small = await runtime.submit(new_delivery(0))
+        await wait_folded(tmp_path, [small.delivery_id], timeout=60)
+        first = set(worker_processes()) - before
+        assert len(first) == 1
+        again = await runtime.submit(new_delivery(1))
+        await wait_folded(tmp_path, [again.delivery_id], timeout=60)
+        assert first <= set(worker_processes())
+
+        big = await runtime.submit(large)
+        await wait_folded(tmp_path, [big.delivery_id], timeout=120)
+        await until(lambda: not first & set(worker_processes()), timeout=30)
+        later = await runtime.submit(new_delivery(2))
+        await wait_folded(tmp_path, [later.delivery_id], timeout=60)
+        assert set(worker_processes()) - before - first
+
+    assert folded_in_order(tmp_path) == [
+        small.delivery_id,
+        again.delivery_id,
+        big.delivery_id,
+        later.delivery_id,
+    ]
 
 
 def test_fold_workers_start_without_the_web_stack_run_29() -> None:

@@ -30,7 +30,15 @@ from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.worker")
 
+RETIRE_AFTER_BYTES = 8 * 2**20
+"""A worker that has folded a body of at least this many raw bytes ends after its run
+(:func:`retire`): the memory a large fold took (23 MiB more than before it, after a 50 MiB
+body) goes back to the system with the process, instead of staying with the worker for as
+long as deliveries keep it busy; the next run starts a new worker (RUN-59)."""
+
 _handles: dict[str, tuple[Journal, Store]] = {}
+_largest = 0
+"""The largest body, in raw bytes, that this worker has begun to fold."""
 _service_pid: int | None = None
 """The parent of this worker when it first opened its handles: the service that started it."""
 
@@ -71,6 +79,7 @@ def fold_run(
     waiting for the reports: it stops there and returns the reports so far, a prefix of the run
     like any other, leaving the rest for the next holder of the lease.
     """
+    global _largest
     try:
         journal, store = _open(data_dir, busy_timeout_ms)
     except StorageError as exc:
@@ -96,8 +105,15 @@ def fold_run(
                 FoldReport(delivery_id, OutcomeClass.UNWRITTEN, reason="not in the journal")
             )
         else:
+            _largest = max(_largest, meta.bytes)
             check = budget.checker(meta.bytes)
             reports.append(store.fold(journal, meta, epoch, check_budget=check))
         if reports[-1].outcome_class is not OutcomeClass.DONE:
             break
     return reports
+
+
+def retire() -> bool:
+    """Whether this worker ends after the run it has just answered: once it has folded a body
+    of :data:`RETIRE_AFTER_BYTES` or more (RUN-59)."""
+    return _largest >= RETIRE_AFTER_BYTES
