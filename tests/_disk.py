@@ -95,3 +95,34 @@ def in_full_file_system(script: str, *args: str | os.PathLike[str]) -> str:
     )
     assert run.returncode != 99, run.stderr.decode()
     return run.stderr.decode()
+
+
+_KILLED_HOLDER = (
+    "import os, signal, sqlite3, sys\n"
+    "for name in ('journal.sqlite', 'store.sqlite'):\n"
+    "    conn = sqlite3.connect(os.path.join(sys.argv[1], name))\n"
+    "    conn.execute('SELECT count(*) FROM sqlite_master').fetchall()\n"
+    "os.kill(os.getpid(), signal.SIGKILL)\n"
+)
+
+
+def on_remounted_read_only(tmp_path: Path, payload: Path, command: str, after: str = "") -> str:
+    """The stderr of ``healthlog COMMAND`` (stdout dropped, then a line ``COMMAND exit N``, then
+    the shell lines ``after``) on a data directory whose file system was remounted read-only
+    while its databases stay readable: ``payload`` is imported into ``$1/data`` on a real tmpfs
+    (:func:`in_full_file_system`), a process holding both databases is killed there (leaving
+    their ``-wal`` and ``-shm`` files, so SQLite opens them read-only), and the file system is
+    remounted read-only, as the kernel remounts one after disk errors."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -c "$3" "$1/data"\n'
+        'test -e "$1/data/store.sqlite-shm" || exit 97\n'
+        'mount -o remount,ro "$1" || exit 96\n'
+        f'"$PY" -m healthlog.cli {command} --data "$1/data" > /dev/null\n'
+        f'echo "{command} exit $?" >&2\n'
+        f"{after}"
+    )
+    return in_full_file_system(script, point, payload, _KILLED_HOLDER)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import pytest
 from _cli_bodies import body, metric, point, write
-from _disk import files_limited_to, in_full_file_system, unwritable
+from _disk import files_limited_to, in_full_file_system, on_remounted_read_only, unwritable
 from _runtime_helpers import alive, children_of, lease_row
 
 from healthlog.cli import build_parser
@@ -1308,25 +1308,7 @@ def test_a_write_refused_on_a_read_only_file_system_is_said_so_cli_100(tmp_path:
     payload = write(
         tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
     )
-    point_dir = tmp_path / "mnt"
-    point_dir.mkdir()
-    holder = (
-        "import os, signal, sqlite3, sys\n"
-        "for name in ('journal.sqlite', 'store.sqlite'):\n"
-        "    conn = sqlite3.connect(os.path.join(sys.argv[1], name))\n"
-        "    conn.execute('SELECT count(*) FROM sqlite_master').fetchall()\n"
-        "os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
-    script = (
-        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
-        " || exit 98\n"
-        '"$PY" -c "$3" "$1/data"\n'
-        'test -e "$1/data/store.sqlite-shm" || exit 97\n'
-        'mount -o remount,ro "$1" || exit 96\n'
-        '"$PY" -m healthlog.cli reindex --data "$1/data" > /dev/null\n'
-        'echo "reindex exit $?" >&2\n'
-    )
-    stderr = in_full_file_system(script, point_dir, payload, holder)
+    stderr = on_remounted_read_only(tmp_path, payload, "reindex")
     assert re.search(
         r"^healthlog: database error: attempt to write a readonly database: the file system of"
         r" \S+/data is mounted read-only \(as the kernel remounts one after disk errors: see"

@@ -26,7 +26,7 @@ import pytest
 import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from _bodies import stamp as minute_stamp
-from _disk import DISK_ERROR, files_limited_to, in_full_file_system
+from _disk import DISK_ERROR, files_limited_to, in_full_file_system, on_remounted_read_only
 from _hostile_corpus import corpus
 from _runtime_helpers import alive, children_of, config
 from _summaries import summaries
@@ -1238,26 +1238,12 @@ def test_a_verify_on_a_read_only_file_system_says_so_store_76(tmp_path: Path) ->
     directory it could not make."""
     payload = tmp_path / "body.json"
     payload.write_bytes(body({"hr": [point(1, 60)]}))
-    point_dir = tmp_path / "mnt"
-    point_dir.mkdir()
-    holder = (
-        "import os, signal, sqlite3, sys\n"
-        "for name in ('journal.sqlite', 'store.sqlite'):\n"
-        "    conn = sqlite3.connect(os.path.join(sys.argv[1], name))\n"
-        "    conn.execute('SELECT count(*) FROM sqlite_master').fetchall()\n"
-        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    stderr = on_remounted_read_only(
+        tmp_path,
+        payload,
+        "verify",
+        'echo "scratch $(ls -a "$1/data" | grep -c \'^\\.rebuild-\')" >&2\n',
     )
-    script = (
-        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
-        " || exit 98\n"
-        '"$PY" -c "$3" "$1/data"\n'
-        'test -e "$1/data/store.sqlite-shm" || exit 97\n'
-        'mount -o remount,ro "$1" || exit 96\n'
-        '"$PY" -m healthlog.cli verify --data "$1/data" > /dev/null\n'
-        'echo "verify exit $?" >&2\n'
-        'echo "scratch $(ls -a "$1/data" | grep -c \'^\\.rebuild-\')" >&2\n'
-    )
-    stderr = in_full_file_system(script, point_dir, payload, holder)
     assert re.search(
         r"^healthlog: the file system of \S+/data is mounted read-only \(as the kernel remounts"
         r" one after disk errors: see `dmesg`\): `verify` and `reindex` rebuild into a second"
