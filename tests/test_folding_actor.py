@@ -628,6 +628,37 @@ async def test_a_fold_worker_ends_after_a_large_body_run_59(tmp_path: Path) -> N
     ]
 
 
+async def test_a_large_fold_not_written_is_tried_again_by_the_same_worker_run_60(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RUN-60: a fold of a body of RETIRE_AFTER_BYTES or more that is not written (an I/O error
+    at its first object write) is tried again by the same worker, which ends only once the
+    fold is written. (Before, the worker ended after the failed try too, and the new one met
+    the seeded plan's fault again at its own first hit, so the delivery was never folded: 54
+    I/O errors in one chaos run.)"""
+    monkeypatch.delenv(SERVE_PID_ENV, raising=False)
+    plan = {"fold.object_write": {"hits": [1], "do": "ioerror"}}
+    monkeypatch.setenv(PLAN_ENV, orjson.dumps(plan).decode())
+    before = set(worker_processes())
+    large = NewDelivery(
+        workload.big_body(1, target_bytes=RETIRE_AFTER_BYTES + 2**20),
+        CLIENT,
+        content_type="application/json",
+        automation_id="A",
+        automation_aggregation="minutes",
+    )
+    settings = {"executor": Executor.PROCESS, "wake_period_s": 0.2}
+    async with open_runtime(config(tmp_path, **settings)) as runtime:
+        big = await runtime.submit(large)
+        await wait_folded(tmp_path, [big.delivery_id], timeout=120)
+        await until(lambda: not set(worker_processes()) - before, timeout=30)
+        stats = runtime.statistics()
+
+    assert stats.folding.workers_lost == 0
+    statuses = table(DataDir(tmp_path).store_path, "SELECT status FROM outcomes")
+    assert statuses == [("parsed",)]
+
+
 def test_fold_workers_start_without_the_web_stack_run_29() -> None:
     """RUN-29: re-running the ``healthlog`` console script as ``__mp_main__``, as the spawn of
     every fold worker does, imports neither quart nor hypercorn."""

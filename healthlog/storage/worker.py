@@ -38,7 +38,10 @@ long as deliveries keep it busy; the next run starts a new worker (RUN-59)."""
 
 _handles: dict[str, tuple[Journal, Store]] = {}
 _largest = 0
-"""The largest body, in raw bytes, that this worker has begun to fold."""
+"""The largest body, in raw bytes, whose fold this worker has done (its outcome written). One
+whose fold was not written is tried again by the same worker: a new one for each try would
+cost a start each time, and would meet again a fault that a seeded plan injects at a hit of
+the worker's own count (a plan counts hits per process), so the try would never pass."""
 _service_pid: int | None = None
 """The parent of this worker when it first opened its handles: the service that started it."""
 
@@ -105,9 +108,10 @@ def fold_run(
                 FoldReport(delivery_id, OutcomeClass.UNWRITTEN, reason="not in the journal")
             )
         else:
-            _largest = max(_largest, meta.bytes)
             check = budget.checker(meta.bytes)
             reports.append(store.fold(journal, meta, epoch, check_budget=check))
+            if reports[-1].outcome_class is OutcomeClass.DONE:
+                _largest = max(_largest, meta.bytes)
         if reports[-1].outcome_class is not OutcomeClass.DONE:
             break
     return reports
