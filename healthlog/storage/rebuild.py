@@ -281,9 +281,9 @@ def verify(
     workers: int | None = None,
 ) -> list[Difference]:
     """Objects that differ between the live store and a rebuild of what it has folded: in
-    content (hash), in whether a seal covers them, or in a live row damaged behind an intact
-    hash: a body that does not decompress to the rebuilt bytes, or units, a point count or a
-    creating delivery that are not the rebuild's."""
+    content (hash), in whether a seal covers them, in a live row damaged behind an intact
+    hash (a body that does not decompress to the rebuilt bytes, or units or a point count that
+    are not the rebuild's), or in the creating delivery alone (its provenance)."""
     return verify_all(journal, store, progress=progress, workers=workers).objects
 
 
