@@ -590,6 +590,17 @@ async def test_fold_workers_run_nicer_than_the_service_run_28(tmp_path: Path) ->
     assert set(started.values()) == {min(19, own + 10)}
 
 
+def large_delivery() -> NewDelivery:
+    """A minute-level delivery 1 MiB over ``RETIRE_AFTER_BYTES``, whose fold ends its worker."""
+    return NewDelivery(
+        workload.big_body(1, target_bytes=RETIRE_AFTER_BYTES + 2**20),
+        CLIENT,
+        content_type="application/json",
+        automation_id="A",
+        automation_aggregation="minutes",
+    )
+
+
 async def test_a_fold_worker_ends_after_a_large_body_run_59(tmp_path: Path) -> None:
     """RUN-59: the worker that folded a small delivery folds the next one too, and the worker
     that folded a body of RETIRE_AFTER_BYTES (8 MiB) or more ends after it, so that what the
@@ -597,13 +608,7 @@ async def test_a_fold_worker_ends_after_a_large_body_run_59(tmp_path: Path) -> N
     a 50 MiB body, for as long as deliveries kept it busy); a new worker folds the next one.
     (Before, the worker that had folded the large body lived on.)"""
     before = set(worker_processes())
-    large = NewDelivery(
-        workload.big_body(1, target_bytes=RETIRE_AFTER_BYTES + 2**20),
-        CLIENT,
-        content_type="application/json",
-        automation_id="A",
-        automation_aggregation="minutes",
-    )
+    large = large_delivery()
     async with open_runtime(config(tmp_path, executor=Executor.PROCESS)) as runtime:
         small = await runtime.submit(new_delivery(0))
         await wait_folded(tmp_path, [small.delivery_id], timeout=60)
@@ -640,13 +645,7 @@ async def test_a_large_fold_not_written_is_tried_again_by_the_same_worker_run_60
     plan = {"fold.object_write": {"hits": [1], "do": "ioerror"}}
     monkeypatch.setenv(PLAN_ENV, orjson.dumps(plan).decode())
     before = set(worker_processes())
-    large = NewDelivery(
-        workload.big_body(1, target_bytes=RETIRE_AFTER_BYTES + 2**20),
-        CLIENT,
-        content_type="application/json",
-        automation_id="A",
-        automation_aggregation="minutes",
-    )
+    large = large_delivery()
     settings = {"executor": Executor.PROCESS, "wake_period_s": 0.2}
     async with open_runtime(config(tmp_path, **settings)) as runtime:
         big = await runtime.submit(large)

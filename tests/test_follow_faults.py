@@ -29,7 +29,7 @@ import orjson
 import pytest
 import trio
 from _disk import files_limited_to
-from _service_helpers import POLL_S, serving
+from _service_helpers import POLL_S, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     HEAD_END,
@@ -69,6 +69,26 @@ def json_answer(document: Any) -> bytes:
         b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
         b"connection: close\r\n\r\n%s" % (len(content), content)
     )
+
+
+async def restored_only(
+    service: Service,
+) -> tuple[int, str, bytes, dict[bytes, bytes | Answer]]:
+    """Post 100 small deliveries to ``service`` and prune its window to the last 2 events, so
+    that a fresh replica must restore its snapshot: the number of events, the snapshot file's
+    path and content, and a fake front's answers (each on a connection of its own, so that the
+    fake sees every request) for the status, the snapshot key and the manifest."""
+    total = await post_small(service, *range(0, 6000, 60))
+    await prune(service.data, keep=2)
+    manifest = (await service.get("/v1/snapshots")).json()
+    path = urllib.parse.urlsplit(manifest["url"]).path
+    content = (await service.get(path)).content
+    answers: dict[bytes, bytes | Answer] = {
+        b"/v1/status": json_answer(await service.status()),
+        b"/v1/snapshots/key": json_answer((await service.get("/v1/snapshots/key")).json()),
+        b"/v1/snapshots": json_answer(manifest),
+    }
+    return total, path, content, answers
 
 
 class Fake:
@@ -635,18 +655,8 @@ async def test_a_snapshot_download_stalled_or_trickled_is_given_up_stream_86(
     monkeypatch.setattr(transport.follow, "SNAPSHOT_PACE_BYTES", 2**10)
     window_s = 0.5
     async with serving(tmp_path / "server") as service:
-        total = await post_small(service, *range(0, 6000, 60))
-        await prune(service.data, keep=2)
-        manifest = (await service.get("/v1/snapshots")).json()
-        path = urllib.parse.urlsplit(manifest["url"]).path
-        content = (await service.get(path)).content
+        total, path, content, answers = await restored_only(service)
         assert len(content) > 4 * 2**10
-        # Each answer on a connection of its own, so that the fake sees every request.
-        answers: dict[bytes, bytes | Answer] = {
-            b"/v1/status": json_answer(await service.status()),
-            b"/v1/snapshots/key": json_answer((await service.get("/v1/snapshots/key")).json()),
-            b"/v1/snapshots": json_answer(manifest),
-        }
         with Replica(tmp_path / "trickled") as replica:
             trickled = functools.partial(paced, content, 1, 0.05)
             async with faking(answers={**answers, path.encode(): trickled}) as fake:
@@ -691,17 +701,8 @@ async def test_a_download_left_by_a_killed_follower_is_removed_at_once_stream_10
     more, every one counted against the room a snapshot download may take.)"""
     directory = tmp_path / "replica"
     async with serving(tmp_path / "server") as service:
-        total = await post_small(service, *range(0, 6000, 60))
-        await prune(service.data, keep=2)
-        manifest = (await service.get("/v1/snapshots")).json()
-        path = urllib.parse.urlsplit(manifest["url"]).path
-        content = (await service.get(path)).content
-        answers: dict[bytes, bytes | Answer] = {
-            b"/v1/status": json_answer(await service.status()),
-            b"/v1/snapshots/key": json_answer((await service.get("/v1/snapshots/key")).json()),
-            b"/v1/snapshots": json_answer(manifest),
-            path.encode(): functools.partial(paced, content, 64, 0.05),
-        }
+        total, path, content, answers = await restored_only(service)
+        answers[path.encode()] = functools.partial(paced, content, 64, 0.05)
         async with faking(answers=answers) as fake, trio.open_nursery() as nursery:
             command = [
                 *(sys.executable, "-m", "healthlog.cli", "follow", "--url", fake.url()),
