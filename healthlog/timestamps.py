@@ -29,12 +29,50 @@ _COMMON = re.compile(
     r"([0-9]{4})-([0-9]{2})-([0-9]{2}) ([0-9]{2}):([0-9]{2}):([0-9]{2}) ([+-])([0-9]{2})([0-9]{2})"
 )
 
-# Every accepted shape; only reached when the fast path does not match.
+# The 12-hour markers a phone writes, as iOS does in the phone's language: CLDR's abbreviated
+# AM and PM of the format context (specs/timestamps.md rule 5 names the languages and the
+# sources). Each is the marker as matched with its letters case-folded and any space inside it
+# dropped, and says whether it names the afternoon and which hours go with it: 1..12, or 0..11
+# for Japanese, whose 12-hour clock counts from 0 (`午前0:05`).
+_MARKERS = {
+    "am": (False, 1),
+    "pm": (True, 1),
+    "a.m.": (False, 1),
+    "p.m.": (True, 1),
+    "π.μ.": (False, 1),
+    "μ.μ.": (True, 1),
+    "ص": (False, 1),
+    "م": (True, 1),
+    "오전": (False, 1),
+    "오후": (True, 1),
+    "午前": (False, 0),
+    "午後": (True, 0),
+    "上午": (False, 1),
+    "下午": (True, 1),
+    "öö": (False, 1),
+    "ös": (True, 1),
+    "sa": (False, 1),
+    "ch": (True, 1),
+    "pg": (False, 1),
+    "ptg": (True, 1),
+    "முற்பகல்": (False, 1),
+    "பிற்பகல்": (True, 1),
+}
+_SPACES = "[ \u00a0\u202f]"
+_NO_SPACES = dict.fromkeys(map(ord, " \u00a0\u202f"))
+_MARKER = (
+    rf"(?i:[ap]m|[ap]\.{_SPACES}?m\.|π\.μ\.|μ\.μ\.|ص|م|오전|오후|午前|午後|上午|下午"
+    r"|ÖÖ|ÖS|SA|CH|PTG|PG|முற்பகல்|பிற்பகல்)"
+)
+
+# Every accepted shape; only reached when the fast path does not match. A 12-hour marker stands
+# after the time or, after the space that follows the date, before it.
 _GENERAL = re.compile(
     r"(?P<year>[0-9]{4})-(?P<month>[0-9]{2})-(?P<day>[0-9]{2})"
-    r"(?:[T ](?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})"
+    rf"(?:(?:T| (?:(?P<before>{_MARKER}){_SPACES}?)?)"
+    r"(?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})"
     r"(?::(?P<second>[0-9]{2})(?:\.(?P<fraction>[0-9]{1,9}))?)?"
-    r"(?:[ \u00a0\u202f]?(?P<meridiem>[aApP][mM]|[aApP]\.[mM]\.))?"
+    rf"(?:{_SPACES}?(?P<after>{_MARKER}))?"
     r" ?(?:Z|(?P<sign>[+-])(?P<offset_hours>[0-9]{2}):?(?P<offset_minutes>[0-9]{2}))?)?"
 )
 
@@ -127,12 +165,7 @@ def _parse_general(text: str) -> int:
     year, month, day = int(match["year"]), int(match["month"]), int(match["day"])
     if match["hour"] is None:
         return _instant(year, month, day, 0, 0, 0, 0, 0)
-    hour = int(match["hour"])
-    meridiem = match["meridiem"]
-    if meridiem is not None:
-        if not 1 <= hour <= 12:
-            raise TimestampError("timestamp 12-hour clock hour is out of range 1..12")
-        hour = hour % 12 + (12 if meridiem[0] in "pP" else 0)
+    hour = _hour(int(match["hour"]), match["before"], match["after"])
     second = match["second"]
     fraction = match["fraction"]
     micro = 0 if fraction is None else int(fraction[:6].ljust(6, "0"))
@@ -149,6 +182,19 @@ def _parse_general(text: str) -> int:
         micro,
         offset,
     )
+
+
+def _hour(hour: int, before: str | None, after: str | None) -> int:
+    """The hour of the day of a time's hour and its 12-hour marker, if it has one."""
+    if before is not None and after is not None:
+        raise TimestampError("timestamp does not match a supported date/time shape")
+    marker = after if before is None else before
+    if marker is None:
+        return hour
+    afternoon, first = _MARKERS[marker.translate(_NO_SPACES).casefold()]
+    if not first <= hour <= first + 11:
+        raise TimestampError(f"timestamp 12-hour clock hour is out of range {first}..{first + 11}")
+    return hour % 12 + (12 if afternoon else 0)
 
 
 def parse_instant(value: object) -> int:

@@ -784,7 +784,7 @@ _TIMESTAMP_ERRORS = (
     r"|second is out of range 0\.\.59 \(leap seconds are rejected\)"
     r"|UTC offset is beyond ±18:00|instant falls outside years 1\.\.9999 UTC"
     r"|UTC offset minutes are out of range 0\.\.59|does not match a supported date/time shape"
-    r"|12-hour clock hour is out of range 1\.\.12"
+    r"|12-hour clock hour is out of range (1\.\.12|0\.\.11)"
     r"|must be a str, not (int|float|bool|NoneType|list|dict)"
     r"|is longer than \d+ characters|is empty)"
 )

@@ -1,10 +1,10 @@
 """What a user's deliveries come out as, end to end through a real ``healthlog serve``.
 
-Scenario: PARSE-42 in specs/parsing.md. Every section the app sends and every metric shape, in
-the odd offsets, across the end of daylight saving time, on a leap day and in the phone's
-12-hour clock and Buddhist calendar, is posted over HTTP; ``GET /v1/points`` must give each
-point exactly once, verbatim, sorted, at its UTC coordinates; re-sends that differ only in how
-they are written must change nothing.
+Scenarios: PARSE-42 and PARSE-43 in specs/parsing.md. Every section the app sends and every
+metric shape, in the odd offsets, across the end of daylight saving time, on a leap day and in
+the phone's 12-hour clock (in other languages too) and Buddhist calendar, is posted over HTTP;
+``GET /v1/points`` must give each point exactly once, verbatim, sorted, at its UTC coordinates;
+re-sends that differ only in how they are written must change nothing.
 """
 
 from __future__ import annotations
@@ -235,3 +235,80 @@ async def test_every_section_and_shape_comes_out_once_verbatim_parse_42(tmp_path
         assert [json.loads(found)["metric"] for found in records] == sorted(
             name for name, _, _, _ in RECORDS
         )
+
+
+# Heart rate as phones on 12-hour clocks in other languages write it (specs/timestamps.md rule
+# 5): the date as written, the same time on the 24-hour clock, and its start in UTC.
+TWELVE_HOUR = [
+    ("2024-09-21 \uc624\uc804 7:57:00 +0900", "2024-09-21 07:57:00 +0900", "2024-09-20T22:57:00Z"),
+    ("2024-09-21 \uc624\ud6c4 7:57:00 +0900", "2024-09-21 19:57:00 +0900", "2024-09-21T10:57:00Z"),
+    ("2024-09-21 \u5348\u524d0:05:00 +0900", "2024-09-21 00:05:00 +0900", "2024-09-20T15:05:00Z"),
+    ("2024-09-21 \u5348\u5f8c0:05:00 +0900", "2024-09-21 12:05:00 +0900", "2024-09-21T03:05:00Z"),
+    ("2024-09-21 \u4e0a\u534812:06:00 +0800", "2024-09-21 00:06:00 +0800", "2024-09-20T16:06:00Z"),
+    ("2024-09-21 \u4e0b\u534812:06:00 +0800", "2024-09-21 12:06:00 +0800", "2024-09-21T04:06:00Z"),
+    (
+        "2024-09-21 7:57:00\u202fp.\u00a0m. -0500",
+        "2024-09-21 19:57:00 -0500",
+        "2024-09-22T00:57:00Z",
+    ),
+    (
+        "2024-09-21 7:58:00\u202f\u03c0.\u03bc. +0300",
+        "2024-09-21 07:58:00 +0300",
+        "2024-09-21T04:58:00Z",
+    ),
+    ("2024-09-21 7:59:00 \u0645 +0300", "2024-09-21 19:59:00 +0300", "2024-09-21T16:59:00Z"),
+    ("2024-09-21 \u00d6S\u202f8:00:00 +0300", "2024-09-21 20:00:00 +0300", "2024-09-21T17:00:00Z"),
+    ("2024-09-21 8:01:00\u202fSA +0700", "2024-09-21 08:01:00 +0700", "2024-09-21T01:01:00Z"),
+    ("2024-09-21 8:02:00\u202fPTG +0800", "2024-09-21 20:02:00 +0800", "2024-09-21T12:02:00Z"),
+    (
+        "2024-09-21 \u0baa\u0bbf\u0bb1\u0bcd\u0baa\u0b95\u0bb2\u0bcd 8:03:00 +0530",
+        "2024-09-21 20:03:00 +0530",
+        "2024-09-21T14:33:00Z",
+    ),
+]
+
+
+def heart_rate_point(n: int, date: str) -> bytes:
+    """A heart-rate point as the app writes it: UTF-8 as is, not escaped."""
+    return b'{"date":%s,"Min":%d,"Avg":%d,"Max":%d}' % (
+        json.dumps(date, ensure_ascii=False).encode(),
+        40 + n,
+        50 + n,
+        60 + n,
+    )
+
+
+async def test_twelve_hour_clocks_of_other_languages_come_out_once_parse_43(
+    tmp_path: Path,
+) -> None:
+    """PARSE-43: heart rate written on the 12-hour clocks of Korean, Japanese, Chinese,
+    Spanish, Greek, Arabic, Turkish, Vietnamese, Malay and Tamil phones, with the marker before
+    or after the time, is ``parsed`` and comes out of ``GET /v1/points`` once each, byte for byte,
+    at its UTC start; the same points re-sent on the 24-hour clock are unchanged."""
+    written = [heart_rate_point(n, date) for n, (date, _, _) in enumerate(TWELVE_HOUR)]
+    again = [heart_rate_point(n, date) for n, (_, date, _) in enumerate(TWELVE_HOUR)]
+    expected = sorted(
+        (at, line("heart_rate", "minutes", "count/min", raw, at, None))
+        for raw, (_, _, at) in zip(written, TWELVE_HOUR, strict=True)
+    )
+    async with serving(tmp_path / "data") as service:
+        first = await post_folded(
+            service, envelope({}, [("heart_rate", "count/min", written)]), MINUTES
+        )
+        assert first["status"] == "parsed", first["reason"]
+        assert first["counters"]["points_new"] == len(TWELVE_HOUR)
+        stored = await points(service)
+        assert stored == [found for _, found in expected]
+
+        resent = await post_folded(
+            service, envelope({}, [("heart_rate", "count/min", again)]), MINUTES
+        )
+
+        assert resent["status"] == "parsed"
+        changed = {
+            name: count
+            for name, count in resent["counters"].items()
+            if count and name not in ("metrics", "sections", "points", "objects_unchanged")
+        }
+        assert changed == {"points_unchanged": len(TWELVE_HOUR)}
+        assert await points(service) == stored

@@ -472,3 +472,162 @@ def test_log_times_are_utc_whatever_the_zone_time_18(
         "2024-11-03T05:30:00Z",
         "2024-11-03T06:30:00Z",
     ]
+
+
+class Clock:
+    """A language's 12-hour markers as CLDR 42 has them (specs/timestamps.md rule 5), where iOS
+    puts them and with what between marker and time, and its first hour (Japanese counts 0..11)."""
+
+    def __init__(self, morning: str, afternoon: str, before: bool, gap: str, first: int = 1):
+        self.morning = morning
+        self.afternoon = afternoon
+        self.before = before
+        self.gap = gap
+        self.first = first
+
+    def write(
+        self, local: datetime, zone: str, before: bool | None = None, gap: str | None = None
+    ) -> str:
+        """``local`` as a phone set to this language's 12-hour clock writes it."""
+        hour = local.hour % 12 or (12 if self.first else 0)
+        marker = self.afternoon if local.hour >= 12 else self.morning
+        gap = self.gap if gap is None else gap
+        time = f"{hour}:{local:%M:%S}"
+        shown = (
+            f"{marker}{gap}{time}"
+            if (self.before if before is None else before)
+            else f"{time}{gap}{marker}"
+        )
+        return f"{local:%Y-%m-%d} {shown} {zone}"
+
+
+CLOCKS = {
+    "en": Clock("am", "pm", before=False, gap="\u202f"),
+    "es": Clock("a.\u00a0m.", "p.\u00a0m.", before=False, gap="\u202f"),
+    "el": Clock("\u03c0.\u03bc.", "\u03bc.\u03bc.", before=False, gap="\u202f"),
+    "ar": Clock("\u0635", "\u0645", before=False, gap=" "),
+    "ko": Clock("\uc624\uc804", "\uc624\ud6c4", before=True, gap=" "),
+    "ja": Clock("\u5348\u524d", "\u5348\u5f8c", before=True, gap="", first=0),
+    "zh": Clock("\u4e0a\u5348", "\u4e0b\u5348", before=True, gap=""),
+    "tr": Clock("\u00d6\u00d6", "\u00d6S", before=True, gap="\u202f"),
+    "vi": Clock("SA", "CH", before=False, gap="\u202f"),
+    "ms": Clock("PG", "PTG", before=False, gap="\u202f"),
+    "ta": Clock(
+        "\u0bae\u0bc1\u0bb1\u0bcd\u0baa\u0b95\u0bb2\u0bcd",
+        "\u0baa\u0bbf\u0bb1\u0bcd\u0baa\u0b95\u0bb2\u0bcd",
+        before=True,
+        gap=" ",
+    ),
+}
+BEFORE = sorted(name for name, clock in CLOCKS.items() if clock.before)
+AFTER = sorted(name for name, clock in CLOCKS.items() if not clock.before)
+SEPT_21 = datetime(2024, 9, 21)
+
+
+@pytest.mark.parametrize("language", AFTER)
+def test_markers_after_the_time_time_19(language: str) -> None:
+    """TIME-19: English, Spanish, Greek, Arabic, Vietnamese and Malay markers after the time,
+    as iOS writes them (``7:57:00\\u202fp.\\u00a0m.``), are read on the 12-hour clock."""
+    clock = CLOCKS[language]
+    morning = clock.write(SEPT_21.replace(hour=7, minute=57), "+1000")
+    evening = clock.write(SEPT_21.replace(hour=19, minute=57), "+1000")
+    assert (parse_instant(morning), parse_instant(evening)) == (SEPT_21_0757, SEPT_21_1957)
+
+
+@pytest.mark.parametrize("language", BEFORE)
+def test_markers_before_the_time_time_20(language: str) -> None:
+    """TIME-20: Korean, Japanese, Chinese, Turkish and Tamil markers before the time, as iOS
+    writes them (``오후 7:57:00``, ``午後7:57:00``, ``下午7:57:00``), are read on the 12-hour
+    clock."""
+    clock = CLOCKS[language]
+    morning = clock.write(SEPT_21.replace(hour=7, minute=57), "+1000")
+    evening = clock.write(SEPT_21.replace(hour=19, minute=57), "+1000")
+    assert (parse_instant(morning), parse_instant(evening)) == (SEPT_21_0757, SEPT_21_1957)
+
+
+@pytest.mark.parametrize(
+    ("text", "hour"),
+    [
+        ("2024-09-21 7:57:00\u202fa. m. +1000", 7),
+        ("2024-09-21 7:57:00\u202fp.\u202fm. +1000", 19),
+        ("2024-09-21 7:57:00 P.M. +1000", 19),
+        ("2024-09-21 7:57:00 p.m. +1000", 19),
+        ("2024-09-21 7:57:00\u202f\u039c.\u039c. +1000", 19),
+        ("2024-09-21 7:57:00\u202fsa +1000", 7),
+        ("2024-09-21 7:57:00ptg +1000", 19),
+        ("2024-09-21 \u00f6s 7:57:00 +1000", 19),
+        ("2024-09-21 \uc624\ud6c47:57:00 +1000", 19),
+        ("2024-09-21 \u5348\u5f8c\u00a07:57:00 +1000", 19),
+        ("2024-09-21 7:57:00\u202f\u4e0b\u5348 +1000", 19),
+        ("2024-09-21 \u0645 7:57:00 +1000", 19),
+    ],
+)
+def test_markers_in_any_case_position_and_spacing_time_19_20(text: str, hour: int) -> None:
+    """TIME-19, TIME-20: the same markers in any letter case, before or after the time, with
+    nothing, a space, U+00A0 or U+202F around them (and inside the Spanish ones)."""
+    assert parse_instant(text) == expected(2024, 9, 21, hour, 57, offset_minutes=600)
+
+
+@pytest.mark.parametrize("language", sorted(CLOCKS))
+def test_noon_and_midnight_hours_time_21(language: str) -> None:
+    """TIME-21: ``12`` with the morning marker is 00 and with the afternoon one 12; Japanese
+    writes them ``午前0:05:00`` and ``午後0:05:00``."""
+    clock = CLOCKS[language]
+    texts = [clock.write(SEPT_21.replace(hour=hour, minute=5), "+0000") for hour in (0, 12)]
+    twelve = "0" if language == "ja" else "12"
+    assert all(f"{twelve}:05:00" in text for text in texts)
+    assert [parse_instant(text) for text in texts] == [
+        expected(2024, 9, 21, 0, 5),
+        expected(2024, 9, 21, 12, 5),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("2024-09-21 13:57:00\u202fp.\u00a0m. +1000", "hour is out of range 1..12"),
+        ("2024-09-21 \uc624\ud6c4 13:57:00 +1000", "hour is out of range 1..12"),
+        ("2024-09-21 \uc624\uc804 0:05:00 +1000", "hour is out of range 1..12"),
+        ("2024-09-21 0:05:00\u202f\u03c0.\u03bc. +1000", "hour is out of range 1..12"),
+        ("2024-09-21 \u4e0b\u53480:05:00 +1000", "hour is out of range 1..12"),
+        ("2024-09-21 \u5348\u524d12:05:00 +1000", "hour is out of range 0..11"),
+        ("2024-09-21 \u5348\u5f8c12:05:00 +1000", "hour is out of range 0..11"),
+        ("2024-09-21 7:57:00 xm +1000", "supported date/time shape"),
+        ("2024-09-21 7:57:00 ip. +1000", "supported date/time shape"),
+        ("2024-09-21 7:57:00 a.m +1000", "supported date/time shape"),
+        ("2024-09-21 7:57:00 a.  m. +1000", "supported date/time shape"),
+        ("2024-09-21 7:57:00 \u03c0. \u03bc. +1000", "supported date/time shape"),
+        ("2024-09-21 \u5348\u5f8c 7:57:00 pm +1000", "supported date/time shape"),
+        ("2024-09-21 \uc624\ud6c4  7:57:00 +1000", "supported date/time shape"),
+        ("2024-09-21T\uc624\ud6c4 7:57:00 +1000", "supported date/time shape"),
+        ("2024-09-21\uc624\ud6c4 7:57:00 +1000", "supported date/time shape"),
+        ("2024-09-21 7:57:00 +1000 \uc624\ud6c4", "supported date/time shape"),
+        ("2024-09-21 \uc624\ud6c4", "supported date/time shape"),
+    ],
+)
+def test_what_stays_refused_time_22(text: str, message: str) -> None:
+    """TIME-22: an hour outside the marker's clock, an unknown or half-written marker, two
+    markers, or a marker anywhere but next to the time is refused, with a message that says
+    which rule was broken."""
+    with pytest.raises(TimestampError, match=re.escape(message)):
+        parse_instant(text)
+    with pytest.raises(TimestampError, match=re.escape(message)):
+        instant_of(text)
+
+
+@given(
+    LOCAL_TIMES,
+    OFFSETS,
+    st.sampled_from(sorted(CLOCKS)),
+    st.booleans(),
+    st.sampled_from(["\u202f", " ", "\u00a0", ""]),
+)
+def test_every_clock_equals_the_24_hour_time_time_23(
+    local: datetime, offset: int, language: str, before: bool, gap: str
+) -> None:
+    """TIME-23: any time written on any language's 12-hour clock, before or after the time,
+    with any gap, is the instant of its 24-hour spelling, on the fold's path too."""
+    zone = offset_text(offset, colon=False)
+    twelve = CLOCKS[language].write(local, zone, before, gap)
+    instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
+    assert parse_instant(twelve) == instant_of(twelve) == instant
