@@ -18,13 +18,17 @@ from _service_helpers import POLL_S, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     SECONDS,
+    bearer,
+    connect,
     consecutive,
     noisy,
     post,
     post_small,
     receive,
     receive_through,
+    refusal,
     replica_export,
+    resource,
     server_export,
     stalled,
     stream_handlers,
@@ -34,6 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionRejected
 
 from healthlog import faults
+from healthlog.storage.datadir import DataDir
 from healthlog.storage.replica import Replica
 from transport.follow import follow
 
@@ -102,6 +107,38 @@ async def test_subscribers_over_the_limit_are_refused_503_stream_103(
             async with subscribe(service) as third:
                 assert consecutive(await receive(third, total), 0)
                 assert_too_many(await refused(service))
+
+
+@pytest.mark.parametrize("presented", ["unknown", "revoked", "none"])
+async def test_a_token_not_valid_is_refused_4401_not_503_when_full_stream_106(
+    tmp_path: Path, presented: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-106: with ``stream_max_subscribers = 1`` and its slot taken, a subscriber with an
+    unknown token, a revoked one or none gets ``UNAUTHORIZED`` and close 4401 (for good), not
+    the 503 that tells it to come back in 30 s, logged as a refused token; the one served goes on
+    and a subscriber with a live token is still refused 503."""
+    with DataDir(tmp_path).open_tokens() as tokens:
+        revoked = tokens.add("old phone")
+        tokens.revoke("old phone")
+    headers = {
+        "unknown": bearer("hl_not_a_token_a1b2c3"),
+        "revoked": bearer(revoked),
+        "none": [],
+    }[presented]
+    async with serving(tmp_path, stream_max_subscribers=1) as service:
+        total = await post_small(service, 0, 1)
+        async with subscribe(service, after=total - 1) as served:
+            assert consecutive(await receive(served, 1), total - 1)
+            with caplog.at_level(logging.INFO, logger="healthlog.http"):
+                async with connect(service.port, resource(0), headers) as ws:
+                    assert await refusal(ws) == ({"type": "error", "code": "UNAUTHORIZED"}, 4401)
+            assert_too_many(await refused(service))
+            await post_small(service, 2)
+            assert consecutive(await receive(served, 1), total)
+        lines = [r.getMessage() for r in caplog.records if r.name == "healthlog.http"]
+        assert lines[0].startswith("refused 4401 GET /v1/stream from 127.0.0.1: ")
+        assert revoked not in caplog.text
+        assert "a1b2c3" not in caplog.text
 
 
 async def fill(service: Service) -> int:

@@ -21,6 +21,8 @@ events with its objects (up to ``PAGE_BYTES``) and hypercorn's buffers for as lo
 and a token holder could open hundreds. One over the limit is refused before the upgrade, with
 an HTTP 503 ``{"error": "TOO_MANY_SUBSCRIBERS"}`` and ``Retry-After``, having read nothing of the
 store; its slot is given back however a connection ends (its close, a cut-off, a cancellation).
+The token is decided before the limit: a client whose token is not live is refused 4401 whether
+or not a slot is free, never told to come back later.
 
 The token is checked at the handshake, again before each page is sent and before an ACK is
 stored, and every ``IDLE_RECHECK_S`` while the stream waits for events (cheap: the token cache
@@ -234,9 +236,23 @@ class StreamEndpoint:
     in a flood (SERVE-61)."""
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
-        """Serve one subscription, if a slot is free; whatever ends it, the handler ends (no
-        stuck connection) and gives its slot back."""
+        """Serve one subscription, if its token is live and a slot is free; whatever ends it,
+        the handler ends (no stuck connection) and gives its slot back.
+
+        The token is decided first: a client whose token is not valid is refused with 4401
+        (for good), never with the 503 that tells it to come back (STREAM-106). That refusal
+        holds no slot: it reads nothing of the store and ends within two sends."""
         if (await receive())["type"] != "websocket.connect":
+            return
+        query = {
+            k: v[-1]
+            for k, v in urllib.parse.parse_qs(
+                scope["query_string"].decode(), keep_blank_values=True
+            ).items()
+        }
+        token = await self._authenticate(scope, query)
+        if token is None:
+            await self._serve(scope, receive, send, query, None)
             return
         try:
             self.slots.acquire_nowait()
@@ -244,7 +260,7 @@ class StreamEndpoint:
             await self._too_many(scope, send)
             return
         try:
-            await self._serve(scope, receive, send)
+            await self._serve(scope, receive, send, query, token)
         finally:
             self.slots.release()
 
@@ -270,7 +286,16 @@ class StreamEndpoint:
             await send({"type": "websocket.http.response.start", "status": 503, "headers": headers})
             await send({"type": "websocket.http.response.body", "body": body})
 
-    async def _serve(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def _serve(
+        self,
+        scope: dict[str, Any],
+        receive: Receive,
+        send: Send,
+        query: dict[str, str],
+        token: str | None,
+    ) -> None:
+        """Accept the connection and serve it, or refuse it with ``UNAUTHORIZED`` when its
+        token (None) was refused."""
         try:
             await send({"type": "websocket.accept"})
         except Exception as exc:
@@ -280,20 +305,14 @@ class StreamEndpoint:
             with contextlib.suppress(Exception):
                 await send({"type": "websocket.close", "code": 1008})
             return
-        query = {
-            k: v[-1]
-            for k, v in urllib.parse.parse_qs(
-                scope["query_string"].decode(), keep_blank_values=True
-            ).items()
-        }
-        headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope["headers"]}
         refused: StreamRefused | None = None
         try:
             async with trio.open_nursery() as nursery:
                 # First, so that a shutdown also ends a subscription still opening (its reads
                 # wait while the store is busy).
                 nursery.start_soon(self._going_away)
-                token = await self._authenticate(headers, query, client_address(scope))
+                if token is None:
+                    raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
                 sub = await self._open(query, token)
                 nursery.start_soon(self._send_loop, sub, send)
                 await self._receive_loop(sub, receive)
@@ -362,25 +381,20 @@ class StreamEndpoint:
         await self.closing.wait()
         raise StreamRefused("GOING_AWAY", CLOSE_GOING_AWAY, frame=False)
 
-    async def _authenticate(
-        self, headers: dict[str, str], query: dict[str, str], address: str | None
-    ) -> str:
-        """The presented token, once it is known to be live; a refusal is logged as the HTTP
+    async def _authenticate(self, scope: dict[str, Any], query: dict[str, str]) -> str | None:
+        """The presented token if it is live, else None, the refusal logged as the HTTP
         routes' are (never the token)."""
+        headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope["headers"]}
         presented = headers.get("api-key") or query.get("token")
         authorization = headers.get("authorization", "")
         if authorization[:7].lower() == "bearer ":
             presented = authorization[7:].strip()
-        try:
-            if not presented:
-                raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
-            await self._still_authorized(presented)
-        except StreamRefused:
-            self.refusals.unauthorized(
-                "GET", STREAM_PATH, address, bool(presented), status=CLOSE_UNAUTHORIZED
-            )
-            raise
-        return presented
+        if presented and await self.authenticate(presented) is not None:
+            return presented
+        self.refusals.unauthorized(
+            "GET", STREAM_PATH, client_address(scope), bool(presented), status=CLOSE_UNAUTHORIZED
+        )
+        return None
 
     async def _still_authorized(self, token: str) -> None:
         """Refuse the connection unless ``token`` is live (it may be revoked at any time)."""
