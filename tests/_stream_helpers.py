@@ -2,9 +2,10 @@
 census of the stream handlers running in the test's trio run.
 
 The service runs in the test's own trio run (``tests/_service_helpers.py``), so the subscribers
-here are trio-websocket clients in the same run. trio-websocket leaves its socket open when the
-server closes first, so :func:`connect` owns the TCP stream and closes it itself, as
-``transport/follow.py`` does.
+here are trio-websocket clients in the same run (:func:`serving_process` runs it as a process
+of its own instead, for a test whose trio clock is a MockClock the service must not share).
+trio-websocket leaves its socket open when the server closes first, so :func:`connect` owns the
+TCP stream and closes it itself, as ``transport/follow.py`` does.
 """
 
 from __future__ import annotations
@@ -13,20 +14,26 @@ import contextlib
 import functools
 import hashlib
 import io
+import logging
 import os
+import re
+import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import _bodies
+import httpx
 import orjson
 import trio
+import trio.testing
 from _cli_bodies import body, metric, point
-from _service_helpers import POLL_S, TOKEN_NAME, Service
+from _service_helpers import CLIENT_TIMEOUT_S, POLL_S, STOP_LIMIT_S, TOKEN_NAME, Service
 from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_client_stream
 
 from healthlog import snapshots
@@ -349,3 +356,90 @@ async def following_process(
             yield process
             with trio.fail_after(FRAME_LIMIT_S):
                 await process.wait()
+
+
+@contextlib.asynccontextmanager
+async def serving_process(path: Path, **settings: int) -> AsyncIterator[Service]:
+    """``healthlog serve`` as a process of its own on a free port of 127.0.0.1, its ``[serve]``
+    ``settings`` in the data directory's ``healthlog.toml``, as a :class:`Service` (whose
+    ``stop`` is not used); stopped with SIGTERM at the block's end, its exit awaited. Its
+    timers run on the system's clock whatever the test's trio clock does."""
+    data = DataDir(path)
+    with data.open_tokens() as tokens:
+        token = tokens.add(TOKEN_NAME)
+    lines = "".join(f"{name} = {value}\n" for name, value in settings.items())
+    data.config_path.write_text(f"[serve]\n{lines}")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    command = [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0", "--data", str(path)]
+    process = await trio.lowlevel.open_process(command, env=env, stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        announced = b""
+        with trio.fail_after(FRAME_LIMIT_S):
+            while b"\n" not in announced:
+                chunk = await process.stdout.receive_some()
+                assert chunk, "serve ended before it announced its address"
+                announced += chunk
+        found = re.search(rb"healthlog serving on (http://127\.0\.0\.1:\d+) ", announced)
+        assert found, announced
+        url = found.group(1).decode()
+        async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+            yield Service(url, data, token, client, trio.Event())
+    finally:
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(STOP_LIMIT_S):
+            await process.wait()
+        if process.stdout is not None:
+            await process.stdout.aclose()
+    assert process.returncode == 0
+
+
+class Stamped(logging.Handler):
+    """The records at INFO and above of one logger, as (trio time when logged, level,
+    message): the time is a MockClock's in a test that moves it on."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.said: list[tuple[float, int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append((trio.current_time(), record.levelno, record.getMessage()))
+
+    def at(self, prefix: str) -> list[float]:
+        """When each message beginning with ``prefix`` was logged."""
+        return [when for when, _, message in self.said if message.startswith(prefix)]
+
+    def messages(self, prefix: str = "", level: int = logging.INFO) -> list[str]:
+        """The messages beginning with ``prefix`` at ``level`` or above."""
+        return [m for _, n, m in self.said if m.startswith(prefix) and n >= level]
+
+
+@contextlib.contextmanager
+def stamped(name: str) -> Iterator[Stamped]:
+    """A :class:`Stamped` on the logger ``name``, set to INFO, for the block."""
+    logger = logging.getLogger(name)
+    handler, level = Stamped(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+# How far a test moves a MockClock at a time while a follower waits, and the most moves it makes
+# before it gives up on the follower.
+STEP_S = 1.0
+MAX_STEPS = 1000
+
+
+async def step_until(clock: trio.testing.MockClock, done: Callable[[], bool]) -> None:
+    """Move ``clock`` on a second at a time, letting what woke run (a moment of real time at
+    its rate of 1, for a service in another process to answer), until ``done()``."""
+    for _ in range(MAX_STEPS):
+        if done():
+            return
+        clock.jump(STEP_S)
+        await trio.sleep(POLL_S)
+    raise AssertionError("not done after the clock moved on")

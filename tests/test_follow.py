@@ -5,7 +5,8 @@ reference gone stale, a reverse proxy answering 502, a close for being too slow;
 cannot be sent as a header value (STREAM-50, STREAM-51, CLI-36); the memory a snapshot's restore
 takes, and bad snapshots leaving the replica as it was (STREAM-59); a real server's snapshot
 bound to another stream or instance, refused (STREAM-67); an object a reindex drops while
-the follower follows, dropped from its replica (STREAM-68).
+the follower follows, dropped from its replica (STREAM-68); the wait a refusal's
+``Retry-After`` asks for, read and bounded (STREAM-108).
 
 The command runs as a real process where its exit code and output matter; elsewhere
 :func:`transport.follow.follow` runs in the test's trio run, so it can be cancelled at any
@@ -33,6 +34,7 @@ import time
 import tracemalloc
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import closing
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,7 @@ from transport.follow import (
     StreamSocket,
     _download,
     follow,
+    retry_after_s,
 )
 
 GRACE_S = 1.0
@@ -1265,6 +1268,53 @@ async def test_a_follower_that_gets_nowhere_says_so_once_stream_52_62(
     lost = [n for n, line in enumerate(said) if line.startswith("follow: connection lost")]
     assert len(lost) >= 10
     assert sum(n < said.index(warned[0]) for n in lost) == losses_before
+
+
+RETRY_AFTER_NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("30", 30.0),
+        (" 60 ", 60.0),
+        ("0", 0.0),
+        ("Tue, 01 Dec 2026 12:01:30 GMT", 90.0),
+        ("Tue, 01 Dec 2026 11:00:00 GMT", 0.0),
+        (None, None),
+        ("", None),
+        ("soon", None),
+        ("-5", None),
+        ("1.5", None),
+        ("\u0663\u0660", None),
+        ("Tue, 01 Dec 2026 12:01:30 -0000", None),
+    ],
+)
+def test_what_a_retry_after_asks_stream_108(value: str | None, seconds: float | None) -> None:
+    """STREAM-108: a ``Retry-After`` is a whole number of seconds or an HTTP date (counted from
+    now; one past asks for nothing); anything else (a fraction, a sign, digits that are not
+    ASCII, a date without its zone) asks for nothing."""
+    assert retry_after_s(value, RETRY_AFTER_NOW) == seconds
+
+
+async def test_a_retry_after_is_waited_at_most_300_s_stream_108(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-108: a refusal asking for a day (a front's 503) is waited 300 s, and the line says
+    it asked for more; one asking for less than the backoff, or for nothing, gets the backoff
+    and the usual line."""
+    with (
+        Replica(tmp_path / "replica") as replica,
+        caplog.at_level(logging.INFO, "healthlog.follow"),
+    ):
+        follower = Follower(Endpoints.parse("http://127.0.0.1:1"), "hl_x", replica)
+        lost = [ConnectionLost("refused", asked) for asked in (86400.0, 0.2, None)]
+        assert [follower._wait(e) for e in lost] == [300.0, BACKOFF_START_S, BACKOFF_START_S]
+    assert caplog.messages == [
+        "follow: retrying in 300.0 s, as the server asks (Retry-After: 86400 s, 300 s at most)",
+        "follow: retrying in 0.5 s",
+        "follow: retrying in 0.5 s",
+    ]
 
 
 # A cap on the backoff short enough for a test in real time: the third failure in a row

@@ -1,7 +1,7 @@
 """The limit on replay stream subscribers a serving process serves at once
-(``stream_max_subscribers``, specs/stream.md, STREAM-103 to STREAM-105) and its gauge in
-``/metrics`` (specs/service.md, SERVE-69), against a real ``healthlog serve`` with real
-websocket clients and the reference follower."""
+(``stream_max_subscribers``, specs/stream.md, STREAM-103 to STREAM-107), the follower's wait
+on its refusal, and its gauge in ``/metrics`` (specs/service.md, SERVE-69), against a real
+``healthlog serve`` with real websocket clients and the reference follower."""
 
 from __future__ import annotations
 
@@ -30,7 +30,10 @@ from _stream_helpers import (
     replica_export,
     resource,
     server_export,
+    serving_process,
     stalled,
+    stamped,
+    step_until,
     stream_handlers,
     subscribe,
 )
@@ -41,6 +44,7 @@ from healthlog import faults
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.replica import Replica
 from transport.follow import follow
+from transport.stream import RETRY_AFTER_S
 
 # As STREAM-12's: some 10 MB of event frames, each carrying one large object.
 NOISY_POINTS = 2000
@@ -173,33 +177,39 @@ async def test_a_stalled_subscriber_gives_its_slot_back_stream_104(
                 assert consecutive(await receive_through(ws, total), 0)
 
 
-async def test_follow_retries_a_refusal_and_catches_up_stream_105(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+RETRYING_AS_ASKED = "follow: retrying in 30.0 s, as the server asks (Retry-After: 30 s)"
+
+
+async def test_follow_waits_what_a_full_stream_asks_then_catches_up_stream_105_107(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
-    """STREAM-105: with ``stream_max_subscribers = 1`` and its slot taken, ``follow
-    --until-caught-up`` is refused 503, logs it at INFO as a lost connection, and retries after
-    its backoff; once the slot is free it catches up, equal to the service, having logged
-    nothing at WARNING or above."""
-    async with serving(tmp_path / "server", stream_max_subscribers=1) as service:
+    """STREAM-105, STREAM-107: with ``stream_max_subscribers = 1`` and its slot taken, ``follow
+    --until-caught-up`` is refused 503, logs it at INFO as a lost connection, says in one line
+    that it retries in 30 s as the server's ``Retry-After`` asks, and connects again no sooner
+    (in trio's time, a MockClock moved on a second at a time); once the slot is free it catches
+    up, equal to the service, having logged nothing at WARNING or above."""
+    mock_clock.rate = 1.0
+    async with serving_process(tmp_path / "server", stream_max_subscribers=1) as service:
         total = await post_small(service, 0, 60)
-        with (
-            Replica(tmp_path / "replica") as replica,
-            caplog.at_level(logging.INFO, logger="healthlog.follow"),
-        ):
-            with trio.fail_after(2 * FRAME_LIMIT_S):
-                async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as holder:
-                    await holder.enter_async_context(subscribe(service, after=total))
-                    nursery.start_soon(
-                        lambda: follow(service.url, service.token, replica, until_caught_up=True)
-                    )
-                    while REFUSED_FOLLOW not in caplog.messages:
-                        await trio.sleep(POLL_S)
-                    await holder.aclose()
+        with Replica(tmp_path / "replica") as replica, stamped("healthlog.follow") as follower:
+            followed = trio.Event()
+
+            async def following() -> None:
+                await follow(service.url, service.token, replica, until_caught_up=True)
+                followed.set()
+
+            async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as holder:
+                await holder.enter_async_context(subscribe(service, after=total))
+                nursery.start_soon(following)
+                await step_until(mock_clock, lambda: len(follower.at(REFUSED_FOLLOW)) == 2)
+                await holder.aclose()
+                await step_until(mock_clock, followed.is_set)
             assert replica.binding().cursor == total
             assert await replica_export(replica) == await server_export(service)
-        follow_records = [r for r in caplog.records if r.name == "healthlog.follow"]
-        assert [r for r in follow_records if r.levelno >= logging.WARNING] == []
-        assert "follow: retrying in 0.5 s" in caplog.messages
+    refusals = follower.at(REFUSED_FOLLOW)
+    assert refusals[1] - refusals[0] >= RETRY_AFTER_S
+    assert follower.messages("follow: retrying") == [RETRYING_AS_ASKED] * len(refusals)
+    assert follower.messages(level=logging.WARNING) == []
 
 
 async def connections(service: Service) -> float:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import email.utils
 import functools
 import hashlib
 import logging
@@ -34,6 +35,7 @@ import math
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,6 +74,10 @@ RECEIVE_BYTES = 256 * 2**10
 CLOSE_TIMEOUT_S = 5.0
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
+# The longest wait a refusal's ``Retry-After`` gets (the service asks 30 s for a full stream and
+# 60 s for a snapshot it cannot build; a front may ask for hours, or a date a clock gone wrong
+# puts far ahead).
+RETRY_AFTER_MAX_S = 300.0
 ACK_EVERY = 64
 ACK_IDLE_S = 0.2
 BATCH = 512
@@ -114,7 +120,35 @@ class FollowError(Exception):
 
 
 class ConnectionLost(Exception):
-    """The stream connection was refused, broken or closed: reconnecting is the remedy."""
+    """The stream connection was refused, broken or closed: reconnecting is the remedy, after
+    ``retry_after_s`` at least when the refusal said so (its ``Retry-After``)."""
+
+    def __init__(self, reason: str, retry_after_s: float | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
+def retry_after_s(value: str | None, now: datetime) -> float | None:
+    """The seconds a ``Retry-After`` value asks to wait (RFC 9110: a number of seconds, or an
+    HTTP date, counted from ``now``; one past is 0); None without one, or for anything else."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, (when - now).total_seconds())
+
+
+def _asked_wait(headers: httpx.Headers) -> float | None:
+    """What the ``Retry-After`` of a 5xx answer asks (a full stream, a snapshot the service
+    cannot build, a front's own 503)."""
+    return retry_after_s(headers.get("retry-after"), datetime.now(UTC))
 
 
 def check_token(token: str) -> None:
@@ -207,7 +241,8 @@ class Follower:
             verify=context,
         ) as http:
             while True:
-                done, lost = False, False
+                done = False
+                lost: BaseException | None = None
                 unsendable: str | None = None
                 try:
                     done = await self._session(http, context)
@@ -215,7 +250,7 @@ class Follower:
                     # Our own request is not valid HTTP (a header value): no retry can send it.
                     unsendable = _reason(group)
                 except* (OSError, httpx.TransportError, ConnectionLost) as group:
-                    lost = True
+                    lost = _first(group)
                     reason = _reason(group)
                     log.info("follow: connection lost (%s)", reason)
                     if not self._met and not self._warned:
@@ -244,10 +279,26 @@ class Follower:
                     )
                 if done:
                     return
-                if lost:
-                    log.info("follow: retrying in %.1f s", self._backoff)
-                    await trio.sleep(self._backoff)
+                if lost is not None:
+                    await trio.sleep(self._wait(lost))
                     self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
+
+    def _wait(self, lost: BaseException) -> float:
+        """How long to wait before reconnecting after ``lost``, said in one line: the backoff,
+        or what a refusal's ``Retry-After`` asked for when that is longer, up to
+        ``RETRY_AFTER_MAX_S`` (a full stream, STREAM-107; a snapshot the service cannot build)."""
+        asked = lost.retry_after_s if isinstance(lost, ConnectionLost) else None
+        if asked is None or asked <= self._backoff:
+            log.info("follow: retrying in %.1f s", self._backoff)
+            return self._backoff
+        wait = min(asked, RETRY_AFTER_MAX_S)
+        log.info(
+            "follow: retrying in %.1f s, as the server asks (Retry-After: %g s%s)",
+            wait,
+            asked,
+            f", {RETRY_AFTER_MAX_S:g} s at most" if asked > RETRY_AFTER_MAX_S else "",
+        )
+        return wait
 
     def _progressed(self) -> None:
         """A connection made progress: the next reconnect waits the first backoff again, and
@@ -454,7 +505,9 @@ class Follower:
                 if response.status_code == 401:
                     raise FollowError("the server refused the token")
                 if response.status_code >= 500:
-                    raise ConnectionLost(f"{path} answered {response.status_code}")
+                    raise ConnectionLost(
+                        f"{path} answered {response.status_code}", _asked_wait(response.headers)
+                    )
                 if response.status_code != 200:
                     raise FollowError(f"{path} answered {response.status_code}")
                 content = bytearray()
@@ -566,7 +619,9 @@ async def _download_paced(
         # A fresh reference, from a new connection, cures both: the server removed the file this
         # one named (404), or it is restarting, possibly behind a proxy (5xx).
         if response.status_code == 404 or response.status_code >= 500:
-            raise ConnectionLost(f"snapshot fetch answered {response.status_code}")
+            raise ConnectionLost(
+                f"snapshot fetch answered {response.status_code}", _asked_wait(response.headers)
+            )
         if response.status_code != 200:
             raise FollowError(f"snapshot fetch answered {response.status_code}")
         too_large = (
@@ -729,7 +784,10 @@ class StreamSocket:
                     raise FollowError("the server refused the token")
                 if event.status_code < 500:
                     raise FollowError(f"the server refused the stream ({event.status_code})")
-                raise ConnectionLost(f"the server refused the stream ({event.status_code})")
+                raise ConnectionLost(
+                    f"the server refused the stream ({event.status_code})",
+                    _asked_wait(httpx.Headers(event.headers)),
+                )
 
 
 @attrs.frozen
@@ -832,14 +890,20 @@ def _structured(document: Any, kind: type[_T], what: str) -> _T:
         raise FollowError(f"{what} is not healthlog's") from None
 
 
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first of the errors in ``group``, however deeply nested."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
+
+
 def _reason(group: BaseExceptionGroup[BaseException]) -> str:
     """The first of the errors that ended a connection, for the log and a FollowError (never a
     token or data): its type, with the message of a ConnectionLost (this module's words) or of
     the system's OSError it comes from. Other messages are left out: an HTTP library's may quote
     the request, and with it a header value, the token's included."""
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
+    first = _first(group)
     seen: list[BaseException] = []
     cause: BaseException | None = first
     while cause is not None and cause not in seen:
