@@ -240,3 +240,41 @@ async def test_metrics_show_the_stream_connections_served_serve_69(tmp_path: Pat
                 assert await connections(service) == 2
             await until_handlers(1)
             assert await connections(service) == 1
+
+
+async def refusals(service: Service) -> dict[str, float]:
+    """``healthlog_stream_refused_total`` of ``/metrics``, by its labels."""
+    response = await service.client.get("/metrics")
+    assert response.status_code == 200
+    return {
+        ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name == "healthlog_stream_refused_total"
+    }
+
+
+async def test_metrics_count_the_stream_connections_refused_serve_65(tmp_path: Path) -> None:
+    """SERVE-65: ``healthlog_stream_refused_total`` counts the connections refused at the
+    handshake by its one label ``reason``: none at first, then two refused 503 over
+    ``stream_max_subscribers = 1``, and one refused 4401 for a token that is not a client's
+    (whether or not a slot is free); no label holds a token, a name or an address."""
+    async with serving(tmp_path, stream_max_subscribers=1) as service:
+        total = await post_small(service, 0)
+        assert await refusals(service) == {
+            "reason=too_many_subscribers": 0,
+            "reason=unauthorized": 0,
+        }
+        async with subscribe(service) as served:
+            assert consecutive(await receive(served, total), 0)
+            for _ in range(2):
+                assert_too_many(await refused(service))
+            async with connect(service.port, resource(0), bearer("hl_not_a_token")) as ws:
+                assert await refusal(ws) == ({"type": "error", "code": "UNAUTHORIZED"}, 4401)
+            assert await refusals(service) == {
+                "reason=too_many_subscribers": 2,
+                "reason=unauthorized": 1,
+            }
+        text = (await service.client.get("/metrics")).text
+        assert service.token not in text
+        assert "127.0.0.1" not in text

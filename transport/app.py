@@ -46,6 +46,7 @@ from transport.stream import (
     HUB_ACTOR,
     STREAM_PATH,
     EventHub,
+    HandshakeRefusals,
     StreamEndpoint,
     snapshot_failure,
 )
@@ -215,6 +216,7 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = 0
     hub = EventHub(runtime)
     slots = trio.CapacityLimiter(config.stream_max_subscribers)
+    handshake_refusals = HandshakeRefusals()
     refusals = RefusalLog()
 
     @app.errorhandler(NotFound)
@@ -386,7 +388,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = await render_metrics(runtime, slots.borrowed_tokens)
+        text = await render_metrics(runtime, slots.borrowed_tokens, handshake_refusals)
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     stream = StreamEndpoint(
@@ -398,6 +400,7 @@ def create_app(
         closing,
         refusals,
         slots,
+        handshake_refusals,
     )
     return HealthlogApp(
         app,

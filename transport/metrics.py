@@ -25,6 +25,7 @@ from healthlog.documents import Status
 from healthlog.storage.journal import Journal
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
+from transport.stream import HandshakeRefusals
 
 COUNTERS = ("points_held", "points_erased", "overwrites", "points_rejected")
 
@@ -35,6 +36,7 @@ class _Snapshot(Collector):
     statistics: RuntimeStatistics
     totals: dict[str, int]
     stream_connections: int
+    stream_refused: HandshakeRefusals
 
     def collect(self) -> Iterator[Metric]:
         deliveries = GaugeMetricFamily(
@@ -74,6 +76,14 @@ class _Snapshot(Collector):
             "Replay stream subscribers this process serves now (at most stream_max_subscribers)",
             value=self.stream_connections,
         )
+        refused = CounterMetricFamily(
+            "healthlog_stream_refused",
+            "Replay stream connections this process refused at the handshake, by reason",
+            labels=["reason"],
+        )
+        for reason, count in attrs.asdict(self.stream_refused).items():
+            refused.add_metric([reason], count)
+        yield refused
         points = CounterMetricFamily(
             "healthlog_points", "Fold counters over every outcome", labels=["counter"]
         )
@@ -122,13 +132,18 @@ def _read(journal: Journal, store: Store) -> tuple[Status, dict[str, int]]:
     return collect_status(journal, store), store.counter_totals(COUNTERS)
 
 
-async def render_metrics(runtime: Runtime, stream_connections: int) -> bytes:
+async def render_metrics(
+    runtime: Runtime, stream_connections: int, stream_refused: HandshakeRefusals
+) -> bytes:
     """The exposition text, from one read of status and counters in the store's worker thread,
     with the serving process's own figures (``process_*``: RSS, open files, CPU), Python's
-    version (``python_info``) and the ``stream_connections`` it serves now."""
+    version (``python_info``), the ``stream_connections`` it serves now and the stream
+    connections it refused at the handshake."""
     status, totals = await runtime.read_store(functools.partial(_read, runtime.journal))
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Snapshot(status, runtime.statistics(), totals, stream_connections))
+    registry.register(
+        _Snapshot(status, runtime.statistics(), totals, stream_connections, stream_refused)
+    )
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     return generate_latest(registry)

@@ -177,6 +177,17 @@ def snapshot_failure(exc: OSError | StorageError) -> str:
     return describe(exc)
 
 
+@attrs.define
+class HandshakeRefusals:
+    """Connections this process refused at the handshake, by reason, since it started: the
+    counter ``healthlog_stream_refused_total`` of ``/metrics`` (SERVE-65)."""
+
+    too_many_subscribers: int = 0
+    """Refused 503 ``TOO_MANY_SUBSCRIBERS``: ``stream_max_subscribers`` were served."""
+    unauthorized: int = 0
+    """Refused 4401 ``UNAUTHORIZED``: no token, or one that is not live."""
+
+
 class StreamRefused(Exception):
     """A reason to end a subscription with an error frame (unless ``frame`` is False) and a
     close code; ``head``, ``sent`` and ``snapshot`` are the error frame's fields."""
@@ -230,6 +241,7 @@ class StreamEndpoint:
     refusals: RefusalLog
     slots: trio.CapacityLimiter
     """One token for each subscriber served (``stream_max_subscribers`` in all)."""
+    refused: HandshakeRefusals
     idle_recheck_s: float = IDLE_RECHECK_S
     failed_handshakes: FaultLog = attrs.field(factory=lambda: FaultLog(log, logging.INFO))
     """A peer fails a handshake at will (bytes after its upgrade request): a few lines a minute
@@ -252,11 +264,13 @@ class StreamEndpoint:
         }
         token = await self._authenticate(scope, query)
         if token is None:
+            self.refused.unauthorized += 1
             await self._serve(scope, receive, send, query, None)
             return
         try:
             self.slots.acquire_nowait()
         except trio.WouldBlock:
+            self.refused.too_many_subscribers += 1
             await self._too_many(scope, send)
             return
         try:
