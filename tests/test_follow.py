@@ -6,7 +6,8 @@ cannot be sent as a header value (STREAM-50, STREAM-51, CLI-36); the memory a sn
 takes, and bad snapshots leaving the replica as it was (STREAM-59); a real server's snapshot
 bound to another stream or instance, refused (STREAM-67); an object a reindex drops while
 the follower follows, dropped from its replica (STREAM-68); the wait a refusal's
-``Retry-After`` asks for, read and bounded (STREAM-108).
+``Retry-After`` asks for, read and bounded (STREAM-108), and a snapshot the service cannot
+build waited for as it asks (STREAM-109).
 
 The command runs as a real process where its exit code and output matter; elsewhere
 :func:`transport.follow.follow` runs in the test's trio run, so it can be cancelled at any
@@ -64,7 +65,10 @@ from _stream_helpers import (
     replica_export,
     revoke_token,
     server_export,
+    serving_process,
     small,
+    stamped,
+    step_until,
     subscribe,
     until_cursor,
 )
@@ -1315,6 +1319,46 @@ async def test_a_retry_after_is_waited_at_most_300_s_stream_108(
         "follow: retrying in 0.5 s",
         "follow: retrying in 0.5 s",
     ]
+
+
+SNAPSHOT_REFUSED = "follow: connection lost (ConnectionLost: /v1/snapshots answered 503)"
+SNAPSHOT_RETRY = "follow: retrying in 60.0 s, as the server asks (Retry-After: 60 s)"
+
+
+async def test_follow_waits_what_a_snapshot_refusal_asks_stream_109(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """STREAM-109: a fresh replica of a service whose window was pruned needs its snapshot; while
+    the service cannot build one (its data directory moved away, RUN-45) ``GET /v1/snapshots``
+    answers 503 ``SNAPSHOT_UNAVAILABLE`` with ``Retry-After: 60``: the follower says it retries
+    in 60 s as asked, and asks again no sooner (in trio's time, a MockClock moved on a second at
+    a time, the service in a process of its own); with the directory back it restores and
+    catches up, equal to the service."""
+    mock_clock.rate = 1.0
+    data, moved = tmp_path / "server", tmp_path / "moved"
+    async with serving_process(data) as service:
+        total = await post_small(service, 0, 60, 120, 180)
+        await prune(service.data, keep=2)
+        data.rename(moved)
+        with Replica(tmp_path / "replica") as replica, stamped("healthlog.follow") as follower:
+            followed = trio.Event()
+
+            async def following() -> None:
+                await follow(service.url, service.token, replica, until_caught_up=True)
+                followed.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(following)
+                await step_until(mock_clock, lambda: bool(follower.at(SNAPSHOT_REFUSED)))
+                moved.rename(data)
+                await step_until(mock_clock, followed.is_set)
+            assert (await binding(replica)).cursor == total
+            assert await replica_export(replica) == await server_export(service)
+    (refusal,) = follower.at(SNAPSHOT_REFUSED)
+    (restored,) = follower.at("follow: restored snapshot at seq ")
+    assert restored - refusal >= 60
+    assert follower.messages("follow: retrying") == [SNAPSHOT_RETRY]
+    assert follower.messages(level=logging.WARNING) == []
 
 
 # A cap on the backoff short enough for a test in real time: the third failure in a row
