@@ -1,12 +1,17 @@
 """The limit on replay stream subscribers a serving process serves at once
-(``stream_max_subscribers``, specs/stream.md, STREAM-103 to STREAM-107), the follower's wait
-on its refusal, and its gauge in ``/metrics`` (specs/service.md, SERVE-69), against a real
-``healthlog serve`` with real websocket clients and the reference follower."""
+(``stream_max_subscribers``, specs/stream.md, STREAM-103 to STREAM-107), a token not valid
+refused before it (STREAM-106), the follower's wait on its refusal and a signal ending it
+(STREAM-110), and the gauge and the refusal counter in ``/metrics`` (specs/service.md, SERVE-69,
+SERVE-65), against a real ``healthlog serve`` with real websocket clients and the reference
+follower."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -41,6 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trio_websocket import ConnectionRejected
 
 from healthlog import faults
+from healthlog.logs import LOG_LEVEL_ENV
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.replica import Replica
 from transport.follow import follow
@@ -278,3 +284,41 @@ async def test_metrics_count_the_stream_connections_refused_serve_65(tmp_path: P
         text = (await service.client.get("/metrics")).text
         assert service.token not in text
         assert "127.0.0.1" not in text
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+async def test_a_signal_ends_the_wait_a_full_stream_asks_for_stream_110(
+    tmp_path: Path, signum: int
+) -> None:
+    """STREAM-110: ``healthlog follow``, a real process refused by a full stream and waiting
+    the 30 s its ``Retry-After`` asks for, stops on SIGINT or SIGTERM well before they are
+    over (within 15 s), with exit 0 and its last line naming its replica's sequence, no
+    traceback, and no token in anything it wrote."""
+    async with serving(tmp_path / "server", stream_max_subscribers=1) as service:
+        total = await post_small(service, 0)
+        async with subscribe(service, after=total):
+            command = [
+                *(sys.executable, "-m", "healthlog.cli", "follow", "--url", service.url),
+                *("--token", service.token, "--replica", str(tmp_path / "replica")),
+            ]
+            env = {**os.environ, LOG_LEVEL_ENV: "INFO"}
+            stderr = tmp_path / "stderr"
+            with open(stderr, "wb") as err:
+                process = await trio.lowlevel.open_process(command, stderr=err, env=env)
+                try:
+                    with trio.fail_after(FRAME_LIMIT_S):
+                        while RETRYING_AS_ASKED not in stderr.read_text():
+                            await trio.sleep(POLL_S)
+                    process.send_signal(signum)
+                    with trio.fail_after(FRAME_LIMIT_S):
+                        await process.wait()
+                finally:
+                    if process.returncode is None:
+                        process.kill()
+                        await process.wait()
+    assert FRAME_LIMIT_S < RETRY_AFTER_S
+    assert process.returncode == 0
+    lines = stderr.read_text().splitlines()
+    assert lines[-1] == "follow: replica at seq 0"
+    assert "Traceback" not in stderr.read_text()
+    assert service.token not in stderr.read_text()
