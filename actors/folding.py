@@ -27,9 +27,8 @@ import trio_parallel
 from actors.journal import GONE
 from healthlog.clock import now_us
 from healthlog.folding import FoldPass, FoldReport, OutcomeClass
-from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import DeliveryMeta, Journal
-from healthlog.storage.passes import Budget, pending, write_marks
+from healthlog.storage.passes import Budget, Selection, take_page, write_marks
 from healthlog.storage.store import WORKER_DIED, Store
 from healthlog.storage.worker import fold_run, retire
 
@@ -137,8 +136,10 @@ class FoldingActor:
         budget: Budget,
         executor: Executor,
         busy_timeout_ms: int,
+        page: int,
     ) -> None:
         self._busy_timeout_ms = busy_timeout_ms
+        self._page = page
         self._data_dir = data_dir
         self._journal = journal
         self._store = store
@@ -213,20 +214,18 @@ class FoldingActor:
 
     async def _pass(self, epoch: int) -> None:
         self._passes += 1
+        selection = Selection(self._journal, self._store, page=self._page)
+        folding: FoldPass[DeliveryMeta] = FoldPass(more=True)
         try:
-            queue = await trio.to_thread.run_sync(
-                pending, self._journal, self._store, limiter=self._limiter
-            )
-        except StorageError as exc:
-            log.error("folding pass: selection failed: %s", describe(exc))
-            self._stops["selection_failed"] += 1
-            self._unrecorded_stop = "selection_failed"
-            return
-        folding = FoldPass(queue)
-        try:
-            while folding.next() is not None:
+            while True:
+                if folding.wants_page:
+                    await trio.to_thread.run_sync(
+                        take_page, selection, folding, limiter=self._limiter
+                    )
+                if folding.next() is None:
+                    break
                 started = trio.current_time()
-                reports = await self._fold(self._run(queue, folding.position), epoch)
+                reports = await self._fold(self._run(folding), epoch)
                 each = (trio.current_time() - started) / len(reports)
                 for report in reports:
                     self._durations.observe(each)
@@ -252,15 +251,16 @@ class FoldingActor:
         fenced = folding.stopped_because == "fenced"
         self._unrecorded_stop = None if written or fenced else folding.stopped_because
 
-    def _run(self, queue: list[DeliveryMeta], start: int) -> list[DeliveryMeta]:
-        """The deliveries to fold in one call, from ``queue[start]`` on.
+    def _run(self, folding: FoldPass[DeliveryMeta]) -> list[DeliveryMeta]:
+        """The deliveries to fold in one call, from the one ``folding`` is at on, within the
+        page it holds.
 
         One at a time in a thread: a thread cannot be stopped between two folds on cancel.
         """
-        run = queue[start : start + 1]
+        run = list(folding.upcoming(1))
         if self._executor is Executor.PROCESS:
             size = run[0].bytes
-            for meta in queue[start + 1 : start + RUN_MAX]:
+            for meta in folding.upcoming(RUN_MAX)[1:]:
                 size += meta.bytes
                 if size > RUN_BYTES:
                     break

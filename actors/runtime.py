@@ -25,7 +25,7 @@ from actors.retention import RetentionActor, RetentionStatistics
 from healthlog.config import ServeConfig
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
-from healthlog.storage.passes import Budget, check_before_folding
+from healthlog.storage.passes import PAGE, Budget, check_before_folding
 from healthlog.storage.rebuild import remove_stale_scratch
 from healthlog.storage.store import Store, default_holder
 
@@ -58,6 +58,8 @@ class RuntimeConfig:
     retention_period_s: float = 60.0
     healthy_s: float = HEALTHY_S
     """How long an actor restarted after a crash must run well to count as up (``Crashes``)."""
+    pass_page: int = PAGE
+    """How many pending deliveries a folding pass reads and holds at a time."""
 
 
 def configured(data_dir: Path, config: ServeConfig, *, fold: bool = True) -> RuntimeConfig:
@@ -204,6 +206,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             budget=config.budget,
             executor=config.executor,
             busy_timeout_ms=config.busy_timeout_ms,
+            page=config.pass_page,
         )
         retention = RetentionActor(
             store,

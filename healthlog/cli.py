@@ -34,7 +34,7 @@ from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError, not_permitted, write_refused
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
-from healthlog.storage.passes import check_before_folding, check_same_journal, pending
+from healthlog.storage.passes import check_before_folding, check_same_journal, counted
 from healthlog.storage.rebuild import (
     Difference,
     OutcomeDifference,
@@ -574,7 +574,7 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         check_before_folding(journal, store)
         verification = verify_all(journal, store, progress=progress)
-        unfolded = len(pending(journal, store))
+        unfolded = counted(journal, store).pending
         given_up = Counter(store.given_up().values())
     for reason, why in _GIVEN_UP_WHY.items():
         if given_up[reason]:

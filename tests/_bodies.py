@@ -18,6 +18,8 @@ from typing import Any
 import orjson
 
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
+from healthlog.storage.passes import Selection
+from healthlog.storage.store import Store
 
 BASE_US = 1_709_251_200_000_000
 NOW = BASE_US
@@ -80,3 +82,12 @@ def append(journal: Journal, new: NewDelivery) -> DeliveryMeta:
     meta = journal.get_meta(journal.append(new).delivery_id)
     assert meta is not None
     return meta
+
+
+def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
+    """What a pass starting now would fold, in journal order: its selection, every page."""
+    selection = Selection(journal, store)
+    held = selection.page()
+    while selection.more:
+        held += selection.page()
+    return held

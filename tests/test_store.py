@@ -21,7 +21,7 @@ import attrs
 import orjson
 import pytest
 import trio
-from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
+from _bodies import BASE_US, NOW, TTL, append, body, delivery, pending, point, rows
 from _disk import DISK_ERROR, files_limited_to, in_full_file_system, unwritable
 from _sqlite_steps import counted_steps
 
@@ -33,7 +33,6 @@ from healthlog.objects import ObjectKey
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import Deferred, StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
-from healthlog.storage.passes import pending
 from healthlog.storage.rebuild import reindex
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import MIGRATIONS, Lease, Store
@@ -965,7 +964,7 @@ def test_counter_totals_read_a_row_per_counter_store_58(
 
 
 def pending_steps(journal: Journal, store: Store) -> tuple[list[int], int, int]:
-    """The ids :func:`pending` selects, and how many of SQLite's steps (in hundreds) it took
+    """The ids a pass's selection selects, and how many of SQLite's steps (in hundreds) it took
     on the store's connection and on the journal's."""
     select = functools.partial(pending, journal, store)
     (metas, journal_steps), store_steps = counted_steps(

@@ -308,19 +308,23 @@ class _Prepared:
 
 
 def _order(
-    conn: sqlite3.Connection, after: tuple[int, int] | None, limit: int
+    conn: sqlite3.Connection, after: tuple[int, int] | None, limit: int, through: int | None
 ) -> list[DeliveryMeta]:
-    """Deliveries in journal order strictly after ``after``, at most ``limit`` (-1: all)."""
-    if after is None:
-        cursor = conn.execute(
-            f"SELECT {_META_COLUMNS} FROM deliveries ORDER BY received_at, id LIMIT ?", (limit,)
-        )
-    else:
-        cursor = conn.execute(
-            f"SELECT {_META_COLUMNS} FROM deliveries WHERE (received_at, id) > (?, ?)"
-            " ORDER BY received_at, id LIMIT ?",
-            (*after, limit),
-        )
+    """Deliveries in journal order strictly after ``after``, of ids at most ``through``, at
+    most ``limit`` (-1: all)."""
+    where: list[str] = []
+    args: list[int] = []
+    if after is not None:
+        where.append("(received_at, id) > (?, ?)")
+        args.extend(after)
+    if through is not None:
+        where.append("id <= ?")
+        args.append(through)
+    condition = f" WHERE {' AND '.join(where)}" if where else ""
+    cursor = conn.execute(
+        f"SELECT {_META_COLUMNS} FROM deliveries{condition} ORDER BY received_at, id LIMIT ?",
+        (*args, limit),
+    )
     return [_meta(row) for row in cursor.fetchall()]
 
 
@@ -589,13 +593,25 @@ class Journal:
         return body
 
     def iter_order(
-        self, *, after: tuple[int, int] | None = None, limit: int | None = None
+        self,
+        *,
+        after: tuple[int, int] | None = None,
+        limit: int | None = None,
+        through: int | None = None,
     ) -> list[DeliveryMeta]:
-        """Deliveries in journal order ``(received_at, id)``, strictly after ``after``."""
+        """Deliveries in journal order ``(received_at, id)``, strictly after ``after``; with
+        ``through``, only those of ids at most that (journaled no later than it)."""
         if limit is not None and limit < 0:
             raise ValueError("limit must not be negative")
         with self._reading() as conn:
-            return _order(conn, after, -1 if limit is None else limit)
+            return _order(conn, after, -1 if limit is None else limit, through)
+
+    def last_id(self) -> int:
+        """The id of the delivery journaled last, 0 in an empty journal. Ids only grow and no
+        delivery is ever deleted, so every delivery journaled later has a greater one."""
+        with self._reading() as conn:
+            (last,) = conn.execute("SELECT coalesce(max(id), 0) FROM deliveries").fetchone()
+        return int(last)
 
     def waiting_and_count(
         self, folded: Collection[int], *, after: tuple[int, int] | None = None

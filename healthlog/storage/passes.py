@@ -1,4 +1,5 @@
-"""A folding pass (F1 to F5, F7): pending deliveries folded one at a time in journal order.
+"""A folding pass (F1 to F5, F7): pending deliveries folded one at a time in journal order,
+read a page at a time.
 
 The pass is synchronous; the folding actor runs it in a worker and decides when. It stops at
 the first deferred delivery (never skipping it), moves past an unwritten one (its strictly
@@ -19,7 +20,7 @@ from healthlog.fold import BudgetExceeded
 from healthlog.folding import FoldPass
 from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import DeliveryMeta, Journal
-from healthlog.storage.store import Store
+from healthlog.storage.store import FoldedView, Store
 
 log = logging.getLogger("healthlog.pass")
 
@@ -46,24 +47,74 @@ class Budget:
         return check
 
 
-def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
-    """Journaled deliveries without an outcome, in journal order.
+PAGE = 1024
+"""How many pending deliveries a pass reads and holds at a time (FOLD-15): about 1 MB of
+metadata (837 bytes a delivery), where a pass holding its whole queue held 84 MB at 100,000."""
+
+
+class Selection:
+    """The deliveries a pass folds: those journaled and without an outcome when it starts,
+    in journal order, read ``page`` at a time.
+
+    The first :meth:`page` takes the store's snapshot, then the journal's last id: what the
+    pass folds is fixed there. A delivery journaled later, even one whose historical
+    ``received_at`` puts it among those still to be read (a backfill), has a greater id and is
+    the next pass's (FOLD-16).
 
     Usually every delivery up to the checkpoint has its outcome (the same number and the same
     sum of ids on both sides), and only the journal past it is read: a pass then costs what is
     new, not the whole journal. Otherwise (one left unwritten, a backfill journaled behind the
-    checkpoint, a checkpoint moved back) the whole journal is read.
+    checkpoint, a checkpoint moved back) the whole journal is read, a page at a time.
 
     The journal is read after the store's snapshot, so a delivery it holds that the snapshot
     has no outcome for is pending.
     """
-    faults.point("fold.select")
-    view = store.folded_view(_agrees(journal))
-    return [meta for meta in journal.iter_order(after=view.after) if meta.id not in view.folded]
+
+    def __init__(self, journal: Journal, store: Store, *, page: int = PAGE) -> None:
+        if page < 1:
+            raise ValueError("a page holds at least one delivery")
+        self._journal = journal
+        self._store = store
+        self._size = page
+        self._view: FoldedView | None = None
+        self._through = 0
+        self._after: tuple[int, int] | None = None
+        self.more = True
+        """Whether a delivery may follow the last page read."""
+
+    def page(self) -> list[DeliveryMeta]:
+        """The next at most ``page`` pending deliveries in journal order; after the last,
+        :attr:`more` is False."""
+        if self._view is None:
+            faults.point("fold.select")
+            view = self._store.folded_view(_agrees(self._journal))
+            self._through = self._journal.last_id()
+            self._view, self._after = view, view.after
+        held: list[DeliveryMeta] = []
+        while self.more and len(held) < self._size:
+            wanted = self._size - len(held)
+            read = self._journal.iter_order(after=self._after, limit=wanted, through=self._through)
+            self.more = len(read) == wanted
+            if read:
+                self._after = (read[-1].received_at, read[-1].id)
+            held.extend(meta for meta in read if meta.id not in self._view.folded)
+        return held
+
+
+def take_page(selection: Selection, folding: FoldPass[DeliveryMeta]) -> None:
+    """Hand ``folding`` the next page of ``selection``; when it cannot be read, the pass ends
+    ``selection_failed`` after one ERROR (F8)."""
+    try:
+        page = selection.page()
+    except StorageError as exc:
+        log.error("folding pass: selection failed: %s", describe(exc))
+        folding.selection_failed()
+    else:
+        folding.add_page(page, more=selection.more)
 
 
 def oldest_pending(journal: Journal, store: Store) -> tuple[int, int] | None:
-    """Of the deliveries :func:`pending` would select, the ``(journaled_at, id)`` of the one
+    """Of the deliveries a :class:`Selection` would select, the ``(journaled_at, id)`` of the one
     journaled first (the first in journal order of those journaled at the same instant); None
     when none is pending. Found a row at a time, without building their metadata (STORE-71).
 
@@ -131,7 +182,7 @@ class Counted:
 
 
 def counted(journal: Journal, store: Store) -> Counted:
-    """What :func:`pending` would select, counted, with the outcomes by status from the same
+    """What a :class:`Selection` would select, counted, with the outcomes by status from the same
     snapshot of the store (a delivery folded meanwhile is counted either as pending or by its
     status), and the journal's figures from the same read as the pending deliveries (a delivery
     journaled meanwhile is in both or in neither). Nothing of the waiting deliveries is kept
@@ -153,22 +204,24 @@ def run_pass(
     epoch: int,
     *,
     budget: Budget = Budget(),
-    progress: Progress | None = None,
+    progress: Callable[[int], None] | None = None,
     now: Callable[[], int] = clock.now_us,
+    page: int = PAGE,
 ) -> FoldPass[DeliveryMeta]:
-    """Fold every pending delivery in journal order until the end, a deferral or a fence."""
-    try:
-        folding = FoldPass(pending(journal, store))
-    except StorageError as exc:
-        log.error("folding pass: selection failed: %s", describe(exc))
-        failed: FoldPass[DeliveryMeta] = FoldPass([])
-        failed.stopped_because = "selection_failed"
-        return failed
-    while (meta := folding.next()) is not None:
+    """Fold every pending delivery in journal order until the end, a deferral or a fence,
+    reading them ``page`` at a time; ``progress`` is told after each delivery the pass moved
+    past how many it has."""
+    selection = Selection(journal, store, page=page)
+    folding: FoldPass[DeliveryMeta] = FoldPass(more=True)
+    while True:
+        if folding.wants_page:
+            take_page(selection, folding)
+        if (meta := folding.next()) is None:
+            break
         check = budget.checker(meta.bytes)
         folding.record(store.fold(journal, meta, epoch, check_budget=check))
         if progress is not None:
-            progress(folding.position, folding.total)
+            progress(folding.position)
     write_marks(journal, store, folding, now)
     return folding
 
