@@ -15,11 +15,12 @@ import hashlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,11 @@ from _cli_bodies import body, metric, point
 
 from healthlog import faults
 from healthlog.export import export_lines
+from healthlog.storage import _sqlite
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.faultplan import PLAN_ENV, SERVE_PID_ENV
+from healthlog.storage.journal import NewDelivery
+from healthlog.storage.store import MIGRATIONS as STORE_MIGRATIONS
 
 # Every fault point but those off the serving path (specs/proof.md): the workload has no
 # follower, builds no snapshot and ends before the first pruning of events, so they never fire;
@@ -50,10 +54,6 @@ NOT_WALKED = frozenset(
         "stream.ack",
         "snapshot.build",
         "snapshot.write",
-        # Fires once per migration step of a new data directory's files, before anything is
-        # served: its walk (run once, 20 s) was killed at hits 1 to 10 and completed at 11, one
-        # short of MAX_STEP, which the next migration would reach. JOURNAL-46 kills there.
-        "schema.migrate",
     }
 )
 assert NOT_WALKED.issubset(faults.POINTS), "an excluded fault point no longer exists"
@@ -73,6 +73,9 @@ QUIET_LIMIT_S = 60.0
 POLL_S = 0.05
 IDLE_STOP_LIMIT_S = 3.0
 MINUTES = {"automation-aggregation": "minutes"}
+# The store's schema version in the data directory a walk of ``schema.migrate`` starts from
+# (before the index of the failed and partial outcomes).
+OLDER_STORE_VERSION = 4
 
 # Three deliveries with overlapping windows: the second conflicts with the first and adds an
 # hour, the third is richer than both in their shared minutes.
@@ -227,6 +230,8 @@ async def kill_step(root: Path, fault_point: str, k: int) -> Step:
     log = root / f"{fault_point}-{k}.log"
     with data.open_tokens() as tokens:
         token = tokens.add("phone")
+    if fault_point == "schema.migrate":
+        make_older(data)
     receipts: dict[int, dict[str, Any]] = {}
     plan = {fault_point: {"hits": [k], "do": "kill"}}
     async with serving(data, log, token, plan) as first:
@@ -248,6 +253,20 @@ async def kill_step(root: Path, fault_point: str, k: int) -> Step:
         assert second.process.poll() is None, "the restarted service died"
     assert second.process.returncode == 0
     return Step(True, data, log, receipts)
+
+
+def make_older(data: DataDir) -> None:
+    """Make ``data`` the data directory of an older healthlog, whose start migrates it (STORE-67):
+    a journal from before ``journaled_at`` (schema version 1) holding the first delivery of the
+    workload, not folded yet, beside an empty store of schema version OLDER_STORE_VERSION. A
+    ``serve`` starting on it hits ``schema.migrate`` once per step, before it listens."""
+    with data.open_journal() as journal:
+        journal.append(NewDelivery(WORKLOAD[0], "phone", automation_aggregation="minutes"))
+    with closing(sqlite3.connect(data.journal_path, isolation_level=None)) as conn:
+        conn.execute("ALTER TABLE deliveries DROP COLUMN journaled_at")
+        conn.execute("PRAGMA user_version = 1")
+    with closing(sqlite3.connect(data.store_path, isolation_level=None)) as conn:
+        _sqlite.migrate(conn, STORE_MIGRATIONS[:OLDER_STORE_VERSION])
 
 
 def exported(data: DataDir) -> list[bytes]:
@@ -297,7 +316,8 @@ async def prove_recovery(step: Step, fault_point: str, k: int) -> list[bytes]:
 @pytest.mark.parametrize("fault_point", KILL_POINTS)
 async def test_kill_at_every_step_recovers(tmp_path: Path, fault_point: str) -> None:
     """PROOF-1, PROOF-2: a SIGKILL at each hit of the point, then a restart without the plan,
-    leaves a journal and projection that verify; the walk ends when a run completes unkilled."""
+    leaves a journal and projection that verify; the walk ends when a run completes unkilled.
+    STORE-67: ``schema.migrate`` is walked from an older data directory (:func:`make_older`)."""
     recovered = []
     for k in range(1, MAX_STEP + 1):
         step = await kill_step(tmp_path, fault_point, k)
