@@ -37,6 +37,7 @@ from healthlog.storage.journal import (
     NewDelivery,
     Receipt,
 )
+from healthlog.storage.passes import waited_s
 from healthlog.storage.replica import Replica
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import Tokens
@@ -242,19 +243,26 @@ OLD_COLUMNS = (
 )
 
 
+def as_version_1(conn: sqlite3.Connection) -> None:
+    """Make the journal open on ``conn`` one of schema version 1, before `journaled_at`."""
+    conn.execute("DROP TABLE IF EXISTS unstamped_backfills")
+    conn.execute("ALTER TABLE deliveries DROP COLUMN journaled_at")
+    conn.execute("PRAGMA user_version = 1")
+
+
 def test_a_journal_from_before_journaled_at_migrates_once_journal_46(path: Path) -> None:
     """JOURNAL-46: a journal of the schema before `journaled_at` (version 1): a process killed
     (SIGKILL) in the middle of its migration leaves it at version 1, whole, every row as it
-    was; opened again, it is migrated to version 2 in one step that rewrites no row (every
-    column of every row reads the same), its rows read `journaled_at` = `received_at`, and a
-    delivery journaled then keeps when it was."""
+    was; opened again, it is migrated to version 2, one step that rewrites no row (every
+    column of every row reads the same), then 3 (JOURNAL-47), its live rows read `journaled_at`
+    = `received_at`, its backfill the stamp before it (JOURNAL-47), and a delivery journaled
+    then keeps when it was."""
     with Journal(path, clock=clock_of(1_000, 2_000, 3_000)) as journal:
         journal.append(delivery(b"live"))
         journal.append(delivery(b"x" * 5000, received_at=500, idempotency_key="k"))
         journal.append(delivery(b"\xff not json"))
     with raw(path) as conn:
-        conn.execute("ALTER TABLE deliveries DROP COLUMN journaled_at")
-        conn.execute("PRAGMA user_version = 1")
+        as_version_1(conn)
         rows = conn.execute(f"SELECT {OLD_COLUMNS} FROM deliveries ORDER BY id").fetchall()
 
     plan = json.dumps({"schema.migrate": {"hits": [1], "do": "kill"}})
@@ -276,7 +284,7 @@ def test_a_journal_from_before_journaled_at_migrates_once_journal_46(path: Path)
     with Journal(path, clock=clock_of(4_000)) as journal:
         metas = journal.iter_order()
         assert [(m.id, m.received_at, m.journaled_at) for m in metas] == [
-            (2, 500, 500),
+            (2, 500, 1_000),
             (1, 1_000, 1_000),
             (3, 3_000, 3_000),
         ]
@@ -286,13 +294,57 @@ def test_a_journal_from_before_journaled_at_migrates_once_journal_46(path: Path)
         assert after is not None
         assert (after.received_at, after.journaled_at) == (700, 4_000)
     with raw(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (3,)
         assert (
             conn.execute(
                 f"SELECT {OLD_COLUMNS} FROM deliveries WHERE id <= 3 ORDER BY id"
             ).fetchall()
             == rows
         )
+
+
+def test_a_backfill_from_before_journaled_at_waits_since_the_stamp_before_it_journal_47(
+    path: Path,
+) -> None:
+    """JOURNAL-47: in a journal from before `journaled_at`, a backfill reads as journaled at the
+    latest stamp of the deliveries journaled before it, the earliest instant it can have been
+    journaled (as the journal stamps one now, less the clock's reading, which it did not keep);
+    any other delivery reads its `received_at`. The lag of a backfill waiting since then counts
+    from there, not from its historical `received_at`; no row is rewritten."""
+    backfill_at = 1_000
+    two_years_on = backfill_at + 2 * 365 * 86_400 * 1_000_000
+    readings = [two_years_on + n for n in (0, 2, 3, 4, 5, 6)]
+    with Journal(path, clock=clock_of(*readings)) as journal:
+        ids = [
+            journal.append(delivery(b"live-1")).delivery_id,
+            journal.append(delivery(b"old", received_at=backfill_at)).delivery_id,
+            journal.append(delivery(b"live-2")).delivery_id,
+            journal.append(delivery(b"future", received_at=readings[5] + 10)).delivery_id,
+            journal.append(delivery(b"old-2", received_at=backfill_at + 1)).delivery_id,
+        ]
+    with raw(path) as conn:
+        as_version_1(conn)
+        rows = conn.execute(f"SELECT {OLD_COLUMNS} FROM deliveries ORDER BY id").fetchall()
+
+    now = readings[-1] + 60 * 1_000_000
+    with Journal(path, clock=clock_of(now)) as journal:
+        metas = journal.get_metas(ids)
+        stamps = [(metas[i].received_at, metas[i].journaled_at) for i in ids]
+        assert stamps == [
+            (readings[0], readings[0]),
+            (backfill_at, readings[0]),
+            (readings[2], readings[2]),
+            (readings[5] + 10, readings[5] + 10),
+            (backfill_at + 1, readings[5] + 10),
+        ]
+        assert {m.id: m for m in journal.iter_order()} == metas
+        oldest = journal.oldest_waiting({ids[0], ids[2], ids[3]})
+        assert oldest == (readings[0], ids[1])
+        assert waited_s(oldest, now) < 61
+        waiting, first, _ = journal.waiting_and_count({ids[0], ids[2]})
+        assert (waiting, first) == (3, oldest)
+    with raw(path) as conn:
+        assert conn.execute(f"SELECT {OLD_COLUMNS} FROM deliveries ORDER BY id").fetchall() == rows
 
 
 def test_iter_order_after_and_limit_journal_6(path: Path) -> None:

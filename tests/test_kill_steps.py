@@ -263,6 +263,7 @@ def make_older(data: DataDir) -> None:
     with data.open_journal() as journal:
         journal.append(NewDelivery(WORKLOAD[0], "phone", automation_aggregation="minutes"))
     with closing(sqlite3.connect(data.journal_path, isolation_level=None)) as conn:
+        conn.execute("DROP TABLE unstamped_backfills")
         conn.execute("ALTER TABLE deliveries DROP COLUMN journaled_at")
         conn.execute("PRAGMA user_version = 1")
     with closing(sqlite3.connect(data.store_path, isolation_level=None)) as conn:

@@ -114,14 +114,49 @@ _MIGRATIONS: Final = (
     # When each delivery was journaled (JOURNAL-45), which a backfill's ``received_at`` is not.
     # The rows of an older journal keep NULL (adding the column rewrites none of them: the
     # migration is one schema change, committed with its version bump or not at all) and read
-    # as their ``received_at`` (:data:`_META_COLUMNS`).
+    # as :data:`_JOURNALED_AT` says.
     "ALTER TABLE deliveries ADD COLUMN journaled_at INTEGER;",
+    # Of the rows journaled before ``journaled_at`` (NULL there), each backfill (a
+    # ``received_at`` behind the latest of the rows journaled before it) with that latest
+    # stamp: the earliest instant it can have been journaled, the journal stamping one with the
+    # clock, never behind that stamp (JOURNAL-4). Read instead of its historical
+    # ``received_at``, which made a backfill pending at the upgrade wait years (JOURNAL-47).
+    # Its rows are written here once; the deliveries' are not rewritten. Their ids and stamps
+    # are read from the order index: a scan of the table read every row's inline body too
+    # (398 MiB of a 398 MB journal of 300,000 deliveries, 22 MiB so).
+    """
+    CREATE TABLE unstamped_backfills (
+        delivery_id INTEGER PRIMARY KEY,
+        journaled_at INTEGER NOT NULL
+    );
+    INSERT INTO unstamped_backfills (delivery_id, journaled_at)
+        SELECT ordered.id, ordered.latest
+        FROM (
+            SELECT id, received_at, max(received_at) OVER (
+                ORDER BY id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING
+            ) AS latest
+            FROM deliveries INDEXED BY deliveries_order
+        ) AS ordered
+        JOIN deliveries ON deliveries.id = ordered.id
+        WHERE ordered.latest > ordered.received_at AND deliveries.journaled_at IS NULL;
+    CREATE TRIGGER unstamped_backfills_no_update BEFORE UPDATE ON unstamped_backfills
+    BEGIN SELECT RAISE(ABORT, 'unstamped_backfills are append-only'); END;
+    CREATE TRIGGER unstamped_backfills_no_delete BEFORE DELETE ON unstamped_backfills
+    BEGIN SELECT RAISE(ABORT, 'unstamped_backfills are append-only'); END;
+    """,
 )
+
+_JOURNALED_AT: Final = (
+    "coalesce(deliveries.journaled_at, (SELECT u.journaled_at FROM unstamped_backfills AS u"
+    " WHERE u.delivery_id = deliveries.id), deliveries.received_at)"
+)
+"""When a delivery was journaled: as kept, else (a row of a journal from before
+``journaled_at``) a backfill's earliest possible instant, else its ``received_at``, which a
+live delivery's is (JOURNAL-47)."""
 
 _META_COLUMNS: Final = (
     "id, received_at, sha256, bytes, content_type, automation_name, automation_id,"
-    " automation_aggregation, automation_period, session_id, client,"
-    " coalesce(journaled_at, received_at)"
+    f" automation_aggregation, automation_period, session_id, client, {_JOURNALED_AT}"
 )
 
 
@@ -265,7 +300,8 @@ class DeliveryMeta:
     """When the delivery was journaled (µs UTC): the live stamp of that instant, which is its
     ``received_at`` unless it was backfilled with a historical one (JOURNAL-45); what its wait
     for the fold counts from. A delivery journaled before the journal kept it reads its
-    ``received_at``."""
+    ``received_at``, a backfill then the earliest instant it can have been journaled
+    (JOURNAL-47)."""
 
 
 @attrs.frozen
@@ -337,7 +373,7 @@ def _waiting(
 
     The rows are taken one at a time and only their id and stamp are read, so a backlog of any
     length costs the same memory (STORE-70, STORE-71)."""
-    select = "SELECT id, coalesce(journaled_at, received_at) FROM deliveries"
+    select = f"SELECT id, {_JOURNALED_AT} FROM deliveries"
     if after is None:
         cursor = conn.execute(f"{select} ORDER BY received_at, id")
     else:
