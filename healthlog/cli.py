@@ -605,6 +605,14 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
             " name another delivery as the one that created them (a backfill folded after a"
             " later delivery); `healthlog reindex` records the rebuild's"
         )
+    rebuilt = len(differences) - provenance
+    if rebuilt and not verification.bodies_lost:
+        # A reindex refuses while bodies are lost (STORE-56), which _say_outcomes says instead.
+        _tell(
+            f"verify: {rebuilt} objects are not what a rebuild of the journal makes (after an"
+            " upgrade: folded under a rule that has changed since; otherwise changed outside"
+            " healthlog); `healthlog reindex` rebuilds them from the journal"
+        )
     _tell(f"verify: {len(differences)} objects differ")
     return 1 if differences else 0
 

@@ -1163,9 +1163,9 @@ def test_verify_is_clean_after_imports_in_journal_order_cli_15(cli: Cli, tmp_pat
     assert cli("verify", "--data", data).code == 0
 
 
-def test_verify_names_missing_and_extra_objects_cli_16(cli: Cli, tmp_path: Path) -> None:
-    """CLI-16: an object the live store lost is `missing`, one it holds that no delivery made is
-    `extra`, each one line with its key and no value; verify exits 1, and 0 after reindex."""
+def moved_an_hour(cli: Cli, tmp_path: Path) -> Path:
+    """A data directory whose live store lost its first object and holds one two hours after
+    the second, which no delivery made (as a store folded under an older rule can be)."""
     data = tmp_path / "data"
     sent = body(metric(HR, BPM, point(minute(0), qty=71.2468), point(minute(60), qty=72.1357)))
     import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "a.json", sent))
@@ -1178,6 +1178,13 @@ def test_verify_names_missing_and_extra_objects_cli_16(cli: Cli, tmp_path: Path)
             (2 * 3_600_000_000,),
         )
     store.close()
+    return data
+
+
+def test_verify_names_missing_and_extra_objects_cli_16(cli: Cli, tmp_path: Path) -> None:
+    """CLI-16: an object the live store lost is `missing`, one it holds that no delivery made is
+    `extra`, each one line with its key and no value; verify exits 1, and 0 after reindex."""
+    data = moved_an_hour(cli, tmp_path)
     found = cli("verify", "--data", data)
     assert found.code == 1, found.err
     assert [line.split("\t") for line in found.out.decode().splitlines()] == [
@@ -1191,6 +1198,20 @@ def test_verify_names_missing_and_extra_objects_cli_16(cli: Cli, tmp_path: Path)
     assert fixed.code == 0, fixed.err
     assert fixed.err.splitlines()[-1] == "reindex: done, 2 objects changed"
     assert cli("verify", "--data", data).code == 0
+
+
+def test_verify_says_that_reindex_rebuilds_what_differs_cli_101(cli: Cli, tmp_path: Path) -> None:
+    """CLI-101: objects that differ from a rebuild (after an upgrade, folded under a rule that
+    has changed since) come with one line saying that `healthlog reindex` rebuilds them from
+    the journal, before the count."""
+    found = cli("verify", "--data", moved_an_hour(cli, tmp_path))
+    assert found.code == 1, found.err
+    assert found.err.splitlines()[-2:] == [
+        "verify: 2 objects are not what a rebuild of the journal makes (after an upgrade: folded"
+        " under a rule that has changed since; otherwise changed outside healthlog);"
+        " `healthlog reindex` rebuilds them from the journal",
+        "verify: 2 objects differ",
+    ]
 
 
 def test_a_metric_name_with_control_characters_stays_on_one_verify_line_cli_55(
