@@ -25,6 +25,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import httpx
 import pytest
 from _cli_bodies import body, metric, point, write
 from _disk import files_limited_to, in_full_file_system, on_remounted_read_only, unwritable
@@ -1266,6 +1267,58 @@ def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(
             data.chmod(0o755)
             for path in files:
                 path.chmod(0o600)
+
+
+def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: RunCli) -> None:
+    """STORE-78: `import`, `token add` and `status` run as root on the data directory of a
+    service that runs as another user make `journal.sqlite`, `store.sqlite`, `tokens.sqlite` and
+    `signing.key` that user's, as SQLite makes a root process's `-wal` and `-shm` files; the
+    service then starts as that user and takes the token. (Before, they were root's, mode 0600,
+    and `serve` exited 3: `user nobody may not read and write .../tokens.sqlite (it is
+    root's, mode 0600)`.)"""
+    if os.geteuid() != 0:
+        pytest.skip("only root makes files another user owns")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
+    with tempfile.TemporaryDirectory(prefix="healthlog-store-78-") as base:
+        home = Path(base)
+        home.chmod(0o755)
+        data = home / "data"
+        data.mkdir()
+        os.chown(data, 65534, 65534)
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+        token = run_cli("token", "add", "phone", "--data", data)
+        assert token.code == 0, token.err
+        assert run_cli("status", "--data", data).code == 0
+        owners = {path.name: (path.stat().st_uid, path.stat().st_gid) for path in data.iterdir()}
+        assert {"journal.sqlite", "store.sqlite", "tokens.sqlite", "signing.key"} <= set(owners)
+        assert {name: ids for name, ids in owners.items() if ids != (65534, 65534)} == {}
+        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+        with subprocess.Popen(
+            [*as_nobody, *healthlog("serve", "--port", "0", "--data", data)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=home,
+        ) as served:
+            try:
+                assert served.stdout is not None
+                line = served.stdout.readline().decode()
+                found = re.search(r"healthlog serving on (http://127\.0\.0\.1:\d+) ", line)
+                assert found, line + (served.stderr.read().decode() if served.stderr else "")
+                headers = {"Authorization": f"Bearer {token.out.decode().strip()}"}
+                with httpx.Client(base_url=found.group(1), timeout=LIMIT_S) as client:
+                    assert client.get("/v1/status", headers=headers).status_code == 200
+            finally:
+                served.send_signal(signal.SIGTERM)
+                served.communicate(timeout=LIMIT_S)
+        assert served.returncode == 0
 
 
 def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path: Path) -> None:

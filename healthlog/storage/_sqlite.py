@@ -29,6 +29,7 @@ __all__ = [
     "classify",
     "connect",
     "describe",
+    "give_to_directory_owner",
     "migrate",
     "reopened",
     "write_transaction",
@@ -176,8 +177,30 @@ def _create_private(path: str | os.PathLike[str]) -> None:
     gives its ``-wal`` and ``-shm`` files the database file's mode, so health data would be
     readable by every account of the machine (STORE-62). A file that cannot be made here is
     left to SQLite, which says why as it always did."""
-    with contextlib.suppress(OSError):
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return
+    try:
+        give_to_directory_owner(fd, Path(path).parent)
+    finally:
+        os.close(fd)
+
+
+def give_to_directory_owner(fd: int, directory: str | os.PathLike[str]) -> None:
+    """Make the new file open at ``fd`` the owner's of ``directory`` (user and group) when this
+    process runs as root (STORE-78), as SQLite makes a root process's ``-wal`` and ``-shm``
+    files the database file owner's: a backup job or an administrator running `status` or
+    `token add` as root on the directory of a service running as another user made
+    ``signing.key`` or ``tokens.sqlite`` root's, mode 0600, and the service could no longer
+    start. A file that cannot be given is left as it is (a file system without owners)."""
+    if os.geteuid() != 0:
+        return
+    try:
+        owner = os.stat(directory)
+        os.fchown(fd, owner.st_uid, owner.st_gid)
+    except OSError as exc:
+        _log.debug("new file not given to the owner of its directory (errno %s)", exc.errno)
 
 
 def check_intact(conn: sqlite3.Connection, path: str | os.PathLike[str], remedy: str) -> None:

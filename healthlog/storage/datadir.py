@@ -21,7 +21,12 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from healthlog.snapshots import public_key_text
-from healthlog.storage._sqlite import StorageError, describe, not_permitted
+from healthlog.storage._sqlite import (
+    StorageError,
+    describe,
+    give_to_directory_owner,
+    not_permitted,
+)
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 from healthlog.storage.tokens import Tokens
@@ -159,6 +164,7 @@ class DataDir:
         )
         fd, tmp = tempfile.mkstemp(prefix=".signing-", dir=self.path)
         try:
+            give_to_directory_owner(fd, self.path)
             _write_synced(fd, pem)
             try:
                 os.link(tmp, path)
@@ -209,6 +215,7 @@ def _create_exclusive(path: Path, pem: bytes) -> bool:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return False
+    give_to_directory_owner(fd, path.parent)
     _write_synced(fd, pem)
     return True
 
