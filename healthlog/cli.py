@@ -419,7 +419,7 @@ def _announce(line: str) -> None:
 
 
 def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
-    with data.open_tokens() as tokens:
+    with data.open_tokens(reading=args.action == "list") as tokens:
         try:
             if args.action == "add":
                 _show_token(tokens, args.name, tokens.add(args.name))
@@ -532,7 +532,9 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
         raise CliError(f"no follow replica in {args.replica}")
     try:
         source: Store | ReplicaReader = (
-            ReplicaReader(args.replica) if args.replica is not None else data.open_store()
+            ReplicaReader(args.replica)
+            if args.replica is not None
+            else data.open_store(reading=True)
         )
     except NotAReplica as exc:
         raise CliError(f"no follow replica in {args.replica}: {REPLICA_FILE} {exc}") from None
@@ -689,7 +691,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
     if args.limit is not None:
         raise CliError("--limit goes with --failed or --partial")
     public_key = public_key_text(data.signing_key())
-    with data.open_journal() as journal, data.open_store() as store:
+    with data.open_journal(reading=True) as journal, data.open_store(reading=True) as store:
         check_same_journal(journal, store)
         status = collect_status(journal, store, public_key)
     with _writing_stdout():
@@ -727,7 +729,7 @@ def _status_text(status: documents.Status) -> str:
 def _status_list(args: argparse.Namespace, data: DataDir, statuses: list[str]) -> int:
     """``status --failed`` / ``--partial``: the newest of those deliveries, with their reasons."""
     limit = DEFAULT_LISTED if args.limit is None else args.limit
-    with data.open_store() as store:
+    with data.open_store(reading=True) as store:
         listed = list_deliveries(store, statuses, limit)
     with _writing_stdout():
         if args.json:

@@ -1323,8 +1323,9 @@ def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: Run
 
 def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path: Path) -> None:
     """CLI-91: on a file system mounted read-only (as the kernel remounts one after disk
-    errors), `export` and `status` exit 3 with one line saying that the file system is mounted
-    read-only, not that the user may not write the file (root may not either) nor whose it is."""
+    errors), `token add` and `import`, which write, exit 3 with one line saying that the file
+    system is mounted read-only and which commands read such a directory, not that the user
+    may not write the file (root may not either) nor whose it is."""
     payload = write(
         tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
     )
@@ -1333,23 +1334,71 @@ def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path:
     script = (
         '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
         " || exit 98\n"
-        '"$PY" -m healthlog.cli status --data "$1/data" > /dev/null || exit 97\n'
+        '"$PY" -m healthlog.cli token add phone --data "$1/data" > /dev/null || exit 97\n'
         'mount -o remount,ro "$1" || exit 96\n'
-        "for command in export status; do\n"
-        '  "$PY" -m healthlog.cli $command --data "$1/data" > /dev/null\n'
-        '  echo "$command exit $?" >&2\n'
-        "done\n"
+        '"$PY" -m healthlog.cli token add watch --data "$1/data" > /dev/null\n'
+        'echo "token exit $?" >&2\n'
+        '"$PY" -m healthlog.cli import --no-wait --data "$1/data" "$2" > /dev/null\n'
+        'echo "import exit $?" >&2\n'
     )
     stderr = in_full_file_system(script, point_dir, payload)
-    for command, file in (("export", "store.sqlite"), ("status", "journal.sqlite")):
+    for command, file in (("token", "tokens.sqlite"), ("import", "journal.sqlite")):
         assert re.search(
             rf"^healthlog: database error: unable to open database file: the file system of"
             rf" \S+/data is mounted read-only \(as the kernel remounts one after disk errors:"
-            rf" see `dmesg`\), and every healthlog command writes there, export and status too"
+            rf" see `dmesg`\); {READ_ONLY_COMMANDS}"
             rf" \(\S+/data/{re.escape(file)}\)\n{command} exit 3$",
             stderr,
             re.MULTILINE,
         ), stderr
+
+
+READ_ONLY_COMMANDS = re.escape(
+    "of the commands, only export, status and token list read a data directory that cannot be"
+    " written"
+)
+
+
+def test_reading_commands_read_a_data_directory_on_read_only_media_cli_105(
+    tmp_path: Path,
+) -> None:
+    """CLI-105: on a file system mounted read-only (a snapshot, a read-only mount) whose
+    databases were closed (no `-wal` or `-shm` beside them), `export`, `status`, `status
+    --failed` and `token list` exit 0 and print what they printed before the remount, and the
+    directory is unchanged."""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    commands = ("export", "status", "status --failed", "token list")
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -m healthlog.cli token add phone --data "$1/data" > /dev/null || exit 97\n'
+        "run() {\n"
+        f"  for command in {' '.join(repr(command) for command in commands)}; do\n"
+        '    "$PY" -m healthlog.cli $command --data "$1/data" > "$3/$4 $command"\n'
+        '    echo "$4 $command exit $?" >&2\n'
+        "  done\n"
+        '  ls -l --time-style=full-iso "$1/data" > "$3/$4 ls"\n'
+        "}\n"
+        'run "$1" "$2" "$3" writable\n'
+        'mount -o remount,ro "$1" || exit 96\n'
+        'run "$1" "$2" "$3" read-only\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, out)
+    for command in commands:
+        for mount in ("writable", "read-only"):
+            assert f"{mount} {command} exit 0\n" in stderr, stderr
+        assert (out / f"read-only {command}").read_bytes() == (
+            out / f"writable {command}"
+        ).read_bytes(), command
+    assert b"heart_rate" in (out / "read-only export").read_bytes()
+    assert (out / "read-only token list").read_bytes() == b"phone\n"
+    assert (out / "read-only ls").read_text() == (out / "writable ls").read_text()
 
 
 def test_a_write_refused_on_a_read_only_file_system_is_said_so_cli_100(tmp_path: Path) -> None:
@@ -1365,7 +1414,7 @@ def test_a_write_refused_on_a_read_only_file_system_is_said_so_cli_100(tmp_path:
     assert re.search(
         r"^healthlog: database error: attempt to write a readonly database: the file system of"
         r" \S+/data is mounted read-only \(as the kernel remounts one after disk errors: see"
-        r" `dmesg`\), and every healthlog command writes there, export and status too"
+        rf" `dmesg`\); {READ_ONLY_COMMANDS}"
         r" \(store\.sqlite\)\nreindex exit 3$",
         stderr,
         re.MULTILINE,

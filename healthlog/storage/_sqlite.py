@@ -8,6 +8,7 @@ taken up front and a busy database shows up at ``BEGIN`` rather than half way th
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import pwd
@@ -28,9 +29,11 @@ __all__ = [
     "StorageError",
     "classify",
     "connect",
+    "connect_reading",
     "describe",
     "give_to_directory_owner",
     "migrate",
+    "read_once",
     "reopened",
     "write_transaction",
 ]
@@ -171,6 +174,58 @@ def connect(
     return conn
 
 
+def connect_reading(
+    path: str | os.PathLike[str], *, create: bool = True, busy_timeout_ms: int = 5000
+) -> sqlite3.Connection:
+    """``path`` opened for a command that only reads it (``export``, ``status``, ``token
+    list``: CLI-105): as :func:`connect` opens it where it can be written, else, where SQLite
+    refuses that for want of permission (read-only media such as a file system snapshot,
+    another user's file), through a ``mode=ro`` URI, which reads a ``-wal`` and ``-shm`` that
+    are there (those of a service running, or of a snapshot taken while it ran). On read-only
+    media with neither beside the file (it was closed cleanly, every change in the file), where
+    SQLite cannot make the ``-shm`` file a WAL reader needs, ``immutable``: nothing can change
+    such a file. Where it cannot be read either, the write open's error is raised, which says
+    why (:func:`not_permitted`)."""
+    try:
+        return connect(path, create=create, busy_timeout_ms=busy_timeout_ms)
+    except StorageError as exc:
+        if not write_refused(exc):
+            raise
+        refused = exc
+    try:
+        return read_once(connect(path, readonly=True, create=False))
+    except StorageError:
+        if not _closed_on_read_only_media(path):
+            raise refused from None
+    try:
+        return read_once(connect(path, readonly=True, create=False, immutable=True))
+    except StorageError:
+        raise refused from None
+
+
+def read_once(conn: sqlite3.Connection) -> sqlite3.Connection:
+    """``conn``, once a read went through it (a WAL file's reader opens its ``-shm`` then)."""
+    try:
+        conn.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as exc:
+        conn.close()
+        raise classify(exc) from exc
+    return conn
+
+
+def _closed_on_read_only_media(path: str | os.PathLike[str]) -> bool:
+    """Whether the file at ``path`` is on read-only media (``EROFS``: a read-only mount, a
+    snapshot) with no ``-wal`` or ``-shm`` beside it."""
+    name = os.fspath(path)
+    if os.path.exists(name + "-wal") or os.path.exists(name + "-shm"):
+        return False
+    try:
+        os.close(os.open(name, os.O_RDWR))
+    except OSError as exc:
+        return exc.errno == errno.EROFS
+    return False
+
+
 def _create_private(path: str | os.PathLike[str]) -> None:
     """Make ``path`` an empty file of mode 0600 unless something is there, for SQLite to take as
     a new database: SQLite creates one readable by every user under the usual umask 022, and
@@ -258,6 +313,7 @@ def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
         if free is not None:
             cause = f": the disk is full ({free} bytes free), free some space"
     opening = type(error)(f"{error}{cause} ({os.fspath(path)})")
+    opening.code = error.code
     opening.kind = error.kind
     opening.file = os.path.basename(path)
     return opening
@@ -303,7 +359,10 @@ def not_permitted(path: str | os.PathLike[str]) -> str:
     read_only = mounted_read_only(file.parent)
     if read_only is not None:
         # Where no user may write, whose the files are is beside the point (CLI-91).
-        return f": {read_only}, and every healthlog command writes there, export and status too"
+        return (
+            f": {read_only}; of the commands, only export, status and token list read a data"
+            " directory that cannot be written"
+        )
     for what, candidate, needed in (
         ("read and write", file, os.R_OK | os.W_OK),
         ("make files in", file.parent, os.W_OK | os.X_OK),
@@ -532,6 +591,7 @@ class Database:
 
     Subclasses name their ``MIGRATIONS``; every use of ``_conn`` happens under ``_lock``.
     Without ``create``, a file that is not there is a :class:`StorageError`, not a new database.
+    ``reading`` opens it for a command that only reads (:func:`connect_reading`).
     """
 
     MIGRATIONS: Sequence[str] = ()
@@ -550,11 +610,16 @@ class Database:
         busy_timeout_ms: int = 5000,
         durable: bool = True,
         create: bool = True,
+        reading: bool = False,
     ) -> None:
         self.path = os.fspath(path)
         self._busy_timeout_ms = busy_timeout_ms
         self._durable = durable
-        self._conn = self._open(create=create)
+        self._conn = (
+            connect_reading(path, create=create, busy_timeout_ms=busy_timeout_ms)
+            if reading
+            else self._open(create=create)
+        )
         self._lock = ConnectionGuard(path, self._reopen)
         try:
             migrate(self._conn, self.MIGRATIONS)

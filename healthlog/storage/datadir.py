@@ -184,22 +184,32 @@ class DataDir:
             os.close(directory)
         return made
 
-    def open_tokens(self) -> Tokens:
+    def open_tokens(self, *, reading: bool = False) -> Tokens:
+        """The tokens, as :meth:`open_journal` opens the journal."""
         self.path.mkdir(parents=True, exist_ok=True)
-        return Tokens(self.tokens_path)
+        return Tokens(self.tokens_path, reading=reading)
 
-    def open_journal(self, busy_timeout_ms: int = 5000, *, create: bool = True) -> Journal:
+    def open_journal(
+        self, busy_timeout_ms: int = 5000, *, create: bool = True, reading: bool = False
+    ) -> Journal:
         """The journal, the directory and file created if need be; without ``create`` only
-        the file that is there (a StorageError if it is not)."""
+        the file that is there (a StorageError if it is not). With ``reading``, for a command
+        that only reads, a file that cannot be written is read where it is (CLI-105)."""
         if create:
             self.path.mkdir(parents=True, exist_ok=True)
-        return Journal(self.journal_path, busy_timeout_ms=busy_timeout_ms, create=create)
+        return Journal(
+            self.journal_path, busy_timeout_ms=busy_timeout_ms, create=create, reading=reading
+        )
 
-    def open_store(self, busy_timeout_ms: int = 5000, *, create: bool = True) -> Store:
+    def open_store(
+        self, busy_timeout_ms: int = 5000, *, create: bool = True, reading: bool = False
+    ) -> Store:
         """The store, as :meth:`open_journal` opens the journal."""
         if create:
             self.path.mkdir(parents=True, exist_ok=True)
-        return Store(self.store_path, busy_timeout_ms=busy_timeout_ms, create=create)
+        return Store(
+            self.store_path, busy_timeout_ms=busy_timeout_ms, create=create, reading=reading
+        )
 
 
 # What link() fails with on a filesystem without hard links (FAT, exFAT, CIFS without its Unix

@@ -34,6 +34,7 @@ from healthlog.storage._sqlite import (
     check_intact,
     classify,
     connect,
+    connect_reading,
     damaged,
     is_damage,
     migrate,
@@ -413,7 +414,8 @@ _NOT_AT_PATH = "not at its path: moved away, deleted or unmounted under the runn
 
 class Journal:
     """The journal file: append deliveries, read them back in journal order. Without
-    ``create``, a file that is not there is a :class:`StorageError`, not a new journal."""
+    ``create``, a file that is not there is a :class:`StorageError`, not a new journal;
+    ``reading`` opens it for a command that only reads (:func:`connect_reading`)."""
 
     def __init__(
         self,
@@ -423,6 +425,7 @@ class Journal:
         compress_min_bytes: int = 1024,
         busy_timeout_ms: int = 5000,
         create: bool = True,
+        reading: bool = False,
     ) -> None:
         if compress_min_bytes < 0:
             raise ValueError("compress_min_bytes must not be negative")
@@ -438,7 +441,9 @@ class Journal:
         self._clock_behind = False
         """Whether the clock was last seen more than :data:`CLOCK_BEHIND_US` behind the last
         live stamp (said once: JOURNAL-44)."""
-        self._conn = connect(path, create=create, busy_timeout_ms=busy_timeout_ms)
+        self._conn = (connect_reading if reading else connect)(
+            path, create=create, busy_timeout_ms=busy_timeout_ms
+        )
         try:
             migrate(self._conn, _MIGRATIONS)
             self._instance_id = self._load_instance_id()

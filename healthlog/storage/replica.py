@@ -19,8 +19,8 @@ from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
     ConnectionGuard,
     StorageError,
-    classify,
     connect,
+    read_once,
     write_transaction,
 )
 
@@ -281,7 +281,7 @@ def _connect_readonly(path: str) -> sqlite3.Connection:
     be written) with neither ``-wal`` nor ``-shm`` beside it, where SQLite cannot make the
     ``-shm`` that reading a WAL file needs, ``immutable`` (see :class:`ReplicaReader`)."""
     try:
-        return _read_once(connect(path, readonly=True, create=False))
+        return read_once(connect(path, readonly=True, create=False))
     except StorageError:
         if (
             not os.path.isfile(path)
@@ -290,17 +290,7 @@ def _connect_readonly(path: str) -> sqlite3.Connection:
             or os.access(os.path.dirname(path) or ".", os.W_OK)
         ):
             raise
-    return _read_once(connect(path, readonly=True, create=False, immutable=True))
-
-
-def _read_once(conn: sqlite3.Connection) -> sqlite3.Connection:
-    """``conn``, once a read went through it (a WAL file's reader opens its ``-shm`` then)."""
-    try:
-        conn.execute("PRAGMA schema_version").fetchone()
-    except sqlite3.Error as exc:
-        conn.close()
-        raise classify(exc) from exc
-    return conn
+    return read_once(connect(path, readonly=True, create=False, immutable=True))
 
 
 def _identity(path: str) -> tuple[int, int] | None:
