@@ -30,7 +30,6 @@ from healthlog.fold import FAILED, PARTIAL
 from healthlog.logs import LEVELS, setup_logging
 from healthlog.objects import ObjectCorrupt
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
-from healthlog.snapshots import public_key_text
 from healthlog.storage._sqlite import StorageError, not_permitted, write_refused
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
@@ -690,7 +689,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         return _status_list(args, data, statuses)
     if args.limit is not None:
         raise CliError("--limit goes with --failed or --partial")
-    public_key = public_key_text(data.signing_key())
+    public_key = data.public_key()
     with data.open_journal(reading=True) as journal, data.open_store(reading=True) as store:
         check_same_journal(journal, store)
         status = collect_status(journal, store, public_key)

@@ -1401,6 +1401,88 @@ def test_reading_commands_read_a_data_directory_on_read_only_media_cli_105(
     assert (out / "read-only ls").read_text() == (out / "writable ls").read_text()
 
 
+def test_status_on_read_only_media_without_the_signing_key_cli_106(tmp_path: Path) -> None:
+    """CLI-106: `status` on read-only media holding no `signing.key` (a backup that left the
+    private key out), where it can make none, exits 0 and prints the public key the journal
+    recorded, as it printed it before."""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -m healthlog.cli status --data "$1/data" > "$3/before" || exit 97\n'
+        'rm "$1/data/signing.key"\n'
+        'mount -o remount,ro "$1" || exit 96\n'
+        '"$PY" -m healthlog.cli status --data "$1/data" > "$3/after"\n'
+        'echo "status exit $?" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, out)
+    assert stderr == "status exit 0\n", stderr
+    before = (out / "before").read_text()
+    assert re.search(r"^snapshot key \(Ed25519\) \S{44}$", before, re.MULTILINE), before
+    assert (out / "after").read_text() == before
+
+
+def test_status_beside_the_service_as_another_user_cli_106() -> None:
+    """CLI-106: `status` run as another user (a backup job) that may read the databases of a
+    running service (mode 0644, as an older healthlog made them) but not its `signing.key`
+    (0600) exits 0 and prints the snapshot key the service's `status` prints, from the
+    journal."""
+    if os.geteuid() != 0:
+        pytest.skip("runs the command as another user, which only root can")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
+    with tempfile.TemporaryDirectory(prefix="healthlog-cli-106-") as base:
+        home = Path(base)
+        home.chmod(0o755)
+        data = home / "data"
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        assert run_status(healthlog("import", "--aggregation", "minutes", "--data", data, hr))[0]
+        data.chmod(0o755)
+        for name in ("journal.sqlite", "store.sqlite"):
+            (data / name).chmod(0o644)
+        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        with subprocess.Popen(
+            healthlog("serve", "--port", "0", "--data", data),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        ) as served:
+            try:
+                assert served.stdout is not None
+                assert b"healthlog serving on" in served.stdout.readline()
+                assert stat.S_IMODE((data / "signing.key").stat().st_mode) == 0o600
+                own = run_status(healthlog("status", "--data", data))
+                as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+                other = run_status([*as_nobody, *healthlog("status", "--data", data)], cwd=home)
+            finally:
+                served.send_signal(signal.SIGTERM)
+                served.communicate(timeout=LIMIT_S)
+    assert own[0], own
+    assert other[0], other
+    key = [line for line in own[1].splitlines() if line.startswith("snapshot key")]
+    assert len(key) == 1, own
+    assert key[0] in other[1].splitlines(), other
+
+
+def run_status(command: list[str], cwd: Path | None = None) -> tuple[bool, str, str]:
+    """Whether ``command`` exited 0, its stdout and its stderr."""
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=cwd, timeout=LIMIT_S, check=False
+    )
+    return done.returncode == 0, done.stdout, done.stderr
+
+
 def test_a_write_refused_on_a_read_only_file_system_is_said_so_cli_100(tmp_path: Path) -> None:
     """CLI-100: on a file system mounted read-only under a data directory whose databases
     stay readable (a process holding them was killed, leaving their `-wal` and `-shm` files, so

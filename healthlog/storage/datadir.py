@@ -41,6 +41,11 @@ SNAPSHOT_DIR = "snapshots"
 log = logging.getLogger("healthlog.datadir")
 
 
+class KeyOutOfReach(StorageError):
+    """``signing.key`` cannot be read or made by this process: another user's, or on read-only
+    media."""
+
+
 def _absolute(path: str | os.PathLike[str]) -> Path:
     """Absolute, so that worker processes find the same files whatever their directory."""
     return Path(path).absolute()
@@ -95,7 +100,7 @@ class DataDir:
             made = not path.exists() and self._create_signing_key(path)
             pem = path.read_bytes()
         except PermissionError as exc:
-            raise StorageError(
+            raise KeyOutOfReach(
                 f"cannot {'read' if path.exists() else 'make'} {path}: {exc.strerror}"
                 f"{not_permitted(path)}"
             ) from None
@@ -104,9 +109,8 @@ class DataDir:
             # device``), a temporary file's names that file: say which key it was.
             reason = exc.strerror or type(exc).__name__
             doing = "read" if path.exists() else "make"
-            raise StorageError(
-                f"cannot {doing} the snapshot signing key: {reason} ({path})"
-            ) from None
+            error = KeyOutOfReach if exc.errno == errno.EROFS else StorageError
+            raise error(f"cannot {doing} the snapshot signing key: {reason} ({path})") from None
         try:
             key = load_pem_private_key(pem, password=None)
         except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
@@ -118,6 +122,24 @@ class DataDir:
             raise StorageError(f"{path} is not an Ed25519 key: restore it from a backup")
         self._check_recorded(public_key_text(key), made=made)
         return key
+
+    def public_key(self) -> str:
+        """The public half of the snapshot signing key, as ``status`` prints it: that of
+        :meth:`signing_key`, else, where this process may not read ``signing.key`` nor make
+        one (the service's key, 0600, read by another user; read-only media: CLI-106), the one
+        recorded in the journal, which every process that reads the key records there."""
+        try:
+            return public_key_text(self.signing_key())
+        except KeyOutOfReach as exc:
+            try:
+                with self.open_journal(create=False, reading=True) as journal:
+                    recorded = journal.snapshot_key()
+            except StorageError as error:
+                log.debug("snapshot key not read from the journal: %s", describe(error))
+                recorded = None
+            if recorded is None:
+                raise exc from None
+            return recorded
 
     def _check_recorded(self, public_key: str, *, made: bool) -> None:
         """Record ``public_key`` in the journal (when there is one) and warn when another key
