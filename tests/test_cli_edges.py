@@ -1216,6 +1216,37 @@ def test_the_data_directory_s_files_are_readable_by_its_user_alone_store_62(
     assert {name: oct(mode) for name, mode in modes.items() if mode & 0o077} == {}
 
 
+def test_files_every_user_may_read_are_named_at_start_store_79(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-79: a data directory whose databases an older healthlog made readable by every
+    user (0644, their `-wal` and `-shm` files too) is named in one WARNING as a runtime starts
+    on it (`import` here, `serve` alike), with `chmod -R o-rwx DIR`; after that command the next
+    start says nothing of it."""
+    data = tmp_path / "data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    for name in ("journal.sqlite", "store.sqlite"):
+        (data / name).chmod(0o644)
+    again = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert again.code == 0, again.err
+    warned = [line for line in again.err.splitlines() if "readable by every user" in line]
+    assert len(warned) == 1, again.err
+    assert "level=WARNING logger=healthlog.datadir" in warned[0]
+    for name in ("journal.sqlite", "store.sqlite"):
+        for suffix in ("", "-wal", "-shm"):
+            assert f" {name}{suffix} (mode 0644)" in warned[0], warned[0]
+    assert "tokens.sqlite" not in warned[0]
+    assert f"`chmod -R o-rwx {data}`" in warned[0], warned[0]
+    assert "1.5" not in warned[0]
+    subprocess.run(["chmod", "-R", "o-rwx", data], check=True)
+    mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert mended.code == 0, mended.err
+    assert "readable by every user" not in mended.err
+
+
 def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(
     run_cli: RunCli,
 ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -82,6 +83,45 @@ class DataDir:
         a directory without them (empty, or holding other files) is not a data directory."""
         names = (JOURNAL_FILE, STORE_FILE, TOKENS_FILE, SIGNING_KEY_FILE, CONFIG_FILE)
         return any((self.path / name).exists() for name in names)
+
+    def warn_if_readable_by_all(self) -> None:
+        """One WARNING naming healthlog's files here that every user of the machine may read
+        (STORE-79): those an older healthlog made (0644 under the usual umask; SQLite gives a
+        database's ``-wal`` and ``-shm`` files its mode), with the command that mends them.
+        Only the file names and modes, never what they hold. Group permissions are left
+        unsaid: a group may be given read on purpose (a backup job's)."""
+        names = [
+            f"{path.relative_to(self.path)} (mode {mode:04o})"
+            for path, mode in self._modes()
+            if mode & stat.S_IROTH
+        ]
+        if names:
+            log.warning(
+                "health data readable by every user of the machine in %s: %s (made by an older"
+                " healthlog); `chmod -R o-rwx %s` makes them unreadable to others",
+                self.path,
+                ", ".join(names),
+                self.path,
+            )
+
+    def _modes(self) -> list[tuple[Path, int]]:
+        """healthlog's files here (the databases with their ``-wal`` and ``-shm`` files, the
+        signing key, the snapshots) and their permission bits."""
+        candidates = [
+            self.path / f"{name}{suffix}"
+            for name in (JOURNAL_FILE, STORE_FILE, TOKENS_FILE)
+            for suffix in ("", "-wal", "-shm")
+        ]
+        candidates.append(self.path / SIGNING_KEY_FILE)
+        if self.snapshot_dir.is_dir():
+            candidates.extend(sorted(self.snapshot_dir.iterdir()))
+        modes = []
+        for path in candidates:
+            try:
+                modes.append((path, stat.S_IMODE(path.stat().st_mode)))
+            except OSError:
+                continue
+        return modes
 
     def signing_key(self) -> Ed25519PrivateKey:
         """The snapshot signing key, created (mode 0600) on first use.
