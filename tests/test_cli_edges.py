@@ -35,6 +35,7 @@ from healthlog.cli import build_parser
 from healthlog.config import load_serve_config
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.store import MIGRATIONS as STORE_MIGRATIONS
 
 if TYPE_CHECKING:
     from conftest import Cli, CliRun, RunCli
@@ -1430,6 +1431,61 @@ def test_reading_commands_read_a_data_directory_on_read_only_media_cli_105(
     assert b"heart_rate" in (out / "read-only export").read_bytes()
     assert (out / "read-only token list").read_bytes() == b"phone\n"
     assert (out / "read-only ls").read_text() == (out / "writable ls").read_text()
+
+
+OLDER_STORE = (
+    "import sys\n"
+    "from healthlog.storage._sqlite import connect, migrate\n"
+    "from healthlog.storage.store import MIGRATIONS\n"
+    "conn = connect(sys.argv[1])\n"
+    "migrate(conn, MIGRATIONS[:-1])\n"
+    "conn.close()\n"
+)
+"""Makes the file ``argv[1]`` a store of the schema before this healthlog's."""
+
+
+def test_an_older_schema_on_read_only_media_is_said_so_cli_107(tmp_path: Path) -> None:
+    """CLI-107: a store of an older healthlog's schema on read-only media, which a reading
+    command would have to upgrade first, makes `export` and `status` exit 3 with one line naming
+    the file, both schema versions, why it cannot be upgraded there and what to do; nothing
+    changes, and once the file system can be written `export` upgrades it and exits 0."""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -m healthlog.cli status --data "$1/data" > /dev/null || exit 97\n'
+        'rm "$1/data/store.sqlite"\n'
+        '"$PY" -c "$3" "$1/data/store.sqlite" || exit 95\n'
+        'ls -l --time-style=full-iso "$1/data" > "$4/writable"\n'
+        'mount -o remount,ro "$1" || exit 96\n'
+        "for command in export status; do\n"
+        '  "$PY" -m healthlog.cli $command --data "$1/data" > /dev/null\n'
+        '  echo "$command exit $?" >&2\n'
+        "done\n"
+        'ls -l --time-style=full-iso "$1/data" > "$4/read-only"\n'
+        'mount -o remount,rw "$1" || exit 94\n'
+        '"$PY" -m healthlog.cli export --data "$1/data" > /dev/null\n'
+        'echo "writable export exit $?" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, OLDER_STORE, tmp_path)
+    for command in ("export", "status"):
+        assert re.search(
+            rf"^healthlog: \S+/data/store\.sqlite was written by an older healthlog \(schema"
+            rf" version {len(STORE_MIGRATIONS) - 1}, this one's is {len(STORE_MIGRATIONS)}\)"
+            rf" and is upgraded before it is read, which cannot be"
+            rf" done here: the file system of \S+/data is mounted read-only \(as the kernel"
+            rf" remounts one after disk errors: see `dmesg`\); a command run where it can be"
+            rf" written upgrades it \(as the user it belongs to, or on a copy: `cp -a \S+/data"
+            rf" COPY`\)\n{command} exit 3$",
+            stderr,
+            re.MULTILINE,
+        ), stderr
+    assert stderr.endswith("\nwritable export exit 0\n"), stderr
+    assert (tmp_path / "read-only").read_text() == (tmp_path / "writable").read_text()
 
 
 def test_status_on_read_only_media_without_the_signing_key_cli_106(tmp_path: Path) -> None:

@@ -545,16 +545,41 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[str]) -> None:
         _refuse_newer(conn, version, target)
         if version == target:
             return
-        with write_transaction(conn):
-            version = _user_version(conn)
-            _refuse_newer(conn, version, target)
-            if version == target:
-                return
-            for statement in _statements(migrations[version]):
-                conn.execute(statement)
-            faults.point("schema.migrate")
-            conn.execute(f"PRAGMA user_version = {version + 1}")
+        try:
+            with write_transaction(conn):
+                version = _user_version(conn)
+                _refuse_newer(conn, version, target)
+                if version == target:
+                    return
+                for statement in _statements(migrations[version]):
+                    conn.execute(statement)
+                faults.point("schema.migrate")
+                conn.execute(f"PRAGMA user_version = {version + 1}")
+        except StorageError as exc:
+            if not write_refused(exc):
+                raise
+            raise _not_upgradable(conn, exc, version, target) from exc
         _log.debug("schema migrated to version %d", version + 1)
+
+
+def _not_upgradable(
+    conn: sqlite3.Connection, refused: StorageError, version: int, target: int
+) -> StorageError:
+    """The error of a file of an older schema that this process may not write, and so not
+    upgrade (a command that only reads it on read-only media, or as another user: CLI-107);
+    SQLite's own line named neither the file nor why a read wrote."""
+    path = Path(conn.execute("PRAGMA database_list").fetchone()[2])
+    read_only = mounted_read_only(path.parent)
+    why = f": {read_only}" if read_only else not_permitted(path) or ": it cannot be written"
+    error = StorageError(
+        f"{path} was written by an older healthlog (schema version {version}, this one's is"
+        f" {target}) and is upgraded before it is read, which cannot be done here{why}; a"
+        " command run where it can be"
+        f" written upgrades it (as the user it belongs to, or on a copy: `cp -a {path.parent}"
+        " COPY`)"
+    )
+    error.code, error.kind, error.file = refused.code, refused.kind, path.name
+    return error
 
 
 def _user_version(conn: sqlite3.Connection) -> int:
