@@ -1083,6 +1083,65 @@ def test_a_rebuild_stopped_with_its_process_group_exits_143_store_30(tmp_path: P
         time.sleep(0.05)
 
 
+def test_a_rebuild_killed_as_root_leaves_what_the_service_s_user_removes_cli_108() -> None:
+    """CLI-108: `reindex` run as root on the data directory of a service that runs as another
+    user, killed (SIGKILL to its process group) once its workers fold, leaves a scratch
+    directory whose every directory and file is that user's, which a runtime started as that
+    user (`import`) removes, saying so. (Before, it was root's, mode 0700: the service's
+    user could neither remove nor enter it, and a second store's room stayed taken, 3.6 MB
+    here, without a word.)"""
+    if os.geteuid() != 0:
+        pytest.skip("only root makes files another user owns")
+    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
+    with tempfile.TemporaryDirectory(prefix="healthlog-cli-108-") as base:
+        home = Path(base)
+        home.chmod(0o755)
+        data = DataDir(home / "data")
+        with data.open_journal() as journal:
+            journal.append_many(
+                [
+                    NewDelivery(body=big_body(n, target_bytes=12 * 2**20), client="t")
+                    for n in range(3)
+                ]
+            )
+        small = home / "small.json"
+        small.write_bytes(body({"heart_rate": [point(0, 1)]}))
+        subprocess.run(["chown", "-R", "65534:65534", data.path, small], check=True)
+        command = [sys.executable, "-m", "healthlog.cli", "reindex", "--data", str(data.path)]
+        with subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True) as run:
+            deadline = time.monotonic() + 60
+            while not any(data.path.glob(".rebuild-*/.partitions-*/*/part-*.sqlite")):
+                assert run.poll() is None, "the reindex ended before its workers folded"
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait(timeout=60)
+        (scratch,) = data.path.glob(f"{rebuild.SCRATCH_PREFIX}*")
+        owners = {
+            path.relative_to(data.path).as_posix(): path.lstat().st_uid
+            for path in [scratch, *scratch.rglob("*")]
+        }
+        assert any(name.endswith(".sqlite") for name in owners), owners
+        assert {name: uid for name, uid in owners.items() if uid != 65534} == {}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+        started = subprocess.run(
+            [
+                *("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"),
+                *(sys.executable, "-m", "healthlog.cli", "import", "--no-wait"),
+                *("--data", str(data.path), str(small)),
+            ],
+            capture_output=True,
+            text=True,
+            env={**env, "HEALTHLOG_LOG_LEVEL": "INFO"},
+            cwd=home,
+            timeout=60,
+            check=False,
+        )
+        assert started.returncode == 0, started.stderr
+        assert f"removed {scratch.name}, left by a rebuild that was stopped" in started.stderr
+        assert not scratch.exists()
+
+
 def test_verify_holds_no_summary_of_every_object_in_memory_store_47(
     journal: Journal, store: Store, epoch: int
 ) -> None:

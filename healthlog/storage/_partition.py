@@ -61,7 +61,13 @@ from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.seals import Seal, SealError, covered, is_seal
 from healthlog.seals import decode as decode_seal
 from healthlog.storage import _objects
-from healthlog.storage._sqlite import StorageError, classify, connect, write_transaction
+from healthlog.storage._sqlite import (
+    StorageError,
+    classify,
+    connect,
+    give_to_directory_owner,
+    write_transaction,
+)
 from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
 from healthlog.storage.store import MIGRATIONS, Store, automation_of
@@ -300,6 +306,7 @@ def rebuild(
             workers, mp_context=_context(), initializer=_worker_started, initargs=(os.getpid(),)
         ) as pool,
     ):
+        give_to_directory_owner(tmp, Path(target.path).parent)
         try:
             run = _Run(
                 pool,
@@ -404,6 +411,7 @@ class _Run:
         reference: str | None,
     ) -> None:
         tmp.mkdir()
+        give_to_directory_owner(tmp, tmp.parent)
         self._reference = reference
         # Partitions whose every share is folded, settling (see :func:`settle`).
         self._settling: dict[concurrent.futures.Future[None], _Part] = {}

@@ -242,18 +242,22 @@ def _create_private(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
-def give_to_directory_owner(fd: int, directory: str | os.PathLike[str]) -> None:
-    """Make the new file open at ``fd`` the owner's of ``directory`` (user and group) when this
-    process runs as root (STORE-78), as SQLite makes a root process's ``-wal`` and ``-shm``
-    files the database file owner's: a backup job or an administrator running `status` or
-    `token add` as root on the directory of a service running as another user made
-    ``signing.key`` or ``tokens.sqlite`` root's, mode 0600, and the service could no longer
-    start. A file that cannot be given is left as it is (a file system without owners)."""
+def give_to_directory_owner(
+    made: int | str | os.PathLike[str], directory: str | os.PathLike[str]
+) -> None:
+    """Make the new file open at ``made`` (a file descriptor), or the new directory at that
+    path, the owner's of ``directory`` (user and group) when this process runs as root
+    (STORE-78), as SQLite makes a root process's ``-wal`` and ``-shm`` files the database file
+    owner's: a backup job or an administrator running `status` or `token add` as root on the
+    directory of a service running as another user made ``signing.key`` or ``tokens.sqlite``
+    root's, mode 0600, and the service could no longer start; a `reindex` killed there left a
+    scratch directory the service could not remove (CLI-108). One that cannot be given is left
+    as it is (a file system without owners)."""
     if os.geteuid() != 0:
         return
     try:
         owner = os.stat(directory)
-        os.fchown(fd, owner.st_uid, owner.st_gid)
+        os.chown(made, owner.st_uid, owner.st_gid)
     except OSError as exc:
         _log.debug("new file not given to the owner of its directory (errno %s)", exc.errno)
 

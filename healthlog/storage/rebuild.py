@@ -32,6 +32,7 @@ from healthlog.storage._sqlite import (
     StorageError,
     connect,
     free_when_full,
+    give_to_directory_owner,
     is_damage,
     mounted_read_only,
     read_transaction,
@@ -211,10 +212,12 @@ def _scratch(near: Path) -> Iterator[Path]:
             f"{read_only}: `verify` and `reindex` rebuild into a second store beside"
             f" {near.name}, which cannot be written there (nothing was changed)"
         ) from exc
+    give_to_directory_owner(scratch.name, near.parent)
     with (
         scratch as tmp,
         open(Path(tmp) / f"{SCRATCH_OWNER}.new", "wb") as owner,
     ):
+        give_to_directory_owner(owner.fileno(), tmp)
         # Locked before it takes its name, so that no rebuild ever finds it unlocked.
         fcntl.flock(owner, fcntl.LOCK_EX)
         os.replace(Path(tmp) / f"{SCRATCH_OWNER}.new", Path(tmp) / SCRATCH_OWNER)
