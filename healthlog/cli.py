@@ -30,7 +30,12 @@ from healthlog.fold import FAILED, PARTIAL
 from healthlog.logs import LEVELS, setup_logging
 from healthlog.objects import ObjectCorrupt
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
-from healthlog.storage._sqlite import StorageError, not_permitted, write_refused
+from healthlog.storage._sqlite import (
+    StorageError,
+    free_when_full,
+    not_permitted,
+    write_refused,
+)
 from healthlog.storage.datadir import DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import check_before_folding, check_same_journal, counted
@@ -698,6 +703,16 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
             sys.stdout.buffer.write(documents.dumps(status) + b"\n")
         else:
             print(_status_text(status))
+    free = free_when_full(data.path)
+    if status.deliveries.pending and free is not None:
+        # The service's folder knows why its last pass stopped (STORE-66), but on a full disk
+        # it can record it no more than the folds: the store's mark is an older pass's.
+        _tell(
+            f"healthlog: the disk is full ({free} bytes free in {data.path}): the"
+            f" {status.deliveries.pending} pending deliveries are not folded until there is room,"
+            " and why the last pass stopped is that of the last pass the service could record"
+            " (its GET /v1/status says why it stopped since); free some space"
+        )
     return 0
 
 

@@ -97,13 +97,15 @@ def in_full_file_system(script: str, *args: str | os.PathLike[str]) -> str:
     return run.stderr.decode()
 
 
-_KILLED_HOLDER = (
+KILLED_HOLDER = (
     "import os, signal, sqlite3, sys\n"
     "for name in ('journal.sqlite', 'store.sqlite'):\n"
     "    conn = sqlite3.connect(os.path.join(sys.argv[1], name))\n"
     "    conn.execute('SELECT count(*) FROM sqlite_master').fetchall()\n"
     "os.kill(os.getpid(), signal.SIGKILL)\n"
 )
+"""Opens both databases of the data directory ``argv[1]`` and is killed, leaving their ``-wal``
+and ``-shm`` files, as a service killed (or running) leaves them."""
 
 
 def on_remounted_read_only(tmp_path: Path, payload: Path, command: str, after: str = "") -> str:
@@ -125,4 +127,4 @@ def on_remounted_read_only(tmp_path: Path, payload: Path, command: str, after: s
         f'echo "{command} exit $?" >&2\n'
         f"{after}"
     )
-    return in_full_file_system(script, point, payload, _KILLED_HOLDER)
+    return in_full_file_system(script, point, payload, KILLED_HOLDER)

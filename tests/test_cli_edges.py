@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import httpx
 import pytest
 from _cli_bodies import body, metric, point, write
-from _disk import files_limited_to, in_full_file_system, on_remounted_read_only, unwritable
+from _disk import (
+    KILLED_HOLDER,
+    files_limited_to,
+    in_full_file_system,
+    on_remounted_read_only,
+    unwritable,
+)
 from _runtime_helpers import alive, children_of, lease_row
 
 from healthlog.cli import build_parser
@@ -1486,6 +1492,51 @@ def test_an_older_schema_on_read_only_media_is_said_so_cli_107(tmp_path: Path) -
         ), stderr
     assert stderr.endswith("\nwritable export exit 0\n"), stderr
     assert (tmp_path / "read-only").read_text() == (tmp_path / "writable").read_text()
+
+
+def test_status_on_a_full_disk_says_the_pending_deliveries_wait_for_room_cli_109(
+    tmp_path: Path,
+) -> None:
+    """CLI-109: `status` beside a service (a process holding the databases, killed, leaves
+    their `-wal` and `-shm` files) on a full file system, with a delivery pending and the last
+    recorded pass `empty`, exits 0 with its usual document on stdout and one line on stderr
+    saying the disk is full, how many deliveries wait for room, and that why the last pass
+    stopped is the last one recorded."""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    later = write(
+        tmp_path / "later.json",
+        body(metric("later", "count", point("2024-03-01 00:00:00 +0000", qty=1))),
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -m healthlog.cli import --no-wait --data "$1/data" "$3" 2> /dev/null || exit 97\n'
+        '"$PY" -m healthlog.cli status --data "$1/data" > /dev/null 2>&1 || exit 96\n'
+        '"$PY" -c "$4" "$1/data"\n'
+        'dd if=/dev/zero of="$1/fill" bs=4096 2> /dev/null\n'
+        '"$PY" -m healthlog.cli status --data "$1/data" > "$5/text"\n'
+        'echo "status exit $?" >&2\n'
+        '"$PY" -m healthlog.cli status --json --data "$1/data" > "$5/json"\n'
+        'echo "status --json exit $?" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, later, KILLED_HOLDER, tmp_path)
+    said = (
+        r"healthlog: the disk is full \(\d+ bytes free in \S+/data\): the 1 pending deliveries"
+        r" are not folded until there is room, and why the last pass stopped is that of the"
+        r" last pass the service could record \(its GET /v1/status says why it stopped since\);"
+        r" free some space"
+    )
+    for command in ("status", "status --json"):
+        assert re.search(rf"^{said}\n{command} exit 0$", stderr, re.MULTILINE), stderr
+    assert len(re.findall(said, stderr)) == 2, stderr
+    assert "last pass stopped: empty" in (tmp_path / "text").read_text()
+    lag = json.loads((tmp_path / "json").read_text())["lag"]
+    assert lag["oldest_pending_id"] == 2
+    assert lag["stopped_because"] == "empty"
 
 
 def test_status_on_read_only_media_without_the_signing_key_cli_106(tmp_path: Path) -> None:
