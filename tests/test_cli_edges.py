@@ -1310,8 +1310,9 @@ def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(
 def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: RunCli) -> None:
     """STORE-78: `import`, `token add` and `status` run as root on the data directory of a
     service that runs as another user make `journal.sqlite`, `store.sqlite`, `tokens.sqlite` and
-    `signing.key` that user's, as SQLite makes a root process's `-wal` and `-shm` files; the
-    service then starts as that user and takes the token. (Before, they were root's, mode 0600,
+    `signing.key` that user's, as SQLite makes a root process's `-wal` and `-shm` files, and so
+    does a snapshot built as root (its directory and file); the service then starts as that
+    user, takes the token and serves a snapshot. (Before, they were root's, mode 0600,
     and `serve` exited 3: `user nobody may not read and write .../tokens.sqlite (it is
     root's, mode 0600)`.)"""
     if os.geteuid() != 0:
@@ -1333,8 +1334,17 @@ def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: Run
         token = run_cli("token", "add", "phone", "--data", data)
         assert token.code == 0, token.err
         assert run_cli("status", "--data", data).code == 0
-        owners = {path.name: (path.stat().st_uid, path.stat().st_gid) for path in data.iterdir()}
+        made = DataDir(data)
+        with made.open_journal() as journal, made.open_store() as store:
+            snapshot_files.build(
+                made.snapshot_dir, journal, store, made.signing_key(), "/v1/snapshots"
+            )
+        owners = {
+            path.relative_to(data).as_posix(): (path.stat().st_uid, path.stat().st_gid)
+            for path in data.rglob("*")
+        }
         assert {"journal.sqlite", "store.sqlite", "tokens.sqlite", "signing.key"} <= set(owners)
+        assert any(name.endswith(".snap") for name in owners), owners
         assert {name: ids for name, ids in owners.items() if ids != (65534, 65534)} == {}
         env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
         as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -1353,6 +1363,10 @@ def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: Run
                 headers = {"Authorization": f"Bearer {token.out.decode().strip()}"}
                 with httpx.Client(base_url=found.group(1), timeout=LIMIT_S) as client:
                     assert client.get("/v1/status", headers=headers).status_code == 200
+                    listed = client.get("/v1/snapshots", headers=headers)
+                    assert listed.status_code == 200, listed.text
+                    fetched = client.get(listed.json()["url"], headers=headers)
+                    assert fetched.status_code == 200, fetched.text
             finally:
                 served.send_signal(signal.SIGTERM)
                 served.communicate(timeout=LIMIT_S)

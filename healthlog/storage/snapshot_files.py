@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import faults, snapshots
 from healthlog.documents import Manifest
+from healthlog.storage._sqlite import give_to_directory_owner
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 
@@ -50,7 +51,9 @@ def build(
     instance = journal.instance_id()
     if not Path(store.path).exists():
         raise FileNotFoundError(errno.ENOENT, "the store is no longer at its path", store.path)
-    directory.mkdir(exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir()
+        give_to_directory_owner(directory, directory.parent)
     with _locked(directory):
         _remove_stale(directory)
         with store.snapshot_at_head() as head:
@@ -111,8 +114,10 @@ def _locked(directory: Path) -> Iterator[None]:
 
 def _private(path: Path) -> BinaryIO:
     """``path`` opened for writing, made mode 0600 if new: a snapshot holds every object
-    (STORE-62)."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+    (STORE-62); the data directory owner's when made as root (STORE-78)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    give_to_directory_owner(fd, path.parent)
+    return os.fdopen(fd, "wb")
 
 
 @contextlib.contextmanager
