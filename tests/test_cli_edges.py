@@ -1464,6 +1464,66 @@ OLDER_STORE = (
 """Makes the file ``argv[1]`` a store of the schema before this healthlog's."""
 
 
+HOLDER = (
+    "import os, sqlite3, sys, time\n"
+    "for name in ('journal.sqlite', 'store.sqlite', 'tokens.sqlite'):\n"
+    "    conn = sqlite3.connect(os.path.join(sys.argv[1], name))\n"
+    "    conn.execute('SELECT count(*) FROM sqlite_master').fetchall()\n"
+    "print('open', flush=True)\n"
+    "time.sleep(120)\n"
+)
+"""Holds the three databases of the data directory ``argv[1]`` open (as a running service
+does, so that what others write stays in the ``-wal`` files) until it is killed."""
+
+
+def test_a_copy_without_its_shm_files_on_read_only_media_cli_105(tmp_path: Path) -> None:
+    """CLI-105: a copy of a running service's directory that left the `-shm` files out, on
+    read-only media: `token list`, whose `-wal` is empty, exits 0; `export` and `status`, whose
+    `-wal` files hold changes SQLite reads only through a `-shm` it cannot make there, exit 3
+    with one line naming the file, why and what to do, which works: `export` of a `cp -a`
+    copy where it can be written exits 0."""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        '"$PY" -m healthlog.cli token add phone --data "$1/data" > /dev/null 2>&1 || exit 98\n'
+        '"$PY" -m healthlog.cli status --data "$1/data" > /dev/null 2>&1 || exit 97\n'
+        '"$PY" -c "$3" "$1/data" > "$4/held" & held=$!\n'
+        'until grep -q open "$4/held"; do sleep 0.05; done\n'
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 96\n"
+        'kill -9 "$held"; wait "$held"\n'
+        'test -s "$1/data/store.sqlite-wal" || exit 95\n'
+        'rm "$1/data/"*-shm\n'
+        'mount -o remount,ro "$1" || exit 94\n'
+        'for command in "token list" export status; do\n'
+        '  "$PY" -m healthlog.cli $command --data "$1/data" > "$4/$command"\n'
+        '  echo "$command exit $?" >&2\n'
+        "done\n"
+        'cp -a "$1/data" "$4/copy"\n'
+        '"$PY" -m healthlog.cli export --data "$4/copy" > "$4/copied"\n'
+        'echo "copy export exit $?" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, HOLDER, tmp_path)
+    assert "token list exit 0\n" in stderr, stderr
+    assert (tmp_path / "token list").read_text() == "phone\n"
+    for command, file in (("export", "store.sqlite"), ("status", "journal.sqlite")):
+        assert re.search(
+            rf"^healthlog: \S+/data/{re.escape(file)} cannot be read where it is: its"
+            rf" {re.escape(file)}-wal holds changes that may not be in it yet, which SQLite"
+            rf" reads only through a {re.escape(file)}-shm file, and there is none beside it \(a"
+            r" copy that left the -shm files out\?\) nor can one be made on read-only media;"
+            rf" read a copy where it can be written \(`cp -a \S+/data COPY`\)\n"
+            rf"{command} exit 3$",
+            stderr,
+            re.MULTILINE,
+        ), stderr
+    assert stderr.endswith("\ncopy export exit 0\n"), stderr
+    assert b"heart_rate" in (tmp_path / "copied").read_bytes()
+
+
 def test_an_older_schema_on_read_only_media_is_said_so_cli_107(tmp_path: Path) -> None:
     """CLI-107: a store of an older healthlog's schema on read-only media, which a reading
     command would have to upgrade first, makes `export` and `status` exit 3 with one line naming

@@ -182,10 +182,12 @@ def connect_reading(
     refuses that for want of permission (read-only media such as a file system snapshot,
     another user's file), through a ``mode=ro`` URI, which reads a ``-wal`` and ``-shm`` that
     are there (those of a service running, or of a snapshot taken while it ran). On read-only
-    media with neither beside the file (it was closed cleanly, every change in the file), where
-    SQLite cannot make the ``-shm`` file a WAL reader needs, ``immutable``: nothing can change
-    such a file. Where it cannot be read either, the write open's error is raised, which says
-    why (:func:`not_permitted`)."""
+    media with no ``-shm`` beside the file and no ``-wal``, or an empty one (it was closed
+    cleanly, every change in the file), where SQLite cannot make the ``-shm`` file a WAL reader
+    needs, ``immutable``: nothing can change such a file. A ``-wal`` holding changes without
+    its ``-shm`` there (a copy that left the ``-shm`` files out) cannot be read, and the error
+    says so; where the file cannot be read otherwise, the write open's error is raised, which
+    says why (:func:`not_permitted`)."""
     try:
         return connect(path, create=create, busy_timeout_ms=busy_timeout_ms)
     except StorageError as exc:
@@ -195,8 +197,11 @@ def connect_reading(
     try:
         return read_once(connect(path, readonly=True, create=False))
     except StorageError:
-        if not _closed_on_read_only_media(path):
+        name = os.fspath(path)
+        if os.path.exists(name + "-shm") or not _on_read_only_media(name):
             raise refused from None
+        if _size(name + "-wal"):
+            raise _wal_without_shm(refused, Path(name)) from None
     try:
         return read_once(connect(path, readonly=True, create=False, immutable=True))
     except StorageError:
@@ -213,17 +218,35 @@ def read_once(conn: sqlite3.Connection) -> sqlite3.Connection:
     return conn
 
 
-def _closed_on_read_only_media(path: str | os.PathLike[str]) -> bool:
+def _on_read_only_media(path: str) -> bool:
     """Whether the file at ``path`` is on read-only media (``EROFS``: a read-only mount, a
-    snapshot) with no ``-wal`` or ``-shm`` beside it."""
-    name = os.fspath(path)
-    if os.path.exists(name + "-wal") or os.path.exists(name + "-shm"):
-        return False
+    snapshot)."""
     try:
-        os.close(os.open(name, os.O_RDWR))
+        os.close(os.open(path, os.O_RDWR))
     except OSError as exc:
         return exc.errno == errno.EROFS
     return False
+
+
+def _size(path: str) -> int:
+    """The size of the file at ``path``, 0 when there is none."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _wal_without_shm(refused: StorageError, path: Path) -> StorageError:
+    """The error of a reading command on read-only media where ``path`` has a ``-wal`` file
+    holding changes and no ``-shm`` (CLI-105)."""
+    error = StorageError(
+        f"{path} cannot be read where it is: its {path.name}-wal holds changes that may not be"
+        f" in it yet, which SQLite reads only through a {path.name}-shm file, and there is none"
+        " beside it (a copy that left the -shm files out?) nor can one be made on read-only"
+        f" media; read a copy where it can be written (`cp -a {path.parent} COPY`)"
+    )
+    error.code, error.kind, error.file = refused.code, refused.kind, path.name
+    return error
 
 
 def _create_private(path: str | os.PathLike[str]) -> None:
