@@ -1464,6 +1464,72 @@ OLDER_STORE = (
 """Makes the file ``argv[1]`` a store of the schema before this healthlog's."""
 
 
+def test_a_reader_leaves_no_files_the_service_s_user_cannot_write_cli_105() -> None:
+    """CLI-105: a backup user (`nobody`) given group read and write on a data directory whose
+    files the service's user (`daemon`) owns, mode 0640, runs `export` and `token list`: with
+    the service stopped each exits 3 with one line saying why and leaves no `-wal` or `-shm`
+    file behind, and the service's user still writes (`token add`); beside the running service
+    `export` exits 0, and nothing of the reader's is left once the service stops."""
+    if os.geteuid() != 0:
+        pytest.skip("runs commands as two other users, which only root can")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    as_daemon = [setpriv, "--reuid=1", "--regid=65534", "--clear-groups"]
+    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
+    with tempfile.TemporaryDirectory(prefix="healthlog-cli-105-") as base:
+        home = Path(base)
+        home.chmod(0o755)
+        data = home / "data"
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        for command in (
+            ("import", "--aggregation", "minutes", "--data", data, hr),
+            ("token", "add", "phone", "--data", data),
+            ("status", "--data", data),
+        ):
+            assert run_status(healthlog(*command))[0], command
+        subprocess.run(["chown", "-R", "1:65534", data], check=True)
+        data.chmod(0o770)
+        for name in ("journal.sqlite", "store.sqlite", "tokens.sqlite"):
+            (data / name).chmod(0o640)
+        before = sorted(path.name for path in data.iterdir())
+        for command, file in ((("export",), "store.sqlite"), (("token", "list"), "tokens.sqlite")):
+            done, out, err = run_status([*as_nobody, *healthlog(*command, "--data", data)], home)
+            assert not done, (command, out)
+            one_line_error(
+                err,
+                f"healthlog: user nobody may not write {data / file}, and reading it while no"
+                f" healthlog process has it open would leave {file}-wal and {file}-shm files of"
+                f" nobody's beside it, which daemon's service could not write: read it while the"
+                " service runs, or as daemon (`sudo -u daemon healthlog ...`)",
+            )
+        assert sorted(path.name for path in data.iterdir()) == before
+        added = run_status([*as_daemon, *healthlog("token", "add", "watch", "--data", data)], home)
+        assert added[0], added
+        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        with subprocess.Popen(
+            [*as_daemon, *healthlog("serve", "--port", "0", "--data", data)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=home,
+        ) as served:
+            try:
+                assert served.stdout is not None
+                assert b"healthlog serving on" in served.stdout.readline()
+                beside = run_status([*as_nobody, *healthlog("export", "--data", data)], home)
+            finally:
+                served.send_signal(signal.SIGTERM)
+                served.communicate(timeout=LIMIT_S)
+        assert served.returncode == 0
+        assert beside[0], beside
+        assert "heart_rate" in beside[1]
+        assert {path.name for path in data.iterdir() if path.stat().st_uid != 1} == set()
+
+
 HOLDER = (
     "import os, sqlite3, sys, time\n"
     "for name in ('journal.sqlite', 'store.sqlite', 'tokens.sqlite'):\n"

@@ -186,8 +186,19 @@ def connect_reading(
     cleanly, every change in the file), where SQLite cannot make the ``-shm`` file a WAL reader
     needs, ``immutable``: nothing can change such a file. A ``-wal`` holding changes without
     its ``-shm`` there (a copy that left the ``-shm`` files out) cannot be read, and the error
-    says so; where the file cannot be read otherwise, the write open's error is raised, which
-    says why (:func:`not_permitted`)."""
+    says so; so is a file this user may not write in a directory it may write, while no process
+    has it open, which SQLite would leave ``-wal`` and ``-shm`` files of this user's beside;
+    where the file cannot be read otherwise, the write open's error is raised, which says why
+    (:func:`not_permitted`)."""
+    name = os.fspath(path)
+    if (
+        os.path.exists(name)
+        and not os.access(name, os.W_OK)
+        and not os.path.exists(name + "-shm")
+        and os.access(os.path.dirname(name) or ".", os.W_OK)
+    ):
+        # SQLite would open it read-only without a word and make the two files.
+        raise _would_leave_files(Path(name))
     try:
         return connect(path, create=create, busy_timeout_ms=busy_timeout_ms)
     except StorageError as exc:
@@ -197,7 +208,6 @@ def connect_reading(
     try:
         return read_once(connect(path, readonly=True, create=False))
     except StorageError:
-        name = os.fspath(path)
         if os.path.exists(name + "-shm") or not _on_read_only_media(name):
             raise refused from None
         if _size(name + "-wal"):
@@ -234,6 +244,28 @@ def _size(path: str) -> int:
         return os.stat(path).st_size
     except FileNotFoundError:
         return 0
+
+
+def _would_leave_files(path: Path) -> StorageError:
+    """The error of a reading command that may not write ``path`` but may write its directory,
+    where no process has the file open (no ``-shm`` beside it): SQLite would make ``-wal`` and
+    ``-shm`` files this user owns, with the file's mode, and leave them (a reader cannot remove
+    them), and the service's user, who may not write them, could then write the database no
+    more (CLI-105)."""
+    user = _user_name(os.geteuid())
+    try:
+        owner = _user_name(path.stat().st_uid)
+    except OSError:
+        owner = "its owner"
+    error = StorageError(
+        f"user {user} may not write {path}, and reading it while no healthlog process has it"
+        f" open would leave {path.name}-wal and {path.name}-shm files of {user}'s beside it,"
+        f" which {owner}'s service could not write: read it while the service runs, or as"
+        f" {owner} (`sudo -u {owner} healthlog ...`)"
+    )
+    error.code, error.file = _SQLITE_READONLY, path.name
+    error.kind = f"SQLITE_READONLY: {_MEANINGS[_SQLITE_READONLY]}"
+    return error
 
 
 def _wal_without_shm(refused: StorageError, path: Path) -> StorageError:
