@@ -411,9 +411,10 @@ def not_permitted(path: str | os.PathLike[str]) -> str:
     what to do; empty when nothing stops it.
 
     Every healthlog command opens its databases to write (SQLite makes a reader's ``-shm``
-    file too), so a data directory belongs to one user, the service's: another user met
-    ``unable to open database file``, or for a mere ``export`` ``attempt to write a readonly
-    database``, which named no cause (CLI-90)."""
+    file too; only ``export``, ``status`` and ``token list`` then read what they cannot write,
+    :func:`connect_reading`), so a data directory belongs to one user, the service's: another
+    user met ``unable to open database file``, or for a mere ``export`` ``attempt to write a
+    readonly database``, which named no cause (CLI-90)."""
     file = Path(path)
     read_only = mounted_read_only(file.parent)
     if read_only is not None:
@@ -633,9 +634,8 @@ def _not_upgradable(
     error = StorageError(
         f"{path} was written by an older healthlog (schema version {version}, this one's is"
         f" {target}) and is upgraded before it is read, which cannot be done here{why}; a"
-        " command run where it can be"
-        f" written upgrades it (as the user it belongs to, or on a copy: `cp -a {path.parent}"
-        " COPY`)"
+        " command run where it can be written upgrades it (as the user it belongs to, or on a"
+        f" copy: `cp -a {path.parent} COPY`)"
     )
     error.code, error.kind, error.file = refused.code, refused.kind, path.name
     return error
