@@ -1530,6 +1530,23 @@ def test_a_reader_leaves_no_files_the_service_s_user_cannot_write_cli_105() -> N
         assert {path.name for path in data.iterdir() if path.stat().st_uid != 1} == set()
 
 
+def test_root_reads_a_file_it_may_not_write_cli_105(run_cli: RunCli, tmp_path: Path) -> None:
+    """CLI-105: root reading a store it may not write (the immutable attribute) exports it
+    (exit 0): the `-wal` and `-shm` files SQLite makes there are the file owner's, whom they
+    cannot stop."""
+    if os.geteuid() != 0:
+        pytest.skip("a user other than root is refused, as the test above shows")
+    data = tmp_path / "data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    with unwritable(data / "store.sqlite"):
+        run = run_cli("export", "--data", data)
+    assert run.code == 0, run.err
+    assert b"heart_rate" in run.out
+
+
 HOLDER = (
     "import os, sqlite3, sys, time\n"
     "for name in ('journal.sqlite', 'store.sqlite', 'tokens.sqlite'):\n"

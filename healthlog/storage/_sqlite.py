@@ -192,12 +192,14 @@ def connect_reading(
     (:func:`not_permitted`)."""
     name = os.fspath(path)
     if (
-        os.path.exists(name)
+        os.geteuid() != 0
+        and os.path.exists(name)
         and not os.access(name, os.W_OK)
         and not os.path.exists(name + "-shm")
         and os.access(os.path.dirname(name) or ".", os.W_OK)
     ):
-        # SQLite would open it read-only without a word and make the two files.
+        # SQLite would open it read-only without a word and make the two files (as root, it
+        # gives them to the file's owner).
         raise _would_leave_files(Path(name))
     try:
         return connect(path, create=create, busy_timeout_ms=busy_timeout_ms)
