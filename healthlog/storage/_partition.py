@@ -48,8 +48,9 @@ import sys
 import tempfile
 import threading
 import time
+from array import array
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from pathlib import Path
 
 import attrs
@@ -90,10 +91,55 @@ POLL_S = 1.0
 # How often a worker checks that the rebuilding process is still its parent.
 ORPHAN_POLL_S = 0.5
 
+# Judgements (see :func:`judge`) running or waiting in the pool at a time, at most.
+JUDGING = 256
+
 _ENVELOPE_COUNTERS = ("metrics", "sections", "unknown_sections", "entries_rejected")
 _SUMMED_COUNTERS = tuple(
     field.name for field in attrs.fields(Counters) if field.name not in _ENVELOPE_COUNTERS
 )
+_COUNTERS = (*_ENVELOPE_COUNTERS, *_SUMMED_COUNTERS)
+_POINTS_REJECTED = _COUNTERS.index("points_rejected")
+_ENTRIES = _COUNTERS.index("entries_rejected")
+_ZERO = array("q", [0])
+# A layer as kept per delivery: its index here (every layer the fold infers, or None).
+_LAYERS: tuple[str | None, ...] = (None, *layers.LAYERS)
+_LAYER_CODE = {layer: code for code, layer in enumerate(_LAYERS)}
+
+
+class Queue:
+    """The deliveries a rebuild folds, in journal order: those journaled when it starts (ids
+    up to the journal's last id then, STORE-80), or of those the ones in ``only``. Read from the
+    journal ``page`` at a time each time it is iterated, so that only a page of their metadata
+    is held (837 bytes a delivery with the phone's headers). Their number (``len``) and bytes
+    are the journal's count, or with ``only`` those of a first reading."""
+
+    def __init__(self, journal: Journal, *, only: Set[int] | None, page: int) -> None:
+        if page < 1:
+            raise ValueError("a page holds at least one delivery")
+        self.page = page
+        self._journal = journal
+        self._only = only
+        self._through, self._count, self.bytes = journal.last_and_count()
+        if only is not None:
+            self._count, self.bytes = 0, 0
+            for meta in self:
+                self._count += 1
+                self.bytes += meta.bytes
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[DeliveryMeta]:
+        after: tuple[int, int] | None = None
+        while True:
+            read = self._journal.iter_order(after=after, limit=self.page, through=self._through)
+            for meta in read:
+                if self._only is None or meta.id in self._only:
+                    yield meta
+            if len(read) < self.page:
+                return
+            after = (read[-1].received_at, read[-1].id)
 
 
 class PartitionFailed(Exception):
@@ -271,7 +317,7 @@ def _exit_when_orphaned(parent: int) -> None:
 
 def rebuild(
     journal: Journal,
-    queue: list[DeliveryMeta],
+    queue: Queue,
     target: Store,
     epoch: int,
     *,
@@ -335,16 +381,18 @@ def rebuild(
                     reference=reference,
                 )
                 run.fold(journal, queue)
-            outcomes = run.outcomes(journal.path, queue)
-            # The partitions settle meanwhile (STORE-42): the outcomes are recorded, and each
-            # partition's objects gathered as soon as it is settled.
+            run.judge(journal.path, queue)
+            # The partitions settle meanwhile (STORE-42): the outcomes are recorded, a page at
+            # a time, and each partition's objects gathered as soon as it is settled.
             batch: list[tuple[DeliveryMeta, Outcome]] = []
-            for meta in queue:
-                if meta.id in outcomes:
-                    batch.append((meta, outcomes[meta.id]))
-                else:
+            for position, meta in enumerate(queue):
+                outcome = run.outcome(position)
+                if outcome is not None:
+                    batch.append((meta, outcome))
+                if outcome is None or len(batch) == queue.page:
                     target.record_outcomes(batch, epoch)
                     batch = []
+                if outcome is None:
                     fold_alone(meta)
             target.record_outcomes(batch, epoch)
             for part in run.settled():
@@ -367,35 +415,17 @@ class _Part:
     running: concurrent.futures.Future[Folded] | None = None
     # Queue positions of the deliveries handed to it and not folded yet, oldest first.
     positions: deque[int] = attrs.Factory(deque)
-    running_count: int = 0
-
-
-@attrs.frozen
-class _Delivery:
-    """What this process keeps of a delivery until the outcomes are put together."""
-
-    layer: str | None
-    envelope: dict[str, int]
-
-
-@attrs.frozen
-class _Layering:
-    """What decides the layer of a delivery with points (P5), as far as this process knows it:
-    the header's layer, the automation, and the spacing unless the workers measure it."""
-
-    delivery_id: int
-    used: str | None
-    header: str | None
-    automation: str | None
-    spacing: int | None
-    measured: bool
 
 
 class _Run:
     """Reads the journal in order and keeps the partitions' workers busy.
 
-    With ``known`` layers (by delivery id) it folds under those; without, it assumes them as
-    the module says, and :meth:`misassumed` tells whether it was right.
+    With ``known`` layers (by queue position) it folds under those; without, it assumes them
+    as the module says, and :meth:`misassumed` tells whether it was right.
+
+    What it keeps of a delivery until the outcomes are recorded is kept by its position in
+    the queue, in arrays (STORE-81): its layer, its counters, the spacing the workers measured,
+    its status and reason when judged; and, for one with points, what decides its layer (P5).
     """
 
     def __init__(
@@ -407,7 +437,7 @@ class _Run:
         progress: Progress,
         alone: frozenset[int],
         *,
-        known: dict[int, str | None] | None,
+        known: array[int] | None,
         reference: str | None,
     ) -> None:
         tmp.mkdir()
@@ -423,16 +453,25 @@ class _Run:
         self._known = known
         self._read = 0
         self._last: dict[str | None, str] = {}
-        self._layering: list[_Layering] = []
-        self._spacings: dict[int, int] = {}
+        self._automations: dict[str | None, int] = {None: 0}
+        # Per delivery with points, in journal order: its position, the codes of the layer
+        # used and of its header's, its automation's number, its spacing (0: none, or
+        # measured by the workers) and whether the workers measure it.
+        self._layering = array("q")
+        # Per position: 0 for a delivery the target folds alone, else 1 + its layer's code.
+        self._layers = array("B", bytes(total))
+        self._counters = _ZERO * (total * len(_COUNTERS))
+        self._spacings = _ZERO * total
+        # Per position: 0, or 1 + the index of its judged status and reason in ``_verdicts``.
+        self._judged = array("I", bytes(4 * total))
+        self._verdicts: dict[tuple[str, str | None], int] = {}
+        self._reasons: list[tuple[str, str | None]] = []
         self._seals: list[Seal] = []
         self._owner: dict[Unit, _Part] = {}
         self.parts: list[_Part] = []
-        self.alone: set[int] = set(alone)
-        self._deliveries: dict[int, _Delivery] = {}
-        self._folded: dict[int, list[Counters]] = {}
+        self._alone = alone
 
-    def fold(self, journal: Journal, queue: list[DeliveryMeta]) -> None:
+    def fold(self, journal: Journal, queue: Queue) -> None:
         """Read and hand out every delivery of ``queue``, and wait until all is folded."""
         for position, meta in enumerate(queue):
             self.read(journal, meta, position)
@@ -441,10 +480,9 @@ class _Run:
     def read(self, journal: Journal, meta: DeliveryMeta, position: int) -> None:
         """Decide a delivery's layer and hand its shares to the partitions."""
         self._read = position + 1
-        if meta.id in self.alone:
+        if meta.id in self._alone:
             return
         if is_seal(meta.client, meta.content_type):
-            self.alone.add(meta.id)
             # One that cannot be read fails in the target, as it does live, and seals nothing.
             with contextlib.suppress(CorruptBody, SealError):
                 self._seals.append(decode_seal(journal.read_body(meta.id)))
@@ -452,24 +490,24 @@ class _Run:
         try:
             envelope = hae.read_envelope(journal.read_body(meta.id))
         except (CorruptBody, hae.EnvelopeError):
-            self.alone.add(meta.id)
             return
         has_points = any(group.points for group in envelope.metrics.values())
-        layer, measure = self._layer(meta, envelope) if has_points else (None, False)
+        layer, measure = self._layer(meta, envelope, position) if has_points else (None, False)
         if has_points and layer is None and any(map(_readable, envelope.metrics.values())):
             # It fails for want of a layer and writes nothing: the target folds it in its place.
             # One whose every metric element is rejected needs no layer (P5): its shares fold
             # as a delivery without points does, its sections written by the partitions.
-            self.alone.add(meta.id)
             return
-        self._deliveries[meta.id] = _Delivery(
-            layer,
-            {
-                "metrics": len(envelope.metrics),
-                "sections": len(envelope.sections),
-                "unknown_sections": envelope.unknown_sections,
-                "entries_rejected": envelope.rejected_entries,
-            },
+        self._layers[position] = 1 + _LAYER_CODE[layer]
+        at = position * len(_COUNTERS)
+        self._counters[at : at + len(_ENVELOPE_COUNTERS)] = array(
+            "q",
+            (
+                len(envelope.metrics),
+                len(envelope.sections),
+                envelope.unknown_sections,
+                envelope.rejected_entries,
+            ),
         )
         plan = Planned(meta.id, meta.received_at, layer, measure, len(self._seals))
         for part, (share, size) in self._cut(envelope).items():
@@ -478,13 +516,15 @@ class _Run:
             part.positions.append(position)
         self._pump()
 
-    def _layer(self, meta: DeliveryMeta, envelope: hae.Envelope) -> tuple[str | None, bool]:
+    def _layer(
+        self, meta: DeliveryMeta, envelope: hae.Envelope, position: int
+    ) -> tuple[str | None, bool]:
         """The layer to fold under, and whether it is assumed (the workers then measure).
 
         A delivery whose metrics hold a point each at most has no spacing: its layer is
         inherited (from the layer used for its predecessor, which the check confirms)."""
         if self._known is not None:
-            return self._known[meta.id], False
+            return _LAYERS[self._known[position]], False
         automation = automation_of(meta)
         header = layers.layer_from_header(meta.automation_aggregation)
         last = self._last.get(automation)
@@ -500,26 +540,39 @@ class _Run:
         else:
             spacing = min(filter(None, map(_spacing, envelope.metrics.values())), default=None)
             layer = layers.layer_from_spacing(spacing)
-        self._layering.append(_Layering(meta.id, layer, header, automation, spacing, measured))
+        number = self._automations.setdefault(automation, len(self._automations))
+        self._layering.extend(
+            (
+                position,
+                _LAYER_CODE[layer],
+                _LAYER_CODE[header],
+                number,
+                spacing or 0,
+                measured,
+            )
+        )
         if layer is not None:
             self._last[automation] = layer
         return layer, measured
 
-    def misassumed(self) -> dict[int, str | None] | None:
+    def misassumed(self) -> array[int] | None:
         """None when every layer used is the one P5 gives in journal order, with the spacings
-        the workers measured; otherwise the layers P5 gives, by delivery id."""
-        inherited: dict[str, str] = {}
-        layers_now: dict[int, str | None] = {}
+        the workers measured; otherwise the codes of the layers P5 gives, by queue position."""
+        inherited: dict[int, str] = {}
+        layers_now = array("B", bytes(self._total))
         wrong = False
-        for step in self._layering:
-            spacing = self._spacings.get(step.delivery_id) if step.measured else step.spacing
-            layer = step.header or layers.layer_from_spacing(spacing)
-            if layer is None and step.automation is not None:
-                layer = inherited.get(step.automation)
-            if layer is not None and step.automation is not None:
-                inherited[step.automation] = layer
-            layers_now[step.delivery_id] = layer
-            wrong = wrong or layer != step.used
+        steps = self._layering
+        for at in range(0, len(steps), 6):
+            position, used, header, automation, spacing, measured = steps[at : at + 6]
+            if measured:
+                spacing = self._spacings[position]
+            layer = _LAYERS[header] or layers.layer_from_spacing(spacing or None)
+            if layer is None and automation:
+                layer = inherited.get(automation)
+            if layer is not None and automation:
+                inherited[automation] = layer
+            layers_now[position] = _LAYER_CODE[layer]
+            wrong = wrong or layer != _LAYERS[used]
         return layers_now if wrong else None
 
     def _cut(self, envelope: hae.Envelope) -> dict[_Part, tuple[hae.Envelope, int]]:
@@ -602,7 +655,6 @@ class _Run:
         part.running = self._pool.submit(
             fold_chunk, os.fspath(part.scratch), chunk, list(self._seals)
         )
-        part.running_count = taken
 
     def _wait(self) -> None:
         running = {part.running: part for part in self.parts if part.running is not None}
@@ -614,15 +666,15 @@ class _Run:
         """Take the results of the partitions' finished tasks, leaving them idle."""
         for part in parts:
             assert part.running is not None
-            for delivery_id, counters, spacing in part.running.result():
-                self._folded.setdefault(delivery_id, []).append(counters)
+            for _, counters, spacing in part.running.result():
+                position = part.positions.popleft()
+                at = position * len(_COUNTERS) + len(_ENVELOPE_COUNTERS)
+                for offset, name in enumerate(_SUMMED_COUNTERS, start=at):
+                    self._counters[offset] += getattr(counters, name)
                 if spacing is not None:
-                    self._spacings[delivery_id] = min(
-                        spacing, self._spacings.get(delivery_id, spacing)
-                    )
-            for _ in range(part.running_count):
-                part.positions.popleft()
-            part.running, part.running_count = None, 0
+                    measured = self._spacings[position]
+                    self._spacings[position] = min(spacing, measured) if measured else spacing
+            part.running = None
 
     def _report(self) -> None:
         oldest = [part.positions[0] for part in self.parts if part.positions]
@@ -645,33 +697,53 @@ class _Run:
         for _ in self.settled():
             pass
 
-    def outcomes(self, journal_path: str, queue: list[DeliveryMeta]) -> dict[int, Outcome]:
-        """The outcomes of the deliveries the partitions folded; the workers judge the status
-        and reason of those with something rejected."""
-        counted: dict[int, Counters] = {}
-        judging: dict[int, concurrent.futures.Future[tuple[str, str | None]]] = {}
-        for meta in queue:
-            delivery = self._deliveries.get(meta.id)
-            if delivery is None:
-                continue
-            folded = self._folded.get(meta.id, [])
-            counters = Counters(
-                **{name: sum(getattr(c, name) for c in folded) for name in _SUMMED_COUNTERS},
-                **delivery.envelope,
-            )
-            counted[meta.id] = counters
-            if counters.points_rejected or counters.entries_rejected:
-                plan = Planned(meta.id, meta.received_at, delivery.layer)
-                judging[meta.id] = self._pool.submit(judge, journal_path, plan)
-        while concurrent.futures.wait(judging.values(), POLL_S).not_done:
+    def judge(self, journal_path: str, queue: Queue) -> None:
+        """Have the workers judge the status and reason of the deliveries the partitions folded
+        with something rejected, at most :data:`JUDGING` at a time, in journal order."""
+        if not any(map(self._rejected, range(self._total))):
+            return
+        judging: deque[tuple[int, concurrent.futures.Future[tuple[str, str | None]]]] = deque()
+        for position, meta in enumerate(queue):
+            code = self._layers[position]
+            if self._rejected(position):
+                plan = Planned(meta.id, meta.received_at, _LAYERS[code - 1])
+                judging.append((position, self._pool.submit(judge, journal_path, plan)))
+            if len(judging) == JUDGING:
+                self._verdict(*judging.popleft())
+        while judging:
+            self._verdict(*judging.popleft())
+
+    def _rejected(self, position: int) -> bool:
+        """Whether the partitions folded the delivery at ``position`` with something rejected."""
+        at = position * len(_COUNTERS)
+        return bool(
+            self._layers[position]
+            and (self._counters[at + _POINTS_REJECTED] or self._counters[at + _ENTRIES])
+        )
+
+    def _verdict(
+        self, position: int, future: concurrent.futures.Future[tuple[str, str | None]]
+    ) -> None:
+        while concurrent.futures.wait([future], POLL_S).not_done:
             self._report()
-        outcomes = {}
-        for delivery_id, counters in counted.items():
-            judged = judging.get(delivery_id)
-            status, reason = (PARSED, None) if judged is None else judged.result()
-            layer = self._deliveries[delivery_id].layer
-            outcomes[delivery_id] = Outcome(status, reason, layer, counters)
-        return outcomes
+        verdict = future.result()
+        if verdict not in self._verdicts:
+            self._verdicts[verdict] = len(self._verdicts)
+            self._reasons.append(verdict)
+        self._judged[position] = self._verdicts[verdict] + 1
+
+    def outcome(self, position: int) -> Outcome | None:
+        """The outcome of the delivery at ``position`` when the partitions folded it, once
+        :meth:`judge` is done; None for one the target folds alone."""
+        code = self._layers[position]
+        if not code:
+            return None
+        at = position * len(_COUNTERS)
+        values = self._counters[at : at + len(_COUNTERS)]
+        counters = Counters(**dict(zip(_COUNTERS, values, strict=True)))
+        judged = self._judged[position]
+        status, reason = (PARSED, None) if not judged else self._reasons[judged - 1]
+        return Outcome(status, reason, _LAYERS[code - 1], counters)
 
 
 def _readable(group: hae.MetricGroup) -> bool:

@@ -654,6 +654,15 @@ class Journal:
             (last,) = conn.execute("SELECT coalesce(max(id), 0) FROM deliveries").fetchone()
         return int(last)
 
+    def last_and_count(self) -> tuple[int, int, int]:
+        """The id of the delivery journaled last (0 in an empty journal), and how many
+        deliveries the journal holds up to it and their raw bytes (:meth:`count`), read in one
+        transaction."""
+        with self._reading() as conn, read_transaction(conn):
+            deliveries, total = self._count(conn)
+            (last,) = conn.execute("SELECT coalesce(max(id), 0) FROM deliveries").fetchone()
+        return int(last), deliveries, total
+
     def waiting_and_count(
         self, folded: Collection[int], *, after: tuple[int, int] | None = None
     ) -> tuple[int, tuple[int, int] | None, tuple[int, int]]:

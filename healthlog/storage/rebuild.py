@@ -51,6 +51,8 @@ SCRATCH_OWNER = "owner.lock"
 # A scratch directory without its lock file this long is left over, not being set up.
 UNLOCKED_STALE_S = 3600.0
 PARALLEL_MIN_BYTES = 4 * 2**20
+PAGE = 1024
+"""How many deliveries' metadata a rebuild reads and holds at a time (STORE-80)."""
 # The live summaries a verify compares with, in its scratch directory.
 LIVE_SUMMARIES = "live.sqlite"
 # The rebuilt store, in its scratch directory: a name of its own, so that what is logged of
@@ -133,7 +135,8 @@ def rebuild_into(
     reference: Path | None = None,
     given_up: Mapping[int, str] | None = None,
 ) -> None:
-    """Fold the journal (or the deliveries in ``only``) in journal order into a new store.
+    """Fold the journal (or the deliveries in ``only``) in journal order into a new store,
+    reading the journal :data:`PAGE` deliveries at a time.
 
     An object that the store at ``reference`` (the live projection) holds with the same
     content may take that store's body rather than a new compression of its own. The
@@ -147,10 +150,10 @@ def rebuild_into(
     ``PARALLEL_MIN_BYTES``, below which one process is quicker than starting more.
     """
     given_up = {} if given_up is None else given_up
-    queue = [m for m in journal.iter_order() if only is None or m.id in only]
+    queue = _partition.Queue(journal, only=only, page=PAGE)
     if workers is None:
         cores = _partition.available_cores()
-        enough = cores > 1 and sum(meta.bytes for meta in queue) >= PARALLEL_MIN_BYTES
+        enough = cores > 1 and queue.bytes >= PARALLEL_MIN_BYTES
         workers = min(MAX_WORKERS, cores + 1) if enough else 1
     with Store(path, durable=False) as target:
         epoch = target.acquire_lease("rebuild", now=clock.now_us(), ttl=LEASE_TTL_US, force=True)
