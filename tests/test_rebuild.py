@@ -741,6 +741,42 @@ def test_a_rebuild_holds_a_page_of_deliveries_not_every_one_store_81(
     assert all(most <= 2 * 4 for most in held.most.values()), (held.most, total)
 
 
+def _slow_fold_chunk(path: str, chunk: list[Any], seals: list[Seal]) -> Any:
+    """A worker's fold that takes half a second more, so that reading runs ahead."""
+    time.sleep(0.5)
+    return _FOLD_CHUNK(path, chunk, seals)
+
+
+_FOLD_CHUNK = _partition.fold_chunk
+_slow_fold_chunk.__qualname__ = "fold_chunk"
+_slow_fold_chunk.__module__ = _partition.__name__
+
+
+def test_a_partitioned_rebuild_reads_ahead_a_bounded_number_of_shares_store_82(
+    journal: Journal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STORE-82: a partitioned rebuild of 60 small deliveries (120 shares) whose workers are
+    slower than its reading, allowed 8 shares ahead of them, holds at most 8 waiting and as
+    many in its workers' tasks at any progress report, and rebuilds what one process rebuilds;
+    it read ahead by bytes alone (32 MiB), which for small deliveries was every one of them."""
+    for n in range(60):
+        append(journal, delivery(body({"hr": [point(n, n)], f"m{n % 5}": [point(n, 1)]})))
+    alone = rebuilt(journal, tmp_path / "one.sqlite", workers=1)
+    monkeypatch.setattr(_partition, "AHEAD_SHARES", 8, raising=False)
+    monkeypatch.setattr(_partition, "fold_chunk", _slow_fold_chunk)
+    most = 0
+
+    def count(done: int, total: int) -> None:
+        nonlocal most
+        most = max(most, sum(isinstance(found, _partition.Planned) for found in gc.get_objects()))
+
+    gc.collect()
+    rebuild_into(journal, tmp_path / "ahead.sqlite", workers=2, progress=count)
+
+    assert rows(tmp_path / "ahead.sqlite")["outcomes"] == alone["outcomes"]
+    assert 0 < most <= 2 * 8 + 2, most
+
+
 def test_partitions_settle_as_they_finish_and_are_gathered_as_they_settle_store_42(
     journal: Journal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

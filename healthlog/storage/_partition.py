@@ -83,6 +83,9 @@ Folded = list[tuple[int, Counters, int | None]]
 # Sub-bodies read ahead of the workers, at most (or one larger delivery): the memory this
 # process holds for them.
 AHEAD_BYTES = 32 * 2**20
+# Shares read ahead of the workers, at most, however small (STORE-82): a share of a small
+# delivery takes a few times its bytes in memory, and 32 MiB of them were every delivery.
+AHEAD_SHARES = 1024
 # A task takes what waits for its partition up to this many bytes (at least one delivery),
 # so that progress moves and a stopped rebuild waits for little.
 TASK_BYTES = 4 * 2**20
@@ -631,7 +634,7 @@ class _Run:
 
     def _pump(self) -> None:
         """Start a task for each idle partition with anything waiting; hold reading back while
-        too much waits."""
+        too much waits (in bytes or in shares)."""
         while True:
             self._reap(
                 [part for part in self.parts if part.running is not None and part.running.done()]
@@ -639,7 +642,10 @@ class _Run:
             for part in self.parts:
                 if part.running is None and part.waiting:
                     self._start(part)
-            if sum(part.waiting_bytes for part in self.parts) <= AHEAD_BYTES:
+            if (
+                sum(part.waiting_bytes for part in self.parts) <= AHEAD_BYTES
+                and sum(len(part.waiting) for part in self.parts) <= AHEAD_SHARES
+            ):
                 break
             self._wait()
         self._report()
