@@ -80,6 +80,12 @@ _DIFFERENCES = (
     " ORDER BY 1, 2, 3"
 )
 
+_OUTCOME_DIFFERENCES = (
+    "SELECT n.delivery_id, l.status, n.status FROM main.outcomes AS n"
+    " JOIN live.outcomes AS l ON l.delivery_id = n.delivery_id"
+    " WHERE l.status != n.status OR l.reason IS NOT n.reason ORDER BY n.delivery_id"
+)
+
 
 class RebuildError(Exception):
     """A rebuild could not fold every delivery it was asked to."""
@@ -310,7 +316,6 @@ def verify_all(
     with _scratch(Path(store.path)) as path:
         live = path.with_name(LIVE_SUMMARIES)
         folded, given_up = store.snapshot_into(live)
-        recorded = store.statuses()
         rebuild_into(
             journal,
             path,
@@ -320,18 +325,24 @@ def verify_all(
             reference=Path(store.path),
             given_up=given_up,
         )
-        with Store(path, durable=False) as rebuilt:
-            rebuilt_statuses = rebuilt.statuses()
         objects = list(_differences(path, live, Path(store.path)))
+        outcomes = list(_outcome_differences(path, live))
         lost = store.bodies_lost(path)
-    outcomes = [
-        OutcomeDifference(delivery_id, recorded[delivery_id][0], rebuilt_statuses[delivery_id][0])
-        for delivery_id in sorted(folded)
-        if delivery_id in recorded
-        and delivery_id in rebuilt_statuses
-        and recorded[delivery_id] != rebuilt_statuses[delivery_id]
-    ]
     return Verification(objects, outcomes, lost)
+
+
+def _outcome_differences(rebuilt: Path, live: Path) -> Iterator[OutcomeDifference]:
+    """The folded deliveries whose status or reason in the live outcomes copied at ``live``
+    is not the rebuilt store's, by id, compared in SQLite a row at a time (STORE-83): held in
+    two dicts, those of 100,000 deliveries took 39 MB."""
+    conn = connect(rebuilt, readonly=True)
+    try:
+        conn.execute("ATTACH DATABASE ? AS live", (live.resolve().as_uri() + "?mode=ro",))
+        with read_transaction(conn):
+            for delivery_id, recorded, rebuilt_status in conn.execute(_OUTCOME_DIFFERENCES):
+                yield OutcomeDifference(delivery_id, recorded, rebuilt_status)
+    finally:
+        conn.close()
 
 
 def _differences(rebuilt: Path, live: Path, store: Path) -> Iterator[Difference]:

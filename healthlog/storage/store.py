@@ -932,7 +932,8 @@ class Store(_objects.ObjectDatabase):
         (:data:`GIVEN_UP`), read in one transaction with the object summaries, which are
         copied row by row into table ``summaries`` of a new database at ``path`` (the columns
         of :data:`SUMMARY_COLUMNS`) rather than held in memory: a store of years holds
-        hundreds of thousands of objects."""
+        hundreds of thousands of objects. The status and reason of each folded delivery are
+        copied likewise, into table ``outcomes`` (STORE-83)."""
         target = connect(path, journal_mode="OFF")
         # The copy's own errors are classified and name its file: the live store is only read
         # (STORE-55). The rows are read a page at a time outside it, so that an error reading
@@ -946,9 +947,19 @@ class Store(_objects.ObjectDatabase):
                     " hash BLOB NOT NULL, created_by INTEGER NOT NULL, sealed INTEGER NOT NULL,"
                     " PRIMARY KEY (metric, layer, hour)) WITHOUT ROWID"
                 )
+                target.execute(
+                    "CREATE TABLE outcomes (delivery_id INTEGER PRIMARY KEY, status TEXT NOT NULL,"
+                    " reason TEXT)"
+                )
                 target.execute("BEGIN")
             with self._lock, read_transaction(self._conn):
-                folded = {r[0] for r in self._conn.execute("SELECT delivery_id FROM outcomes")}
+                folded: set[int] = set()
+                outcomes = self._conn.execute("SELECT delivery_id, status, reason FROM outcomes")
+                with contextlib.closing(outcomes):
+                    while rows := outcomes.fetchmany(SUMMARIES_PAGE):
+                        folded.update(row[0] for row in rows)
+                        with copying:
+                            target.executemany("INSERT INTO outcomes VALUES (?, ?, ?)", rows)
                 given_up = self._given_up_locked()
                 summaries = self._conn.execute(f"SELECT {SUMMARY_COLUMNS} FROM objects")
                 with contextlib.closing(summaries):
@@ -962,12 +973,6 @@ class Store(_objects.ObjectDatabase):
         finally:
             target.close()
         return folded, given_up
-
-    def statuses(self) -> dict[int, tuple[str, str | None]]:
-        """The status and reason of every recorded outcome, by delivery id."""
-        with self._lock:
-            rows = self._conn.execute("SELECT delivery_id, status, reason FROM outcomes")
-            return {int(row[0]): (str(row[1]), row[2]) for row in rows}
 
     def given_up(self) -> dict[int, str]:
         """The reasons of the deliveries failed for a cause of the machine's, not the journal's
