@@ -18,6 +18,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -128,3 +129,13 @@ def on_remounted_read_only(tmp_path: Path, payload: Path, command: str, after: s
         f"{after}"
     )
     return in_full_file_system(script, point, payload, KILLED_HOLDER)
+
+
+@contextlib.contextmanager
+def reachable_home(prefix: str) -> Iterator[Path]:
+    """A temporary directory that another user may enter (mode 0755): pytest's ``tmp_path``
+    lies in a directory of mode 0700, which another user could not reach."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as base:
+        home = Path(base)
+        home.chmod(0o755)
+        yield home

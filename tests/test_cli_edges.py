@@ -18,7 +18,6 @@ import sqlite3
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -33,6 +32,7 @@ from _disk import (
     files_limited_to,
     in_full_file_system,
     on_remounted_read_only,
+    reachable_home,
     unwritable,
 )
 from _runtime_helpers import alive, children_of, lease_row
@@ -1262,10 +1262,7 @@ def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(
     mode, and what to do (`sudo -u OWNER`, `chown -R`); reading commands too, since every
     command opens the databases to write. As root, whom modes do not stop, the commands run as
     user 65534; otherwise the files are made read-only."""
-    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
-    with tempfile.TemporaryDirectory(prefix="healthlog-cli-90-") as base:
-        home = Path(base)
-        home.chmod(0o755)
+    with reachable_home("healthlog-cli-90-") as home:
         data = home / "data"
         hr = write(
             home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
@@ -1320,10 +1317,7 @@ def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: Run
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv is missing")
-    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
-    with tempfile.TemporaryDirectory(prefix="healthlog-store-78-") as base:
-        home = Path(base)
-        home.chmod(0o755)
+    with reachable_home("healthlog-store-78-") as home:
         data = home / "data"
         data.mkdir()
         os.chown(data, 65534, 65534)
@@ -1477,10 +1471,7 @@ def test_a_reader_leaves_no_files_the_service_s_user_cannot_write_cli_105() -> N
         pytest.skip("setpriv is missing")
     as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
     as_daemon = [setpriv, "--reuid=1", "--regid=65534", "--clear-groups"]
-    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
-    with tempfile.TemporaryDirectory(prefix="healthlog-cli-105-") as base:
-        home = Path(base)
-        home.chmod(0o755)
+    with reachable_home("healthlog-cli-105-") as home:
         data = home / "data"
         hr = write(
             home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
@@ -1733,10 +1724,7 @@ def test_status_beside_the_service_as_another_user_cli_106() -> None:
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv is missing")
-    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
-    with tempfile.TemporaryDirectory(prefix="healthlog-cli-106-") as base:
-        home = Path(base)
-        home.chmod(0o755)
+    with reachable_home("healthlog-cli-106-") as home:
         data = home / "data"
         hr = write(
             home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))

@@ -27,7 +27,13 @@ import pytest
 import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
 from _bodies import stamp as minute_stamp
-from _disk import DISK_ERROR, files_limited_to, in_full_file_system, on_remounted_read_only
+from _disk import (
+    DISK_ERROR,
+    files_limited_to,
+    in_full_file_system,
+    on_remounted_read_only,
+    reachable_home,
+)
 from _hostile_corpus import corpus
 from _runtime_helpers import alive, children_of, config
 from _summaries import summaries
@@ -1264,10 +1270,7 @@ def test_a_rebuild_killed_as_root_leaves_what_the_service_s_user_removes_cli_108
     here, without a word.)"""
     if os.geteuid() != 0:
         pytest.skip("only root makes files another user owns")
-    # pytest's tmp_path lies in a directory of mode 0700: another user could not reach it.
-    with tempfile.TemporaryDirectory(prefix="healthlog-cli-108-") as base:
-        home = Path(base)
-        home.chmod(0o755)
+    with reachable_home("healthlog-cli-108-") as home:
         data = DataDir(home / "data")
         with data.open_journal() as journal:
             journal.append_many(
