@@ -135,7 +135,8 @@ def instant_of(value: object) -> int:
     A year from ``BUDDHIST_ERA_FROM`` on is a Buddhist-era year, written by a phone set to the
     Buddhist calendar (the app writes dates in the phone's calendar, as it writes its 12-hour
     clock): its Gregorian year is 543 less; month, day and time are the same (PARSE-41). It is
-    made Gregorian where an hour is first parsed, so a cached hour costs nothing more.
+    made Gregorian where an hour is first parsed, so a cached hour costs nothing more. A year
+    before ``GREGORIAN_FROM`` is refused there too, as another calendar's (PARSE-44).
     """
     if type(value) is str and len(value) == _APP_SHAPE_LENGTH:
         within = _WITHIN_HOUR.get(value[13:19])
@@ -153,16 +154,30 @@ BUDDHIST_ERA_FROM = "2500"
 """The first Buddhist-era year read as one (1957 of the Gregorian calendar): no Gregorian year
 from it on can date a health record."""
 _BUDDHIST_ERA_OFFSET = 543
+GREGORIAN_FROM = "1900"
+"""The first year read as Gregorian. A year before it is one of another calendar, written by a
+phone set to it (for 2024: 1446 of the Islamic calendar, Saudi Arabia's default; 1403 of the
+Persian one, Iran's and Afghanistan's; 6 of the Japanese era, written 0006): no Gregorian year
+before 1900 can date a health record, and no point is stored centuries early (PARSE-44)."""
+_OTHER_CALENDAR = (
+    "timestamp year is before 1900: a date in a calendar other than the Gregorian "
+    "(Islamic, Persian, Japanese era) is not read"
+)
 
 
 def gregorian(value: str) -> str:
     """``value`` with a Buddhist-era year (its first four characters after any whitespace, before
-    a ``-``) replaced by its Gregorian year, four digits as well; any other value unchanged."""
-    if value < BUDDHIST_ERA_FROM and not value[:1].isspace():
+    a ``-``) replaced by its Gregorian year, four digits as well; any other value unchanged.
+    A year before ``GREGORIAN_FROM`` is another calendar's: :class:`TimestampError`."""
+    if GREGORIAN_FROM <= value < BUDDHIST_ERA_FROM:
         return value
     text = value.lstrip()
     year = text[:4]
-    if year >= BUDDHIST_ERA_FROM and year.isascii() and year.isdigit() and text[4:5] == "-":
+    if not (year.isascii() and year.isdigit() and text[4:5] == "-"):
+        return value
+    if year < GREGORIAN_FROM:
+        raise TimestampError(_OTHER_CALENDAR)
+    if year >= BUDDHIST_ERA_FROM:
         lead = len(value) - len(text)
         return f"{value[:lead]}{int(year) - _BUDDHIST_ERA_OFFSET:04d}{text[4:]}"
     return value

@@ -15,6 +15,8 @@ from typing import Any
 
 from _service_helpers import Service, serving
 
+from healthlog.storage.journal import Journal
+
 MINUTES = {"automation-aggregation": "minutes", "automation-id": "A"}
 DAYS = {"automation-aggregation": "days", "automation-id": "B"}
 
@@ -312,3 +314,40 @@ async def test_twelve_hour_clocks_of_other_languages_come_out_once_parse_43(
         }
         assert changed == {"points_unchanged": len(TWELVE_HOUR)}
         assert await points(service) == stored
+
+
+# Heart rate as phones set to calendars other than the Gregorian write 2024-09-21 (specs/
+# parsing.md rule 11): Islamic Umm al-Qura (Saudi Arabia), Persian (Iran) and the Japanese era.
+OTHER_CALENDARS = [
+    "1446-03-18 07:57:00 +0300",
+    "1403-06-31 07:57:00 +0330",
+    "0006-09-21 07:57:00 +0900",
+    "1446-03-18",
+]
+
+
+async def test_a_calendar_other_than_the_gregorian_is_named_and_kept_parse_44(
+    tmp_path: Path,
+) -> None:
+    """PARSE-44: points dated in the Islamic, Persian or Japanese-era calendar, beside one dated
+    in the Gregorian, are rejected, and ``GET /v1/deliveries/{id}`` says why without quoting a
+    value; the journal keeps them as sent for a later reindex."""
+    written = [heart_rate_point(n, date) for n, date in enumerate(OTHER_CALENDARS)]
+    gregorian = heart_rate_point(9, "2024-09-21 07:57:00 +0300")
+    body = envelope({}, [("heart_rate", "count/min", [*written, gregorian])])
+    async with serving(tmp_path / "data") as service:
+        outcome = await post_folded(service, body, MINUTES)
+        assert outcome["status"] == "partial"
+        assert outcome["counters"]["points_rejected"] == len(OTHER_CALENDARS)
+        assert outcome["reason"] == (
+            "point rejected: unparseable date: timestamp year is before 1900: a date in a "
+            "calendar other than the Gregorian (Islamic, Persian, Japanese era) is not read "
+            f"(x{len(OTHER_CALENDARS)})"
+        )
+        assert await points(service) == [
+            line("heart_rate", "minutes", "count/min", gregorian, "2024-09-21T04:57:00Z", None)
+        ]
+        delivery_id = outcome["delivery_id"]
+        journal_path = service.data.journal_path
+    with Journal(journal_path, create=False, reading=True) as journal:
+        assert journal.read_body(delivery_id) == body
