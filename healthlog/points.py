@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from healthlog.timestamps import TimestampError, parse_instant
+from healthlog.timestamps import TimestampError, latin_digits, parse_instant
 
 TIMESTAMP_KEYS = frozenset({"date", "start", "end", "startDate", "endDate"})
 
@@ -167,10 +167,13 @@ _OTHER_CALENDAR = (
 
 def gregorian(value: str) -> str:
     """``value`` with a Buddhist-era year (its first four characters after any whitespace, before
-    a ``-``) replaced by its Gregorian year, four digits as well; any other value unchanged.
-    A year before ``GREGORIAN_FROM`` is another calendar's: :class:`TimestampError`."""
+    a ``-``) replaced by its Gregorian year, four digits as well; any other value unchanged, but
+    for one not in ASCII, which is first written with ASCII digits (``latin_digits``). A year
+    before ``GREGORIAN_FROM`` is another calendar's: :class:`TimestampError`."""
     if GREGORIAN_FROM <= value < BUDDHIST_ERA_FROM:
         return value
+    if not value.isascii():
+        value = latin_digits(value)
     text = value.lstrip()
     year = text[:4]
     if not (year.isascii() and year.isdigit() and text[4:5] == "-"):

@@ -4,6 +4,7 @@ See specs/timestamps.md for the accepted shapes and the rules.
 """
 
 import re
+import unicodedata
 
 __all__ = [
     "TIMESTAMP_EXAMPLE",
@@ -11,6 +12,7 @@ __all__ = [
     "TimestampError",
     "format_instant",
     "hour_of",
+    "latin_digits",
     "parse_instant",
 ]
 
@@ -75,6 +77,16 @@ _GENERAL = re.compile(
     rf"(?:{_SPACES}?(?P<after>{_MARKER}))?"
     r" ?(?:Z|(?P<sign>[+-])(?P<offset_hours>[0-9]{2}):?(?P<offset_minutes>[0-9]{2}))?)?"
 )
+
+
+# The bidi marks of CLDR's plus and minus signs in the `arab` (ALM; RLM for Central Kurdish) and
+# `arabext` (LRM) numbering systems, which ICU may set beside a number: dropped wherever they stand.
+_BIDI_MARKS = dict.fromkeys(map(ord, "\u061c\u200e\u200f"))
+_ASCII_ZERO = ord("0")
+# What `latin_digits` changes: a bidi mark or a decimal digit other than ASCII's.
+_NOT_LATIN = re.compile(r"[\u061c\u200e\u200f]|(?![0-9])\d")
+# A UTC offset in ASCII digits at the end, as ICU writes `Z` whatever the locale's digits.
+_ASCII_OFFSET = re.compile(r"[+-][0-9]{2}:?[0-9]{2}\Z")
 
 
 class TimestampError(ValueError):
@@ -157,9 +169,39 @@ def _offset_minutes(sign: str, hours: str, minutes: str) -> int:
     return -total if sign == "-" else total
 
 
+def latin_digits(value: str) -> str:
+    """``value`` trimmed, without bidi marks and with the decimal digits of one script written in
+    ASCII (rule 3).
+
+    Every digit must be of one script, but for the UTC offset, which may be in ASCII: ICU writes
+    a phone's date in its locale's digits (Arabic-Indic, Devanagari, ...) and the offset of `Z`
+    always in ASCII. Unicode keeps each script's digits 0..9 in a run of ten code points.
+    """
+    if len(value) > _MAX_LENGTH:
+        raise TimestampError(f"timestamp is longer than {_MAX_LENGTH} characters")
+    if _NOT_LATIN.search(value) is None:
+        return value.strip()
+    text = value.translate(_BIDI_MARKS).strip()
+    zeros = {ord(char) - unicodedata.decimal(char) for char in text if char.isdecimal()}
+    zeros.discard(_ASCII_ZERO)
+    if not zeros:
+        return text
+    if len(zeros) > 1:
+        raise TimestampError("timestamp mixes digits of different scripts")
+    (zero,) = zeros
+    offset = _ASCII_OFFSET.search(text)
+    head = text if offset is None else text[: offset.start()]
+    if any("0" <= char <= "9" for char in head):
+        raise TimestampError("timestamp mixes digits of different scripts")
+    return text.translate({zero + digit: _ASCII_ZERO + digit for digit in range(10)})
+
+
 def _parse_general(text: str) -> int:
-    """Parse any accepted shape other than the fast path's."""
+    """Parse any accepted shape other than the fast path's; digits other than ASCII, which no
+    shape matches, are read as ASCII."""
     match = _GENERAL.fullmatch(text)
+    if match is None and not text.isascii():
+        match = _GENERAL.fullmatch(latin_digits(text))
     if match is None:
         raise TimestampError("timestamp does not match a supported date/time shape")
     year, month, day = int(match["year"]), int(match["month"]), int(match["day"])

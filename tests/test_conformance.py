@@ -351,3 +351,90 @@ async def test_a_calendar_other_than_the_gregorian_is_named_and_kept_parse_44(
         journal_path = service.data.journal_path
     with Journal(journal_path, create=False, reading=True) as journal:
         assert journal.read_body(delivery_id) == body
+
+
+# Heart rate as phones whose locale writes other digits write it (specs/timestamps.md rule 3):
+# the date as written, the same time in ASCII on the 24-hour clock, and its start in UTC.
+LOCALE_DIGITS = [
+    (  # Arabic of Egypt, 12-hour clock
+        "\u0662\u0660\u0662\u0664-\u0660\u0669-\u0662\u0661 \u0667:\u0665\u0667:\u0660\u0660 "
+        "\u0645 +0300",
+        "2024-09-21 19:57:00 +0300",
+        "2024-09-21T16:57:00Z",
+    ),
+    (  # Persian on the Gregorian calendar, with the LRM of its signs
+        "\u06f2\u06f0\u06f2\u06f4-\u06f0\u06f9-\u06f2\u06f1 \u06f0\u06f7:\u06f5\u06f8:\u06f0\u06f0 "
+        "\u200e+\u200e0330",
+        "2024-09-21 07:58:00 +0330",
+        "2024-09-21T04:28:00Z",
+    ),
+    (  # Bengali, 12-hour clock
+        "\u09e8\u09e6\u09e8\u09ea-\u09e6\u09ef-\u09e8\u09e7 \u09ed:\u09eb\u09ef:\u09e6\u09e6 "
+        "PM +0600",
+        "2024-09-21 19:59:00 +0600",
+        "2024-09-21T13:59:00Z",
+    ),
+    (  # Marathi
+        "\u0968\u0966\u0968\u096a-\u0966\u096f-\u0968\u0967 \u0966\u096e:\u0966\u0966:\u0966\u0966 "
+        "+0530",
+        "2024-09-21 08:00:00 +0530",
+        "2024-09-21T02:30:00Z",
+    ),
+    (  # Burmese
+        "\u1042\u1040\u1042\u1044-\u1040\u1049-\u1042\u1041 \u1040\u1048:\u1040\u1041:\u1040\u1040 "
+        "+0630",
+        "2024-09-21 08:01:00 +0630",
+        "2024-09-21T01:31:00Z",
+    ),
+    (  # Thai digits on the Buddhist calendar (2567)
+        "\u0e52\u0e55\u0e56\u0e57-\u0e50\u0e59-\u0e52\u0e51 \u0e50\u0e58:\u0e50\u0e52:\u0e50\u0e50 "
+        "+0700",
+        "2024-09-21 08:02:00 +0700",
+        "2024-09-21T01:02:00Z",
+    ),
+]
+# Arabic of Saudi Arabia: its digits and the Islamic Umm al-Qura calendar (1446-03-18).
+SAUDI = (
+    "\u0661\u0664\u0664\u0666-\u0660\u0663-\u0661\u0668 \u0660\u0667:\u0665\u0667:\u0660\u0660 "
+    "+0300"
+)
+
+
+async def test_digits_of_the_phones_locale_come_out_once_parse_45(tmp_path: Path) -> None:
+    """PARSE-45: heart rate dated in the digits of Egyptian Arabic, Persian, Bengali, Marathi,
+    Burmese and Thai phones is read at its UTC start and comes out of ``GET /v1/points`` once
+    each, byte for byte; a Saudi phone's date, in Arabic-Indic digits and the Islamic calendar,
+    is rejected with the reason that names the calendar; the same points re-sent in ASCII are
+    unchanged."""
+    written = [heart_rate_point(n, date) for n, (date, _, _) in enumerate(LOCALE_DIGITS)]
+    again = [heart_rate_point(n, date) for n, (_, date, _) in enumerate(LOCALE_DIGITS)]
+    expected = sorted(
+        (at, line("heart_rate", "minutes", "count/min", raw, at, None))
+        for raw, (_, _, at) in zip(written, LOCALE_DIGITS, strict=True)
+    )
+    saudi = heart_rate_point(9, SAUDI)
+    async with serving(tmp_path / "data") as service:
+        first = await post_folded(
+            service, envelope({}, [("heart_rate", "count/min", [*written, saudi])]), MINUTES
+        )
+        assert first["status"] == "partial"
+        assert first["reason"] == (
+            "point rejected: unparseable date: timestamp year is before 1900: a date in a "
+            "calendar other than the Gregorian (Islamic, Persian, Japanese era) is not read (x1)"
+        )
+        assert first["counters"]["points_new"] == len(LOCALE_DIGITS)
+        stored = await points(service)
+        assert stored == [found for _, found in expected]
+
+        resent = await post_folded(
+            service, envelope({}, [("heart_rate", "count/min", again)]), MINUTES
+        )
+
+        assert resent["status"] == "parsed"
+        changed = {
+            name: count
+            for name, count in resent["counters"].items()
+            if count and name not in ("metrics", "sections", "points", "objects_unchanged")
+        }
+        assert changed == {"points_unchanged": len(LOCALE_DIGITS)}
+        assert await points(service) == stored

@@ -3,6 +3,7 @@
 import logging
 import re
 import time
+import unicodedata
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -631,3 +632,114 @@ def test_every_clock_equals_the_24_hour_time_time_23(
     twelve = CLOCKS[language].write(local, zone, before, gap)
     instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
     assert parse_instant(twelve) == instant_of(twelve) == instant
+
+
+# The zero of the numbering systems that CLDR makes the default of locales whose calendar is the
+# Gregorian (specs/timestamps.md rule 3), and of every other script Unicode has decimal digits of.
+LOCALE_DIGITS = {
+    "arab": "\u0660",  # Arabic of Egypt, Iraq, Jordan, Sudan, ...
+    "arabext": "\u06f0",  # Persian, Pashto, Urdu of India
+    "beng": "\u09e6",  # Bengali, Assamese
+    "deva": "\u0966",  # Marathi, Nepali
+    "mymr": "\u1040",  # Burmese
+}
+ZEROS = sorted(
+    chr(code) for code in range(0x80, 0x110000) if unicodedata.decimal(chr(code), -1) == 0
+)
+_ASCII_OFFSET_AT_END = re.compile(r"[+-][0-9]{2}:?[0-9]{2}$")
+
+
+def written_in(text: str, zero: str, offset_too: bool = False) -> str:
+    """``text`` with its ASCII digits in the script whose zero is ``zero``; a UTC offset at the
+    end stays in ASCII, as ICU writes `Z` (unless ``offset_too``)."""
+    found = None if offset_too else _ASCII_OFFSET_AT_END.search(text)
+    end = len(text) if found is None else found.start()
+    digits = {ord("0") + d: ord(zero) + d for d in range(10)}
+    return text[:end].translate(digits) + text[end:]
+
+
+@pytest.mark.parametrize("script", sorted(LOCALE_DIGITS))
+@pytest.mark.parametrize(
+    ("text", "instant"),
+    [
+        ("2024-09-21 07:57:00 +1000", SEPT_21_0757),
+        ("2024-09-21 7:57:00 \u0645 +1000", SEPT_21_1957),
+        ("2024-09-21 7:57:00\u202fPM +1000", SEPT_21_1957),
+        ("2024-09-21T07:57:00.25+10:00", SEPT_21_0757 + 250_000),
+        ("2024-09-21", expected(2024, 9, 21)),
+    ],
+)
+def test_digits_of_the_phones_locale_are_read_time_24(script: str, text: str, instant: int) -> None:
+    """TIME-24: a date written in the digits of the phone's locale (Arabic-Indic U+0660..U+0669,
+    Persian, Bengali, Devanagari, Burmese), with the offset in ASCII as ICU writes it or in the
+    same digits, is the instant of its ASCII spelling, on the fold's path too."""
+    for written in (written_in(text, LOCALE_DIGITS[script]), written_in(text, "\u0660", True)):
+        assert written != text
+        assert parse_instant(written) == instant_of(written) == instant
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\u200f\u0662\u0660\u0662\u0664-\u0660\u0669-\u0662\u0661 "
+        "\u0660\u0667:\u0665\u0667:\u0660\u0660 \u061c+1000",
+        "\u0662\u0660\u0662\u0664\u200f-\u0660\u0669\u200f-\u0662\u0661 "
+        "\u0660\u0667:\u0665\u0667:\u0660\u0660 \u200f+\u0661\u0660\u0660\u0660",
+        "\u06f2\u06f0\u06f2\u06f4-\u06f0\u06f9-\u06f2\u06f1 "
+        "\u06f0\u06f7:\u06f5\u06f7:\u06f0\u06f0 \u200e+\u200e\u06f1\u06f0\u06f0\u06f0",
+    ],
+)
+def test_bidi_marks_around_the_digits_are_dropped_time_25(text: str) -> None:
+    """TIME-25: the marks of CLDR's Arabic-script signs, ALM (U+061C), RLM (U+200F) and LRM
+    (U+200E), wherever they stand, are dropped."""
+    assert parse_instant(text) == instant_of(text) == SEPT_21_0757
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "\u0662\u0660\u0662\u0664-\u06f0\u06f9-\u06f2\u06f1 07:57:00 +1000",
+        "\u0662\u0660\u0662\u0664-\u0660\u0669-\u0662\u0661 07:57:00 +1000",
+        "\u0662\u0660\u0662\u0664-09-21 \u0660\u0667:\u0665\u0667:\u0660\u0660 +1000",
+        "\u0662\u0660\u0662\u0664-\u0660\u0669-\u0662\u0661 \u0660\u0667:\u0665\u0667:\u0660\u0660 "
+        "+\u06f1\u06f0\u06f0\u06f0",
+        "\u0662\u0660\u0662\u0664-\u0660\u0669-\u0662\u0661 \u0660\u0667:\u0665\u0667:\u0660\u0660 "
+        "+1\u0660\u0660\u0660",
+        "2024-09-21 07:57:00 +\u0661\u0660\u0660\u0660",
+        "\u0662\u0660\u0662\u0664-\u0966\u096f-\u0662\u0661",
+    ],
+)
+def test_digits_of_two_scripts_are_refused_time_26(text: str) -> None:
+    """TIME-26: digits of two scripts in one timestamp, ASCII ones included, but for an offset
+    wholly in ASCII, are refused, on the fold's path too."""
+    for read in (parse_instant, instant_of):
+        with pytest.raises(TimestampError, match="mixes digits of different scripts"):
+            read(text)
+
+
+@given(
+    LOCAL_TIMES,
+    OFFSETS,
+    st.sampled_from(ZEROS),
+    st.booleans(),
+    st.sampled_from(["app", "iso", "date", *sorted(CLOCKS)]),
+)
+def test_any_script_gives_the_same_instant_time_27(
+    local: datetime, offset: int, zero: str, offset_too: bool, shape: str
+) -> None:
+    """TIME-27: every accepted ASCII timestamp, its digits written in any script Unicode has
+    decimal digits of (the offset in ASCII or in the same script), gives the same instant, on
+    the fold's path too."""
+    zone = offset_text(offset, colon=False)
+    local = local.replace(microsecond=local.microsecond // 1000 * 1000)
+    if shape == "app":
+        text = f"{local:%Y-%m-%d %H:%M:%S} {zone}"
+    elif shape == "iso":
+        text = local.replace(tzinfo=timezone(timedelta(minutes=offset))).isoformat()
+    elif shape == "date":
+        text = f"{local:%Y-%m-%d}"
+    else:
+        text = CLOCKS[shape].write(local, zone)
+    instant = parse_instant(text)
+    written = written_in(text, zero, offset_too)
+    assert parse_instant(written) == instant_of(written) == instant
