@@ -68,10 +68,12 @@ _MARKER = (
 )
 
 # Every accepted shape; only reached when the fast path does not match. A 12-hour marker stands
-# after the time or, after the space that follows the date, before it.
+# after the time or, after the space that follows the date, before it; mainland Chinese writes
+# the UTC offset before such a marker as well as after the time (`+1000 上午7:57:00 +1000`).
 _GENERAL = re.compile(
     r"(?P<year>[0-9]{4})-(?P<month>[0-9]{2})-(?P<day>[0-9]{2})"
-    rf"(?:(?:T| (?:(?P<before>{_MARKER}){_SPACES}?)?)"
+    r"(?:(?:T| (?:(?:(?P<lead_sign>[+-])(?P<lead_hours>[0-9]{2}):?(?P<lead_minutes>[0-9]{2}) ?)?"
+    rf"(?P<before>{_MARKER}){_SPACES}?)?)"
     r"(?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})"
     r"(?::(?P<second>[0-9]{2})(?:\.(?P<fraction>[0-9]{1,9}))?)?"
     rf"(?:{_SPACES}?(?P<after>{_MARKER}))?"
@@ -214,6 +216,11 @@ def _parse_general(text: str) -> int:
     offset = 0
     if match["sign"] is not None:
         offset = _offset_minutes(match["sign"], match["offset_hours"], match["offset_minutes"])
+    if match["lead_sign"] is not None and (
+        match["sign"] is None
+        or _offset_minutes(match["lead_sign"], match["lead_hours"], match["lead_minutes"]) != offset
+    ):
+        raise TimestampError("timestamp UTC offset before the time differs from the one after it")
     return _instant(
         year,
         month,

@@ -438,3 +438,34 @@ async def test_digits_of_the_phones_locale_come_out_once_parse_45(tmp_path: Path
         }
         assert changed == {"points_unchanged": len(LOCALE_DIGITS)}
         assert await points(service) == stored
+
+
+async def test_mainland_chinese_offset_written_twice_parse_46(tmp_path: Path) -> None:
+    """PARSE-46: heart rate a mainland Chinese phone on the 12-hour clock writes with the offset
+    twice is read at its UTC start and comes out once, byte for byte; one whose two offsets
+    differ is rejected with the reason that says so; the first re-sent on the 24-hour clock is
+    unchanged."""
+    twice = heart_rate_point(0, "2024-09-21 +0800 \u4e0b\u53487:57:00 +0800")
+    differ = heart_rate_point(1, "2024-09-21 +0800 \u4e0b\u53487:58:00 +0900")
+    again = heart_rate_point(0, "2024-09-21 19:57:00 +0800")
+    async with serving(tmp_path / "data") as service:
+        first = await post_folded(
+            service, envelope({}, [("heart_rate", "count/min", [twice, differ])]), MINUTES
+        )
+        assert first["status"] == "partial"
+        assert first["reason"] == (
+            "point rejected: unparseable date: timestamp UTC offset before the time differs "
+            "from the one after it (x1)"
+        )
+        stored = await points(service)
+        assert stored == [
+            line("heart_rate", "minutes", "count/min", twice, "2024-09-21T11:57:00Z", None)
+        ]
+
+        resent = await post_folded(
+            service, envelope({}, [("heart_rate", "count/min", [again])]), MINUTES
+        )
+
+        assert resent["status"] == "parsed"
+        assert resent["counters"]["points_unchanged"] == 1
+        assert await points(service) == stored

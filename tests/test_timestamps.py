@@ -743,3 +743,40 @@ def test_any_script_gives_the_same_instant_time_27(
     instant = parse_instant(text)
     written = written_in(text, zero, offset_too)
     assert parse_instant(written) == instant_of(written) == instant
+
+
+@given(LOCAL_TIMES, OFFSETS, st.sampled_from([" ", ""]), st.booleans())
+def test_mainland_chinese_offset_written_twice_time_28(
+    local: datetime, offset: int, gap: str, colon: bool
+) -> None:
+    """TIME-28: mainland Chinese on the 12-hour clock writes the offset before the marker as
+    well as after the time (``2024-09-21 +1000 上午7:57:00 +1000``); with both the same it is
+    the instant of the 24-hour time, on the fold's path too."""
+    zone = offset_text(offset, colon=False)
+    clock = CLOCKS["zh"].write(local, zone)
+    date, rest = clock.split(" ", 1)
+    twice = f"{date} {offset_text(offset, colon)}{gap}{rest}"
+    instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
+    assert parse_instant(twice) == instant_of(twice) == instant
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("2024-09-21 +1000 \u4e0a\u53487:57:00 +0900", "offset before the time differs"),
+        ("2024-09-21 +1000 \u4e0a\u53487:57:00 -1000", "offset before the time differs"),
+        ("2024-09-21 +1000 \u4e0a\u53487:57:00", "offset before the time differs"),
+        ("2024-09-21 +0000 \u4e0a\u53487:57:00 Z", "offset before the time differs"),
+        ("2024-09-21 +1000 7:57:00 +1000", "supported date/time shape"),
+        ("2024-09-21 +1000 7:57:00\u202fpm +1000", "supported date/time shape"),
+        ("2024-09-21T+1000 \u4e0a\u53487:57:00 +1000", "supported date/time shape"),
+        ("2024-09-21 +1000  \u4e0a\u53487:57:00 +1000", "supported date/time shape"),
+        ("2024-09-21 +1000 \u4e0a\u53487:57:00 +1000 +1000", "supported date/time shape"),
+    ],
+)
+def test_two_offsets_that_differ_are_refused_time_29(text: str, message: str) -> None:
+    """TIME-29: an offset before the time that differs from the one after it, or stands alone,
+    or before a time without a marker before it, is refused, on the fold's path too."""
+    for read in (parse_instant, instant_of):
+        with pytest.raises(TimestampError, match=re.escape(message)):
+            read(text)
