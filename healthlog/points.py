@@ -132,11 +132,13 @@ def instant_of(value: object) -> int:
     not parse, goes through ``parse_instant`` (and its error message). No hour made Gregorian
     is near the end of ``parse_instant``'s range (9999), so the minutes never carry past it.
 
-    A year from ``BUDDHIST_ERA_FROM`` on is a Buddhist-era year, written by a phone set to the
-    Buddhist calendar (the app writes dates in the phone's calendar, as it writes its 12-hour
-    clock): its Gregorian year is 543 less; month, day and time are the same (PARSE-41). It is
-    made Gregorian where an hour is first parsed, so a cached hour costs nothing more. A year
-    before ``GREGORIAN_FROM`` is refused there too, as another calendar's (PARSE-44).
+    A year from ``BUDDHIST_ERA_FROM`` until ``BUDDHIST_ERA_UNTIL`` is a Buddhist-era year,
+    written by a phone set to the Buddhist calendar (the app writes dates in the phone's
+    calendar, as it writes its 12-hour clock): its Gregorian year is 543 less; month, day and
+    time are the same (PARSE-41). It is made Gregorian where an hour is first parsed, so a
+    cached hour costs nothing more. A year
+    before ``GREGORIAN_FROM`` or from ``BUDDHIST_ERA_UNTIL`` on is refused there too, as another
+    calendar's (PARSE-44, PARSE-47).
     """
     if type(value) is str and len(value) == _APP_SHAPE_LENGTH:
         within = _WITHIN_HOUR.get(value[13:19])
@@ -163,13 +165,22 @@ _OTHER_CALENDAR = (
     "timestamp year is before 1900: a date in a calendar other than the Gregorian "
     "(Islamic, Persian, Japanese era) is not read"
 )
+BUDDHIST_ERA_UNTIL = "3000"
+"""The first year past those read as Buddhist era (2457 of the Gregorian calendar). A year from
+it on is one of another calendar a phone can be set to (5785 of the Hebrew calendar for 2024),
+which read as Buddhist era would store a point in 5242 (PARSE-47)."""
+_LATER_CALENDAR = (
+    "timestamp year is 3000 or later: a date in a calendar other than the Gregorian "
+    "(Hebrew) is not read"
+)
 
 
 def gregorian(value: str) -> str:
     """``value`` with a Buddhist-era year (its first four characters after any whitespace, before
     a ``-``) replaced by its Gregorian year, four digits as well; any other value unchanged, but
     for one not in ASCII, which is first written with ASCII digits (``latin_digits``). A year
-    before ``GREGORIAN_FROM`` is another calendar's: :class:`TimestampError`."""
+    before ``GREGORIAN_FROM``, or from ``BUDDHIST_ERA_UNTIL`` on, is another calendar's:
+    :class:`TimestampError`."""
     if GREGORIAN_FROM <= value < BUDDHIST_ERA_FROM:
         return value
     if not value.isascii():
@@ -180,6 +191,8 @@ def gregorian(value: str) -> str:
         return value
     if year < GREGORIAN_FROM:
         raise TimestampError(_OTHER_CALENDAR)
+    if year >= BUDDHIST_ERA_UNTIL:
+        raise TimestampError(_LATER_CALENDAR)
     if year >= BUDDHIST_ERA_FROM:
         lead = len(value) - len(text)
         return f"{value[:lead]}{int(year) - _BUDDHIST_ERA_OFFSET:04d}{text[4:]}"

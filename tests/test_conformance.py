@@ -469,3 +469,22 @@ async def test_mainland_chinese_offset_written_twice_parse_46(tmp_path: Path) ->
         assert resent["status"] == "parsed"
         assert resent["counters"]["points_unchanged"] == 1
         assert await points(service) == stored
+
+
+async def test_a_hebrew_year_is_named_not_read_as_buddhist_era_parse_47(tmp_path: Path) -> None:
+    """PARSE-47: a point dated in the Hebrew calendar (5785 for 2024) is rejected with the
+    reason that names the calendar, not read as a Buddhist-era year (5242); a Buddhist-era one
+    beside it (2567) is still read as 2024."""
+    hebrew = heart_rate_point(0, "5785-01-18 07:57:00 +0300")
+    buddhist = heart_rate_point(1, "2567-09-21 07:57:00 +0700")
+    body = envelope({}, [("heart_rate", "count/min", [hebrew, buddhist])])
+    async with serving(tmp_path / "data") as service:
+        outcome = await post_folded(service, body, MINUTES)
+        assert outcome["status"] == "partial"
+        assert outcome["reason"] == (
+            "point rejected: unparseable date: timestamp year is 3000 or later: a date in a "
+            "calendar other than the Gregorian (Hebrew) is not read (x1)"
+        )
+        assert await points(service) == [
+            line("heart_rate", "minutes", "count/min", buddhist, "2024-09-21T00:57:00Z", None)
+        ]

@@ -432,7 +432,8 @@ def test_time_17_fast_path_agrees_with_parse_instant(
 )
 def test_time_17_fast_path_at_the_ends_of_the_range(value: str) -> None:
     """TIME-17: an hour outside the range with its instant inside, and the reverse, agree too,
-    down to the message of the refusal (a year from 2500 on read as Buddhist era, PARSE-41)."""
+    down to the message of the refusal (a year from 2500 read as Buddhist era, PARSE-41; one
+    before 1900 or from 3000 on refused, PARSE-44, PARSE-47)."""
     outcomes = []
     for read in (lambda text: parse_instant(gregorian(text)), instant_of):
         try:
