@@ -149,6 +149,12 @@ def instant_of(value: object) -> int:
                 hour = _hour_instant(key)
             if hour is not None:
                 return hour + within
+        elif not value.isascii():
+            # The app's shape in the digits of the phone's locale: the hours of its ASCII
+            # spelling are cached the same (TIME-30).
+            text = latin_digits(value)
+            if len(text) == _APP_SHAPE_LENGTH and text.isascii():
+                return instant_of(text)
     return parse_instant(gregorian(value) if type(value) is str else value)
 
 

@@ -3,6 +3,7 @@
 See specs/timestamps.md for the accepted shapes and the rules.
 """
 
+import functools
 import re
 import unicodedata
 
@@ -84,9 +85,10 @@ _GENERAL = re.compile(
 # The bidi marks of CLDR's plus and minus signs in the `arab` (ALM; RLM for Central Kurdish) and
 # `arabext` (LRM) numbering systems, which ICU may set beside a number: dropped wherever they stand.
 _BIDI_MARKS = dict.fromkeys(map(ord, "\u061c\u200e\u200f"))
+_BIDI_MARK = re.compile("[\u061c\u200e\u200f]")
 _ASCII_ZERO = ord("0")
-# What `latin_digits` changes: a bidi mark or a decimal digit other than ASCII's.
-_NOT_LATIN = re.compile(r"[\u061c\u200e\u200f]|(?![0-9])\d")
+_ASCII_DIGIT = re.compile("[0-9]")
+_OTHER_DIGIT = re.compile(r"(?![0-9])\d")
 # A UTC offset in ASCII digits at the end, as ICU writes `Z` whatever the locale's digits.
 _ASCII_OFFSET = re.compile(r"[+-][0-9]{2}:?[0-9]{2}\Z")
 
@@ -181,21 +183,24 @@ def latin_digits(value: str) -> str:
     """
     if len(value) > _MAX_LENGTH:
         raise TimestampError(f"timestamp is longer than {_MAX_LENGTH} characters")
-    if _NOT_LATIN.search(value) is None:
-        return value.strip()
-    text = value.translate(_BIDI_MARKS).strip()
-    zeros = {ord(char) - unicodedata.decimal(char) for char in text if char.isdecimal()}
-    zeros.discard(_ASCII_ZERO)
-    if not zeros:
+    text = value.strip()
+    if _BIDI_MARK.search(text) is not None:
+        text = text.translate(_BIDI_MARKS).strip()
+    digit = _OTHER_DIGIT.search(text)
+    if digit is None:
         return text
-    if len(zeros) > 1:
-        raise TimestampError("timestamp mixes digits of different scripts")
-    (zero,) = zeros
+    latin = text.translate(_to_ascii(ord(digit[0]) - unicodedata.decimal(digit[0])))
     offset = _ASCII_OFFSET.search(text)
-    head = text if offset is None else text[: offset.start()]
-    if any("0" <= char <= "9" for char in head):
+    head = len(text) if offset is None else offset.start()
+    if _OTHER_DIGIT.search(latin) is not None or _ASCII_DIGIT.search(text, 0, head) is not None:
         raise TimestampError("timestamp mixes digits of different scripts")
-    return text.translate({zero + digit: _ASCII_ZERO + digit for digit in range(10)})
+    return latin
+
+
+@functools.cache
+def _to_ascii(zero: int) -> dict[int, int]:
+    """The table that writes the digits of the script whose zero is ``zero`` in ASCII."""
+    return {zero + digit: _ASCII_ZERO + digit for digit in range(10)}
 
 
 def _parse_general(text: str) -> int:

@@ -781,3 +781,25 @@ def test_two_offsets_that_differ_are_refused_time_29(text: str, message: str) ->
     for read in (parse_instant, instant_of):
         with pytest.raises(TimestampError, match=re.escape(message)):
             read(text)
+
+
+@given(
+    moment=st.datetimes(min_value=datetime(1900, 1, 1), max_value=datetime(2200, 1, 1)),
+    offset=st.integers(min_value=-14 * 60, max_value=14 * 60),
+    zero=st.sampled_from(sorted(LOCALE_DIGITS.values())),
+    position=st.integers(min_value=0, max_value=24),
+    replacement=st.sampled_from(["", "0", "9", "\u0663", "\u06f3", "\u200f", ":", " ", "+"]),
+)
+def test_fast_path_of_locale_digits_agrees_time_30(
+    moment: datetime, offset: int, zero: str, position: int, replacement: str
+) -> None:
+    """TIME-30: the app's shape in the digits of the phone's locale, read by the fold from the
+    hour cache of its ASCII spelling, gives what ``parse_instant`` gives, and refuses what it
+    refuses (a character replaced by a digit of another script, a mark, a separator)."""
+    zone = timezone(timedelta(minutes=offset))
+    moment = moment.replace(microsecond=0)
+    text = written_in(moment.replace(tzinfo=zone).strftime("%Y-%m-%d %H:%M:%S %z"), zero)
+    mutated = text[:position] + replacement + text[position + 1 :]
+    for value in (text, mutated, written_in(text, zero, offset_too=True)):
+        assert _fast(value) == _both(value)
+    assert _fast(text) == ("ok", (moment.replace(tzinfo=zone) - EPOCH) // ONE_US)
