@@ -22,11 +22,14 @@ from pathlib import Path
 import attrs
 import orjson
 import pytest
+import trio
 from _bodies import BASE_US, body, delivery, point
+from _runtime_helpers import config
 from _service_helpers import Service, serving
 from _stream_helpers import HOURS, fold_metrics, post_small, prune, validate
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from actors.runtime import open_runtime
 from healthlog import snapshots
 from healthlog.documents import Manifest
 from healthlog.objects import HourlyObject, to_wire
@@ -640,3 +643,37 @@ async def test_a_snapshot_does_not_begin_a_moved_data_directory_anew_run_45(
         data.rmdir()
         moved.rename(data)
         assert (await service.get("/v1/snapshots")).status_code == 200
+
+
+def test_a_starting_runtime_removes_what_a_killed_build_left_store_87(
+    store_objects: tuple[Attempt, list[HourlyObject]], tmp_path: Path
+) -> None:
+    """STORE-87: the temporary file of a snapshot build killed (SIGKILL) after writing it is
+    removed when a runtime (``serve``, ``import``, ``seal``) opens the data directory, with no
+    build since; one that a build in another process holds the lock for is kept, and that
+    build succeeds."""
+    data = DataDir(tmp_path)
+    killed = build_process(data, plan={"snapshot.write": {"hits": [1], "do": "kill"}})
+    _, err = killed.communicate(timeout=60)
+    assert killed.returncode == -signal.SIGKILL, err
+    [left] = leftovers(data)
+    assert (data.snapshot_dir / left).stat().st_size > 0
+
+    async def start_and_stop() -> None:
+        async with open_runtime(config(data.path)):
+            pass
+
+    trio.run(start_and_stop)
+    assert leftovers(data) == []
+    hold = {"snapshot.write": {"hits": [1], "do": "delay", "seconds": BUILD_HOLD_S}}
+    other = build_process(data, plan=hold)
+    deadline = time.monotonic() + 60
+    while not leftovers(data):
+        assert other.poll() is None, other.communicate()
+        assert time.monotonic() < deadline, "the other build wrote no temporary file"
+        time.sleep(0.01)
+    trio.run(start_and_stop)
+    out, err = other.communicate(timeout=60)
+    assert other.returncode == 0, err
+    assert snapshot_files.find(data.snapshot_dir, store_objects[0].manifest.stream, int(out)), out
+    assert leftovers(data) == []

@@ -131,6 +131,27 @@ def _removed_on_failure(tmp: Path) -> Iterator[None]:
         raise
 
 
+def remove_left_over(directory: Path) -> None:
+    """Remove the ``.tmp`` files of snapshot builds that were killed, unless a build holds the
+    lock (it is writing its own). A runtime calls it as it opens (STORE-87): otherwise only the
+    next build removed them, and with every follower within the online window there may be none
+    for good, while such a file is as large as a snapshot of every object."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _remove_stale(directory)
+    except BlockingIOError:
+        return
+    except OSError as exc:
+        # A file it may not remove stops nothing: the next build tries again.
+        log.warning("cannot remove what a stopped snapshot build left in %s: %s", directory, exc)
+    finally:
+        os.close(fd)
+
+
 def _remove_stale(directory: Path) -> None:
     """Under the lock: remove the ``.tmp`` files of builds that failed or were killed."""
     for stale in directory.glob("snapshot-*.tmp"):
