@@ -7,11 +7,13 @@ import logging
 import sqlite3
 import tempfile
 from contextlib import closing
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 from _bodies import BASE_US, append, body, delivery, point, rows
+from _sqlite_steps import counted_steps
 from _summaries import summaries
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -401,3 +403,50 @@ def test_any_seals_among_any_deliveries_rebuild_the_same_seal_10(
         one, two = rows(Path(tmp) / "one.sqlite"), rows(Path(tmp) / "two.sqlite")
         for table in ("objects", "outcomes", "seals", "checkpoint"):
             assert one[table] == two[table]
+
+
+def test_a_fold_reads_one_seal_per_metric_and_layer_seal_18(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """SEAL-18: a nightly seal for a year (365 seals of all metrics, each a day later, and one
+    of `hr` alone) leaves one row per metric and layer in `seals`, a seal ending earlier than
+    one kept adds none; a fold after them takes the SQLite steps it took after the first seal,
+    and seals what those seals seal."""
+    day = 24 * HOUR
+    minutes_a_day = 24 * 60
+    base = datetime.fromtimestamp(BASE_US / 1e6, UTC)
+    append(journal, sealing(Seal(BASE_US + day)))
+    run_pass(journal, store, epoch)
+
+    def folded_steps(offset: int) -> tuple[int, dict[str, int]]:
+        # Three metrics of 48 hours: the first day of each sealed, the second day not.
+        minutes = range(0, 48 * 60, 60)
+        stamps = [base + timedelta(minutes=offset + i) for i in minutes]
+        points = {
+            m: [{"date": f"{t:%Y-%m-%d %H:%M:%S} +0000", "qty": 1} for t in stamps] for m in "abc"
+        }
+        meta = append(journal, delivery(body(points)))
+        report, steps = counted_steps(
+            store._conn, lambda: store.fold(journal, meta, epoch), every=10
+        )
+        assert report.outcome_class is OutcomeClass.DONE
+        return steps, outcome_of(store, meta)[2]
+
+    first, counters = folded_steps(400 * minutes_a_day)
+    assert counters["sealed_writes"] == 0
+    for n in range(2, 366):
+        append(journal, sealing(Seal(BASE_US + n * day)))
+    append(journal, sealing(Seal(BASE_US + 10 * day)))
+    append(journal, sealing(Seal(BASE_US + 3 * day, "hr")))
+    run_pass(journal, store, epoch)
+
+    after, _ = folded_steps(402 * minutes_a_day)
+    # A second row (the seal of `hr`): a few steps more (14,710 against 14,660; 16,540 when
+    # every seal was kept and read).
+    assert after <= first + 10, (first, after)
+    with closing(sqlite3.connect(store.path)) as conn:
+        kept = conn.execute("SELECT before, metric, layer FROM seals ORDER BY before").fetchall()
+    assert kept == [(BASE_US + 3 * day, "hr", None), (BASE_US + 365 * day, None, None)]
+    _, counters = folded_steps(364 * minutes_a_day)
+    assert counters["sealed_writes"] == 3 * 24
+    assert verify(journal, store) == []

@@ -554,10 +554,7 @@ class Store(_objects.ObjectDatabase):
             seal = seals.decode(body)
         except SealError as exc:
             return Outcome(FAILED, str(exc), None, Counters())
-        self._conn.execute(
-            "INSERT INTO seals (delivery_id, before, metric, layer) VALUES (?, ?, ?, ?)",
-            (meta.id, seal.before, seal.metric, seal.layer),
-        )
+        self._record_seal(meta.id, seal)
         marked = self._mark_sealed(seal)
         for n, (metric, layer, hour, digest, count) in enumerate(sorted(marked), start=1):
             event = _object_event(ObjectKey(metric, layer, hour), digest, count, meta.id)
@@ -565,6 +562,21 @@ class Store(_objects.ObjectDatabase):
         level = logging.INFO if live else logging.DEBUG
         log.log(level, "seal %d folded: %d stored objects sealed", meta.id, len(marked))
         return Outcome(PARSED, None, None, Counters())
+
+    def _record_seal(self, delivery_id: int, seal: Seal) -> None:
+        """Keep ``seal`` in the ``seals`` table in place of those of its metric and layer that
+        end no later (it covers all they cover), unless one there ends later (SEAL-18): one row
+        per metric and layer, however many seals a nightly ``healthlog seal`` journals, since
+        every fold reads the table and checks each object it writes against each row."""
+        group = (seal.metric, seal.layer, seal.before)
+        self._conn.execute(
+            "DELETE FROM seals WHERE metric IS ? AND layer IS ? AND before <= ?", group
+        )
+        self._conn.execute(
+            "INSERT INTO seals (delivery_id, before, metric, layer) SELECT ?, ?, ?, ?"
+            " WHERE NOT EXISTS (SELECT 1 FROM seals WHERE metric IS ? AND layer IS ?)",
+            (delivery_id, seal.before, seal.metric, seal.layer, seal.metric, seal.layer),
+        )
 
     def seal_covered(self, epoch: int) -> None:
         """Mark every object that a recorded seal covers (a partitioned rebuild, whose
