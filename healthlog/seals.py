@@ -12,6 +12,8 @@ name is one that no token can have (token names beginning ``cli:`` are reserved)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import msgspec
 
@@ -84,6 +86,19 @@ def decode(body: bytes) -> Seal:
     return Seal(before, inner.metric, inner.layer)
 
 
-def covered(seals: list[Seal], key: ObjectKey) -> bool:
+def covered(seals: Sequence[Seal], key: ObjectKey) -> bool:
     """Whether any of ``seals`` covers ``key``."""
     return any(seal.covers(key) for seal in seals)
+
+
+def folded_into(kept: tuple[Seal, ...], seal: Seal) -> tuple[Seal, ...]:
+    """``kept`` (at most one seal per metric and layer) with ``seal`` folded in: in place of
+    the one of its metric and layer if that ends no later, else unchanged. What they cover
+    together is what every seal folded so far covers (SEAL-18)."""
+    if any(
+        (other.metric, other.layer) == (seal.metric, seal.layer) and other.before > seal.before
+        for other in kept
+    ):
+        return kept
+    others = (other for other in kept if (other.metric, other.layer) != (seal.metric, seal.layer))
+    return (*others, seal)

@@ -747,10 +747,10 @@ def test_a_rebuild_holds_a_page_of_deliveries_not_every_one_store_81(
     assert all(most <= 2 * 4 for most in held.most.values()), (held.most, total)
 
 
-def _slow_fold_chunk(path: str, chunk: list[Any], seals: list[Seal]) -> Any:
+def _slow_fold_chunk(path: str, chunk: list[Any]) -> Any:
     """A worker's fold that takes half a second more, so that reading runs ahead."""
     time.sleep(0.5)
-    return _FOLD_CHUNK(path, chunk, seals)
+    return _FOLD_CHUNK(path, chunk)
 
 
 _FOLD_CHUNK = _partition.fold_chunk
@@ -802,9 +802,9 @@ def test_partitions_settle_as_they_finish_and_are_gathered_as_they_settle_store_
         with open(log_path, "a") as log:
             log.write(f"{kind} {Path(path).name} {slow} {started} {time.monotonic()}\n")
 
-    def folding(path: str, chunk: list[Any], seals: list[Seal]) -> Any:
+    def folding(path: str, chunk: list[Any]) -> Any:
         started, slow = time.monotonic(), any("hr" in share.metrics for _, share in chunk)
-        folded = fold_chunk(path, chunk, seals)
+        folded = fold_chunk(path, chunk)
         record("fold", path, started, slow)
         return folded
 

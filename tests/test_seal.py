@@ -20,7 +20,15 @@ from hypothesis import strategies as st
 
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
-from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal, SealError, decode
+from healthlog.seals import (
+    SEAL_CLIENT,
+    SEAL_CONTENT_TYPE,
+    Seal,
+    SealError,
+    covered,
+    decode,
+    folded_into,
+)
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import run_pass
 from healthlog.storage.rebuild import rebuild_into, reindex, verify
@@ -450,3 +458,40 @@ def test_a_fold_reads_one_seal_per_metric_and_layer_seal_18(
     _, counters = folded_steps(364 * minutes_a_day)
     assert counters["sealed_writes"] == 3 * 24
     assert verify(journal, store) == []
+
+
+def test_a_partitioned_rebuild_hands_its_workers_one_seal_per_metric_and_layer_seal_19(
+    tmp_path: Path,
+) -> None:
+    """SEAL-19: the seals a partitioned rebuild hands its workers with each share are the
+    latest of each metric and layer (365 nightly seals of every metric, with one of `hr` and
+    one ending earlier among them: two), which cover exactly what all of them cover; and a
+    journal of such seals among deliveries rebuilds in two workers as in one process."""
+    day = 24 * HOUR
+    nightly = [Seal(BASE_US + n * day) for n in range(1, 366)]
+    every = [*nightly[:100], Seal(BASE_US + 3 * day, "hr"), Seal(BASE_US + 50 * day)]
+    every += nightly[100:]
+    kept: tuple[Seal, ...] = ()
+    for n, seal in enumerate(every, start=1):
+        kept = folded_into(kept, seal)
+        for metric in ("hr", "steps"):
+            for hour in range(0, 400 * 24, 61):
+                key = ObjectKey(metric, "minutes", BASE_US + hour * HOUR)
+                assert covered(kept, key) == covered(every[:n], key)
+    assert sorted(kept, key=lambda seal: seal.before) == [
+        Seal(BASE_US + 3 * day, "hr"),
+        Seal(BASE_US + 365 * day),
+    ]
+
+    with Journal(tmp_path / "journal.sqlite") as journal:
+        for n, seal in enumerate(every):
+            append(journal, sealing(seal))
+            if n % 30 == 0:
+                minute = (n % 28) * 24 * 60
+                append(journal, delivery(body({"hr": [point(minute, n), point(minute + 61, n)]})))
+        rebuild_into(journal, tmp_path / "one.sqlite", workers=1)
+        rebuild_into(journal, tmp_path / "two.sqlite", workers=2)
+    one, two = rows(tmp_path / "one.sqlite"), rows(tmp_path / "two.sqlite")
+    for table in ("objects", "outcomes", "seals", "checkpoint"):
+        assert one[table] == two[table]
+    assert sum(json.loads(row[-2])["sealed_writes"] for row in one["outcomes"]) > 0

@@ -11,9 +11,10 @@ all. It then cuts the envelope into one share per partition, holding only that p
 units (their arrays still raw JSON), and hands the shares to the partition's worker, which
 folds them with the live fold's code under that layer. A unit belongs to the partition that
 first meets it, the one with the least work so far once every worker has one. A seal (S9) is
-folded by the target in its place; each share carries how many seals came before it, so that
-a worker counts sealed writes as the live fold does, and the objects gathered at the end are
-marked as the seals cover them.
+folded by the target in its place; each share carries the seals that came before it (the
+latest of each metric and layer, which cover all the others do), so that a worker counts sealed
+writes as the live fold does, and the objects gathered at the end are marked as the seals cover
+them.
 
 The spacing of a delivery without a header costs a reading of every timestamp, which the
 workers do anyway. So this process assumes such a delivery has the layer its automation's
@@ -59,7 +60,7 @@ from healthlog import hae, layers, objects
 from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo, Outcome, Unstored
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
-from healthlog.seals import Seal, SealError, covered, is_seal
+from healthlog.seals import Seal, SealError, covered, folded_into, is_seal
 from healthlog.seals import decode as decode_seal
 from healthlog.storage import _objects
 from healthlog.storage._sqlite import (
@@ -158,18 +159,15 @@ class Planned:
     received_at: int
     layer: str | None
     measure: bool = False
-    seals: int = 0
+    seals: tuple[Seal, ...] = ()
 
 
-def fold_chunk(
-    scratch_path: str, chunk: list[tuple[Planned, hae.Envelope]], seals: list[Seal]
-) -> Folded:
+def fold_chunk(scratch_path: str, chunk: list[tuple[Planned, hae.Envelope]]) -> Folded:
     """Fold shares of deliveries in order into a partition's scratch file, in a worker process;
-    ``seals`` are those in journal order up to the last share, of which each plan counts its
-    own."""
+    each plan carries the seals folded before its delivery."""
     with _Scratch(scratch_path, durable=False) as scratch:
         try:
-            return scratch.fold(chunk, seals)
+            return scratch.fold(chunk)
         except StorageError:
             raise
         except Exception as exc:
@@ -219,14 +217,14 @@ class _Scratch(_objects.ObjectDatabase):
     PAGE_SIZE = 64 * 2**10
     JOURNAL_MODE = "OFF"
 
-    def fold(self, chunk: list[tuple[Planned, hae.Envelope]], seals: list[Seal]) -> Folded:
+    def fold(self, chunk: list[tuple[Planned, hae.Envelope]]) -> Folded:
         folded = []
         with self._lock, write_transaction(self._conn):
             for plan, share in chunk:
                 fold = DeliveryFold(
                     share,
                     DeliveryInfo(plan.delivery_id, plan.received_at, plan.layer),
-                    _ScratchProjection(self._conn, plan.layer, seals[: plan.seals]),
+                    _ScratchProjection(self._conn, plan.layer, plan.seals),
                     warn=False,
                     measure=plan.measure,
                     plain=True,
@@ -268,7 +266,9 @@ _AT = "WHERE metric = ? AND layer = ? AND hour = ?"
 class _ScratchProjection:
     """Objects as the partition has folded them so far; the layer is always the header."""
 
-    def __init__(self, conn: sqlite3.Connection, layer: str | None, seals: list[Seal]) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, layer: str | None, seals: tuple[Seal, ...]
+    ) -> None:
         self._conn = conn
         self._layer = layer
         self._seals = seals
@@ -469,7 +469,7 @@ class _Run:
         self._judged = array("I", bytes(4 * total))
         self._verdicts: dict[tuple[str, str | None], int] = {}
         self._reasons: list[tuple[str, str | None]] = []
-        self._seals: list[Seal] = []
+        self._seals: tuple[Seal, ...] = ()
         self._owner: dict[Unit, _Part] = {}
         self.parts: list[_Part] = []
         self._alone = alone
@@ -488,7 +488,7 @@ class _Run:
         if is_seal(meta.client, meta.content_type):
             # One that cannot be read fails in the target, as it does live, and seals nothing.
             with contextlib.suppress(CorruptBody, SealError):
-                self._seals.append(decode_seal(journal.read_body(meta.id)))
+                self._seals = folded_into(self._seals, decode_seal(journal.read_body(meta.id)))
             return
         try:
             envelope = hae.read_envelope(journal.read_body(meta.id))
@@ -512,7 +512,7 @@ class _Run:
                 envelope.rejected_entries,
             ),
         )
-        plan = Planned(meta.id, meta.received_at, layer, measure, len(self._seals))
+        plan = Planned(meta.id, meta.received_at, layer, measure, self._seals)
         for part, (share, size) in self._cut(envelope).items():
             part.waiting.append((plan, share, size))
             part.waiting_bytes += size
@@ -658,9 +658,7 @@ class _Run:
         chunk = [(plan, share) for plan, share, _ in part.waiting[:taken]]
         part.waiting = part.waiting[taken:]
         part.waiting_bytes -= size
-        part.running = self._pool.submit(
-            fold_chunk, os.fspath(part.scratch), chunk, list(self._seals)
-        )
+        part.running = self._pool.submit(fold_chunk, os.fspath(part.scratch), chunk)
 
     def _wait(self) -> None:
         running = {part.running: part for part in self.parts if part.running is not None}
