@@ -4,12 +4,16 @@ Events beyond the newest ``keep`` that are also older than ``max_age_s`` are dro
 the projection; the journal is never touched, so nothing true is lost. Then the subscribers
 that are gone are removed: their last ACK is older than ``max_age_s`` and their cursor older
 than the window, so they could only resume from a snapshot; their next ACK stores them again.
+Last, each file's ``-wal`` that a reader of another program keeps from being checkpointed is
+said, once while it lasts (RUN-63).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import trio
@@ -20,6 +24,14 @@ from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.retention")
+
+
+class Checkpointed(Protocol):
+    """A file of the data directory whose ``-wal`` is watched (the journal, the store)."""
+
+    path: str
+
+    def wal_held_back(self) -> int: ...
 
 
 @attrs.frozen
@@ -39,6 +51,7 @@ class RetentionActor:
         keep: int,
         max_age_s: float,
         period_s: float,
+        watched: Sequence[tuple[Checkpointed, trio.CapacityLimiter]] = (),
     ) -> None:
         self._store = store
         self._limiter = limiter
@@ -48,6 +61,8 @@ class RetentionActor:
         self._runs = 0
         self._pruned = 0
         self._removed = 0
+        self._watched = watched
+        self._held_back: set[str] = set()
 
     def statistics(self) -> RetentionStatistics:
         return RetentionStatistics(self._runs, self._pruned, self._removed)
@@ -55,30 +70,57 @@ class RetentionActor:
     async def run(self) -> None:
         while True:
             await trio.sleep(self._period_s)
-            cutoff = now_us() - self._max_age_us
-            try:
-                faults.point("retention.prune")
-                prune = functools.partial(
-                    self._store.prune_events, keep=self._keep, older_than_us=cutoff
-                )
-                pruned = await trio.to_thread.run_sync(prune, limiter=self._limiter)
-            except StorageError as exc:
-                log.warning("event pruning deferred: %s", describe(exc))
-                continue
-            self._runs += 1
-            self._pruned += pruned
-            try:
-                remove = functools.partial(
-                    self._store.remove_gone_subscribers, older_than_us=cutoff
-                )
-                removed = await trio.to_thread.run_sync(remove, limiter=self._limiter)
-            except StorageError as exc:
-                log.warning("removal of gone subscribers deferred: %s", describe(exc))
-                continue
-            self._removed += removed
-            if removed:
-                # How many, never their names (a name is often a device's).
-                log.info(
-                    "removed %d gone subscriber(s) (last ACK and cursor older than the window)",
-                    removed,
-                )
+            await self._prune()
+            for database, limiter in self._watched:
+                await self._watch_wal(database, limiter)
+
+    async def _prune(self) -> None:
+        cutoff = now_us() - self._max_age_us
+        try:
+            faults.point("retention.prune")
+            prune = functools.partial(
+                self._store.prune_events, keep=self._keep, older_than_us=cutoff
+            )
+            pruned = await trio.to_thread.run_sync(prune, limiter=self._limiter)
+        except StorageError as exc:
+            log.warning("event pruning deferred: %s", describe(exc))
+            return
+        self._runs += 1
+        self._pruned += pruned
+        try:
+            remove = functools.partial(self._store.remove_gone_subscribers, older_than_us=cutoff)
+            removed = await trio.to_thread.run_sync(remove, limiter=self._limiter)
+        except StorageError as exc:
+            log.warning("removal of gone subscribers deferred: %s", describe(exc))
+            return
+        self._removed += removed
+        if removed:
+            # How many, never their names (a name is often a device's).
+            log.info(
+                "removed %d gone subscriber(s) (last ACK and cursor older than the window)",
+                removed,
+            )
+
+    async def _watch_wal(self, database: Checkpointed, limiter: trio.CapacityLimiter) -> None:
+        """Say once, while it lasts, that a reader keeps ``database``'s ``-wal`` from being
+        checkpointed, and when it is checkpointed again."""
+        try:
+            size = await trio.to_thread.run_sync(database.wal_held_back, limiter=limiter)
+        except StorageError as exc:
+            # The folds and the journal say what is wrong with the file; this only looked.
+            log.debug("checkpoint of %s not tried: %s", database.path, describe(exc))
+            return
+        if size and database.path not in self._held_back:
+            self._held_back.add(database.path)
+            log.warning(
+                "%s-wal is %d bytes and cannot be checkpointed: a read transaction is kept open"
+                " on %s (by another program, such as a database browser, a script or a backup"
+                " through SQLite, or by a long verify or snapshot build), and every write is"
+                " added to the -wal until it ends",
+                database.path,
+                size,
+                database.path,
+            )
+        elif not size and database.path in self._held_back:
+            self._held_back.discard(database.path)
+            log.info("%s-wal is checkpointed again", database.path)

@@ -217,6 +217,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             keep=config.window_events,
             max_age_s=config.window_age_s,
             period_s=config.retention_period_s,
+            watched=[(journal, journal_limiter), (store, store_limiter)],
         )
         crashes = Crashes()
         runtime = Runtime(

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
+import os
+import random
 import re
 import sqlite3
 import threading
@@ -39,9 +42,9 @@ from _runtime_helpers import (
 from actors._supervisor import Crashes, supervise
 from actors.runtime import Runtime, open_runtime
 from healthlog import faults
-from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred, StorageError
 from healthlog.storage.datadir import DataDir
-from healthlog.storage.journal import Receipt
+from healthlog.storage.journal import NewDelivery, Receipt
 from healthlog.storage.store import Store
 
 
@@ -601,3 +604,36 @@ async def test_leaving_an_idle_runtime_releases_the_lease_run_10(
         await until(lambda: runtime.statistics().lease.epoch == 2)
     assert lease_row(tmp_path) == (None, 2)
     assert logged(caplog, logging.ERROR) == []
+
+
+async def test_a_wal_a_reader_keeps_from_being_checkpointed_is_said_run_63(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-63: while another program keeps a read transaction open on journal.sqlite, its
+    -wal grows past WAL_SIZE_LIMIT with every delivery; the retention pass says so in one
+    WARNING naming the file and its size (said once while it lasts, none for store.sqlite),
+    and once the reader ends, one INFO says it is checkpointed again."""
+    caplog.set_level(logging.INFO)
+    path = DataDir(tmp_path).journal_path
+    noise = random.Random(63)
+    async with open_runtime(config(tmp_path, retention_period_s=0.05)) as runtime:
+        await runtime.submit(new_delivery(0))
+        with closing(sqlite3.connect(path, isolation_level=None)) as reader:
+            reader.execute("BEGIN")
+            reader.execute("SELECT count(*) FROM deliveries").fetchone()
+            while os.stat(f"{path}-wal").st_size <= WAL_SIZE_LIMIT:
+                # Incompressible: each adds its size to the -wal.
+                body = base64.b64encode(noise.randbytes(2**20))
+                await runtime.submit(NewDelivery(body, "phone", content_type="text/plain"))
+            await until(lambda: any("cannot be checkpointed" in m for m in caplog.messages))
+            reader.execute("COMMIT")
+        await until(lambda: any("checkpointed again" in m for m in caplog.messages))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    [said] = [m for m in warnings if "checkpoint" in m]
+    match = re.search(r"-wal is (\d+) bytes", said)
+    assert match is not None, said
+    size = int(match[1])
+    assert size > WAL_SIZE_LIMIT
+    assert said.startswith(f"{path}-wal is {size} bytes and cannot be checkpointed:")
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert [m for m in infos if "checkpointed again" in m] == [f"{path}-wal is checkpointed again"]

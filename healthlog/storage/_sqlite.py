@@ -35,6 +35,7 @@ __all__ = [
     "migrate",
     "read_once",
     "reopened",
+    "wal_held_back",
     "write_transaction",
 ]
 
@@ -246,6 +247,19 @@ def _size(path: str) -> int:
         return os.stat(path).st_size
     except FileNotFoundError:
         return 0
+
+
+def wal_held_back(conn: sqlite3.Connection, path: str) -> int:
+    """The size of the ``-wal`` of the file at ``path`` (``conn``'s) where a reader keeps it
+    from being checkpointed (RUN-63): a passive checkpoint (which waits for nobody) leaves
+    frames of it behind, and it has grown past :data:`WAL_SIZE_LIMIT`; else 0. A connection
+    that keeps a read transaction open (a database browser, a script) stops every checkpoint
+    past the snapshot it reads, and SQLite then adds every later write to the ``-wal``."""
+    _, frames, done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+    if frames <= done:
+        return 0
+    size = _size(path + "-wal")
+    return size if size > WAL_SIZE_LIMIT else 0
 
 
 def _would_leave_files(path: Path) -> StorageError:
@@ -720,6 +734,11 @@ class Database:
         assert self.DAMAGED is not None
         with self._lock:
             check_intact(self._conn, self.path, self.DAMAGED)
+
+    def wal_held_back(self) -> int:
+        """:func:`wal_held_back` of this file."""
+        with self._lock:
+            return wal_held_back(self._conn, self.path)
 
     def _open(self, *, create: bool) -> sqlite3.Connection:
         conn = connect(

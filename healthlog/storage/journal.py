@@ -40,6 +40,7 @@ from healthlog.storage._sqlite import (
     migrate,
     read_transaction,
     reopened,
+    wal_held_back,
     write_transaction,
 )
 from healthlog.timestamps import format_instant
@@ -646,6 +647,11 @@ class Journal:
             raise ValueError("limit must not be negative")
         with self._reading() as conn:
             return _order(conn, after, -1 if limit is None else limit, through)
+
+    def wal_held_back(self) -> int:
+        """:func:`~healthlog.storage._sqlite.wal_held_back` of the journal."""
+        with self._reading() as conn:
+            return wal_held_back(conn, self.path)
 
     def last_id(self) -> int:
         """The id of the delivery journaled last, 0 in an empty journal. Ids only grow and no
