@@ -25,6 +25,10 @@ from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.retention")
 
+PRUNE_BATCH = 8_192
+"""Events dropped per transaction: dropping 321,000 in such batches kept ``store.sqlite-wal`` at
+10 MB, where one transaction wrote 137 MB to it (STORE-88)."""
+
 
 class Checkpointed(Protocol):
     """A file of the data directory whose ``-wal`` is watched (the journal, the store)."""
@@ -76,17 +80,21 @@ class RetentionActor:
 
     async def _prune(self) -> None:
         cutoff = now_us() - self._max_age_us
+        prune = functools.partial(
+            self._store.prune_events, keep=self._keep, older_than_us=cutoff, at_most=PRUNE_BATCH
+        )
         try:
             faults.point("retention.prune")
-            prune = functools.partial(
-                self._store.prune_events, keep=self._keep, older_than_us=cutoff
-            )
-            pruned = await trio.to_thread.run_sync(prune, limiter=self._limiter)
+            # A batch per transaction and per turn of the store's thread, so that the -wal
+            # stays small and folds, ACKs and reads go on between them (STORE-88).
+            while (pruned := await trio.to_thread.run_sync(prune, limiter=self._limiter)) > 0:
+                self._pruned += pruned
+                if pruned < PRUNE_BATCH:
+                    break
         except StorageError as exc:
             log.warning("event pruning deferred: %s", describe(exc))
             return
         self._runs += 1
-        self._pruned += pruned
         try:
             remove = functools.partial(self._store.remove_gone_subscribers, older_than_us=cutoff)
             removed = await trio.to_thread.run_sync(remove, limiter=self._limiter)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 import sqlite3
 import threading
@@ -31,7 +32,7 @@ from healthlog.fold import NO_LAYER, BudgetExceeded
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage import _sqlite
-from healthlog.storage._sqlite import Deferred, StorageError
+from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred, StorageError
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.rebuild import reindex
 from healthlog.storage.status import collect_status
@@ -1108,3 +1109,28 @@ def test_a_buddhist_era_year_is_read_as_its_gregorian_year_parse_41(
         (march_first + 6 * US_PER_HOUR + 5 * 60_000_000,) * 2,
     ]
     assert sorted(stored.values()) == sorted(orjson.dumps(p) for p in buddhist)
+
+
+async def test_a_large_prune_keeps_the_wal_small_store_88(tmp_path: Path) -> None:
+    """STORE-88: 60,000 events past the window (as a reindex that changed every object leaves
+    them for the retention 30 days later) are pruned by one retention pass, a batch of
+    PRUNE_BATCH events per transaction, so that store.sqlite-wal stays under WAL_SIZE_LIMIT,
+    and the store takes other writes between the batches; the newest `keep` stay."""
+    path = tmp_path / "store.sqlite"
+    with Store(path):
+        pass
+    payload = orjson.dumps({"metric": "hr", "layer": "minutes", "hash": "00" * 32}).decode()
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("BEGIN")
+        conn.executemany(
+            "INSERT INTO events (id, kind, payload, at) VALUES (?, 'object.changed', ?, 1)",
+            ((f"old.{n}", payload * 3) for n in range(60_000)),
+        )
+        conn.execute("COMMIT")
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    with Store(path) as store:
+        statistics = await retention_pass(store, keep=1_000)
+        assert statistics.pruned == 59_000
+        assert store.event_window() == (59_000, 60_000)
+        # Its largest transaction's size, or the limit it is cut back to when that was larger.
+        assert os.stat(f"{path}-wal").st_size < WAL_SIZE_LIMIT
