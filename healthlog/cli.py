@@ -735,7 +735,10 @@ def _status_text(status: documents.Status) -> str:
         f"stream      {status.stream.id} of instance {status.stream.instance},"
         f" head {status.stream.head}, replayable after {status.stream.oldest_cursor}",
         f"snapshot key (Ed25519) {status.stream.public_key}",
-        *(f"subscriber  {name} acked {seq}" for name, seq in status.subscribers.items()),
+        *(
+            f"subscriber  {name} acked {seq}, last ACK {status.subscribers_last_ack[name]}"
+            for name, seq in status.subscribers.items()
+        ),
     ]
     return "\n".join(lines)
 

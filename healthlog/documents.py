@@ -61,6 +61,9 @@ class Status:
     first_pass_completed: bool
     subscribers: dict[str, int]
     stream: StreamInfo
+    subscribers_last_ack: dict[str, str]
+    """When each subscriber's last ACK was stored: one silent for ``stream_window_days`` whose
+    cursor is older than the window is removed (STORE-89)."""
 
 
 @attrs.frozen

@@ -23,7 +23,7 @@ from _hostile_corpus import corpus
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 
-from healthlog import faults
+from healthlog import clock, faults
 from healthlog.fold import NO_LAYER, UNKNOWN_HEADER
 from healthlog.hae import MAX_BODY_NESTING, MIN_BYTES_PER_VALUE, RECORD_SECTIONS
 from healthlog.storage import _sqlite
@@ -644,7 +644,7 @@ def test_status_before_any_pass_says_so_in_words_cli_13_cli_14_cli_50(
     ), lines[2]
     assert lines[3] == f"lease       holder elsewhere, epoch {epoch}"
     assert lines[4] == "first pass  not completed"
-    assert "subscriber  nas acked 0" in lines[5:]
+    assert any(line.startswith("subscriber  nas acked 0, last ACK ") for line in lines[5:])
     assert "no_pass_yet" not in text
     assert "None" not in text
 
@@ -1361,3 +1361,30 @@ def test_no_source_token_or_value_reaches_the_output_cli_17(
         for secret in SECRETS:
             assert secret not in run.err
             assert secret.encode() not in run.out
+
+
+def test_status_says_when_each_subscriber_last_acked_store_89(cli: Cli, tmp_path: Path) -> None:
+    """STORE-89: `status` and `status --json` say when each named subscriber's last ACK was
+    stored, beside its cursor: one silent for 40 days (a laptop given away) is told from one
+    that acked now, which its cursor alone does not tell."""
+    data = tmp_path / "data"
+    with DataDir(data).open_journal(), DataDir(data).open_store() as store:
+        clock.jump(-40 * 86_400)
+        try:
+            before = clock.now_us()
+            store.ack("laptop", 7)
+            after = clock.now_us()
+        finally:
+            clock.jump(40 * 86_400)
+        store.ack("desk", 9)
+    status = status_of(cli, data)
+    assert status["subscribers"] == {"laptop": 7, "desk": 9}
+    last = status["subscribers_last_ack"]
+    assert sorted(last) == ["desk", "laptop"]
+    assert before <= parse_instant(last["laptop"]) <= after
+    assert clock.now_us() - parse_instant(last["desk"]) < 86_400 * 10**6
+    run = cli("status", "--data", data)
+    assert run.code == 0, run.err
+    lines = run.out.decode().splitlines()
+    assert f"subscriber  laptop acked 7, last ACK {last['laptop']}" in lines
+    assert f"subscriber  desk acked 9, last ACK {last['desk']}" in lines

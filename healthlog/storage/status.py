@@ -54,6 +54,7 @@ def collect_status(
     lease = store.lease()
     now = clock.now_us()
     window_start, head = store.event_window()
+    acks = store.subscriber_acks()
     return Status(
         journal=JournalFigures(deliveries, size),
         deliveries=DeliveryCounts(
@@ -69,7 +70,7 @@ def collect_status(
         ),
         lease=LeaseInfo(lease.holder, lease.epoch),
         first_pass_completed=bool(store.mark(FIRST_PASS_MARK)),
-        subscribers=store.subscribers(),
+        subscribers={name: acked for name, (acked, _) in acks.items()},
         stream=StreamInfo(
             id=store.stream_id(),
             instance=journal.instance_id(),
@@ -77,6 +78,7 @@ def collect_status(
             oldest_cursor=window_start,
             public_key=public_key,
         ),
+        subscribers_last_ack={name: format_instant(at) for name, (_, at) in acks.items()},
     )
 
 

@@ -1029,9 +1029,13 @@ class Store(_objects.ObjectDatabase):
             )
 
     def subscribers(self) -> dict[str, int]:
+        return {name: acked for name, (acked, _) in self.subscriber_acks().items()}
+
+    def subscriber_acks(self) -> dict[str, tuple[int, int]]:
+        """Each named subscriber's stored cursor and when its last ACK was stored (µs)."""
         with self._lock:
-            rows = self._conn.execute("SELECT name, acked FROM subscribers")
-            return {str(n): int(a) for n, a in rows}
+            rows = self._conn.execute("SELECT name, acked, acked_at FROM subscribers")
+            return {str(n): (int(a), int(t)) for n, a, t in rows}
 
     # -- change events and subscribers (R1 to R5) -------------------------------------------
 
