@@ -157,9 +157,10 @@ class DeliveryFolded:
 @attrs.define
 class EventFrame:
     """A server-to-client event frame of the replay stream: ``{"type": "event", "seq", "id",
-    "kind", ...}``, the stored event's fields (:class:`ObjectChanged`, :class:`DeliveryFolded`)
-    after the head, and last, for an ``object.changed`` event only, ``object``: the object's
-    current state (``healthlog.objects.to_wire``), None once it is gone.
+    "tag", "kind", ...}`` (``tag`` only for an event that has one), the stored event's fields
+    (:class:`ObjectChanged`, :class:`DeliveryFolded`) after the head, and last, for an
+    ``object.changed`` event only, ``object``: the object's current state
+    (``healthlog.objects.to_wire``), None once it is gone.
 
     ``event`` is the event as stored, handed on as it was read: replay does not build a class
     instance for each stored event only to take it apart again. Not frozen: one is built for
@@ -171,16 +172,29 @@ class EventFrame:
     kind: str
     event: Mapping[str, Any]
     object: dict[str, Any] | None = None
+    # The event's random tag, which a subscriber resumes with (STREAM-111); None (left out of
+    # the frame) for an event written before events had tags.
+    tag: str | None = None
 
 
 def _unstructure_event_frame(frame: EventFrame) -> dict[str, Any]:
-    document = {
-        "type": frame.type,
-        "seq": frame.seq,
-        "id": frame.id,
-        "kind": frame.kind,
-        **frame.event,
-    }
+    if frame.tag is None:
+        document = {
+            "type": frame.type,
+            "seq": frame.seq,
+            "id": frame.id,
+            "kind": frame.kind,
+            **frame.event,
+        }
+    else:
+        document = {
+            "type": frame.type,
+            "seq": frame.seq,
+            "id": frame.id,
+            "tag": frame.tag,
+            "kind": frame.kind,
+            **frame.event,
+        }
     if frame.kind == ObjectChanged.KIND:
         document["object"] = frame.object
     return document
@@ -191,15 +205,18 @@ converter.register_unstructure_hook(EventFrame, _unstructure_event_frame)
 
 @attrs.frozen
 class ErrorFrame:
-    """A server-to-client error frame: ``{"type": "error", "code"}``, and the one field its
+    """A server-to-client error frame: ``{"type": "error", "code"}``, and the field its
     code carries: ``head`` (``CURSOR_IN_FUTURE``), ``sent`` (``ACK_BEYOND_SENT``) or
-    ``snapshot`` (``CURSOR_TOO_OLD``); a field that is None is left out."""
+    ``snapshot`` (``CURSOR_TOO_OLD``), with ``diverged`` true when the cursor is not one of
+    this stream's history (its event is another, STREAM-111); a field that is None is left
+    out."""
 
     type: str = attrs.field(default="error", init=False)
     code: str
     head: int | None = None
     sent: int | None = None
     snapshot: Manifest | None = None
+    diverged: bool | None = None
 
 
 converter.register_unstructure_hook(

@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -317,6 +318,15 @@ def validate(
         manifest, digest, public_key=public_key, instance=instance, stream=stream, after=after
     )
     return list(snapshots.read(io.BytesIO(data), manifest))
+
+
+def event_tag(data: DataDir, seq: int) -> str | None:
+    """The tag the store of ``data`` holds for event ``seq`` (STREAM-111), read with a
+    connection of its own."""
+    with contextlib.closing(sqlite3.connect(data.store_path)) as conn:
+        row = conn.execute("SELECT tag FROM events WHERE seq = ?", (seq,)).fetchone()
+    assert row is not None, f"no event {seq}"
+    return None if row[0] is None else str(row[0])
 
 
 def revoke_token(path: Path) -> None:

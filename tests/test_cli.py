@@ -995,6 +995,7 @@ def test_a_data_directory_of_the_previous_schema_lists_the_same_cli_45(
         conn.execute("DROP TABLE counter_totals")
         conn.execute("ALTER TABLE checkpoint DROP COLUMN outcomes")
         conn.execute("ALTER TABLE checkpoint DROP COLUMN outcome_ids")
+        conn.execute("ALTER TABLE events DROP COLUMN tag")
         conn.execute(f"PRAGMA user_version = {len(BEFORE_LISTED_INDEX)}")
     assert cli("status", "--failed", "--partial", "--data", data).out == plain
     assert [listed(cli, data, *f) for f in flags] == documents

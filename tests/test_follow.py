@@ -52,6 +52,7 @@ from _stream_helpers import (
     FRAME_LIMIT_S,
     HEAD_END,
     acked,
+    event_tag,
     fold_metrics,
     following_process,
     head,
@@ -207,6 +208,7 @@ async def test_follow_resumes_after_server_restart(tmp_path: Path) -> None:
                 stream,
                 (await second.status())["stream"]["public_key"],
                 total,
+                event_tag(second.data, total),
             )
             assert await replica_export(replica) == await server_export(second)
             assert snapshot_files.latest(second.data.snapshot_dir, stream) is None

@@ -43,9 +43,10 @@ from _stream_helpers import (
     replica_export,
     revoke_token,
     server_export,
+    serving_process,
     until_cursor,
 )
-from conftest import RunCli
+from conftest import CliRun, RunCli
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import (
     AcceptConnection,
@@ -529,6 +530,82 @@ async def test_a_store_restored_from_a_backup_is_followed_again_stream_76(
                     " CURSOR_IN_FUTURE)" in caplog.text
                 )
                 assert await cursor_of(live_replica) == back["head"]
+
+
+DIVERGED = (
+    "follow: the service's stream holds other changes than the replica's at seq {} (its store"
+    " restored from a backup, or a copy of its data directory?); restoring its snapshot"
+)
+
+
+async def follow_process(run_cli: RunCli, service: Service, replica: Path) -> CliRun:
+    """``healthlog follow --until-caught-up`` of ``service`` into ``replica``, a real process."""
+    return await trio.to_thread.run_sync(
+        functools.partial(
+            run_cli,
+            *("follow", "--url", service.url, "--token", service.token),
+            *("--replica", replica, "--until-caught-up"),
+        )
+    )
+
+
+def warnings_of(run: CliRun) -> list[str]:
+    """The messages of the records at WARNING or above that a command wrote on stderr."""
+    return [
+        line.split(' msg="', 1)[1].rstrip('"').replace('\\"', '"')
+        for line in run.err.splitlines()
+        if " level=WARNING " in line or " level=ERROR " in line
+    ]
+
+
+@pytest.mark.parametrize(
+    "later",
+    [
+        pytest.param((300, 360, 420, 480), id="past_the_cursor_stream_111"),
+        pytest.param((300, 360, 420), id="to_the_cursor_stream_112"),
+    ],
+)
+async def test_a_store_restored_then_written_again_is_followed_again_stream_111_stream_112(
+    tmp_path: Path, run_cli: RunCli, later: tuple[int, ...]
+) -> None:
+    """STREAM-111, STREAM-112: GIVEN a `healthlog serve` whose data directory is restored from
+    a backup taken (the service stopped) before its last 3 deliveries, its head back from 10
+    to 4, WHEN it folds new deliveries whose events reach past the cursor of a follower caught
+    up before the restore (head 12), or exactly to it (head 10), THEN `healthlog follow
+    --until-caught-up` logs one WARNING saying so, restores the snapshot, exits 0, and `export
+    --replica` writes what `export` writes on the service; a follower caught up at 4, before
+    the backup, resumes with no WARNING and ends equal too. (Before, both
+    diverged followers exited 0 at once or after the events past their cursor, holding three
+    objects the service no longer had and lacking those it now had, for good.)"""
+    server, saved = tmp_path / "server", tmp_path / "saved"
+    replica, common = tmp_path / "replica", tmp_path / "common"
+    async with serving_process(server) as service:
+        before = await post_small(service, 0, 60)
+        assert (await follow_process(run_cli, service, common)).code == 0
+    shutil.copytree(server, saved)
+    revoke_token(server)
+    async with serving_process(server) as service:
+        ahead = await post_small(service, 120, 180, 240)
+        assert (await follow_process(run_cli, service, replica)).code == 0
+    shutil.rmtree(server)
+    shutil.copytree(saved, server)
+    revoke_token(server)
+    async with serving_process(server) as service:
+        again = await post_small(service, *later)
+        assert (before, ahead, again) == (4, 10, 4 + 2 * len(later))
+        diverged = await follow_process(run_cli, service, replica)
+        kept = await follow_process(run_cli, service, common)
+    exported = run_cli("export", "--data", server)
+    assert exported.code == 0
+    assert exported.out.count(b"\n") == 2 + len(later)
+    assert diverged.code == 0, diverged.err
+    assert warnings_of(diverged) == [DIVERGED.format(ahead)]
+    assert diverged.err.splitlines()[-1] == f"follow: replica at seq {again}"
+    assert run_cli("export", "--replica", replica).out == exported.out
+    assert kept.code == 0, kept.err
+    assert warnings_of(kept) == []
+    assert kept.err.splitlines()[-1] == f"follow: replica at seq {again}"
+    assert run_cli("export", "--replica", common).out == exported.out
 
 
 async def test_a_second_follower_of_a_replica_is_refused_stream_77(

@@ -914,6 +914,8 @@ def test_event_window_reads_the_ends_of_the_key_only_store_48(
 FOLDED_FOR_TOTALS = 600
 LATER_CHECKPOINT_COLUMNS = ("outcomes", "outcome_ids")
 """The columns the migrations after the counters' totals add (STORE-60)."""
+LATER_EVENT_COLUMNS = ("tag",)
+"""The column the migration after the checkpoint's adds (STREAM-111)."""
 TOTALS = ("points", "points_erased", "overwrites", "objects_written", "points_rejected")
 
 
@@ -959,6 +961,8 @@ def test_counter_totals_read_a_row_per_counter_store_58(
         conn.execute("DROP TABLE counter_totals")
         for column in LATER_CHECKPOINT_COLUMNS:
             conn.execute(f"ALTER TABLE checkpoint DROP COLUMN {column}")
+        for column in LATER_EVENT_COLUMNS:
+            conn.execute(f"ALTER TABLE events DROP COLUMN {column}")
         conn.execute(f"PRAGMA user_version = {before_totals}")
     with Store(store.path) as upgraded:
         assert upgraded.counter_totals(TOTALS) == expected
@@ -999,10 +1003,13 @@ def test_a_pass_selects_from_the_deliveries_after_the_checkpoint_store_60(
     assert max(store_steps, journal_steps) < 10, (store_steps, journal_steps)
 
     store.close()
+    before_checkpoint = next(v for v, script in enumerate(MIGRATIONS) if "outcome_ids" in script)
     with closing(sqlite3.connect(store.path)) as conn, conn:
         for column in LATER_CHECKPOINT_COLUMNS:
             conn.execute(f"ALTER TABLE checkpoint DROP COLUMN {column}")
-        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) - 1}")
+        for column in LATER_EVENT_COLUMNS:
+            conn.execute(f"ALTER TABLE events DROP COLUMN {column}")
+        conn.execute(f"PRAGMA user_version = {before_checkpoint}")
     with Store(store.path) as upgraded:
         ids, store_steps, journal_steps = pending_steps(journal, upgraded)
         assert ids == [newer.id]

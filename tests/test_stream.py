@@ -85,7 +85,7 @@ from transport import serve as serve_module
 from transport.stream import StreamEndpoint
 
 SNAPSHOT_KEYS = {"url", "seq", "sha256", "schema", "instance", "stream", "signature"}
-FRAME_KEYS = {"type", "seq", "id", "kind"}
+FRAME_KEYS = {"type", "seq", "id", "tag", "kind"}
 CHANGED_KEYS = FRAME_KEYS | {"metric", "layer", "hour", "hash", "points", "delivery_id", "object"}
 FOLDED_KEYS = FRAME_KEYS | {"delivery_id", "status", "counters"}
 SEND_TIMEOUT_S = 1.0
@@ -537,6 +537,45 @@ async def test_refused_subscriber_closing_at_once_logs_no_error(tmp_path: Path) 
             await process.wait()
     assert process.returncode == 0, err.read_text()
     assert severe_lines(err.read_text()) == []
+
+
+async def test_a_cursor_whose_event_is_another_is_refused_stream_114(tmp_path: Path) -> None:
+    """STREAM-114: every event frame carries a tag of 16 hex digits, each event its own; a
+    subscriber resuming with the tag of the event at its cursor is sent that event again, then
+    those after it (at the head, that one event); with another tag it gets CURSOR_TOO_OLD with
+    ``diverged`` true and a snapshot, close 4410; without one, the events after its cursor as
+    before; a tag that is not one is BAD_CURSOR; and a cursor whose event was pruned cannot be
+    checked: the events after it come as without a tag."""
+    async with serving(tmp_path) as service:
+        total = await post_small(service, 0, 60, 120)
+        async with subscribe(service, after=0) as ws:
+            frames = await receive(ws, total)
+        tags = [frame["tag"] for frame in frames]
+        assert all(re.fullmatch("[0-9a-f]{16}", tag) for tag in tags), tags
+        assert len(set(tags)) == total
+
+        async with subscribe(service, after=4, tag=tags[3]) as ws:
+            assert await receive(ws, 3) == frames[3:]
+        async with subscribe(service, after=total, tag=tags[-1]) as ws:
+            assert await receive(ws, 1) == frames[-1:]
+        async with subscribe(service, after=4, tag=tags[2]) as ws:
+            frame, code = await refusal(ws)
+        assert code == 4410
+        assert set(frame) == {"type", "code", "snapshot", "diverged"}
+        assert (frame["code"], frame["diverged"], frame["snapshot"]["seq"]) == (
+            "CURSOR_TOO_OLD",
+            True,
+            total,
+        )
+        async with subscribe(service, after=4) as ws:
+            assert await receive(ws, 2) == frames[4:]
+        for bad in ("", "not hex!", "a" * 65, "\u0661" * 16):
+            async with subscribe(service, after=4, tag=bad) as ws:
+                assert await refusal(ws) == ({"type": "error", "code": "BAD_CURSOR"}, 4400)
+
+        await prune(service.data, keep=2)
+        async with subscribe(service, after=total - 2, tag="0" * 16) as ws:
+            assert await receive(ws, 2) == frames[4:]
 
 
 async def test_cursor_older_than_window(tmp_path: Path) -> None:

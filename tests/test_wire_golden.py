@@ -5,7 +5,8 @@ the same objects, so every frame it sends, every event payload and outcome's cou
 stores, and the snapshot file and signed reference it builds are known to the byte. The
 expected texts below were taken from the code before these documents became attrs classes
 (T3); a change of a byte here is a change for followers, replicas and older snapshots'
-signatures.
+signatures. The one change since: each event frame carries its event's random ``tag`` after its
+``id`` (STREAM-111), set here to a known value once written.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import re
 import sqlite3
 from pathlib import Path
 
@@ -108,8 +110,12 @@ SNAPSHOT_LINES = [
 
 
 def event_frame(seq: int) -> str:
-    """The frame of event ``seq``: its head, its stored payload, its object if it names one."""
-    head = f'{{"type":"event","seq":{seq},"id":"{STREAM}:{seq}","kind":"{KINDS[seq - 1]}",'
+    """The frame of event ``seq``: its head (its tag as :func:`fixed_tags` set it), its stored
+    payload, its object if it names one."""
+    head = (
+        f'{{"type":"event","seq":{seq},"id":"{STREAM}:{seq}","tag":"{seq:016x}",'
+        f'"kind":"{KINDS[seq - 1]}",'
+    )
     tail = "" if OBJECTS[seq - 1] is None else f',"object":{OBJECTS[seq - 1]}'
     return head + PAYLOADS[seq - 1][1:-1] + tail + "}"
 
@@ -127,6 +133,16 @@ def fixed_data_dir(path: Path) -> DataDir:
     with contextlib.closing(sqlite3.connect(data.store_path)) as conn, conn:
         conn.execute("UPDATE marks SET value = ? WHERE key = 'stream'", (f'"{STREAM}"',))
     return data
+
+
+def fixed_tags(data: DataDir) -> None:
+    """Check that every event was written with a tag of 16 hex digits (random: STREAM-111),
+    then set event ``seq``'s to ``seq`` in 16 hex digits, so that its frame is known."""
+    with contextlib.closing(sqlite3.connect(data.store_path)) as conn, conn:
+        tags = [r[0] for r in conn.execute("SELECT tag FROM events ORDER BY seq")]
+        assert all(re.fullmatch("[0-9a-f]{16}", tag) for tag in tags), tags
+        assert len(set(tags)) == len(tags)
+        conn.execute("UPDATE events SET tag = printf('%016x', seq)")
 
 
 async def messages(ws: WebSocketConnection) -> list[str]:
@@ -162,6 +178,7 @@ async def test_wire_bytes(tmp_path: Path) -> None:
             PAYLOADS,
             [FAILED_COUNTERS if n == 4 else PARSED_COUNTERS for n in range(1, 5)],
         )
+        fixed_tags(data)
         async with subscribe(service, after=0) as ws:
             with trio.fail_after(FRAME_LIMIT_S):
                 frames = [await ws.get_message() for _ in range(total)]

@@ -13,10 +13,13 @@ stale (404) before its fetch; a connection silent past its keepalive time and th
 request not answered within its timeout, a snapshot download that falls below its pace (stalled
 or trickled), a snapshot at its cursor, and a service whose store went
 back behind its cursor (restored from a backup: it then restores the snapshot) are retried
-alike. A token that cannot be sent as a header value is refused before connecting, and a
-request of its own that is not valid HTTP stops it: no retry could send either. What it logs
-of an error never quotes a request (a header value, the token's included). One follower at a
-time writes a replica: a second is refused.
+alike. The replica keeps the tag of the event at its cursor and resumes with it: a service
+whose event at that seq is another (its store went back and then on with other changes, or a
+copy of its data directory) refuses it ``diverged``, and the snapshot is restored. A token
+that cannot be sent as a header value is refused before connecting, and a request of its own
+that is not valid HTTP stops it: no retry could send either. What it logs of an error never
+quotes a request (a header value, the token's included). One follower at a time writes a
+replica: a second is refused.
 
 For ``https://`` and ``wss://`` URLs both the HTTP calls and the websocket go over TLS, verified
 with one ``ssl.SSLContext`` (by default the system's trust store, checking the host name), and
@@ -111,6 +114,8 @@ SNAPSHOT_RESERVE_BYTES = 64 * 2**20
 # was read; the next session sees its head behind the cursor and restores its snapshot.
 RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY", "CURSOR_IN_FUTURE"})
 STREAM_PATH = "/v1/stream"
+# The longest event tag kept and sent back (the service's are 16 hex digits).
+MAX_TAG = 64
 # The stream's close code for a missing, unknown or revoked token (interfaces.md).
 CLOSE_UNAUTHORIZED = 4401
 
@@ -342,14 +347,29 @@ class Follower:
             self._target = stream.head
         if self._target is None:
             self._target = stream.head
-        if self.until_caught_up and self.subscriber is None and binding.cursor >= self._target:
+        if (
+            self.until_caught_up
+            and self.subscriber is None
+            and binding.cursor >= self._target
+            and binding.tag is None
+        ):
+            # With the tag of the event at its cursor, the stream connection checks that the
+            # service still holds that event (STREAM-112), also at the head.
             return True
-        return await self._stream(http, context, binding.cursor, stream.id)
+        return await self._stream(http, context, binding.cursor, stream.id, binding.tag)
 
     async def _stream(
-        self, http: httpx.AsyncClient, context: ssl.SSLContext, after: int, stream: str
+        self,
+        http: httpx.AsyncClient,
+        context: ssl.SSLContext,
+        after: int,
+        stream: str,
+        tag: str | None = None,
     ) -> bool:
         query = {"after": str(after)}
+        if tag is not None:
+            # The service refuses a cursor whose event it holds as another (STREAM-111).
+            query["tag"] = tag
         if self.subscriber is not None:
             query["subscriber"] = self.subscriber
         resource = f"{self.endpoints.ws_path}?{urllib.parse.urlencode(query)}"
@@ -389,20 +409,27 @@ class Follower:
             if now.head < after:
                 # Its store restored from a backup meanwhile: the next session restores.
                 raise ConnectionLost("the service's stream went back while connecting")
-            return await self._receive(http, ws, after, stream)
+            return await self._receive(http, ws, after, stream, checked=tag is None)
         finally:
             await tcp.aclose()
 
     async def _receive(
-        self, http: httpx.AsyncClient, ws: StreamSocket, after: int, stream: str
+        self,
+        http: httpx.AsyncClient,
+        ws: StreamSocket,
+        after: int,
+        stream: str,
+        *,
+        checked: bool = True,
     ) -> bool:
-        """Apply frames in batches while the next ones are read and decoded."""
+        """Apply frames in batches while the next ones are read and decoded; unless
+        ``checked``, the cursor's tag was sent, and it is caught up only once an event came."""
         batches_in, batches = trio.open_memory_channel[_Batch](READ_AHEAD)
         refused: FollowError | StorageError | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_read_ahead, ws, batches_in)
             try:
-                done = await self._apply(http, ws, batches, after, stream)
+                done = await self._apply(http, ws, batches, after, stream, checked=checked)
             except (FollowError, StorageError) as exc:
                 # Raised again below, outside the nursery: callers catch these by type.
                 refused, done = exc, False
@@ -420,12 +447,17 @@ class Follower:
         batches: trio.MemoryReceiveChannel[_Batch],
         after: int,
         stream: str,
+        *,
+        checked: bool = True,
     ) -> bool:
-        """Apply each batch in one replica transaction and acknowledge; True once caught up."""
+        """Apply each batch in one replica transaction and acknowledge; True once caught up,
+        and, unless ``checked`` (the cursor's tag was sent), an event came: the one at the
+        cursor, sent again, says that the service holds it (STREAM-112), or, where it can no
+        longer tell (pruned to the cursor), one after it."""
         acks = AckTracker(after)
         acked = after
         while True:
-            if self._caught_up(acks.contiguous):
+            if checked and self._caught_up(acks.contiguous):
                 await ws.send(_ack_frame(acks.contiguous))
                 return True
             if acks.contiguous - acked >= ACK_EVERY:
@@ -454,9 +486,10 @@ class Follower:
             skipped = batch.gap(acks.contiguous)
             if skipped is not None:
                 batch = batch.before(skipped)
+            checked = checked or bool(batch.seqs)
             if batch.seqs:
                 await trio.to_thread.run_sync(
-                    self.replica.apply, stream, batch.changes, batch.seqs[-1]
+                    self.replica.apply, stream, batch.changes, batch.seqs[-1], batch.tags[-1]
                 )
                 self._progressed()
                 for seq in batch.seqs:
@@ -476,7 +509,19 @@ class Follower:
                     manifest = _structured(
                         error.get("snapshot"), Manifest, "the snapshot reference"
                     )
-                    if manifest.seq == acks.contiguous:
+                    if error.get("diverged") is True:
+                        # The service's event at the cursor is another than the one applied:
+                        # its store went back (restored from a backup, or another copy of its
+                        # data directory) and then on with other changes under the same
+                        # numbers. Only its snapshot, even one at the cursor, makes the
+                        # replica equal to it again.
+                        log.warning(
+                            "follow: the service's stream holds other changes than the"
+                            " replica's at seq %d (its store restored from a backup, or a"
+                            " copy of its data directory?); restoring its snapshot",
+                            acks.contiguous,
+                        )
+                    elif manifest.seq == acks.contiguous:
                         # Nothing to restore, and reconnecting at once would get the same
                         # answer: a lost connection, retried after the backoff.
                         raise ConnectionLost("the server's snapshot is at the cursor, not past it")
@@ -799,15 +844,18 @@ class _Batch:
     changes: list[Change]
     errors: list[dict[str, Any]]
     malformed: str | None = None
+    # The tag of each event, by its place in ``seqs`` (None for an event without one).
+    tags: list[str | None] = attrs.field(factory=list)
 
     @classmethod
     def decode(cls, messages: list[str | None]) -> _Batch:
         seqs: list[int] = []
         changes: list[Change] = []
         errors: list[dict[str, Any]] = []
+        tags: list[str | None] = []
         for message in messages:
             if message is None:
-                return cls(seqs, changes, errors, "a binary frame")
+                return cls(seqs, changes, errors, "a binary frame", tags)
             try:
                 frame = orjson.loads(message)
                 kind = frame.get("type")
@@ -817,13 +865,14 @@ class _Batch:
                         raise TypeError("a sequence that is not an integer")
                     change = _change(frame) if frame.get("kind") == ObjectChanged.KIND else None
                     seqs.append(seq)
+                    tags.append(_tag(frame.get("tag")))
                     if change is not None:
                         changes.append(change)
                 elif kind == "error":
                     errors.append(frame)
             except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
-                return cls(seqs, changes, errors, type(exc).__name__)
-        return cls(seqs, changes, errors)
+                return cls(seqs, changes, errors, type(exc).__name__, tags)
+        return cls(seqs, changes, errors, tags=tags)
 
     def gap(self, cursor: int) -> int | None:
         """The first sequence that does not follow the ones before it from ``cursor`` (a
@@ -836,8 +885,9 @@ class _Batch:
 
     def before(self, seq: int) -> _Batch:
         """The events before ``seq``, the first of a gap, without the error frames after it."""
+        end = self.seqs.index(seq)
         return _Batch(
-            self.seqs[: self.seqs.index(seq)], [c for c in self.changes if c.seq < seq], []
+            self.seqs[:end], [c for c in self.changes if c.seq < seq], [], tags=self.tags[:end]
         )
 
     def joined(self, other: _Batch) -> _Batch:
@@ -846,7 +896,16 @@ class _Batch:
             self.changes + other.changes,
             self.errors + other.errors,
             other.malformed,
+            self.tags + other.tags,
         )
+
+
+def _tag(value: Any) -> str | None:
+    """An event frame's ``tag`` as the follower keeps and sends it back: the service writes 16
+    hex digits; anything else (none, a server of another version) is no tag."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_TAG and value.isascii() and value.isalnum():
+        return value
+    return None
 
 
 async def _read_ahead(ws: StreamSocket, batches: trio.MemorySendChannel[_Batch]) -> None:

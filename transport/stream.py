@@ -36,6 +36,15 @@ that subscription only: close 1011 without an error frame, which the reference f
 a lost connection and reconnects after its backoff, from its cursor; one WARNING names the
 error's type. The event hub runs under the runtime's supervision (``app.py``).
 
+A subscriber may resume with ``tag``, the tag of the event at its cursor as its frame carried
+it: where this store's event at that seq has another (the store restored from a backup, or a
+copy of the data directory, went on with other changes under the same numbers), the cursor is
+not one of this history, and the subscriber is refused as one older than the window, its error
+frame saying ``diverged`` (STREAM-111); where it is the same, the replay starts with the event at
+the cursor, sent again, so that a subscriber at the head learns that its cursor holds too. An
+event at the cursor that is no longer held (pruned to the cursor) cannot be checked: the replay
+goes on after it. Without ``tag`` nothing changes.
+
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
 older than the online window (after an error frame with a signed snapshot reference), 1001
@@ -74,6 +83,8 @@ STREAM_PATH = "/v1/stream"
 PAGE = 256
 PAGE_BYTES = 4 * 2**20
 MAX_SUBSCRIBER = 128
+# An event's tag as a subscriber may send it back: the store writes 16 hex digits.
+MAX_TAG = 64
 MAX_CLIENT_MESSAGE_BYTES = 64 * 1024
 """The largest message a subscriber may send (an ACK takes some 30 bytes); a longer one is
 closed with 1009 before it is whole. hypercorn's default, 16 MiB, let every subscriber with a
@@ -190,7 +201,8 @@ class HandshakeRefusals:
 
 class StreamRefused(Exception):
     """A reason to end a subscription with an error frame (unless ``frame`` is False) and a
-    close code; ``head``, ``sent`` and ``snapshot`` are the error frame's fields."""
+    close code; ``head``, ``sent``, ``snapshot`` and ``diverged`` are the error frame's
+    fields."""
 
     def __init__(
         self,
@@ -200,12 +212,13 @@ class StreamRefused(Exception):
         head: int | None = None,
         sent: int | None = None,
         snapshot: Manifest | None = None,
+        diverged: bool | None = None,
         frame: bool = True,
     ) -> None:
         super().__init__(code)
         self.code = code
         self.close = close
-        self.error = ErrorFrame(code, head=head, sent=sent, snapshot=snapshot)
+        self.error = ErrorFrame(code, head=head, sent=sent, snapshot=snapshot, diverged=diverged)
         self.frame = frame
 
 
@@ -423,22 +436,42 @@ class StreamEndpoint:
         if not raw_after.isascii() or not raw_after.isdigit() or len(raw_after) > 18:
             raise StreamRefused("BAD_CURSOR", CLOSE_BAD_REQUEST)
         after = int(raw_after)
+        tag = query.get("tag")
+        if tag is not None and not (0 < len(tag) <= MAX_TAG and tag.isascii() and tag.isalnum()):
+            raise StreamRefused("BAD_CURSOR", CLOSE_BAD_REQUEST)
         window_start, head = await self._read(Store.event_window)
         if after > head:
             raise StreamRefused("CURSOR_IN_FUTURE", CLOSE_BAD_REQUEST, head=head)
         if after < window_start:
             await self._too_old(after)
-        return _Subscription(token, name, after, after)
+        start = after
+        if tag is not None and after > 0:
+            held, ours = await self._read(functools.partial(Store.event_tag, seq=after))
+            if held and ours != tag:
+                log.info(
+                    "stream: a subscriber's cursor (seq %d) is not in this stream's history (its"
+                    " event there is another); it is sent the snapshot",
+                    after,
+                )
+                await self._too_old(after, diverged=True)
+            if held:
+                # The event at the cursor is sent again, its tag the one the subscriber holds:
+                # the proof that its cursor is of this history, also at the head.
+                start = after - 1
+        return _Subscription(token, name, start, after)
 
-    async def _too_old(self, after: int) -> None:
-        """CURSOR_TOO_OLD with a snapshot; a snapshot that cannot be built (a full disk) closes
-        with 1011 and no frame, and the subscriber tries again later."""
+    async def _too_old(self, after: int, *, diverged: bool | None = None) -> None:
+        """CURSOR_TOO_OLD with a snapshot (``diverged``: the cursor is not of this history); a
+        snapshot that cannot be built (a full disk) closes with 1011 and no frame, and the
+        subscriber tries again later."""
         try:
             manifest = await self.snapshot_for(after)
         except (OSError, StorageError) as exc:
             log.warning("stream: no snapshot for a cursor too old: %s", snapshot_failure(exc))
             raise StreamRefused("SNAPSHOT_UNAVAILABLE", CLOSE_STORE_ERROR, frame=False) from None
-        raise StreamRefused("CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, snapshot=manifest)
+        raise StreamRefused(
+            "CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, snapshot=manifest, diverged=diverged
+        )
 
     async def _send_loop(self, sub: _Subscription, send: Send) -> None:
         stream = await self._read(Store.stream_id)
@@ -521,5 +554,7 @@ _unstructure_event = converter.get_unstructure_hook(EventFrame)
 
 def _frame(stream: str, event: Event, current: HourlyObject | None) -> str:
     state = None if current is None else to_wire(current)
-    frame = EventFrame(event.seq, f"{stream}:{event.seq}", event.kind, event.payload, state)
+    frame = EventFrame(
+        event.seq, f"{stream}:{event.seq}", event.kind, event.payload, state, event.tag
+    )
     return orjson.dumps(_unstructure_event(frame)).decode()

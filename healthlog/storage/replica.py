@@ -51,6 +51,11 @@ MIGRATIONS = (
     );
     INSERT INTO binding VALUES (1, NULL, NULL, NULL, 0);
     """,
+    # The tag of the event at the cursor, as its frame carried it: the follower resumes with it,
+    # and the service tells whether that event is still the one at that seq (STREAM-111).
+    """
+    ALTER TABLE binding ADD COLUMN tag TEXT;
+    """,
 )
 
 
@@ -81,6 +86,9 @@ class Binding:
     stream: str | None
     public_key: str | None
     cursor: int
+    # The tag of the event at the cursor (None: unknown, after a snapshot or from a service
+    # whose events have none).
+    tag: str | None = None
 
 
 class Replica(_objects.ObjectDatabase):
@@ -110,7 +118,7 @@ class Replica(_objects.ObjectDatabase):
     def binding(self) -> Binding:
         with self._lock:
             row = self._conn.execute(
-                "SELECT instance, stream, public_key, cursor FROM binding WHERE id = 1"
+                "SELECT instance, stream, public_key, cursor, tag FROM binding WHERE id = 1"
             ).fetchone()
         return Binding(*row)
 
@@ -144,8 +152,11 @@ class Replica(_objects.ObjectDatabase):
             )
         return bound_key not in (None, public_key)
 
-    def apply(self, stream: str, changes: Sequence[Change], through: int) -> None:
-        """Apply changes of ``stream`` newer than the cursor and move it to ``through``."""
+    def apply(
+        self, stream: str, changes: Sequence[Change], through: int, tag: str | None = None
+    ) -> None:
+        """Apply changes of ``stream`` newer than the cursor and move it to ``through``, whose
+        event's tag is ``tag``."""
         with self._lock, write_transaction(self._conn):
             self._in_place()
             bound, cursor = self._conn.execute(
@@ -156,9 +167,10 @@ class Replica(_objects.ObjectDatabase):
             for change in changes:
                 if change.seq > cursor:
                     self._put(change.key, change.state)
-            self._conn.execute(
-                "UPDATE binding SET cursor = max(cursor, ?) WHERE id = 1", (through,)
-            )
+            if through > cursor:
+                self._conn.execute(
+                    "UPDATE binding SET cursor = ?, tag = ? WHERE id = 1", (through, tag)
+                )
 
     def restore(self, stream: str, seq: int, objects: Iterable[HourlyObject]) -> int:
         """Replace every object with a snapshot's and resume strictly after ``seq``; return
@@ -172,7 +184,8 @@ class Replica(_objects.ObjectDatabase):
                 self._put(obj.key, obj)
                 count += 1
             self._conn.execute(
-                "UPDATE binding SET stream = ?, cursor = ? WHERE id = 1", (stream, seq)
+                "UPDATE binding SET stream = ?, cursor = ?, tag = NULL WHERE id = 1",
+                (stream, seq),
             )
         return count
 

@@ -168,7 +168,17 @@ MIGRATIONS = (
     UPDATE checkpoint SET (outcomes, outcome_ids) =
         (SELECT count(*), coalesce(sum(delivery_id), 0) FROM outcomes);
     """,
+    # A random tag for each event as it is written (``EVENT_TAG``), sent in its frame: a
+    # subscriber that resumes with the tag of the event at its cursor is told when this store's
+    # event at that seq is another one (restored from a backup, or a copy of its data directory,
+    # that went on with other changes under the same numbers, STREAM-111). Events written
+    # before have none, and are not checked.
+    """
+    ALTER TABLE events ADD COLUMN tag TEXT;
+    """,
 )
+# The tag of an event as it is inserted: 64 random bits, as 16 hex digits.
+EVENT_TAG = "lower(hex(randomblob(8)))"
 # The statuses of the outcomes a delivery list holds (:meth:`Store.newest_outcomes`), which the
 # partial index ``outcomes_listed`` indexes, and its WHERE clause: SQLite takes a partial index
 # only for a query whose own WHERE holds that term, so each query of the lists holds it as is.
@@ -231,6 +241,8 @@ class Event:
     id: str
     kind: str
     payload: dict[str, Any]
+    # Random, written with the event; None for an event written before tags were (STREAM-111).
+    tag: str | None = None
 
 
 @attrs.frozen
@@ -710,14 +722,14 @@ class Store(_objects.ObjectDatabase):
 
     def _event(self, event_id: str, event: ObjectChanged | DeliveryFolded) -> None:
         self._conn.execute(
-            "INSERT INTO events (id, kind, payload, at) VALUES (?, ?, ?, ?)",
+            f"INSERT INTO events (id, kind, payload, at, tag) VALUES (?, ?, ?, ?, {EVENT_TAG})",
             (event_id, event.KIND, dumps(event).decode(), clock.now_us()),
         )
 
     def _events(self, events: Iterable[tuple[str, ObjectChanged | DeliveryFolded]]) -> None:
         """:meth:`_event` of each of ``events`` (id, event), in order, in one statement."""
         self._conn.executemany(
-            "INSERT INTO events (id, kind, payload, at) VALUES (?, ?, ?, ?)",
+            f"INSERT INTO events (id, kind, payload, at, tag) VALUES (?, ?, ?, ?, {EVENT_TAG})",
             (
                 (event_id, event.KIND, dumps(event).decode(), clock.now_us())
                 for event_id, event in events
@@ -1047,13 +1059,20 @@ class Store(_objects.ObjectDatabase):
         """Up to ``limit`` events with ``seq > after``, in sequence order."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT seq, id, kind, payload FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                "SELECT seq, id, kind, payload, tag FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
                 (after, limit),
             ).fetchall()
         return [
-            Event(seq, event_id, kind, orjson.loads(payload))
-            for seq, event_id, kind, payload in rows
+            Event(seq, event_id, kind, orjson.loads(payload), tag)
+            for seq, event_id, kind, payload, tag in rows
         ]
+
+    def event_tag(self, seq: int) -> tuple[bool, str | None]:
+        """Whether the event ``seq`` is held (not pruned, not beyond the head), and its tag
+        (None for one written before events had tags)."""
+        with self._lock:
+            row = self._conn.execute("SELECT tag FROM events WHERE seq = ?", (seq,)).fetchone()
+        return (False, None) if row is None else (True, row[0])
 
     def replay_page(
         self, after: int, limit: int, max_bytes: int
@@ -1070,7 +1089,7 @@ class Store(_objects.ObjectDatabase):
         size = 0
         with self._lock:
             cursor = self._conn.execute(
-                "SELECT e.seq, e.id, e.kind, e.payload, o.metric, o.layer, o.hour, o.units,"
+                "SELECT e.seq, e.id, e.kind, e.payload, e.tag, o.metric, o.layer, o.hour, o.units,"
                 " o.body, o.hash, o.first, o.last, o.points, o.created_by, o.sealed"
                 " FROM events AS e LEFT JOIN objects AS o ON e.kind = 'object.changed'"
                 " AND o.metric = json_extract(e.payload, '$.metric')"
@@ -1083,17 +1102,17 @@ class Store(_objects.ObjectDatabase):
             try:
                 for row in cursor:
                     rows.append(row)
-                    size += len(row[8] or b"")  # o.body, None when no object matched
+                    size += len(row[9] or b"")  # o.body, None when no object matched
                     if size >= max_bytes:
                         break
             finally:
                 cursor.close()
         return [
             (
-                Event(seq, event_id, kind, orjson.loads(payload)),
+                Event(seq, event_id, kind, orjson.loads(payload), tag),
                 None if state[0] is None else _objects.row_to_object(state),
             )
-            for seq, event_id, kind, payload, *state in rows
+            for seq, event_id, kind, payload, tag, *state in rows
         ]
 
     def event_window(self) -> tuple[int, int]:
