@@ -608,6 +608,50 @@ async def test_a_store_restored_then_written_again_is_followed_again_stream_111_
     assert run_cli("export", "--replica", common).out == exported.out
 
 
+async def test_a_follower_switched_between_two_copies_of_a_directory_stream_113(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-113: GIVEN two services on two copies of one data directory (the same instance,
+    key and stream), each folding deliveries of its own after the copy, and a follower caught
+    up with the first WHEN it is pointed at the second, whose head is past its cursor THEN it
+    logs one WARNING, restores the second's snapshot and ends equal to the second; WHEN, having
+    applied an event of the second, it is pointed back at the first, now past its cursor too,
+    THEN the same, and it ends equal to the first. (Before, it took the other copy's events as
+    the continuation of its own and ended equal to neither, with no word.)"""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    async with serving(first_dir) as service:
+        await post_small(service, 0, 60)
+    shutil.copytree(first_dir, second_dir)
+    revoke_token(first_dir)
+    revoke_token(second_dir)
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(first_dir) as first, serving(second_dir) as second:
+            assert (await first.status())["stream"] == (await second.status())["stream"]
+            on_first = await post_small(first, 120, 180)
+            await post_small(second, 300, 360, 420)
+            await follow(first.url, first.token, replica, until_caught_up=True)
+            assert await cursor_of(replica) == on_first
+
+            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
+                await follow(second.url, second.token, replica, until_caught_up=True)
+            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert warnings == [DIVERGED.format(on_first)]
+            assert await replica_export(replica) == await server_export(second)
+
+            # An event of the second applied: the replica holds its tag.
+            on_second = await post_small(second, 480)
+            await follow(second.url, second.token, replica, until_caught_up=True)
+            assert await cursor_of(replica) == on_second
+            assert await post_small(first, 540, 600) >= on_second
+            caplog.clear()
+            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
+                await follow(first.url, first.token, replica, until_caught_up=True)
+            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert warnings == [DIVERGED.format(on_second)]
+            assert await replica_export(replica) == await server_export(first)
+            assert await replica_export(replica) != await server_export(second)
+
+
 async def test_a_second_follower_of_a_replica_is_refused_stream_77(
     tmp_path: Path, run_cli: RunCli
 ) -> None:
