@@ -63,6 +63,7 @@ from _stream_helpers import (
     prune,
     read_head,
     receive_through,
+    refusal,
     replica_export,
     revoke_token,
     server_export,
@@ -149,6 +150,48 @@ async def exports(run_cli: RunCli, service: Service, tmp_path: Path) -> tuple[by
 
 async def binding(replica: Replica) -> Binding:
     return await trio.to_thread.run_sync(replica.binding)
+
+
+async def test_a_replica_and_a_store_from_before_tags_are_followed_stream_115(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-115: GIVEN a replica of the schema before tags (its binding without ``tag``) and a
+    store whose events were written before tags (none) WHEN `healthlog follow
+    --until-caught-up` runs after a new delivery THEN the replica is migrated, the events
+    without a tag come in frames without one, the follower resumes from its cursor without a
+    tag as before, and it ends equal to the service holding the tag of the event at its new
+    cursor; a subscriber that names a tag for an event that has none is told ``diverged``."""
+    server, directory = tmp_path / "server", tmp_path / "replica"
+    async with serving(server) as service:
+        old = await post_small(service, 0, 60)
+        with Replica(directory) as replica:
+            await follow(service.url, service.token, replica, until_caught_up=True)
+    with closing(sqlite3.connect(directory / REPLICA_FILE)) as conn, conn:
+        conn.execute("ALTER TABLE binding DROP COLUMN tag")
+        conn.execute("PRAGMA user_version = 1")
+    with closing(sqlite3.connect(DataDir(server).store_path)) as conn, conn:
+        conn.execute("UPDATE events SET tag = NULL")
+    revoke_token(server)
+    async with serving(server) as service:
+        total = await post_small(service, 120)
+        async with subscribe(service, after=0) as ws:
+            frames = await receive_through(ws, total)
+        assert ["tag" in frame for frame in frames] == [False] * old + [True] * (total - old)
+        followed = await trio.to_thread.run_sync(
+            functools.partial(
+                run_cli,
+                *("follow", "--url", service.url, "--token", service.token),
+                *("--replica", directory, "--until-caught-up"),
+            )
+        )
+        assert followed.code == 0, followed.err
+        assert followed.err == f"follow: replica at seq {total}\n"
+        with Replica(directory) as replica:
+            assert (await binding(replica)).tag == event_tag(service.data, total)
+            assert await replica_export(replica) == await server_export(service)
+        async with subscribe(service, after=old, tag="0" * 16) as ws:
+            frame, code = await refusal(ws)
+        assert (frame["code"], frame["diverged"], code) == ("CURSOR_TOO_OLD", True, 4410)
 
 
 async def test_follow_until_caught_up(tmp_path: Path, run_cli: RunCli) -> None:
