@@ -489,7 +489,11 @@ class Follower:
             checked = checked or bool(batch.seqs)
             if batch.seqs:
                 await trio.to_thread.run_sync(
-                    self.replica.apply, stream, batch.changes, batch.seqs[-1], batch.tags[-1]
+                    self.replica.apply,
+                    stream,
+                    batch.changes,
+                    batch.seqs[-1],
+                    _tag(batch.tags[-1]),
                 )
                 self._progressed()
                 for seq in batch.seqs:
@@ -844,15 +848,16 @@ class _Batch:
     changes: list[Change]
     errors: list[dict[str, Any]]
     malformed: str | None = None
-    # The tag of each event, by its place in ``seqs`` (None for an event without one).
-    tags: list[str | None] = attrs.field(factory=list)
+    # The ``tag`` of each event's frame as sent, by its place in ``seqs`` (None without one):
+    # only the last one applied is kept (:func:`_tag`), so only that one is checked.
+    tags: list[object] = attrs.field(factory=list)
 
     @classmethod
     def decode(cls, messages: list[str | None]) -> _Batch:
         seqs: list[int] = []
         changes: list[Change] = []
         errors: list[dict[str, Any]] = []
-        tags: list[str | None] = []
+        tags: list[object] = []
         for message in messages:
             if message is None:
                 return cls(seqs, changes, errors, "a binary frame", tags)
@@ -865,7 +870,7 @@ class _Batch:
                         raise TypeError("a sequence that is not an integer")
                     change = _change(frame) if frame.get("kind") == ObjectChanged.KIND else None
                     seqs.append(seq)
-                    tags.append(_tag(frame.get("tag")))
+                    tags.append(frame.get("tag"))
                     if change is not None:
                         changes.append(change)
                 elif kind == "error":
@@ -900,7 +905,7 @@ class _Batch:
         )
 
 
-def _tag(value: Any) -> str | None:
+def _tag(value: object) -> str | None:
     """An event frame's ``tag`` as the follower keeps and sends it back: the service writes 16
     hex digits; anything else (none, a server of another version) is no tag."""
     if isinstance(value, str) and 0 < len(value) <= MAX_TAG and value.isascii() and value.isalnum():
