@@ -117,13 +117,21 @@ class Manifest:
 @attrs.frozen
 class SnapshotHeader:
     """The first line of a snapshot file: the schema, instance, stream and sequence its
-    manifest binds, and how many object lines follow."""
+    manifest binds, how many object lines follow, and the tag of the event at the sequence
+    (left out when it has none), which a client restoring the file resumes with (STREAM-116)."""
 
     schema: str
     instance: str
     stream: str
     seq: int
     objects: int
+    tag: str | None = None
+
+
+converter.register_unstructure_hook(
+    SnapshotHeader,
+    make_dict_unstructure_fn(SnapshotHeader, converter, tag=override(omit_if_default=True)),
+)
 
 
 @attrs.frozen

@@ -56,12 +56,13 @@ def write(
     instance: str,
     stream: str,
     seq: int,
+    tag: str | None = None,
 ) -> str:
-    """Write the snapshot file of ``count`` objects at ``seq`` to ``out`` one line at a time;
-    return the sha256 of the bytes written."""
+    """Write the snapshot file of ``count`` objects at ``seq`` (whose event's tag is ``tag``)
+    to ``out`` one line at a time; return the sha256 of the bytes written."""
     hashed = _Hashing(out)
     with gzip.GzipFile(fileobj=hashed, mode="wb", mtime=0) as file:
-        file.write(dumps(SnapshotHeader(SCHEMA, instance, stream, seq, count)) + b"\n")
+        file.write(dumps(SnapshotHeader(SCHEMA, instance, stream, seq, count, tag)) + b"\n")
         for o in objects:
             line = {"metric": o.key.metric, "layer": o.key.layer, "hour": o.key.hour, **to_wire(o)}
             file.write(orjson.dumps(line) + b"\n")
@@ -135,6 +136,17 @@ def check(
         raise SnapshotError("snapshot belongs to another stream")
     if manifest.seq < after:
         raise SnapshotError("snapshot is older than the cursor")
+
+
+def header_tag(file: BinaryIO) -> object:
+    """The ``tag`` of the header of a snapshot file that passed :func:`check`, as written
+    (None without one: a file of an older healthlog, or of a head event without a tag)."""
+    try:
+        with gzip.GzipFile(fileobj=file, mode="rb") as content:
+            header = orjson.loads(content.readline())
+    except (OSError, EOFError, zlib.error, ValueError) as exc:
+        raise SnapshotError(f"snapshot cannot be decoded: {type(exc).__name__}") from None
+    return header.get("tag") if isinstance(header, dict) else None
 
 
 def read(file: BinaryIO, manifest: Manifest) -> Iterator[HourlyObject]:

@@ -33,6 +33,7 @@ from _service_helpers import POLL_S, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     HEAD_END,
+    event_tag,
     following_process,
     hourly,
     listen,
@@ -650,6 +651,44 @@ async def test_a_follower_switched_between_two_copies_of_a_directory_stream_113(
             assert warnings == [DIVERGED.format(on_second)]
             assert await replica_export(replica) == await server_export(first)
             assert await replica_export(replica) != await server_export(second)
+
+
+async def test_a_replica_just_restored_knows_the_tag_at_its_cursor_stream_116(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-116: GIVEN two services on two copies of one data directory, each past the copy
+    with deliveries of its own, and a follower that has just restored the second's snapshot
+    (pointed at it from the first) and applied no event since WHEN it is pointed back at the
+    first, whose head is at or past its cursor THEN it holds the tag of the event at the
+    snapshot's sequence (from the snapshot file's header), is refused ``diverged``, logs one
+    WARNING and ends equal to the first. (Before, it knew no tag after a restore: it took the
+    first's events past its cursor as its own and ended equal to neither, with no word.)"""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    async with serving(first_dir) as service:
+        await post_small(service, 0, 60)
+    shutil.copytree(first_dir, second_dir)
+    revoke_token(first_dir)
+    revoke_token(second_dir)
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(first_dir) as first, serving(second_dir) as second:
+            on_first = await post_small(first, 120, 180)
+            on_second = await post_small(second, 300, 360, 420)
+            await follow(first.url, first.token, replica, until_caught_up=True)
+            await follow(second.url, second.token, replica, until_caught_up=True)
+            restored = await trio.to_thread.run_sync(replica.binding)
+            assert (restored.cursor, restored.tag) == (
+                on_second,
+                event_tag(second.data, on_second),
+            )
+            assert await post_small(first, 480, 540) > on_second > on_first
+            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
+                await follow(first.url, first.token, replica, until_caught_up=True)
+            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert warnings == [
+                DIVERGED.format(on_first),
+                DIVERGED.format(on_second),
+            ]
+            assert await replica_export(replica) == await server_export(first)
 
 
 async def test_a_second_follower_of_a_replica_is_refused_stream_77(

@@ -26,7 +26,7 @@ import trio
 from _bodies import BASE_US, body, delivery, point
 from _runtime_helpers import config
 from _service_helpers import Service, serving
-from _stream_helpers import HOURS, fold_metrics, post_small, prune, validate
+from _stream_helpers import HOURS, event_tag, fold_metrics, post_small, prune, validate
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from actors.runtime import open_runtime
@@ -497,21 +497,21 @@ def test_a_signing_key_is_made_where_hard_links_are_not_stream_44(
 
 
 def encoded_before_streaming(
-    objects: list[HourlyObject], *, instance: str, stream: str, seq: int
+    objects: list[HourlyObject], *, instance: str, stream: str, seq: int, tag: str | None
 ) -> bytes:
     """The decompressed content ``snapshots.encode`` gave a snapshot file before builds
-    streamed: every line built, joined and compressed at once."""
-    lines = [
-        orjson.dumps(
-            {
-                "schema": SCHEMA,
-                "instance": instance,
-                "stream": stream,
-                "seq": seq,
-                "objects": len(objects),
-            }
-        )
-    ]
+    streamed: every line built, joined and compressed at once; with the header's ``tag``
+    added since (STREAM-116)."""
+    header: dict[str, object] = {
+        "schema": SCHEMA,
+        "instance": instance,
+        "stream": stream,
+        "seq": seq,
+        "objects": len(objects),
+    }
+    if tag is not None:
+        header["tag"] = tag
+    lines = [orjson.dumps(header)]
     lines.extend(
         orjson.dumps(
             {"metric": o.key.metric, "layer": o.key.layer, "hour": o.key.hour, **to_wire(o)}
@@ -548,7 +548,11 @@ def test_a_build_holds_one_object_at_a_time_stream_53(tmp_path: Path) -> None:
         assert path is not None
         content = path.read_bytes()
         assert gzip.decompress(content) == encoded_before_streaming(
-            objects, instance=manifest.instance, stream=manifest.stream, seq=manifest.seq
+            objects,
+            instance=manifest.instance,
+            stream=manifest.stream,
+            seq=manifest.seq,
+            tag=event_tag(data, manifest.seq),
         )
         attempt = Attempt(manifest, content, data.signing_key(), manifest.instance, None, 0)
         assert attempt.validate() == objects

@@ -5,8 +5,10 @@ the same objects, so every frame it sends, every event payload and outcome's cou
 stores, and the snapshot file and signed reference it builds are known to the byte. The
 expected texts below were taken from the code before these documents became attrs classes
 (T3); a change of a byte here is a change for followers, replicas and older snapshots'
-signatures. The one change since: each event frame carries its event's random ``tag`` after its
-``id`` (STREAM-111), set here to a known value once written.
+signatures. The changes since: each event frame carries its event's random ``tag`` after its
+``id`` (STREAM-111), set here to a known value once written, and the snapshot file's header
+the tag of the event at its sequence, last (STREAM-116), which changes its sha256 and so its
+signature.
 """
 
 from __future__ import annotations
@@ -92,9 +94,9 @@ PAYLOADS = [
 KINDS = ["object.changed", "delivery.folded"] * 3 + ["delivery.folded"]
 # The current object each object.changed event's frame carries.
 OBJECTS = [OBJECT_0, None, OBJECT_1, None, OBJECT_0, None, None]
-SNAPSHOT_SHA256 = "887baea1a1ea43a3fdeb22bac01b43a32fe46ed601a2ae9bf12ac0971aa189ca"
+SNAPSHOT_SHA256 = "9c3f0d2920aff908f7a4576b87ba1fb744952cf3cc8e3ea883cb95b577b6a9f7"
 SIGNATURE = (
-    "NmD7HO5VagZKca4BjU38QYO2oK1BGgnz2jt6pY5HEoXLFAN/YcGVdZAG7qWgWeQ7Y+nNpSD6qiMNsWMU38jmAg=="
+    "52DrxiyGAK43y+4Mkb8ZDoKFNJ8DIVBzWnzoYe27kgg6baMQfkXLX+QZecZZmJD8M37vHo6uIczhLK3Hq0kBAQ=="
 )
 MANIFEST = (
     f'{{"url":"/v1/snapshots/7","seq":7,"sha256":"{SNAPSHOT_SHA256}",'
@@ -103,7 +105,7 @@ MANIFEST = (
 )
 SNAPSHOT_LINES = [
     f'{{"schema":"healthlog.snapshot.v1","instance":"{INSTANCE}","stream":"{STREAM}",'
-    '"seq":7,"objects":2}',
+    '"seq":7,"objects":2,"tag":"0000000000000007"}',
     '{"metric":"step_count","layer":"minutes","hour":1711929600000000,' + OBJECT_0[1:],
     '{"metric":"step_count","layer":"minutes","hour":1711933200000000,' + OBJECT_1[1:],
 ]

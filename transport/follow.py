@@ -231,6 +231,9 @@ class Follower:
     _warned: bool = attrs.field(default=False, init=False)
     # Whether the replica has met its service (bound to it), in this run or an earlier one.
     _met: bool = attrs.field(default=False, init=False)
+    # The sequence of the snapshot this run restored last: the tag it gave the replica is the
+    # service's own, and needs no check before ``until_caught_up`` ends at it.
+    _restored: int | None = attrs.field(default=None, init=False)
 
     async def run(self) -> None:
         """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks."""
@@ -351,10 +354,11 @@ class Follower:
             self.until_caught_up
             and self.subscriber is None
             and binding.cursor >= self._target
-            and binding.tag is None
+            and (binding.tag is None or binding.cursor == self._restored)
         ):
-            # With the tag of the event at its cursor, the stream connection checks that the
-            # service still holds that event (STREAM-112), also at the head.
+            # With the tag of the event at its cursor (not from a snapshot this run just
+            # restored), the stream connection checks that the service still holds that
+            # event (STREAM-112), also at the head.
             return True
         return await self._stream(http, context, binding.cursor, stream.id, binding.tag)
 
@@ -623,12 +627,17 @@ class Follower:
             except SnapshotError as exc:
                 raise FollowError(f"snapshot refused: {exc}") from None
         self._progressed()
+        self._restored = manifest.seq
         log.info("follow: restored snapshot at seq %d (%d objects)", manifest.seq, count)
 
     def _restore_file(self, path: Path, manifest: Manifest) -> int:
+        # The tag of the event at the snapshot's sequence: the next connection checks with it
+        # that the service still holds that event (STREAM-116).
+        with open(path, "rb") as file:
+            tag = _tag(snapshots.header_tag(file))
         with open(path, "rb") as file:
             return self.replica.restore(
-                manifest.stream, manifest.seq, snapshots.read(file, manifest)
+                manifest.stream, manifest.seq, snapshots.read(file, manifest), tag
             )
 
 

@@ -172,10 +172,13 @@ class Replica(_objects.ObjectDatabase):
                     "UPDATE binding SET cursor = ?, tag = ? WHERE id = 1", (through, tag)
                 )
 
-    def restore(self, stream: str, seq: int, objects: Iterable[HourlyObject]) -> int:
-        """Replace every object with a snapshot's and resume strictly after ``seq``; return
-        how many objects it wrote. ``objects`` is iterated inside the one transaction, one at
-        a time: an exception it raises leaves the replica as it was."""
+    def restore(
+        self, stream: str, seq: int, objects: Iterable[HourlyObject], tag: str | None = None
+    ) -> int:
+        """Replace every object with a snapshot's and resume strictly after ``seq``, whose
+        event's tag is ``tag``; return how many objects it wrote. ``objects`` is iterated
+        inside the one transaction, one at a time: an exception it raises leaves the replica
+        as it was."""
         count = 0
         with self._lock, write_transaction(self._conn):
             self._in_place()
@@ -184,8 +187,8 @@ class Replica(_objects.ObjectDatabase):
                 self._put(obj.key, obj)
                 count += 1
             self._conn.execute(
-                "UPDATE binding SET stream = ?, cursor = ?, tag = NULL WHERE id = 1",
-                (stream, seq),
+                "UPDATE binding SET stream = ?, cursor = ?, tag = ? WHERE id = 1",
+                (stream, seq, tag),
             )
         return count
 

@@ -62,7 +62,13 @@ def build(
             tmp = path.with_suffix(".tmp")
             with _removed_on_failure(tmp), _private(tmp) as out:
                 digest = snapshots.write(
-                    out, head.objects, count=head.count, instance=instance, stream=stream, seq=seq
+                    out,
+                    head.objects,
+                    count=head.count,
+                    instance=instance,
+                    stream=stream,
+                    seq=seq,
+                    tag=head.tag,
                 )
                 out.flush()
                 os.fsync(out.fileno())

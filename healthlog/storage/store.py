@@ -248,11 +248,13 @@ class Event:
 @attrs.frozen
 class HeadSnapshot:
     """What :meth:`Store.snapshot_at_head` read: the head sequence, how many objects there
-    are, and the objects, sorted by metric, layer and hour, read while they are iterated."""
+    are, and the objects, sorted by metric, layer and hour, read while they are iterated; and
+    the tag of the event at the head (None: it has none, or is pruned)."""
 
     seq: int
     count: int
     objects: Iterator[HourlyObject]
+    tag: str | None = None
 
 
 @attrs.frozen
@@ -1209,7 +1211,8 @@ class Store(_objects.ObjectDatabase):
         try:
             with read_transaction(conn):
                 head = conn.execute(
-                    "SELECT seq FROM sqlite_sequence WHERE name = 'events'"
+                    "SELECT s.seq, e.tag FROM sqlite_sequence AS s"
+                    " LEFT JOIN events AS e ON e.seq = s.seq WHERE s.name = 'events'"
                 ).fetchone()
                 (count,) = conn.execute("SELECT count(*) FROM objects").fetchone()
                 rows = conn.execute(
@@ -1219,6 +1222,7 @@ class Store(_objects.ObjectDatabase):
                     0 if head is None else int(head[0]),
                     int(count),
                     map(_objects.row_to_object, rows),
+                    None if head is None else head[1],
                 )
         finally:
             conn.close()
