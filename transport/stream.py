@@ -47,7 +47,8 @@ goes on after it. Without ``tag`` nothing changes.
 
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
-older than the online window (after an error frame with a signed snapshot reference), 1001
+older than the online window or, ``diverged``, not of this history (after an error frame with a
+signed snapshot reference), 1001
 server going away (on shutdown), 1011 the store cannot be read (no error frame), 1009 (by
 hypercorn, no error frame) a message from the subscriber over ``MAX_CLIENT_MESSAGE_BYTES``.
 """
