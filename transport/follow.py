@@ -261,25 +261,7 @@ class Follower:
                     lost = _first(group)
                     reason = _reason(group)
                     log.info("follow: connection lost (%s)", reason)
-                    if not self._met and not self._warned:
-                        # A replica that never met its service: a mistyped URL, or a service
-                        # not running, said at once rather than after a minute of retries.
-                        self._warned = True
-                        log.warning(
-                            "follow: the service cannot be reached (%s); retrying, at most"
-                            " every %.0f s",
-                            reason,
-                            BACKOFF_MAX_S,
-                        )
-                    elif self._backoff >= BACKOFF_MAX_S and not self._warned:
-                        # Quiet retries at INFO are invisible at a command's default level.
-                        self._warned = True
-                        log.warning(
-                            "follow: no progress for a while, the last connection lost (%s);"
-                            " retrying every %.0f s",
-                            reason,
-                            BACKOFF_MAX_S,
-                        )
+                    self._warn(reason, self._asked(lost))
                 if unsendable is not None:
                     raise FollowError(
                         f"a request of ours is not valid HTTP ({unsendable}): retrying cannot "
@@ -291,15 +273,48 @@ class Follower:
                     await trio.sleep(self._wait(lost))
                     self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
 
+    def _warn(self, reason: str, asked: float | None) -> None:
+        """The one WARNING of a run of failures, when it is due, saying the wait before the
+        next try: ``asked`` when a refusal's ``Retry-After`` asks for longer than the backoff
+        (STREAM-117), else the backoff's cadence."""
+        if self._warned or (self._met and self._backoff < BACKOFF_MAX_S):
+            return
+        self._warned = True
+        if asked is not None:
+            retrying = f"retrying in {asked:g} s, as the server asks"
+        elif not self._met:
+            retrying = f"retrying, at most every {BACKOFF_MAX_S:.0f} s"
+        else:
+            retrying = f"retrying every {BACKOFF_MAX_S:.0f} s"
+        if not self._met:
+            # A replica that never met its service: a mistyped URL, or a service not running,
+            # said at once rather than after a minute of retries.
+            log.warning("follow: the service cannot be reached (%s); %s", reason, retrying)
+        else:
+            # Quiet retries at INFO are invisible at a command's default level.
+            log.warning(
+                "follow: no progress for a while, the last connection lost (%s); %s",
+                reason,
+                retrying,
+            )
+
+    def _asked(self, lost: BaseException) -> float | None:
+        """The wait a refusal's ``Retry-After`` asks for when it is longer than the backoff
+        (else None), up to ``RETRY_AFTER_MAX_S``."""
+        asked = lost.retry_after_s if isinstance(lost, ConnectionLost) else None
+        if asked is None or asked <= self._backoff:
+            return None
+        return min(asked, RETRY_AFTER_MAX_S)
+
     def _wait(self, lost: BaseException) -> float:
         """How long to wait before reconnecting after ``lost``, said in one line: the backoff,
         or what a refusal's ``Retry-After`` asked for when that is longer, up to
         ``RETRY_AFTER_MAX_S`` (a full stream, STREAM-107; a snapshot the service cannot build)."""
         asked = lost.retry_after_s if isinstance(lost, ConnectionLost) else None
-        if asked is None or asked <= self._backoff:
+        wait = self._asked(lost)
+        if asked is None or wait is None:
             log.info("follow: retrying in %.1f s", self._backoff)
             return self._backoff
-        wait = min(asked, RETRY_AFTER_MAX_S)
         log.info(
             "follow: retrying in %.1f s, as the server asks (Retry-After: %g s%s)",
             wait,
