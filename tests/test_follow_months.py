@@ -1,19 +1,33 @@
 """What a ``healthlog follow`` run for months meets (specs/stream.md, STREAM-117 to STREAM-124):
-refusals asking it to wait longer than its backoff, said as waited (STREAM-117).
+refusals asking it to wait longer than its backoff, said as waited (STREAM-117); a stream
+closed because no snapshot could be built, which says when to come back (STREAM-118).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
-from _stream_helpers import listen, read_head
+from _stream_helpers import (
+    listen,
+    post_small,
+    prune,
+    read_head,
+    replica_export,
+    server_export,
+    serving_process,
+    stamped,
+    step_until,
+    subscribe,
+)
+from trio_websocket import ConnectionClosed
 
 from healthlog.storage.replica import Replica
-from transport.follow import Endpoints, Follower
+from transport.follow import Endpoints, Follower, close_retry_after_s, follow
 
 
 def unavailable(retry_after_s: int) -> bytes:
@@ -84,3 +98,75 @@ async def test_the_warning_says_the_wait_a_retry_after_asks_stream_117(
     assert retries == {
         f"follow: retrying in {asked:.1f} s, as the server asks (Retry-After: {asked} s)"
     }
+
+
+SNAPSHOT_CLOSED = "follow: connection lost (ConnectionLost: the stream ended)"
+SNAPSHOT_RETRY = "follow: retrying in 60.0 s, as the server asks (Retry-After: 60 s)"
+
+
+async def test_a_stream_without_a_snapshot_says_when_to_come_back_stream_118(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """STREAM-118: a replica whose cursor fell out of the window of a service that cannot build
+    a snapshot (its data directory moved away, RUN-45) is closed 1011 with the reason
+    ``SNAPSHOT_UNAVAILABLE; retry-after=60``, no frame; ``follow`` waits those 60 s (in trio's
+    time, a MockClock moved on a second at a time, the service in a process of its own), and
+    with the directory back restores the snapshot and ends equal to the service."""
+    mock_clock.rate = 1.0
+    data, moved = tmp_path / "server", tmp_path / "moved"
+    async with serving_process(data) as service:
+        await post_small(service, 0)
+        with Replica(tmp_path / "replica") as replica, stamped("healthlog.follow") as follower:
+            with trio.fail_after(60):
+                await follow(service.url, service.token, replica, until_caught_up=True)
+            total = await post_small(service, 60, 120, 180)
+            await prune(service.data, keep=2)
+            data.rename(moved)
+            frames: list[str | bytes] = []
+            async with subscribe(service, after=2) as ws:
+                with trio.fail_after(60), contextlib.suppress(ConnectionClosed):
+                    frames.append(await ws.get_message())
+                assert ws.closed is not None
+                assert (ws.closed.code, ws.closed.reason) == (
+                    1011,
+                    "SNAPSHOT_UNAVAILABLE; retry-after=60",
+                )
+            followed = trio.Event()
+
+            async def following() -> None:
+                await follow(service.url, service.token, replica, until_caught_up=True)
+                followed.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(following)
+                await step_until(mock_clock, lambda: bool(follower.at(SNAPSHOT_CLOSED)))
+                moved.rename(data)
+                await step_until(mock_clock, followed.is_set)
+            assert replica.binding().cursor == total
+            assert await replica_export(replica) == await server_export(service)
+    assert frames == []
+    (closed,) = follower.at(SNAPSHOT_CLOSED)
+    (restored,) = follower.at("follow: restored snapshot at seq ")
+    assert restored - closed >= 60
+    assert follower.messages("follow: retrying") == [SNAPSHOT_RETRY]
+    assert follower.messages(level=logging.WARNING) == []
+
+
+@pytest.mark.parametrize(
+    ("reason", "seconds"),
+    [
+        ("SNAPSHOT_UNAVAILABLE; retry-after=60", 60.0),
+        ("SNAPSHOT_UNAVAILABLE;Retry-After= 30 ", 30.0),
+        ("SNAPSHOT_UNAVAILABLE", None),
+        ("STORE_ERROR", None),
+        ("", None),
+        ("SNAPSHOT_UNAVAILABLE; retry-after=soon", None),
+        ("SNAPSHOT_UNAVAILABLE; retry-after=-5", None),
+        ("retry-after=60", None),
+    ],
+)
+def test_what_a_close_reason_asks_stream_118(reason: str, seconds: float | None) -> None:
+    """STREAM-118: a close reason asks to wait by a ``retry-after`` parameter after its code,
+    read as a ``Retry-After`` is; a reason without one, or with one that is neither a whole
+    number of seconds nor an HTTP date, asks for nothing (the backoff applies)."""
+    assert close_retry_after_s(reason) == seconds

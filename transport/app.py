@@ -44,6 +44,7 @@ from transport.refusals import RefusalLog
 from transport.snapshots import SnapshotService
 from transport.stream import (
     HUB_ACTOR,
+    SNAPSHOT_RETRY_AFTER_S,
     STREAM_PATH,
     EventHub,
     HandshakeRefusals,
@@ -59,7 +60,6 @@ SQLITE_MAX_INTEGER = 2**63 - 1
 RESPONSE_TIMEOUT_S = 60.0
 
 log = logging.getLogger("healthlog.http")
-SNAPSHOT_RETRY_AFTER_S = "60"
 
 
 def _json(document: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -363,7 +363,7 @@ def create_app(
             manifest = await snapshots.covering(0)
         except (OSError, StorageError) as exc:
             log.warning("snapshot not built: %s", snapshot_failure(exc))
-            return _error("SNAPSHOT_UNAVAILABLE", 503, {"Retry-After": SNAPSHOT_RETRY_AFTER_S})
+            return _error("SNAPSHOT_UNAVAILABLE", 503, {"Retry-After": str(SNAPSHOT_RETRY_AFTER_S)})
         return _json(manifest)
 
     @app.get("/v1/snapshots/<int:seq>")

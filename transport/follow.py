@@ -156,6 +156,16 @@ def _asked_wait(headers: httpx.Headers) -> float | None:
     return retry_after_s(headers.get("retry-after"), datetime.now(UTC))
 
 
+def close_retry_after_s(reason: str) -> float | None:
+    """What a stream close's reason asks to wait: its ``retry-after=`` parameter after the code
+    (``SNAPSHOT_UNAVAILABLE; retry-after=60``), read as a ``Retry-After``; None without one."""
+    for parameter in reason.split(";")[1:]:
+        name, _, value = parameter.partition("=")
+        if name.strip().lower() == "retry-after":
+            return retry_after_s(value, datetime.now(UTC))
+    return None
+
+
 def check_token(token: str) -> None:
     """Refuse (FollowError) a token that cannot be sent as an HTTP header value: one is visible
     ASCII without spaces (``hl_`` and URL-safe base64). The message never holds the token."""
@@ -309,7 +319,8 @@ class Follower:
     def _wait(self, lost: BaseException) -> float:
         """How long to wait before reconnecting after ``lost``, said in one line: the backoff,
         or what a refusal's ``Retry-After`` asked for when that is longer, up to
-        ``RETRY_AFTER_MAX_S`` (a full stream, STREAM-107; a snapshot the service cannot build)."""
+        ``RETRY_AFTER_MAX_S`` (a full stream, STREAM-107; a snapshot the service cannot build,
+        asked by ``GET /v1/snapshots`` or the stream's close, STREAM-118)."""
         asked = lost.retry_after_s if isinstance(lost, ConnectionLost) else None
         wait = self._asked(lost)
         if asked is None or wait is None:
@@ -752,8 +763,9 @@ class StreamSocket:
         # When bytes last came from the server, and when a ping was last sent.
         self.heard = trio.current_time()
         self.pinged = -math.inf
-        # The code of the server's close, once it came.
+        # The code and reason of the server's close, once it came.
         self.close_code: int | None = None
+        self.close_reason = ""
 
     async def open(self, host: str, resource: str, headers: list[tuple[bytes, bytes]]) -> None:
         """The opening handshake; messages that arrive with its answer are kept."""
@@ -778,10 +790,11 @@ class StreamSocket:
     def ended(self, reason: str) -> Exception:
         """Why the stream can no longer be used: a close 4401 is a refused token, for good
         (FollowError), whether an ``UNAUTHORIZED`` frame came before it or not; anything else
-        is a lost connection (``reason``)."""
+        is a lost connection (``reason``), retried no sooner than the close's reason asks
+        (``SNAPSHOT_UNAVAILABLE; retry-after=60``)."""
         if self.close_code == CLOSE_UNAUTHORIZED:
             return FollowError("the server refused the token (close 4401)")
-        return ConnectionLost(reason)
+        return ConnectionLost(reason, close_retry_after_s(self.close_reason))
 
     async def ping(self) -> None:
         """A ping, whose pong (or any frame) the server sends back moves ``heard`` on."""
@@ -846,6 +859,7 @@ class StreamSocket:
                 self._outgoing += self._ws.send(event.response())
             elif isinstance(event, CloseConnection):
                 self.close_code = event.code
+                self.close_reason = event.reason or ""
                 if self._ws.state is ConnectionState.REMOTE_CLOSING:
                     self._outgoing += self._ws.send(event.response())
             elif isinstance(event, AcceptConnection):

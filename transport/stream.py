@@ -49,7 +49,8 @@ Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what w
 4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
 older than the online window or, ``diverged``, not of this history (after an error frame with a
 signed snapshot reference), 1001
-server going away (on shutdown), 1011 the store cannot be read (no error frame), 1009 (by
+server going away (on shutdown), 1011 the store cannot be read or no snapshot built (no error
+frame; for the snapshot, the reason says when to come back), 1009 (by
 hypercorn, no error frame) a message from the subscriber over ``MAX_CLIENT_MESSAGE_BYTES``.
 """
 
@@ -112,6 +113,9 @@ BUSY_WARN_S = 5.0
 # when a subscriber leaves, a stalled one within ``stream_send_timeout_s`` (30 s by default).
 TOO_MANY_SUBSCRIBERS = "TOO_MANY_SUBSCRIBERS"
 RETRY_AFTER_S = 30
+# When to come back after no snapshot could be built (a full disk): ``Retry-After`` of
+# ``GET /v1/snapshots``' 503, and the ``retry-after`` parameter of the stream's close reason.
+SNAPSHOT_RETRY_AFTER_S = 60
 # What a send of a refusal meets when the client closed its side meanwhile: hypercorn's own
 # task answering that close on the same socket (busy), or a connection already gone.
 CLIENT_CLOSING = (trio.BusyResourceError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -203,7 +207,8 @@ class HandshakeRefusals:
 class StreamRefused(Exception):
     """A reason to end a subscription with an error frame (unless ``frame`` is False) and a
     close code; ``head``, ``sent``, ``snapshot`` and ``diverged`` are the error frame's
-    fields."""
+    fields. The close reason is ``code``, with ``; retry-after=N`` after it when
+    ``retry_after_s`` says when to come back (the seconds of an HTTP ``Retry-After``)."""
 
     def __init__(
         self,
@@ -215,12 +220,14 @@ class StreamRefused(Exception):
         snapshot: Manifest | None = None,
         diverged: bool | None = None,
         frame: bool = True,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(code)
         self.code = code
         self.close = close
         self.error = ErrorFrame(code, head=head, sent=sent, snapshot=snapshot, diverged=diverged)
         self.frame = frame
+        self.reason = code if retry_after_s is None else f"{code}; retry-after={retry_after_s}"
 
 
 class ClientGone(Exception):
@@ -370,7 +377,7 @@ class StreamEndpoint:
                     await send({"type": "websocket.send", "text": dumps(refused.error).decode()})
             with trio.move_on_after(self.send_timeout_s):
                 await send(
-                    {"type": "websocket.close", "code": refused.close, "reason": refused.code}
+                    {"type": "websocket.close", "code": refused.close, "reason": refused.reason}
                 )
         except CLIENT_CLOSING as exc:
             # The client closed as the refusal went out (on its error frame, say): hypercorn
@@ -463,13 +470,20 @@ class StreamEndpoint:
 
     async def _too_old(self, after: int, *, diverged: bool | None = None) -> None:
         """CURSOR_TOO_OLD with a snapshot (``diverged``: the cursor is not of this history); a
-        snapshot that cannot be built (a full disk) closes with 1011 and no frame, and the
-        subscriber tries again later."""
+        snapshot that cannot be built (a full disk) closes with 1011 and no frame (an error frame
+        of a code it does not know would stop an older ``follow`` for good), the reason saying
+        when to try again, as ``GET /v1/snapshots``' ``Retry-After`` does:
+        ``SNAPSHOT_UNAVAILABLE; retry-after=60``."""
         try:
             manifest = await self.snapshot_for(after)
         except (OSError, StorageError) as exc:
             log.warning("stream: no snapshot for a cursor too old: %s", snapshot_failure(exc))
-            raise StreamRefused("SNAPSHOT_UNAVAILABLE", CLOSE_STORE_ERROR, frame=False) from None
+            raise StreamRefused(
+                "SNAPSHOT_UNAVAILABLE",
+                CLOSE_STORE_ERROR,
+                frame=False,
+                retry_after_s=SNAPSHOT_RETRY_AFTER_S,
+            ) from None
         raise StreamRefused(
             "CURSOR_TOO_OLD", CLOSE_CURSOR_TOO_OLD, snapshot=manifest, diverged=diverged
         )
