@@ -1,18 +1,28 @@
 """What a ``healthlog follow`` run for months meets (specs/stream.md, STREAM-117 to STREAM-124):
 refusals asking it to wait longer than its backoff, said as waited (STREAM-117); a stream
-closed because no snapshot could be built, which says when to come back (STREAM-118).
+closed because no snapshot could be built, which says when to come back (STREAM-118); a replica
+its user may not write (STREAM-119).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
+from _disk import in_full_file_system, reachable_home
+from _service_helpers import serving
 from _stream_helpers import (
+    FRAME_LIMIT_S,
     listen,
     post_small,
     prune,
@@ -26,7 +36,7 @@ from _stream_helpers import (
 )
 from trio_websocket import ConnectionClosed
 
-from healthlog.storage.replica import Replica
+from healthlog.storage.replica import REPLICA_FILE, Replica
 from transport.follow import Endpoints, Follower, close_retry_after_s, follow
 
 
@@ -170,3 +180,119 @@ def test_what_a_close_reason_asks_stream_118(reason: str, seconds: float | None)
     read as a ``Retry-After`` is; a reason without one, or with one that is neither a whole
     number of seconds nor an HTTP date, asks for nothing (the backoff applies)."""
     assert close_retry_after_s(reason) == seconds
+
+
+# The user the replica belongs to in STREAM-119: another one when the tests run as root, whom
+# modes do not stop.
+OTHER_UID = 65534
+PROCESS_LIMIT_S = 120.0
+
+
+def as_its_user() -> list[str]:
+    """The command prefix that runs a command as the replica's user (empty: this one)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root is stopped by no mode, and setpriv is missing")
+    return [setpriv, f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups"]
+
+
+async def test_a_replica_its_user_may_not_write_says_why_stream_119(tmp_path: Path) -> None:
+    """STREAM-119: ``healthlog follow`` on a replica whose file its user may not write (mode
+    0444), or whose ``-shm`` left by a killed follower it may not, exits 3 with one line naming
+    that file, its owner and mode and what to do, and makes no ``-wal`` or ``-shm`` file; once
+    the mode is mended it catches up, its replica exporting what the service does."""
+    prefix = as_its_user()
+    user = pwd.getpwuid(OTHER_UID if prefix else os.geteuid()).pw_name
+    with reachable_home("healthlog-stream-119-") as home:
+        replica = home / "replica"
+        replica.mkdir()
+        if prefix:
+            os.chown(replica, OTHER_UID, OTHER_UID)
+        async with serving(tmp_path / "server") as service:
+
+            def healthlog(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
+                command = [*prefix, sys.executable, "-m", "healthlog.cli", *map(str, args)]
+                return subprocess.run(
+                    command, capture_output=True, text=True, cwd=home, timeout=PROCESS_LIMIT_S
+                )
+
+            following = ("follow", "--url", service.url, "--token", service.token)
+            caught_up = (*following, "--replica", replica, "--until-caught-up")
+
+            async def follow_once() -> subprocess.CompletedProcess[str]:
+                return await trio.to_thread.run_sync(lambda: healthlog(*caught_up))
+
+            await post_small(service, 0)
+            assert (await follow_once()).returncode == 0
+            file = replica / REPLICA_FILE
+            file.chmod(0o444)
+            total = await post_small(service, 60)
+            refused = await follow_once()
+            file.chmod(0o644)
+            files_after_refusal = sorted(os.listdir(replica))
+            assert (await follow_once()).returncode == 0
+
+            # A follower killed while it ran leaves its -wal and -shm files.
+            live = await trio.lowlevel.open_process(
+                [*prefix, sys.executable, "-m", "healthlog.cli", *following, "--replica", replica],
+                cwd=home,
+                stderr=subprocess.DEVNULL,
+            )
+            shm = replica / f"{REPLICA_FILE}-shm"
+            with trio.fail_after(FRAME_LIMIT_S):
+                while not shm.exists():
+                    await trio.sleep(0.05)
+            live.send_signal(signal.SIGKILL)
+            await live.wait()
+            shm.chmod(0o444)
+            refused_shm = await follow_once()
+            shm.chmod(0o644)
+            total = await post_small(service, 120)
+            done = await follow_once()
+            exported = await trio.to_thread.run_sync(
+                lambda: healthlog("export", "--replica", replica, "--data", home / "none")
+            )
+            assert exported.stdout.encode() == await server_export(service)
+    for run, name in ((refused, REPLICA_FILE), (refused_shm, shm.name)):
+        assert run.returncode == 3, run.stderr
+        assert run.stderr.splitlines() == [
+            "healthlog: the replica cannot be written: user"
+            f" {user} may not read and write {replica / name} (it is {user}'s, mode 0444); run"
+            f" every healthlog command on {replica} as the user it belongs to (`sudo -u {user}"
+            f" healthlog ...`), or make it {user}'s to read and write (`chown -R {user}:"
+            f" {replica} && chmod -R u+rwX {replica}`)"
+        ]
+    assert files_after_refusal == [REPLICA_FILE]
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [f"follow: replica at seq {total}"]
+
+
+REMOUNTED = (
+    '"$PY" -m healthlog.cli follow --url "$2" --token "$3" --replica "$1/replica"'
+    " --until-caught-up 2> /dev/null || exit 98\n"
+    'mount -o remount,ro "$1" || exit 96\n'
+    '"$PY" -m healthlog.cli follow --url "$2" --token "$3" --replica "$1/replica"'
+    " --until-caught-up\n"
+    'echo "follow exit $?" >&2\n'
+)
+
+
+async def test_a_replica_on_a_read_only_mount_says_so_stream_119(tmp_path: Path) -> None:
+    """STREAM-119: ``healthlog follow`` on a replica whose file system was remounted read-only
+    (a real tmpfs, as the kernel remounts one after disk errors) exits 3 with one line saying
+    so and that ``export --replica`` reads the replica there."""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    async with serving(tmp_path / "server") as service:
+        await post_small(service, 0)
+        err = await trio.to_thread.run_sync(
+            lambda: in_full_file_system(REMOUNTED, point, service.url, service.token)
+        )
+    assert err.splitlines() == [
+        "healthlog: the replica cannot be written: the file system of"
+        f" {point / 'replica'} is mounted read-only (as the kernel remounts one after disk"
+        " errors: see `dmesg`); `healthlog export --replica` reads it there (replica.sqlite)",
+        "follow exit 3",
+    ]

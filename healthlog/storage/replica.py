@@ -20,6 +20,8 @@ from healthlog.storage._sqlite import (
     ConnectionGuard,
     StorageError,
     connect,
+    mounted_read_only,
+    not_permitted,
     read_once,
     write_transaction,
 )
@@ -103,6 +105,7 @@ class Replica(_objects.ObjectDatabase):
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
+        _refuse_unwritable(Path(directory) / REPLICA_FILE)
         super().__init__(Path(directory) / REPLICA_FILE)
         self._identity = _identity(self.path)
 
@@ -307,6 +310,26 @@ def _connect_readonly(path: str) -> sqlite3.Connection:
         ):
             raise
     return read_once(connect(path, readonly=True, create=False, immutable=True))
+
+
+def _refuse_unwritable(path: Path) -> None:
+    """Refuse (StorageError), before SQLite opens it, a replica file, or a ``-wal`` or ``-shm``
+    beside it, that this user may not write (a read-only mode, a read-only file system), saying
+    why and what to do. SQLite would open such a file read-only, fail the first write without a
+    cause, and make the missing ``-wal`` and ``-shm`` with the file's read-only mode: once the
+    file's mode was mended, the ``-shm`` still refused every ``follow`` (STREAM-119)."""
+    for candidate in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        if not candidate.exists() or os.access(candidate, os.R_OK | os.W_OK):
+            continue
+        read_only = mounted_read_only(candidate.parent)
+        why = (
+            f": {read_only}; `healthlog export --replica` reads it there"
+            if read_only
+            else not_permitted(candidate)
+        )
+        error = StorageError(f"the replica cannot be written{why}")
+        error.file = candidate.name
+        raise error
 
 
 def _identity(path: str) -> tuple[int, int] | None:
