@@ -1,7 +1,8 @@
 """What a ``healthlog follow`` run for months meets (specs/stream.md, STREAM-117 to STREAM-124):
 refusals asking it to wait longer than its backoff, said as waited (STREAM-117); a stream
 closed because no snapshot could be built, which says when to come back (STREAM-118); a replica
-its user may not write (STREAM-119).
+its user may not write (STREAM-119); a service set up anew, met by a replica of the old one
+(STREAM-120).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 from _disk import in_full_file_system, reachable_home
-from _service_helpers import serving
+from _service_helpers import Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     listen,
@@ -34,6 +35,7 @@ from _stream_helpers import (
     step_until,
     subscribe,
 )
+from conftest import CliRun, RunCli
 from trio_websocket import ConnectionClosed
 
 from healthlog.storage.replica import REPLICA_FILE, Replica
@@ -296,3 +298,37 @@ async def test_a_replica_on_a_read_only_mount_says_so_stream_119(tmp_path: Path)
         " errors: see `dmesg`); `healthlog export --replica` reads it there (replica.sqlite)",
         "follow exit 3",
     ]
+
+
+async def test_a_service_set_up_anew_says_what_to_do_stream_120(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-120: a replica that followed one service, pointed at a service set up anew (a new
+    data directory: another instance) exits 2 with one line naming both instances and what to
+    do, its replica untouched; following that service into a new replica directory works."""
+    async with serving(tmp_path / "old") as old, serving(tmp_path / "new") as new:
+        await post_small(old, 0)
+        total = await post_small(new, 60, 120)
+
+        async def follow_into(service: Service, replica: Path) -> CliRun:
+            args = ("follow", "--url", service.url, "--token", service.token)
+            return await trio.to_thread.run_sync(
+                lambda: run_cli(*args, "--replica", replica, "--until-caught-up")
+            )
+
+        assert (await follow_into(old, tmp_path / "replica")).code == 0
+        before = (tmp_path / "replica" / REPLICA_FILE).read_bytes()
+        refused = await follow_into(new, tmp_path / "replica")
+        after = (tmp_path / "replica" / REPLICA_FILE).read_bytes()
+        anew = await follow_into(new, tmp_path / "anew")
+        ours, theirs = await old.status(), await new.status()
+    assert refused.code == 2
+    assert refused.err.splitlines() == [
+        "healthlog: the replica follows another healthlog instance"
+        f" ({ours['stream']['instance']}), not this service's ({theirs['stream']['instance']}):"
+        " a service set up anew (a new data directory, not one restored from a backup) is"
+        " followed into a new replica directory (another --replica DIR); else --url names"
+        " another service than the one the replica followed"
+    ]
+    assert after == before
+    assert (anew.code, anew.err) == (0, f"follow: replica at seq {total}\n")

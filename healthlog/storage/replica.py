@@ -135,7 +135,13 @@ class Replica(_objects.ObjectDatabase):
                 "SELECT instance, public_key FROM binding WHERE id = 1"
             ).fetchone()
             if bound_instance not in (None, instance):
-                raise ReplicaMismatch("the replica follows another healthlog instance")
+                raise ReplicaMismatch(
+                    f"the replica follows another healthlog instance ({bound_instance}), not"
+                    f" this service's ({instance}): a service set up anew (a new data"
+                    " directory, not one restored from a backup) is followed into a new replica"
+                    " directory (another --replica DIR); else --url names another service than"
+                    " the one the replica followed"
+                )
             if accept_key is not None and public_key != accept_key:
                 raise ReplicaMismatch(
                     f"the server's snapshot key is {public_key}, not the {accept_key} given to"
