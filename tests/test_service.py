@@ -843,6 +843,59 @@ async def test_stalled_body_is_dropped_and_others_are_served(tmp_path: Path) -> 
         assert await journaled(service) == [sha256(content) for content in others]
 
 
+DRIP_PAUSE_S = 0.2
+DRIP_MAX_BYTES = 100
+"""A drip of a byte every ``DRIP_PAUSE_S`` gives up after this many bytes (20 s)."""
+
+
+async def drip_until_answered(stream: trio.SocketStream) -> tuple[bytes, int]:
+    """Send a byte every ``DRIP_PAUSE_S`` until the server answers and closes (or
+    ``DRIP_MAX_BYTES`` are sent); the answer and the bytes dripped."""
+    answer = b""
+    dripped = 0
+    async with trio.open_nursery() as nursery:
+
+        async def drip() -> None:
+            nonlocal dripped
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while dripped < DRIP_MAX_BYTES:
+                    await stream.send_all(b" ")
+                    dripped += 1
+                    await trio.sleep(DRIP_PAUSE_S)
+
+        nursery.start_soon(drip)
+        with trio.move_on_after(DRIP_MAX_BYTES * DRIP_PAUSE_S + STALL_LIMIT_S):
+            with contextlib.suppress(trio.BrokenResourceError):
+                while chunk := await stream.receive_some():
+                    answer += chunk
+        nursery.cancel_scope.cancel()
+    return answer, dripped
+
+
+async def test_a_body_dripping_a_byte_at_a_time_is_cut_off_serve_74(tmp_path: Path) -> None:
+    """SERVE-74: GIVEN `body_timeout_s = 1` WHEN a client announces 1,000 bytes and sends one
+    every 0.2 s THEN it gets 408 `BODY_TIMEOUT` and its connection is closed before it has sent
+    100, and nothing of it is journaled; WHEN another sends 24 KiB in pieces of 4 KiB every
+    0.5 s (3 s in all, 8 KiB/s) THEN it is answered 200."""
+    async with serving(tmp_path / "data", body_timeout_s=1) as service:
+        slow = await trio.open_tcp_stream("127.0.0.1", service.port)
+        async with slow:
+            await slow.send_all(
+                b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\n"
+                b"Authorization: Bearer %s\r\nContent-Length: 1000\r\n\r\n" % service.token.encode()
+            )
+            answer, dripped = await drip_until_answered(slow)
+        content = small(1) + b" " * (24 * 1024 - len(small(1)))
+        pieces = [content[i : i + 4096] for i in range(0, len(content), 4096)]
+        steady = await post_stream(service.client, Drip(pieces, pause_s=0.5), service.auth)
+        head, _, refusal = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), (dripped, answer[:100])
+        assert json.loads(refusal) == {"error": "BODY_TIMEOUT"}
+        assert dripped < DRIP_MAX_BYTES
+        assert steady.status_code == 200, steady.text
+        assert await journaled(service) == [sha256(content)]
+
+
 async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -38,6 +38,9 @@ INTAKE_PATH = "/v1/deliveries"
 RETRY_AFTER_S = b"5"
 BATCH_BYTES = 1 << 20
 """Raw bytes handed to the encoding thread at a time: small bodies never leave the event loop."""
+MIN_BODY_RATE = 1024
+"""Bytes a second a body must come at on average (after ``body_timeout_s``): a client that
+sends a byte now and then is cut off, as one that sends nothing is."""
 
 Headers = Sequence[tuple[bytes, bytes]]
 CLOSE: Headers = ((b"connection", b"close"),)
@@ -78,19 +81,27 @@ class _Body:
     def __init__(self, receive: Any, idle_s: float) -> None:
         self._receive = receive
         self._idle_s = idle_s
+        self._started = trio.current_time()
+        self._received = 0
         self.done = False
         """The body ended, the client left, or it stalled: nothing more will be read."""
         self.gone = False
         """The client left: no answer can reach it."""
 
     async def next(self) -> dict[str, Any]:
-        """The next body message; :class:`_Disconnected`, or 408 after ``idle_s`` without one."""
-        with trio.move_on_after(self._idle_s):
+        """The next body message; :class:`_Disconnected`, or 408 after ``idle_s`` without one,
+        or once the body has taken ``idle_s`` and a second for every ``MIN_BODY_RATE`` bytes
+        received: a byte every few seconds never let ``idle_s`` pass without one, and held
+        the connection, its task and its descriptor for as long as the client liked
+        (SERVE-74)."""
+        owed = self._started + self._idle_s + self._received / MIN_BODY_RATE
+        with trio.move_on_at(min(owed, trio.current_time() + self._idle_s)):
             message: dict[str, Any] = await self._receive()
             if message["type"] == "http.disconnect":
                 self.done = self.gone = True
                 raise _Disconnected
             self.done = not message.get("more_body", False)
+            self._received += len(message.get("body", b""))
             return message
         self.done = True
         raise _Refused(408, "BODY_TIMEOUT")
