@@ -896,6 +896,56 @@ async def test_a_body_dripping_a_byte_at_a_time_is_cut_off_serve_74(tmp_path: Pa
         assert await journaled(service) == [sha256(content)]
 
 
+async def read_until_closed(stream: trio.SocketStream) -> bytes:
+    """What the server sends until it closes, or what came within ``STALL_LIMIT_S``."""
+    answer = b""
+    with trio.move_on_after(STALL_LIMIT_S):
+        while chunk := await stream.receive_some():
+            answer += chunk
+    return answer
+
+
+async def test_a_refusal_reaches_a_client_waiting_to_continue_first_serve_75(
+    tmp_path: Path,
+) -> None:
+    """SERVE-75: GIVEN `max_body_mib = 1` WHEN a client with `Expect: 100-continue` announces
+    2 MiB, with the token or without one, and waits THEN it gets 413 or 401 and no `100
+    Continue`, and the connection is closed, before it has sent any of the body; WHEN it
+    announces a small delivery THEN it gets `100 Continue`, sends the body and gets 200."""
+    content = small(1)
+    async with serving(tmp_path / "data", max_body_mib=1, body_timeout_s=30) as service:
+        answers = []
+        for authorization in (b"Authorization: Bearer %s\r\n" % service.token.encode(), b""):
+            waiting = await trio.open_tcp_stream("127.0.0.1", service.port)
+            async with waiting:
+                await waiting.send_all(
+                    b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\n%s"
+                    b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (authorization, 2 * MiB)
+                )
+                answers.append(await read_until_closed(waiting))
+        small_one = await trio.open_tcp_stream("127.0.0.1", service.port)
+        async with small_one:
+            await small_one.send_all(
+                b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\nConnection: close\r\n"
+                b"Authorization: Bearer %s\r\nExpect: 100-continue\r\nContent-Length: %d\r\n"
+                b"\r\n" % (service.token.encode(), len(content))
+            )
+            told = b""
+            with trio.fail_after(STALL_LIMIT_S):
+                while b"\r\n\r\n" not in told:
+                    told += await small_one.receive_some()
+            await small_one.send_all(content)
+            answered = told + await read_until_closed(small_one)
+        too_large, unauthorized = answers
+        assert too_large.startswith(b"HTTP/1.1 413 "), too_large[:100]
+        assert too_large.endswith(b'{"error":"BODY_TOO_LARGE","max_body_mib":1}'), too_large
+        assert unauthorized.startswith(b"HTTP/1.1 401 "), unauthorized[:100]
+        assert b" 100 " not in too_large + unauthorized
+        assert answered.startswith(b"HTTP/1.1 100 "), answered[:100]
+        assert b"\r\n\r\nHTTP/1.1 200 " in answered, answered
+        assert await journaled(service) == [sha256(content)]
+
+
 async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

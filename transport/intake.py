@@ -83,6 +83,9 @@ class _Body:
         self._idle_s = idle_s
         self._started = trio.current_time()
         self._received = 0
+        self.unread = True
+        """No body message has been asked for: a client waiting for ``100 Continue`` has not
+        been told to send its body (``transport.serve``)."""
         self.done = False
         """The body ended, the client left, or it stalled: nothing more will be read."""
         self.gone = False
@@ -95,6 +98,7 @@ class _Body:
         the connection, its task and its descriptor for as long as the client liked
         (SERVE-74)."""
         owed = self._started + self._idle_s + self._received / MIN_BODY_RATE
+        self.unread = False
         with trio.move_on_at(min(owed, trio.current_time() + self._idle_s)):
             message: dict[str, Any] = await self._receive()
             if message["type"] == "http.disconnect":
@@ -172,7 +176,8 @@ class IntakeEndpoint:
         answer = await self._handle(scope, body)
         if answer is None:
             return
-        await body.drain(self._limit)
+        if not (body.unread and _waits_to_continue(scope)):
+            await body.drain(self._limit)
         if body.gone:
             log.debug("intake: the client went away before its answer")
             return
@@ -182,6 +187,8 @@ class IntakeEndpoint:
             if scope.get("http_version") == "2":
                 nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             elif not body.done:
+                # It first runs once the answer's head is with hypercorn (the send below does
+                # not yield before that): its receive no longer asks for a waiting body.
                 nursery.start_soon(_drop_until_disconnect, receive)
             with trio.move_on_after(self._idle_s):
                 await _send_answer(send, *answer)
@@ -335,6 +342,17 @@ def _headers(raw: Headers) -> dict[str, str]:
     for name, value in raw:
         headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
     return headers
+
+
+def _waits_to_continue(scope: Any) -> bool:
+    """The request asked for ``Expect: 100-continue``: its client sends the body only when
+    told to, and an answer decided from the head alone (401, 413) is sent to it at once, and
+    its connection closed, rather than read out of it first, which took the whole body (up to
+    ``max_body_mib`` more) over the phone's link for nothing (SERVE-75)."""
+    return any(
+        name.lower() == b"expect" and value.strip().lower() == b"100-continue"
+        for name, value in scope["headers"]
+    )
 
 
 def _error(code: str) -> bytes:

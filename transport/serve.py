@@ -165,7 +165,14 @@ class _ClosingTaskGroup(hypercorn.trio.task_group.TaskGroup):
     has ended, goes on putting what the peer sends: a subscriber refused while frames of its
     were on the way (ACKs in flight) filled the queue, and hypercorn's reader of that
     connection, and the close it makes after the app, waited on it for good. The connection, its
-    tasks and its descriptor were never let go (STREAM-98)."""
+    tasks and its descriptor were never let go (STREAM-98).
+
+    The app's first wait for a request message is when an HTTP/1.1 client that asked for
+    ``Expect: 100-continue`` gets its ``100 Continue`` (``body_wanted``, set by
+    :class:`_ClosingH11Protocol`): an answer given before that (401, 413) reaches the client
+    before it sends its body (SERVE-75)."""
+
+    body_wanted: Callable[[], Awaitable[None]] | None = None
 
     async def spawn_app(
         self,
@@ -190,14 +197,19 @@ class _ClosingTaskGroup(hypercorn.trio.task_group.TaskGroup):
             with contextlib.suppress(trio.BrokenResourceError):
                 await sending.send(event)
 
+        async def receive() -> ASGIReceiveEvent:
+            if self.body_wanted is not None:
+                await self.body_wanted()
+            return await receiving.receive()
+
         assert self._nursery is not None
-        # As hypercorn's own spawn_app, but for the app run and the queue.
+        # As hypercorn's own spawn_app, but for the app run, the queue and its receive.
         self._nursery.start_soon(
             hypercorn.trio.task_group._handle,
             closing_after,
             config,
             scope,
-            receiving.receive,
+            receive,
             send,
             trio.to_thread.run_sync,
             trio.from_thread.run,
@@ -236,7 +248,14 @@ class _ClosingConnection(h11.Connection):
     read its body as chunked and kept the connection: behind a proxy that goes by
     ``Content-Length``, the bytes after the chunked body's end were served as a request of
     their own that the proxy never saw (request smuggling, SERVE-62).
+
+    hypercorn is never told that a client waits for ``100 Continue``: it sent one as soon as
+    a request's head had come, before the app had looked at it, so that a client that asked
+    in order to learn of a 413 or a 401 first sent its whole body anyway. The app asks for
+    the body instead (:meth:`_ClosingH11Protocol.want_body`).
     """
+
+    they_are_waiting_for_100_continue = False
 
     def receive_data(self, data: bytes) -> None:
         if data and self.their_state is h11.MUST_CLOSE:
@@ -273,13 +292,27 @@ class _ClosingConnection(h11.Connection):
 
 
 class _ClosingH11Protocol(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol over a :class:`_ClosingConnection`."""
+    """hypercorn's HTTP/1.1 protocol over a :class:`_ClosingConnection`, which sends
+    ``100 Continue`` once the app wants the request's body."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connection = _ClosingConnection(
             h11.SERVER, max_incomplete_event_size=self.config.h11_max_incomplete_size
         )
+        if isinstance(self.task_group, _ClosingTaskGroup):
+            self.task_group.body_wanted = self.want_body
+
+    async def want_body(self) -> None:
+        """``100 Continue``, if the client waits for one and has no answer yet (h11 forgets
+        the wait once an answer starts, or the body does)."""
+        connection = self.connection
+        if isinstance(connection, h11.Connection) and connection.client_is_waiting_for_100_continue:
+            await self._send_h11_event(
+                h11.InformationalResponse(
+                    status_code=100, headers=self.config.response_headers("h11")
+                )
+            )
 
 
 # hypercorn's protocol wrapper makes each HTTP/1.1 connection's protocol from the name its
