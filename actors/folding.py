@@ -182,6 +182,13 @@ class FoldingActor:
         )
 
     async def run(self) -> None:
+        # A run after a crash starts with a pass: the wake that came before the crash was
+        # taken by the run that crashed, and a delivery journaled then waited for the period
+        # (a minute), though the cause was gone (a fold worker that could not start while
+        # connections held every file descriptor, SERVE-76). A first run has no epoch yet
+        # and waits for the lease, which wakes it.
+        with contextlib.suppress(*GONE):
+            self._poke.send_nowait(None)
         workers = trio_parallel.cache_scope(init=_start_worker, retire=retire)
         async with workers, trio.open_nursery() as nursery:
             nursery.start_soon(self._follow_lease)

@@ -2101,6 +2101,65 @@ def test_connections_beyond_the_open_file_limit_log_one_error_a_minute_serve_53(
     assert "level=ERROR logger=trio.serve_listeners" in failed[0]
 
 
+FOLD_AFTER_CRASH_LIMIT_S = 15.0
+"""SERVE-76: how soon a delivery is folded once the files are back (the wake period is 60 s)."""
+
+
+def test_a_delivery_answered_while_files_ran_out_is_folded_once_they_are_back_serve_76(
+    tmp_path: Path,
+) -> None:
+    """SERVE-76: GIVEN a `healthlog serve` process limited to 64 open files, with a wake period
+    of 60 s WHEN a delivery is answered 200 while 120 connections hold every file (its fold
+    worker cannot start, the folding actor crashes) THEN once they close it is folded within
+    15 s, not at the next period."""
+    data = tmp_path / "data"
+    with DataDir(data).open_tokens() as tokens:
+        token = tokens.add(TOKEN_NAME)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    env["HEALTHLOG_WAKE_PERIOD_S"] = "60"
+    command = [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0", "--data", str(data)]
+    log = tmp_path / "serve.log"
+    auth = {"Authorization": f"Bearer {token}"}
+    with (
+        log.open("wb") as stderr,
+        subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=stderr, preexec_fn=_few_files
+        ) as process,
+    ):
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline().decode()
+            found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
+            assert found, line
+            port = int(found.group(1))
+            with socket.create_connection(("127.0.0.1", port)) as upload:
+                upload.sendall(
+                    b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\nConnection: close\r\n"
+                    b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                    % (token.encode(), len(HEART_RATE), HEART_RATE[:-1])
+                )
+                with contextlib.ExitStack() as stack:
+                    for _ in range(120):
+                        stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+                    time.sleep(1.0)
+                    upload.sendall(HEART_RATE[-1:])
+                    upload.settimeout(30)
+                    answer = upload.recv(4096)
+                    time.sleep(1.0)
+            assert answer.startswith(b"HTTP/1.1 200 "), answer[:100]
+            deadline = time.monotonic() + FOLD_AFTER_CRASH_LIMIT_S
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+                while (status := client.get("/v1/deliveries/1", headers=auth).json())[
+                    "status"
+                ] == "pending" and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    assert "actor folding crashed (OSError)" in log.read_text()
+    assert status["status"] == "parsed", status
+
+
 def test_a_throttled_record_says_how_many_were_held_back_serve_53() -> None:
     """SERVE-53: of records within one period only the first passes; the first after it says
     how many were held back meanwhile."""
