@@ -7,6 +7,7 @@ test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw 
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import json
 import logging
@@ -944,6 +945,34 @@ async def test_a_refusal_reaches_a_client_waiting_to_continue_first_serve_75(
         assert answered.startswith(b"HTTP/1.1 100 "), answered[:100]
         assert b"\r\n\r\nHTTP/1.1 200 " in answered, answered
         assert await journaled(service) == [sha256(content)]
+
+
+def gzip_bomb(inflated: int) -> bytes:
+    """gzip of ``inflated`` zero bytes, made a MiB at a time."""
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31)
+    block = bytes(MiB)
+    return b"".join(deflate.compress(block) for _ in range(inflated // MiB)) + deflate.flush()
+
+
+async def test_a_body_with_a_content_coding_is_refused_serve_77(tmp_path: Path) -> None:
+    """SERVE-77: WHEN a delivery is posted with `Content-Encoding: gzip` or `br`, or a gzip
+    bomb (256 KiB inflating to 256 MiB) THEN each is answered 415
+    `UNSUPPORTED_CONTENT_ENCODING` with `Accept-Encoding: identity`, and nothing is journaled;
+    WHEN one is posted with `Content-Encoding: identity` THEN it is answered 200."""
+    bomb = gzip_bomb(256 * MiB)
+    async with serving(tmp_path / "data") as service:
+        refused = [
+            await service.post(gzip.compress(HEART_RATE), {"Content-Encoding": "gzip"}),
+            await service.post(HEART_RATE, {"Content-Encoding": "br"}),
+            await service.post(bomb, {"Content-Encoding": "GZIP"}),
+        ]
+        plain = await service.post(HEART_RATE, {"Content-Encoding": "identity"})
+        for response in refused:
+            assert response.status_code == 415, response.text
+            assert response.json() == {"error": "UNSUPPORTED_CONTENT_ENCODING"}
+            assert response.headers["accept-encoding"] == "identity"
+        assert plain.status_code == 200, plain.text
+        assert await journaled(service) == [sha256(HEART_RATE)]
 
 
 async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(

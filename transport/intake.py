@@ -42,6 +42,16 @@ MIN_BODY_RATE = 1024
 """Bytes a second a body must come at on average (after ``body_timeout_s``): a client that
 sends a byte now and then is cut off, as one that sends nothing is."""
 
+IDENTITY = frozenset({"", "identity"})
+"""The ``Content-Encoding`` values of a body sent as it is.
+
+A body with a content coding (gzip, br, ...) is refused with 415 (RFC 9110, 8.4): the journal
+keeps the bytes that came and not the coding, so such a body was journaled and answered 200,
+and its fold failed as "not a JSON object or array", for good: nothing kept said how to read
+it (SERVE-77). Health Auto Export sends its bodies as they are; none is ever inflated here, so
+a gzip bomb costs nothing."""
+_ENCODED_WHY = "the body has a content coding (Content-Encoding); send it as it is"
+
 Headers = Sequence[tuple[bytes, bytes]]
 CLOSE: Headers = ((b"connection", b"close"),)
 _Answer = tuple[int, bytes, Headers]
@@ -208,6 +218,13 @@ class IntakeEndpoint:
             return _answer(401, _error("UNAUTHORIZED"), ((b"www-authenticate", b"Bearer"),))
         if int(headers.get("content-length") or 0) > self._limit:
             return self._refuse_too_large(scope)
+        if headers.get("content-encoding", "").strip().lower() not in IDENTITY:
+            self._refusals.refused(415, "POST", INTAKE_PATH, client_address(scope), _ENCODED_WHY)
+            return _answer(
+                415,
+                _error("UNSUPPORTED_CONTENT_ENCODING"),
+                ((b"accept-encoding", b"identity"), *CLOSE),
+            )
         key = headers.get("idempotency-key") or None
         if key is not None:
             if (name, key) in self._in_flight:
