@@ -975,6 +975,59 @@ async def test_a_body_with_a_content_coding_is_refused_serve_77(tmp_path: Path) 
         assert await journaled(service) == [sha256(HEART_RATE)]
 
 
+async def intake_refused(service: Service) -> dict[str, float]:
+    """``healthlog_intake_refused_total`` of ``/metrics``, by reason (its only label)."""
+    samples = await metric_samples(service.client)
+    refused = {}
+    for (name, labels), value in samples.items():
+        if name == "healthlog_intake_refused_total":
+            [(label, reason)] = labels
+            assert label == "reason"
+            refused[reason] = value
+    return refused
+
+
+async def test_uploads_that_were_not_journaled_are_counted_serve_78(tmp_path: Path) -> None:
+    """SERVE-78: GIVEN `max_body_mib = 1` and `body_timeout_s = 1` WHEN a delivery is refused
+    401, 413 and 415, one stalls (408), one is left half-way by its client, and one is
+    answered 200 THEN `healthlog_intake_refused_total` counts one of each reason
+    (`unauthorized`, `too_large`, `content_encoding`, `body_timeout`, `client_left`), from 0
+    before, and `healthlog_intake_accepted_total` the one journaled."""
+    head = b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\nAuthorization: Bearer %s\r\n"
+    async with serving(tmp_path / "data", max_body_mib=1, body_timeout_s=1) as service:
+        before = await intake_refused(service)
+        answers = [
+            await service.client.post("/v1/deliveries", content=small(1)),
+            await post_stream(
+                service.client,
+                Drip([bytes(2 * MiB)]),
+                {**service.auth, **CLOSE, "Content-Length": str(2 * MiB)},
+            ),
+            await service.post(gzip.compress(small(2)), {"Content-Encoding": "gzip"}),
+            await service.post(small(3)),
+        ]
+        stalled = await trio.open_tcp_stream("127.0.0.1", service.port)
+        async with stalled:
+            await stalled.send_all(head % service.token.encode() + b"Content-Length: 100\r\n\r\n{")
+            stalled_answer = await read_until_closed(stalled)
+        left = await trio.open_tcp_stream("127.0.0.1", service.port)
+        async with left:
+            await left.send_all(head % service.token.encode() + b"Content-Length: 100\r\n\r\n{")
+            await trio.sleep(SETTLE_S)
+        with trio.fail_after(STALL_LIMIT_S):
+            while (after := await intake_refused(service))["client_left"] == 0:
+                await trio.sleep(POLL_S)
+        accepted = (await metric_samples(service.client))[
+            ("healthlog_intake_accepted_total", frozenset())
+        ]
+    assert [answer.status_code for answer in answers] == [401, 413, 415, 200]
+    assert stalled_answer.startswith(b"HTTP/1.1 408 "), stalled_answer[:100]
+    reasons = {"unauthorized", "too_large", "content_encoding", "body_timeout", "client_left"}
+    assert before == dict.fromkeys(reasons, 0)
+    assert after == dict.fromkeys(reasons, 1)
+    assert accepted == 1
+
+
 async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

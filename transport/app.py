@@ -218,6 +218,7 @@ def create_app(
     slots = trio.CapacityLimiter(config.stream_max_subscribers)
     handshake_refusals = HandshakeRefusals()
     refusals = RefusalLog()
+    intake = IntakeEndpoint(runtime, tokens, config, refusals)
 
     @app.errorhandler(NotFound)
     async def not_found(_exc: NotFound) -> Response:
@@ -388,7 +389,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = await render_metrics(runtime, slots.borrowed_tokens, handshake_refusals)
+        text = await render_metrics(
+            runtime, slots.borrowed_tokens, handshake_refusals, intake.refused
+        )
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 
     stream = StreamEndpoint(
@@ -404,7 +407,7 @@ def create_app(
     )
     return HealthlogApp(
         app,
-        IntakeEndpoint(runtime, tokens, config, refusals),
+        intake,
         stream,
         config.stream_send_timeout_s,
     )

@@ -142,6 +142,25 @@ class _Body:
             dropped += len(message.get("body", b""))
 
 
+@attrs.define
+class IntakeRefusals:
+    """Uploads this process did not journal, by reason, since it started: the counter
+    ``healthlog_intake_refused_total`` of ``/metrics`` (SERVE-78). A client that leaves half-way
+    or stalls was logged at DEBUG only, and a refusal at INFO a few times a minute in a flood:
+    nothing showed how often a phone's uploads failed."""
+
+    unauthorized: int = 0
+    """Refused 401: no token, or one that is not a client's."""
+    too_large: int = 0
+    """Refused 413: over ``max_body_mib``."""
+    content_encoding: int = 0
+    """Refused 415: a body with a content coding."""
+    body_timeout: int = 0
+    """Refused 408: the body stalled, or came too slowly."""
+    client_left: int = 0
+    """The client went away before its body was whole."""
+
+
 class IntakeEndpoint:
     """Authenticates, streams the body into the journal's encoder, submits, answers."""
 
@@ -169,6 +188,7 @@ class IntakeEndpoint:
         self._uploads_cut = False
         # One body's content digest at a time: it holds the raw body besides the encoded one.
         self._digests = trio.CapacityLimiter(1)
+        self.refused = IntakeRefusals()
 
     async def cut_uploads(self, closing: trio.Event, grace_s: float) -> None:
         """``grace_s`` after ``closing`` is set (shutdown began), refuse the uploads still
@@ -212,6 +232,7 @@ class IntakeEndpoint:
         presented = presented_token(headers.get("authorization"), headers.get("api-key"))
         name = None if presented is None else await self._tokens.authenticate(presented)
         if name is None:
+            self.refused.unauthorized += 1
             self._refusals.unauthorized(
                 "POST", INTAKE_PATH, client_address(scope), presented is not None
             )
@@ -219,6 +240,7 @@ class IntakeEndpoint:
         if int(headers.get("content-length") or 0) > self._limit:
             return self._refuse_too_large(scope)
         if headers.get("content-encoding", "").strip().lower() not in IDENTITY:
+            self.refused.content_encoding += 1
             self._refusals.refused(415, "POST", INTAKE_PATH, client_address(scope), _ENCODED_WHY)
             return _answer(
                 415,
@@ -237,6 +259,7 @@ class IntakeEndpoint:
                 self._in_flight.discard((name, key))
 
     def _refuse_too_large(self, scope: Any) -> _Answer:
+        self.refused.too_large += 1
         self._refusals.refused(413, "POST", INTAKE_PATH, client_address(scope), self._too_large_why)
         return _answer(413, self._too_large, CLOSE)
 
@@ -248,8 +271,10 @@ class IntakeEndpoint:
         except _Refused as refused:
             if refused.status == 413:
                 return self._refuse_too_large(scope)
+            self.refused.body_timeout += 1
             return _answer(refused.status, _error(refused.code), CLOSE)
         except _Disconnected:
+            self.refused.client_left += 1
             log.debug("intake: the client went away before its body was complete")
             return None
         if encoded is None:

@@ -25,6 +25,7 @@ from healthlog.documents import Status
 from healthlog.storage.journal import Journal
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
+from transport.intake import IntakeRefusals
 from transport.stream import HandshakeRefusals
 
 COUNTERS = ("points_held", "points_erased", "overwrites", "points_rejected")
@@ -37,6 +38,7 @@ class _Snapshot(Collector):
     totals: dict[str, int]
     stream_connections: int
     stream_refused: HandshakeRefusals
+    intake_refused: IntakeRefusals
 
     def collect(self) -> Iterator[Metric]:
         deliveries = GaugeMetricFamily(
@@ -111,6 +113,15 @@ class _Snapshot(Collector):
             "Deliveries journaled",
             value=self.statistics.intake.accepted,
         )
+        intake_refused = CounterMetricFamily(
+            "healthlog_intake_refused",
+            "Uploads this process did not journal, by reason: refused (401, 413, 415, 408),"
+            " or the client left before its body was whole",
+            labels=["reason"],
+        )
+        for reason, count in attrs.asdict(self.intake_refused).items():
+            intake_refused.add_metric([reason], count)
+        yield intake_refused
         yield CounterMetricFamily(
             "healthlog_journal_commit_failures",
             "Journal commits that failed (each refused its deliveries with 503)",
@@ -133,16 +144,26 @@ def _read(journal: Journal, store: Store) -> tuple[Status, dict[str, int]]:
 
 
 async def render_metrics(
-    runtime: Runtime, stream_connections: int, stream_refused: HandshakeRefusals
+    runtime: Runtime,
+    stream_connections: int,
+    stream_refused: HandshakeRefusals,
+    intake_refused: IntakeRefusals,
 ) -> bytes:
     """The exposition text, from one read of status and counters in the store's worker thread,
     with the serving process's own figures (``process_*``: RSS, open files, CPU), Python's
     version (``python_info``), the ``stream_connections`` it serves now and the stream
-    connections it refused at the handshake."""
+    connections it refused at the handshake, and the uploads it did not journal."""
     status, totals = await runtime.read_store(functools.partial(_read, runtime.journal))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(
-        _Snapshot(status, runtime.statistics(), totals, stream_connections, stream_refused)
+        _Snapshot(
+            status,
+            runtime.statistics(),
+            totals,
+            stream_connections,
+            stream_refused,
+            intake_refused,
+        )
     )
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
