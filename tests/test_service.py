@@ -956,7 +956,8 @@ def gzip_bomb(inflated: int) -> bytes:
 
 async def test_a_body_with_a_content_coding_is_refused_serve_77(tmp_path: Path) -> None:
     """SERVE-77: WHEN a delivery is posted with `Content-Encoding: gzip` or `br`, or a gzip
-    bomb (256 KiB inflating to 256 MiB) THEN each is answered 415
+    bomb (256 KiB inflating to 256 MiB), or with two `Content-Encoding` headers, `identity`
+    then `gzip` THEN each is answered 415
     `UNSUPPORTED_CONTENT_ENCODING` with `Accept-Encoding: identity`, and nothing is journaled;
     WHEN one is posted with `Content-Encoding: identity` THEN it is answered 200."""
     bomb = gzip_bomb(256 * MiB)
@@ -965,6 +966,15 @@ async def test_a_body_with_a_content_coding_is_refused_serve_77(tmp_path: Path) 
             await service.post(gzip.compress(HEART_RATE), {"Content-Encoding": "gzip"}),
             await service.post(HEART_RATE, {"Content-Encoding": "br"}),
             await service.post(bomb, {"Content-Encoding": "GZIP"}),
+            await service.client.post(
+                "/v1/deliveries",
+                content=gzip.compress(HEART_RATE),
+                headers=[
+                    *service.auth.items(),
+                    ("Content-Encoding", "identity"),
+                    ("Content-Encoding", "gzip"),
+                ],
+            ),
         ]
         plain = await service.post(HEART_RATE, {"Content-Encoding": "identity"})
         for response in refused:

@@ -239,7 +239,7 @@ class IntakeEndpoint:
             return _answer(401, _error("UNAUTHORIZED"), ((b"www-authenticate", b"Bearer"),))
         if int(headers.get("content-length") or 0) > self._limit:
             return self._refuse_too_large(scope)
-        if headers.get("content-encoding", "").strip().lower() not in IDENTITY:
+        if _encoded(scope["headers"]):
             self.refused.content_encoding += 1
             self._refusals.refused(415, "POST", INTAKE_PATH, client_address(scope), _ENCODED_WHY)
             return _answer(
@@ -384,6 +384,18 @@ def _headers(raw: Headers) -> dict[str, str]:
     for name, value in raw:
         headers.setdefault(name.decode("latin-1").lower(), value.decode("latin-1"))
     return headers
+
+
+def _encoded(raw: Headers) -> bool:
+    """A content coding other than ``identity`` is named, in any ``Content-Encoding`` header
+    (the headers of one name are one list, RFC 9110, 5.3: intake's own reading takes the
+    first, and a second header naming gzip after one naming identity went through)."""
+    return any(
+        coding.strip().lower() not in IDENTITY
+        for name, value in raw
+        if name.lower() == b"content-encoding"
+        for coding in value.decode("latin-1").split(",")
+    )
 
 
 def _waits_to_continue(scope: Any) -> bool:
