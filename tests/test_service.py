@@ -182,6 +182,38 @@ async def test_bearer_and_api_key_are_both_accepted(tmp_path: Path) -> None:
     assert [(m.sha256, m.client) for m in metas] == expected
 
 
+async def test_a_bearer_token_is_read_before_an_api_key_serve_79(tmp_path: Path) -> None:
+    """SERVE-79: GIVEN clients `phone` and `watch` WHEN a delivery carries `Authorization:
+    Bearer` with phone's token and `api-key` with watch's, or with a token that is no client's
+    THEN it is journaled under `phone`; WHEN the bearer token is no client's and the api-key is
+    phone's THEN 401 for the delivery (nothing journaled) and for `/v1/status`; WHEN
+    `Authorization` has another scheme (`Basic`) and the api-key is phone's THEN it is
+    journaled under `phone`."""
+    data = DataDir(tmp_path / "data")
+    with data.open_tokens() as tokens:
+        watch = tokens.add("watch")
+    async with serving(data.path) as service:
+        bearer = f"Bearer {service.token}"
+        accepted = [
+            {"Authorization": bearer, "api-key": watch},
+            {"Authorization": bearer, "api-key": "hl_not-a-token"},
+            {"Authorization": "Basic cGhvbmU6cGhvbmU=", "api-key": service.token},
+        ]
+        refused = {"Authorization": "Bearer hl_not-a-token", "api-key": service.token}
+        contents = [small(n) for n in range(len(accepted) + 1)]
+        answers = [
+            await service.client.post("/v1/deliveries", content=content, headers=headers)
+            for content, headers in zip(contents, [*accepted, refused], strict=True)
+        ]
+        status = await service.client.get("/v1/status", headers=refused)
+        metas = await service.journal()
+    assert [answer.status_code for answer in answers] == [200, 200, 200, 401]
+    assert status.status_code == 401
+    assert [(m.sha256, m.client) for m in metas] == [
+        (sha256(content), TOKEN_NAME) for content in contents[:-1]
+    ]
+
+
 async def test_revoked_token_stops_working_while_serving(service: Service) -> None:
     """SERVE-3: a token revoked in the token table is refused within a few seconds."""
     assert (await service.get("/v1/status")).status_code == 200
