@@ -2284,6 +2284,60 @@ def test_a_delivery_answered_while_files_ran_out_is_folded_once_they_are_back_se
     assert status["status"] == "parsed", status
 
 
+SOFT_FILES = 256
+HARD_FILES = 4096
+HELD_CONNECTIONS = 300
+
+
+def _soft_limit_below_hard() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (SOFT_FILES, HARD_FILES))
+
+
+def test_connections_beyond_the_soft_open_file_limit_still_let_a_delivery_in_serve_80(
+    tmp_path: Path,
+) -> None:
+    """SERVE-80: GIVEN a `healthlog serve` process started with a soft open file limit of 256
+    and a hard one of 4,096 (as a shell started without systemd's `LimitNOFILE` has 1,024 and
+    more) WHEN 300 connections from one address are held open THEN a delivery from another
+    client is answered 200 meanwhile, and `process_max_fds` of `/metrics` is 4,096."""
+    data = tmp_path / "data"
+    with DataDir(data).open_tokens() as tokens:
+        token = tokens.add(TOKEN_NAME)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    command = [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0", "--data", str(data)]
+    with subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_soft_limit_below_hard,
+    ) as process:
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline().decode()
+            found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
+            assert found, line
+            port = int(found.group(1))
+            with contextlib.ExitStack() as stack:
+                for _ in range(HELD_CONNECTIONS):
+                    stack.enter_context(socket.create_connection(("127.0.0.1", port)))
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                    try:
+                        answer = client.post(
+                            "/v1/deliveries",
+                            content=HEART_RATE,
+                            headers={"Authorization": f"Bearer {token}"},
+                        ).status_code
+                    except httpx.TimeoutException as exc:
+                        answer = type(exc).__name__
+                    metrics = client.get("/metrics").text if answer == 200 else ""
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    assert answer == 200
+    assert f"process_max_fds {float(HARD_FILES)}" in metrics
+
+
 def test_a_throttled_record_says_how_many_were_held_back_serve_53() -> None:
     """SERVE-53: of records within one period only the first passes; the first after it says
     how many were held back meanwhile."""

@@ -508,6 +508,7 @@ async def serve(
     ``response_timeout_s`` bounds sending a response whose body is whole (``create_app``).
     """
     stop = shutdown if shutdown is not None else trio.Event()
+    _raise_open_file_limit()
     if faultplan.load_environment() is not None:
         os.environ[faultplan.SERVE_PID_ENV] = str(os.getpid())
     # The signals are watched until the runtime has stopped too, not only while HTTP is served.
@@ -515,6 +516,26 @@ async def serve(
         watching.start_soon(_on_signals, stop)
         await _serve(data, config, stop, response_timeout_s, task_status)
         watching.cancel_scope.cancel()
+
+
+def _raise_open_file_limit() -> None:
+    """Raise the soft limit of open files to the hard one, as far as the system lets.
+
+    Every connection holds a file descriptor while it lasts. Started from a shell or a
+    container rather than with systemd's ``LimitNOFILE``, the service had the soft limit of
+    1,024 (its hard limit often 4,096 to 524,288): a thousand connections from one client, idle
+    ones kept for the 30 s keep-alive timeout, used them all up, and a phone's delivery waited
+    unaccepted meanwhile (SERVE-80). The hard limit is the administrator's; the soft one is a
+    default meant for programs that do not expect many files.
+    """
+    if sys.platform == "win32":
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 async def _serve(
