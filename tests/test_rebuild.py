@@ -1519,7 +1519,7 @@ def test_a_verify_on_a_read_only_file_system_says_so_store_76(tmp_path: Path) ->
 def test_a_warning_of_the_rebuilds_store_names_its_file_store_77(
     journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """STORE-77: a verify whose rebuilt store the disk refuses (files limited to 128 KiB: the
+    """STORE-77: a verify whose rebuilt store the disk refuses (files limited to 160 KiB: the
     copy of the live summaries fits, the rebuilt objects do not) logs the fold's WARNING
     naming the rebuilt store's own file, not ``store.sqlite``, which it only read."""
     append(
@@ -1528,7 +1528,7 @@ def test_a_warning_of_the_rebuilds_store_names_its_file_store_77(
     )
     run_pass(journal, store, epoch)
 
-    with pytest.raises(RebuildError), files_limited_to(128 * 2**10):
+    with pytest.raises(RebuildError), files_limited_to(160 * 2**10):
         verify(journal, store, workers=1)
 
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

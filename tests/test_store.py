@@ -8,15 +8,20 @@ STREAM-63 to STREAM-65) in specs/stream.md.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import re
+import signal
 import sqlite3
+import subprocess
+import sys
 import threading
 import tracemalloc
 from contextlib import closing
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import orjson
@@ -25,6 +30,7 @@ import trio
 from _bodies import BASE_US, NOW, TTL, append, body, delivery, pending, point, rows
 from _disk import DISK_ERROR, files_limited_to, in_full_file_system, unwritable
 from _sqlite_steps import counted_steps
+from fixtures import DEFAULT_START, make_body
 
 from actors.retention import RetentionActor, RetentionStatistics
 from healthlog import clock, faults, objects
@@ -33,12 +39,17 @@ from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred, StorageError
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.faultplan import PLAN_ENV
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
-from healthlog.storage.rebuild import reindex
+from healthlog.storage.rebuild import reindex, verify
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import MIGRATIONS, Lease, Store
 from healthlog.storage.tokens import Tokens
 from healthlog.timestamps import US_PER_HOUR
+
+if TYPE_CHECKING:
+    from conftest import Cli
 
 
 def fold(
@@ -1141,3 +1152,115 @@ async def test_a_large_prune_keeps_the_wal_small_store_88(tmp_path: Path) -> Non
         assert store.event_window() == (59_000, 60_000)
         # Its largest transaction's size, or the limit it is cut back to when that was larger.
         assert os.stat(f"{path}-wal").st_size < WAL_SIZE_LIMIT
+
+
+# Every hour of a day of two metrics at each minute, with sources and contexts: object bodies of
+# 1,039 to 1,895 bytes compressed, over the 1,000 bytes a WITHOUT ROWID table keeps in its page.
+DAYS = tuple(
+    make_body(seed, hours=24, start=DEFAULT_START + timedelta(days=seed), richness=2)
+    for seed in range(2)
+)
+LOAD_PLAN = "from healthlog.storage import faultplan; faultplan.load_environment()"
+OBJECT_COLUMNS = "metric, layer, hour, units, first, last, points, created_by, hash, sealed, body"
+
+
+def objects_layout(path: Path) -> tuple[int, int, int]:
+    """The overflow pages and bytes of the objects table and its key, and the bodies' bytes."""
+    with closing(sqlite3.connect(path)) as conn:
+        overflow, size = conn.execute(
+            "SELECT sum(pagetype = 'overflow'), sum(pgsize) FROM dbstat"
+            " WHERE name IN ('objects', 'objects_key')"
+        ).fetchone()
+        (bodies,) = conn.execute("SELECT sum(length(body)) FROM objects").fetchone()
+    return overflow, size, bodies
+
+
+def fold_days(data: DataDir) -> None:
+    with data.open_journal() as journal, data.open_store() as store:
+        epoch = store.acquire_lease("t", now=BASE_US, ttl=TTL)
+        assert epoch is not None
+        for day in DAYS:
+            report = fold(journal, store, append(journal, delivery(day)), epoch)
+            assert report.outcome_class is OutcomeClass.DONE
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_object_bodies_stay_in_their_pages_store_90(tmp_path: Path, workers: int) -> None:
+    """STORE-90: objects of 1 to 2 KB bodies, folded and then reindexed (in one process, and in
+    partitions whose scratch files the swap copies from) take no overflow page, and the objects
+    table with its key takes at most 1.5 times the bodies' bytes; verify finds no difference."""
+    data = DataDir(tmp_path)
+    fold_days(data)
+    with closing(sqlite3.connect(data.store_path)) as conn:
+        lengths = [n for (n,) in conn.execute("SELECT length(body) FROM objects")]
+    assert len(lengths) == 96
+    assert min(lengths) > 1_000
+    folded = rows(data.store_path)["objects"]
+    overflow, size, bodies = objects_layout(data.store_path)
+    assert overflow == 0
+    assert size <= 1.5 * bodies
+    with data.open_journal() as journal, data.open_store() as store:
+        reindex(journal, store, "t", workers=workers)
+        assert verify(journal, store, workers=workers) == []
+    assert rows(data.store_path)["objects"] == folded
+    overflow, size, bodies = objects_layout(data.store_path)
+    assert overflow == 0
+    assert size <= 1.5 * bodies
+
+
+def as_without_rowid(path: Path) -> None:
+    """Make the store at ``path`` one of the schema before its objects had a rowid."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("BEGIN")
+        conn.execute(
+            "CREATE TABLE objects_old (metric TEXT NOT NULL, layer TEXT NOT NULL,"
+            " hour INTEGER NOT NULL, units TEXT, first INTEGER NOT NULL, last INTEGER NOT NULL,"
+            " points INTEGER NOT NULL, created_by INTEGER NOT NULL, hash BLOB NOT NULL,"
+            " sealed INTEGER NOT NULL DEFAULT 0, body BLOB NOT NULL,"
+            " PRIMARY KEY (metric, layer, hour)) WITHOUT ROWID"
+        )
+        conn.execute(f"INSERT INTO objects_old SELECT {OBJECT_COLUMNS} FROM objects")
+        conn.execute("DROP TABLE objects")
+        conn.execute("ALTER TABLE objects_old RENAME TO objects")
+        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) - 1}")
+        conn.execute("COMMIT")
+
+
+def test_a_store_of_the_older_layout_is_migrated_whole_store_91(tmp_path: Path, cli: Cli) -> None:
+    """STORE-91: a store whose objects are in the older WITHOUT ROWID table (every body on an
+    overflow page): a process killed (SIGKILL) in the middle of the migration leaves it as it
+    was, every row there; opened again, its objects move into the rowid table in one step,
+    every column of every row the same, with no overflow page left, writing less -wal than the
+    old table's size (its freed pages are not zeroed one by one), and `verify` exits 0."""
+    data = DataDir(tmp_path)
+    fold_days(data)
+    as_without_rowid(data.store_path)
+    before = rows(data.store_path)
+    overflow, size, _ = objects_layout(data.store_path)
+    assert overflow == 96
+
+    plan = json.dumps({"schema.migrate": {"hits": [1], "do": "kill"}})
+    opening = f"from healthlog.storage.store import Store; Store({str(data.store_path)!r})"
+    killed = subprocess.run(
+        [sys.executable, "-c", f"{LOAD_PLAN}; {opening}"],
+        env={**os.environ, PLAN_ENV: plan},
+        capture_output=True,
+        timeout=60,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    with closing(sqlite3.connect(data.store_path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (len(MIGRATIONS) - 1,)
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    assert rows(data.store_path) == before
+    assert objects_layout(data.store_path)[0] == 96
+
+    with data.open_store():
+        # The old table's pages are freed, not zeroed through the -wal one by one.
+        assert os.path.getsize(f"{data.store_path}-wal") < size
+    assert cli("verify", "--data", tmp_path).code == 0
+    with closing(sqlite3.connect(data.store_path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (len(MIGRATIONS),)
+    assert rows(data.store_path) == before
+    overflow, migrated, bodies = objects_layout(data.store_path)
+    assert overflow == 0
+    assert migrated <= 1.5 * bodies < size / 2

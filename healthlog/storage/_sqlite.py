@@ -627,8 +627,17 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[str]) -> None:
                 _refuse_newer(conn, version, target)
                 if version == target:
                     return
-                for statement in _statements(migrations[version]):
-                    conn.execute(statement)
+                # A step that moves a table frees every page of the old one, and SQLite built
+                # with SECURE_DELETE (Debian's) zeroes each through the -wal: moving the objects
+                # of a 492 MB store wrote 630 MB of -wal in 7 to 11 s, 165 MB in 0.8 s without
+                # (STORE-91). Nothing is deleted: the freed pages hold copies of what moved.
+                kept = int(conn.execute("PRAGMA secure_delete").fetchone()[0])
+                conn.execute("PRAGMA secure_delete = FAST")
+                try:
+                    for statement in _statements(migrations[version]):
+                        conn.execute(statement)
+                finally:
+                    conn.execute(f"PRAGMA secure_delete = {kept}")
                 faults.point("schema.migrate")
                 conn.execute(f"PRAGMA user_version = {version + 1}")
         except StorageError as exc:
