@@ -36,7 +36,7 @@ from healthlog.storage._sqlite import (
     not_permitted,
     write_refused,
 )
-from healthlog.storage.datadir import DataDir, default_data_dir
+from healthlog.storage.datadir import JOURNAL_FILE, STORE_FILE, DataDir, default_data_dir
 from healthlog.storage.journal import NewDelivery
 from healthlog.storage.passes import check_before_folding, check_same_journal, counted
 from healthlog.storage.rebuild import (
@@ -423,6 +423,12 @@ def _announce(line: str) -> None:
 
 
 def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
+    if args.action != "add" and not data.tokens_path.exists():
+        # No token was ever added here (a directory `import` began): none to list or revoke,
+        # and no tokens.sqlite made for want of one (CLI-110).
+        if args.action == "revoke":
+            raise CliError(f"no token named {args.name!r}")
+        return 0
     with data.open_tokens(reading=args.action == "list") as tokens:
         try:
             if args.action == "add":
@@ -534,6 +540,8 @@ def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
 def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
     if args.replica is not None and not (args.replica / REPLICA_FILE).is_file():
         raise CliError(f"no follow replica in {args.replica}")
+    if args.replica is None:
+        _store_to_read(data, "export")
     try:
         source: Store | ReplicaReader = (
             ReplicaReader(args.replica)
@@ -576,6 +584,7 @@ _GIVEN_UP_WHY = {
 
 
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
+    _store_to_read(data, "verify")
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         check_before_folding(journal, store)
@@ -694,6 +703,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         return _status_list(args, data, statuses)
     if args.limit is not None:
         raise CliError("--limit goes with --failed or --partial")
+    _store_to_read(data, "status")
     public_key = data.public_key()
     with data.open_journal(reading=True) as journal, data.open_store(reading=True) as store:
         check_same_journal(journal, store)
@@ -746,6 +756,7 @@ def _status_text(status: documents.Status) -> str:
 def _status_list(args: argparse.Namespace, data: DataDir, statuses: list[str]) -> int:
     """``status --failed`` / ``--partial``: the newest of those deliveries, with their reasons."""
     limit = DEFAULT_LISTED if args.limit is None else args.limit
+    _store_to_read(data, "status")
     with data.open_store(reading=True) as store:
         listed = list_deliveries(store, statuses, limit)
     with _writing_stdout():
@@ -946,6 +957,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _tell(f"healthlog: {_naming_its_file(error, data)}")
         return 2 if isinstance(error, CliError) else 3
+
+
+def _store_to_read(data: DataDir, command: str) -> None:
+    """Refuse a command that reads ``store.sqlite`` where there is none (CLI-110), rather than
+    make an empty one and read it: a store deleted to be rebuilt (StorageError) is said with
+    what rebuilds it, a directory where nothing was journaled yet (CliError: a directory
+    `token add` began, or a mistyped ``--data`` holding another of healthlog's files) so."""
+    if data.store_path.exists():
+        return
+    if data.journal_path.exists():
+        raise StorageError(
+            f"no {STORE_FILE} in {data.path}: `healthlog reindex` rebuilds it from"
+            f" {JOURNAL_FILE} (so does `serve` as it starts), and `{command}` reads it then;"
+            " nothing was changed"
+        )
+    raise CliError(
+        f"nothing journaled in {data.path} yet (no {JOURNAL_FILE}, no {STORE_FILE}):"
+        " `serve` or `import` begins them"
+    )
 
 
 def _check_directory(path: Path) -> None:

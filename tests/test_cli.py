@@ -1096,6 +1096,8 @@ def test_a_damaged_signing_key_exits_3_with_one_line_cli_23(
     kind): exit 3, one line naming the file and saying to restore it, no traceback."""
     data = tmp_path / "data"
     data.mkdir()
+    DataDir(data).open_journal().close()
+    DataDir(data).open_store().close()
     (data / "signing.key").write_bytes(content)
     for args in (["status"], ["status", "--json"]):
         run = cli(*args, "--data", data)
@@ -1114,6 +1116,8 @@ def test_a_newer_schema_is_refused_naming_its_file_cli_23(
     naming the file."""
     data = tmp_path / "data"
     assert cli("token", "add", "phone", "--data", data).code == 0
+    DataDir(data).open_journal().close()
+    DataDir(data).open_store().close()
     assert cli("status", "--data", data).code == 0
     with closing(sqlite3.connect(data / name)) as conn:
         conn.execute("PRAGMA user_version = 99")

@@ -601,6 +601,79 @@ def test_a_command_on_a_directory_without_healthlog_data_makes_none_cli_53(
     assert sorted(path.name for path in other.iterdir()) == held
 
 
+def files_of(directory: Path) -> dict[str, bytes]:
+    """The name and bytes of every file in ``directory``."""
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def journaled(cli: Cli, tmp_path: Path) -> Path:
+    """A data directory one delivery was imported into and folded (closed: no -wal, -shm)."""
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert cli("import", "--aggregation", "minutes", "--data", data, file).code == 0
+    return data
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["status"], ["status", "--json"], ["status", "--failed"], ["export"], ["verify"]],
+    ids=lambda args: "-".join(args),
+)
+def test_a_reading_command_makes_no_store_where_there_is_none_cli_110(
+    cli: Cli, tmp_path: Path, args: list[str]
+) -> None:
+    """CLI-110: `status`, `export` and `verify` on a data directory whose `store.sqlite` was
+    deleted to be rebuilt (the journal alone left) exit 3 with one line saying so and what
+    rebuilds it, and make no file; on one where nothing was journaled yet (`token add` began
+    it) they exit 2 with one line; `reindex` then rebuilds the store and the command reads it.
+    (Before, each made an empty `store.sqlite`, `status` a `signing.key` too, and exited 0:
+    `status` with every delivery pending and no pass yet, `export` with nothing, `verify` with
+    `0 objects differ`.)"""
+    data = journaled(cli, tmp_path)
+    for name in ("store.sqlite", "signing.key"):
+        (data / name).unlink(missing_ok=True)
+    left = files_of(data)
+    run = cli(*args, "--data", data)
+    assert run.code == 3
+    command = args[0]
+    one_line_error(
+        run.err,
+        f"healthlog: no store.sqlite in {data}: `healthlog reindex` rebuilds it from"
+        f" journal.sqlite (so does `serve` as it starts), and `{command}` reads it then;"
+        " nothing was changed",
+    )
+    assert run.out == b""
+    assert files_of(data) == left
+    assert cli("reindex", "--data", data).code == 0
+    assert cli(*args, "--data", data).code == 0
+
+    begun = tmp_path / "begun"
+    assert cli("token", "add", "phone", "--data", begun).code == 0
+    left = files_of(begun)
+    run = cli(*args, "--data", begun)
+    assert run.code == 2
+    one_line_error(
+        run.err,
+        f"healthlog: nothing journaled in {begun} yet (no journal.sqlite, no store.sqlite):"
+        " `serve` or `import` begins them",
+    )
+    assert files_of(begun) == left
+
+
+def test_token_list_and_revoke_make_no_tokens_file_cli_110(cli: Cli, tmp_path: Path) -> None:
+    """CLI-110: on a data directory no token was ever added to (`import` began it), `token
+    list` prints nothing and exits 0, and `token revoke` exits 2 with `no token named`, and
+    neither makes `tokens.sqlite` (before, each made it)."""
+    data = journaled(cli, tmp_path)
+    left = files_of(data)
+    listed = cli("token", "list", "--data", data)
+    assert (listed.code, listed.out, listed.err) == (0, b"", "")
+    revoked = cli("token", "revoke", "phone", "--data", data)
+    assert revoked.code == 2
+    one_line_error(revoked.err, "healthlog: no token named 'phone'")
+    assert files_of(data) == left
+
+
 @pytest.mark.parametrize(
     "args", [["token", "add", "phone"], ["import", "--no-wait", "a.json"], ["serve", "--port", "0"]]
 )
@@ -854,6 +927,8 @@ def test_a_command_without_a_data_directory_takes_the_environment_alone_cli_49(
     data = tmp_path / "data"
     assert run_cli("token", "add", "phone", "--data", data).code == 0
     (data / TOML).write_text("[serve]\nport = 99999\n")
+    DataDir(data).open_journal().close()
+    DataDir(data).open_store().close()
     assert run_cli("status", "--data", data).code == 0
     assert run_cli("serve", "--data", data).code == 2
 
@@ -1563,7 +1638,7 @@ def test_a_copy_without_its_shm_files_on_read_only_media_cli_105(tmp_path: Path)
     point_dir.mkdir()
     script = (
         '"$PY" -m healthlog.cli token add phone --data "$1/data" > /dev/null 2>&1 || exit 98\n'
-        '"$PY" -m healthlog.cli status --data "$1/data" > /dev/null 2>&1 || exit 97\n'
+        '"$PY" -c "$5" "$1/data" || exit 97\n'
         '"$PY" -c "$3" "$1/data" > "$4/held" & held=$!\n'
         'until grep -q open "$4/held"; do sleep 0.05; done\n'
         '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
@@ -1580,7 +1655,15 @@ def test_a_copy_without_its_shm_files_on_read_only_media_cli_105(tmp_path: Path)
         '"$PY" -m healthlog.cli export --data "$4/copy" > "$4/copied"\n'
         'echo "copy export exit $?" >&2\n'
     )
-    stderr = in_full_file_system(script, point_dir, payload, HOLDER, tmp_path)
+    begun = (
+        "import sys\n"
+        "from healthlog.storage.datadir import DataDir\n"
+        "data = DataDir(sys.argv[1])\n"
+        "data.open_journal().close()\n"
+        "data.open_store().close()\n"
+        "data.signing_key()\n"
+    )
+    stderr = in_full_file_system(script, point_dir, payload, HOLDER, tmp_path, begun)
     assert "token list exit 0\n" in stderr, stderr
     assert (tmp_path / "token list").read_text() == "phone\n"
     for command, file in (("export", "store.sqlite"), ("status", "journal.sqlite")):
