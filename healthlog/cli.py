@@ -257,6 +257,7 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
             bodies.append(Path(name).read_bytes())
         except OSError as exc:
             raise CliError(f"cannot read {name}: {exc.strerror}") from None
+    _journal_not_lost(data)
     config = _settings(data)
     return _run_terminable(_import, args, data, config, bodies)
 
@@ -306,6 +307,7 @@ def cmd_seal(args: argparse.Namespace, data: DataDir) -> int:
     if args.metric == "":
         raise CliError("--metric names a metric; leave it out to seal every metric")
     seal = Seal(args.before, args.metric, args.layer)
+    _journal_not_lost(data)
     config = _settings(data)
     return _run_terminable(_seal, args, data, config, seal)
 
@@ -380,6 +382,7 @@ def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
         config = load_serve_config(data.config_path, flags)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    _journal_not_lost(data)
     setup_logging(config.log_format, config.log_level)
     _run(_serve, data, config)
     # Stopped cleanly. The stopping signal delivered once more (``timeout``, a kill of the
@@ -567,6 +570,7 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
+    _journal_not_lost(data)
     progress = Progress("reindex")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         check_before_folding(journal, store)
@@ -584,6 +588,7 @@ _GIVEN_UP_WHY = {
 
 
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
+    _journal_not_lost(data)
     _store_to_read(data, "verify")
     progress = Progress("verify")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
@@ -703,6 +708,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         return _status_list(args, data, statuses)
     if args.limit is not None:
         raise CliError("--limit goes with --failed or --partial")
+    _journal_not_lost(data)
     _store_to_read(data, "status")
     public_key = data.public_key()
     with data.open_journal(reading=True) as journal, data.open_store(reading=True) as store:
@@ -957,6 +963,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         _tell(f"healthlog: {_naming_its_file(error, data)}")
         return 2 if isinstance(error, CliError) else 3
+
+
+def _journal_not_lost(data: DataDir) -> None:
+    """Refuse (StorageError) a data directory holding ``store.sqlite`` but no
+    ``journal.sqlite`` to a command that opens the journal (CLI-111): it would make an empty
+    one, then refuse the store as folded from another journal and tell the user to move the
+    store away, whose points were then nowhere else. A store that has folded nothing yet (a
+    process holding its lease before anything was journaled) is no loss: the journal is made."""
+    if data.journal_path.exists() or not data.store_path.exists():
+        return
+    with data.open_store(create=False, reading=True) as store:
+        folded = store.checkpoint()[1]
+    if folded is not None:
+        raise StorageError(
+            f"{data.path} holds {STORE_FILE} but no {JOURNAL_FILE}, the deliveries it was folded"
+            f" from (moved away, deleted, or on a disk not mounted?): put {JOURNAL_FILE} back,"
+            " from a backup if need be, and run the command again; nothing was changed"
+        )
 
 
 def _store_to_read(data: DataDir, command: str) -> None:

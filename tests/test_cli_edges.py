@@ -675,6 +675,44 @@ def test_token_list_and_revoke_make_no_tokens_file_cli_110(cli: Cli, tmp_path: P
 
 
 @pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["verify"],
+        ["reindex"],
+        ["seal", "--before", "2024-01-01T00:00:00Z"],
+        ["import", "--no-wait", "a.json"],
+        ["serve", "--port", "0"],
+    ],
+    ids=lambda args: args[0],
+)
+def test_a_store_without_its_journal_is_said_and_no_journal_made_cli_111(
+    cli: Cli, tmp_path: Path, args: list[str]
+) -> None:
+    """CLI-111: a command that opens the journal, on a data directory holding `store.sqlite`
+    but no `journal.sqlite` (moved away, on a disk not mounted), exits 3 with one line saying
+    the journal is missing and to put it back, and makes no file; with the journal put back
+    `status` reads both. (Before, each made an empty `journal.sqlite`, then refused the store
+    as `folded from another journal` and told the user to move it away and reindex: a
+    store with no other copy of its points.)"""
+    data = journaled(cli, tmp_path)
+    (data / "journal.sqlite").rename(tmp_path / "journal.sqlite")
+    left = files_of(data)
+    run = cli(*[tmp_path / arg if arg == "a.json" else arg for arg in args], "--data", data)
+    assert run.code == 3
+    one_line_error(
+        run.err,
+        f"healthlog: {data} holds store.sqlite but no journal.sqlite, the deliveries it was"
+        " folded from (moved away, deleted, or on a disk not mounted?): put journal.sqlite"
+        " back, from a backup if need be, and run the command again; nothing was changed",
+    )
+    assert run.out == b""
+    assert files_of(data) == left
+    (tmp_path / "journal.sqlite").rename(data / "journal.sqlite")
+    assert b"journal     1 deliveries" in cli("status", "--data", data).out
+
+
+@pytest.mark.parametrize(
     "args", [["token", "add", "phone"], ["import", "--no-wait", "a.json"], ["serve", "--port", "0"]]
 )
 def test_a_data_directory_that_is_a_dangling_link_is_refused_cli_54(
