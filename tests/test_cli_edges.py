@@ -2026,3 +2026,81 @@ def test_reindex_and_verify_finish_when_their_stderr_cannot_be_written_cli_94(
             )
         codes.append(done.returncode)
     assert codes == [1, 0, 0]
+
+
+CHANGED_WHILE_READ = (
+    "import sqlite3, sys\n"
+    "from healthlog.storage._sqlite import StorageError\n"
+    "from healthlog.storage.datadir import DataDir\n"
+    "store = DataDir(sys.argv[1]).open_store(create=False, reading=True)\n"
+    "print(len(list(store.iter_objects())), 'objects read', file=sys.stderr)\n"
+    "import os; os.unlink(sys.argv[2])\n"
+    "writer = sqlite3.connect(store.path)\n"
+    "writer.execute('CREATE TABLE later (x)')\n"
+    "writer.close()\n"
+    "try:\n"
+    "    store.close()\n"
+    "except StorageError as exc:\n"
+    "    print('closing:', exc, file=sys.stderr)\n"
+)
+"""Reads the store of the data directory ``argv[1]`` on a full disk, then frees the space
+(removes ``argv[2]``) and writes the store as a process starting then would (closing it
+checkpoints into the file), then closes the reading."""
+
+
+def test_reading_commands_read_a_stopped_service_s_files_on_a_full_disk_cli_112(
+    tmp_path: Path,
+) -> None:
+    """CLI-112: with the service stopped (its databases closed: no `-wal`, or an empty one) on
+    a full file system, `export`, `status`, `status --failed` and `token list` exit 0 and print
+    what they printed before the disk filled, and leave no file behind; a reading whose file
+    a process changes meanwhile (space freed, a service started) says so on closing. (Before,
+    each exited 3 with `database error: disk I/O error: the disk is full (0 bytes free), free
+    some space (...)`, leaving a 3-byte `-shm` and an empty `-wal` beside each database.)"""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    commands = ("export", "status", "status --failed", "token list")
+    script = (
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -m healthlog.cli token add phone --data "$1/data" > /dev/null 2>&1 || exit 97\n'
+        f"for command in {' '.join(repr(c) for c in commands)}; do\n"
+        '  "$PY" -m healthlog.cli $command --data "$1/data" > "$3/before $command" || exit 96\n'
+        "done\n"
+        'ls "$1/data" > "$3/files before"\n'
+        'dd if=/dev/zero of="$1/fill" bs=4096 2> /dev/null\n'
+        'df -B1 --output=avail "$1" | tail -1 >&2\n'
+        f"for command in {' '.join(repr(c) for c in commands)}; do\n"
+        '  "$PY" -m healthlog.cli $command --data "$1/data" > "$3/$command"\n'
+        '  echo "$command exit $?" >&2\n'
+        "done\n"
+        'ls "$1/data" > "$3/files after"\n'
+        '"$PY" -c "$4" "$1/data" "$1/fill"\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, tmp_path, CHANGED_WHILE_READ)
+    assert stderr.splitlines()[0].strip() == "0", stderr
+    for command in commands:
+        assert f"\n{command} exit 0\n" in stderr, stderr
+        before = (tmp_path / f"before {command}").read_bytes()
+        assert before
+        if command == "status":
+            # The wait since the delivery was journaled grows between the two.
+            before, after = (
+                re.sub(rb"waited [0-9.]+ s", b"", text)
+                for text in (before, (tmp_path / command).read_bytes())
+            )
+            assert after == before
+        else:
+            assert (tmp_path / command).read_bytes() == before
+    assert b"heart_rate" in (tmp_path / "before export").read_bytes()
+    assert (tmp_path / "files after").read_text() == (tmp_path / "files before").read_text()
+    assert re.search(
+        r"^1 objects read\nclosing: \S+/data/store\.sqlite changed while it was read \(a"
+        r" healthlog process opened it meanwhile: the service starting, or one started once"
+        r" space was freed\), so what was read may be torn: run the command again$",
+        stderr,
+        re.MULTILINE,
+    ), stderr

@@ -811,7 +811,7 @@ def test_event_window_is_read_in_one_snapshot_store_27(
 
 def test_a_file_a_full_disk_cannot_open_says_the_disk_is_full_store_35(tmp_path: Path) -> None:
     """STORE-35: on a real file system filled to the last byte (a tmpfs), after the data
-    directory's files were closed, `healthlog status` cannot open the journal (SQLite cannot
+    directory's files were closed, `healthlog import` cannot open the journal (SQLite cannot
     make its ``-shm`` file) and says the disk is full and how much is free, not only
     ``disk I/O error``."""
     payload = tmp_path / "body.json"
@@ -822,7 +822,7 @@ def test_a_file_a_full_disk_cannot_open_says_the_disk_is_full_store_35(tmp_path:
         '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2" || exit 98\n'
         '"$PY" -m healthlog.cli status --data "$1/data" > /dev/null || exit 97\n'
         'head -c 2000000 /dev/zero > "$1/fill"\n'
-        '"$PY" -m healthlog.cli status --data "$1/data"\n'
+        '"$PY" -m healthlog.cli import --no-wait --data "$1/data" "$2"\n'
         'echo "exit $?" >&2\n'
     )
     stderr = in_full_file_system(script, point_dir, payload)

@@ -33,6 +33,7 @@ __all__ = [
     "describe",
     "give_to_directory_owner",
     "migrate",
+    "no_room_for_shm",
     "read_once",
     "reopened",
     "wal_held_back",
@@ -131,10 +132,12 @@ def connect(
         raise ValueError("busy_timeout_ms must not be negative")
     if private and create and not readonly:
         _create_private(path)
+    unlocked = readonly and immutable
+    seen = _identity(path) if unlocked else None
     try:
         if readonly or not create:
             uri = Path(path).resolve().as_uri() + ("?mode=ro" if readonly else "?mode=rw")
-            if readonly and immutable:
+            if unlocked:
                 uri += "&immutable=1"
             conn = sqlite3.connect(
                 uri,
@@ -142,6 +145,7 @@ def connect(
                 timeout=busy_timeout_ms / 1000,
                 isolation_level=None,
                 check_same_thread=False,
+                factory=_Unlocked if unlocked else sqlite3.Connection,
             )
         else:
             conn = sqlite3.connect(
@@ -172,7 +176,44 @@ def connect(
         if isinstance(exc, sqlite3.Error):
             raise _opening(classify(exc), path) from exc
         raise
+    if isinstance(conn, _Unlocked) and seen is not None:
+        conn.watched = (os.fspath(path), seen)
     return conn
+
+
+def _identity(path: str | os.PathLike[str]) -> tuple[int, int, int] | None:
+    """The inode, size and modification time of the file at ``path``; None when there is
+    none."""
+    try:
+        stats = os.stat(path)
+    except OSError:
+        return None
+    return stats.st_ino, stats.st_size, stats.st_mtime_ns
+
+
+class _Unlocked(sqlite3.Connection):
+    """A connection opened ``immutable``, through which SQLite takes no lock and trusts the
+    file not to change. Closing it raises a :class:`StorageError` when the file did change
+    since it was opened (a process that opened it meanwhile, once space was freed on a full
+    disk or the service started, checkpointed into it): what was read through it may be
+    torn (CLI-112)."""
+
+    watched: tuple[str, tuple[int, int, int]] | None = None
+
+    def close(self) -> None:
+        super().close()
+        if self.watched is None:
+            return
+        path, seen = self.watched
+        self.watched = None
+        if _identity(path) != seen:
+            error = StorageError(
+                f"{path} changed while it was read (a healthlog process opened it meanwhile:"
+                " the service starting, or one started once space was freed), so what was"
+                " read may be torn: run the command again"
+            )
+            error.file = os.path.basename(path)
+            raise error
 
 
 def connect_reading(
@@ -185,7 +226,10 @@ def connect_reading(
     are there (those of a service running, or of a snapshot taken while it ran). On read-only
     media with no ``-shm`` beside the file and no ``-wal``, or an empty one (it was closed
     cleanly, every change in the file), where SQLite cannot make the ``-shm`` file a WAL reader
-    needs, ``immutable``: nothing can change such a file. A ``-wal`` holding changes without
+    needs, ``immutable``: nothing can change such a file; so on a disk too full for a ``-shm``
+    file (:func:`no_room_for_shm`: CLI-112), where one that changes all the same (a process
+    started once space was freed) is said on closing (:class:`_Unlocked`). A ``-wal`` holding
+    changes without
     its ``-shm`` there (a copy that left the ``-shm`` files out) cannot be read, and the error
     says so; so is a file this user may not write in a directory it may write, while no process
     has it open, which SQLite would leave ``-wal`` and ``-shm`` files of this user's beside;
@@ -202,6 +246,15 @@ def connect_reading(
         # SQLite would open it read-only without a word and make the two files (as root, it
         # gives them to the file's owner).
         raise _would_leave_files(Path(name))
+    if (
+        os.path.exists(name)
+        and not _size(name + "-wal")
+        and no_room_for_shm(os.path.dirname(name) or ".")
+    ):
+        # On a full disk SQLite fails to size the -shm file a WAL reader needs where there is
+        # none or only part of one (a process that failed there), and leaves what it made;
+        # with no -wal, or an empty one, every change is in the file: read it alone (CLI-112).
+        return read_once(connect(path, readonly=True, create=False, immutable=True))
     try:
         return connect(path, create=create, busy_timeout_ms=busy_timeout_ms)
     except StorageError as exc:
@@ -403,6 +456,22 @@ def free_when_full(directory: str | os.PathLike[str]) -> int | None:
         return None
     free = stats.f_bavail * stats.f_frsize
     return free if free < FULL_BELOW_BYTES else None
+
+
+SHM_ROOM_BYTES = 64 * 1024
+"""The free space SQLite needs to open a database of WAL mode beside which there is no
+``-shm`` file, or part of one: its first region (32 KiB), with room to spare."""
+
+
+def no_room_for_shm(directory: str | os.PathLike[str]) -> bool:
+    """Whether the file system of ``directory`` has less room than a ``-shm`` file needs
+    (:data:`SHM_ROOM_BYTES`): opening a database there fails with ``disk I/O error``, having
+    made part of one; False when that cannot be read."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < SHM_ROOM_BYTES
 
 
 def mounted_read_only(directory: Path) -> str | None:
@@ -729,7 +798,9 @@ class Database:
             if reading
             else self._open(create=create)
         )
-        self._lock = ConnectionGuard(path, self._reopen)
+        # A reading connection is not reopened to write: on a full disk that leaves part of a
+        # -shm file beside the database (CLI-112).
+        self._lock = ConnectionGuard(path, None if reading else self._reopen)
         try:
             migrate(self._conn, self.MIGRATIONS)
         except BaseException as exc:

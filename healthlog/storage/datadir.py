@@ -26,6 +26,7 @@ from healthlog.storage._sqlite import (
     StorageError,
     describe,
     give_to_directory_owner,
+    no_room_for_shm,
     not_permitted,
 )
 from healthlog.storage.journal import Journal
@@ -187,7 +188,10 @@ class DataDir:
         if not self.journal_path.exists():
             return
         try:
-            with self.open_journal(create=False) as journal:
+            # On a disk too full for a -shm file it can be read, not written, and opening it to
+            # write would leave part of one beside it (CLI-112).
+            cramped = no_room_for_shm(self.path)
+            with self.open_journal(create=False, reading=cramped) as journal:
                 recorded = journal.snapshot_key()
                 if recorded == public_key:
                     return

@@ -434,7 +434,8 @@ class Journal:
         self._clock = clock
         self._compress_min_bytes = compress_min_bytes
         self._busy_timeout_ms = busy_timeout_ms
-        self._lock = ConnectionGuard(self.path, self._reopen)
+        # A reading connection is not reopened to write (:class:`Database`).
+        self._lock = ConnectionGuard(self.path, None if reading else self._reopen)
         self._stats = JournalStatistics()
         self._counted = (0, 0, 0, 0)
         """The last delivery id :meth:`_count` counted, the deliveries, their raw bytes and the
