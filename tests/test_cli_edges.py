@@ -2104,3 +2104,50 @@ def test_reading_commands_read_a_stopped_service_s_files_on_a_full_disk_cli_112(
         stderr,
         re.MULTILINE,
     ), stderr
+
+
+def test_a_backup_user_reads_a_directory_it_may_not_write_cli_113() -> None:
+    """CLI-113: a backup user (`nobody`) given group read on a stopped service's data directory
+    (the service's user `daemon` owns it, mode 0750, its databases 0640, `signing.key` 0600)
+    runs `export`, `status`, `status --failed` and `token list`: each exits 0 and prints what
+    the service's own user prints, and no file is made. (Before, `export` and `status` exited
+    3 with `attempt to write a readonly database: user nobody may not read and write ...`, and
+    told the backup user to run as daemon or take the directory over.)"""
+    if os.geteuid() != 0:
+        pytest.skip("runs commands as two other users, which only root can")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    as_daemon = [setpriv, "--reuid=1", "--regid=65534", "--clear-groups"]
+    commands = (("export",), ("status",), ("status", "--failed"), ("token", "list"))
+    with reachable_home("healthlog-cli-113-") as home:
+        data = home / "data"
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        for command in (
+            ("import", "--aggregation", "minutes", "--data", data, hr),
+            ("token", "add", "phone", "--data", data),
+            ("status", "--data", data),
+        ):
+            assert run_status(healthlog(*command))[0], command
+        subprocess.run(["chown", "-R", "1:65534", data], check=True)
+        data.chmod(0o750)
+        for name in ("journal.sqlite", "store.sqlite", "tokens.sqlite"):
+            (data / name).chmod(0o640)
+        before = sorted(path.name for path in data.iterdir())
+        for command in commands:
+            owner = run_status([*as_daemon, *healthlog(*command, "--data", data)], home)
+            assert owner[0], (command, owner)
+            done, out, err = run_status([*as_nobody, *healthlog(*command, "--data", data)], home)
+            assert done, (command, err)
+            assert err == ""
+            if command == ("status",):
+                # The wait since the delivery was journaled grows between the two.
+                out, expected = (re.sub(r"waited [0-9.]+ s", "", text) for text in (out, owner[1]))
+            else:
+                expected = owner[1]
+            assert out == expected, command
+        assert "heart_rate" in run_status([*as_nobody, *healthlog("export", "--data", data)])[1]
+        assert sorted(path.name for path in data.iterdir()) == before

@@ -227,10 +227,11 @@ def connect_reading(
     media with no ``-shm`` beside the file and no ``-wal``, or an empty one (it was closed
     cleanly, every change in the file), where SQLite cannot make the ``-shm`` file a WAL reader
     needs, ``immutable``: nothing can change such a file; so on a disk too full for a ``-shm``
-    file (:func:`no_room_for_shm`: CLI-112), where one that changes all the same (a process
-    started once space was freed) is said on closing (:class:`_Unlocked`). A ``-wal`` holding
-    changes without
-    its ``-shm`` there (a copy that left the ``-shm`` files out) cannot be read, and the error
+    file (:func:`no_room_for_shm`: CLI-112) and in a directory this user may not write (a
+    backup user's, the service stopped: CLI-113), where one that changes all the same (a
+    process started meanwhile) is said on closing (:class:`_Unlocked`). A ``-wal`` holding
+    changes without its ``-shm`` there (a copy that left the ``-shm`` files out) cannot be
+    read, and the error
     says so; so is a file this user may not write in a directory it may write, while no process
     has it open, which SQLite would leave ``-wal`` and ``-shm`` files of this user's beside;
     where the file cannot be read otherwise, the write open's error is raised, which says why
@@ -264,10 +265,11 @@ def connect_reading(
     try:
         return read_once(connect(path, readonly=True, create=False))
     except StorageError:
-        if os.path.exists(name + "-shm") or not _on_read_only_media(name):
+        where = _where_no_shm_is_made(name)
+        if os.path.exists(name + "-shm") or where is None:
             raise refused from None
         if _size(name + "-wal"):
-            raise _wal_without_shm(refused, Path(name)) from None
+            raise _wal_without_shm(refused, Path(name), where) from None
     try:
         return read_once(connect(path, readonly=True, create=False, immutable=True))
     except StorageError:
@@ -282,6 +284,17 @@ def read_once(conn: sqlite3.Connection) -> sqlite3.Connection:
         conn.close()
         raise classify(exc) from exc
     return conn
+
+
+def _where_no_shm_is_made(path: str) -> str | None:
+    """Why no ``-shm`` file can be made beside the database at ``path``, as a clause (``on
+    read-only media``; ``in DIR, which user U may not write``: CLI-113); None when one can."""
+    if _on_read_only_media(path):
+        return "on read-only media"
+    directory = os.path.dirname(path) or "."
+    if os.access(directory, os.W_OK | os.X_OK):
+        return None
+    return f"in {directory}, which user {_user_name(os.geteuid())} may not write"
 
 
 def _on_read_only_media(path: str) -> bool:
@@ -337,14 +350,15 @@ def _would_leave_files(path: Path) -> StorageError:
     return error
 
 
-def _wal_without_shm(refused: StorageError, path: Path) -> StorageError:
-    """The error of a reading command on read-only media where ``path`` has a ``-wal`` file
-    holding changes and no ``-shm`` (CLI-105)."""
+def _wal_without_shm(refused: StorageError, path: Path, where: str) -> StorageError:
+    """The error of a reading command where ``path`` has a ``-wal`` file holding changes and
+    no ``-shm``, and none can be made (``where``: on read-only media, CLI-105; in a directory
+    this user may not write, CLI-113)."""
     error = StorageError(
         f"{path} cannot be read where it is: its {path.name}-wal holds changes that may not be"
         f" in it yet, which SQLite reads only through a {path.name}-shm file, and there is none"
-        " beside it (a copy that left the -shm files out?) nor can one be made on read-only"
-        f" media; read a copy where it can be written (`cp -a {path.parent} COPY`)"
+        f" beside it (a copy that left the -shm files out?) nor can one be made {where};"
+        f" read a copy where it can be written (`cp -a {path.parent} COPY`)"
     )
     error.code, error.kind, error.file = refused.code, refused.kind, path.name
     return error
