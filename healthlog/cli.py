@@ -11,6 +11,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -33,7 +34,9 @@ from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.storage._sqlite import (
     StorageError,
     free_when_full,
+    mounted_read_only,
     not_permitted,
+    user_name,
     write_refused,
 )
 from healthlog.storage.datadir import JOURNAL_FILE, STORE_FILE, DataDir, default_data_dir
@@ -579,6 +582,25 @@ def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     return 0
 
 
+def _scratch_elsewhere(data: DataDir) -> Path | None:
+    """Where ``verify`` rebuilds when this user cannot write the data directory (read-only
+    media, a backup user's: CLI-114), said in one line: the temporary directory (``TMPDIR``);
+    None where it rebuilds beside the store as ever."""
+    if os.access(data.path, os.W_OK | os.X_OK):
+        return None
+    elsewhere = Path(tempfile.gettempdir())
+    why = (
+        mounted_read_only(data.path)
+        or f"user {user_name(os.geteuid())} may not write in {data.path}"
+    )
+    _tell(
+        f"verify: {why}: rebuilding into a scratch directory in {elsewhere} instead, which"
+        f" needs room for a second store ({data.store_path.stat().st_size:,} bytes, as"
+        f" {STORE_FILE}) until it is done"
+    )
+    return elsewhere
+
+
 # What verify says of the deliveries failed for a cause of the machine's (store.GIVEN_UP).
 _GIVEN_UP_WHY = {
     OVER_BUDGET: "over their fold's time budget",
@@ -590,10 +612,16 @@ _GIVEN_UP_WHY = {
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     _journal_not_lost(data)
     _store_to_read(data, "verify")
+    elsewhere = _scratch_elsewhere(data)
+    reading = elsewhere is not None
     progress = Progress("verify")
-    with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
+    with (
+        progress.stopping(),
+        data.open_journal(reading=reading) as journal,
+        data.open_store(reading=reading) as store,
+    ):
         check_before_folding(journal, store)
-        verification = verify_all(journal, store, progress=progress)
+        verification = verify_all(journal, store, progress=progress, elsewhere=elsewhere)
         unfolded = counted(journal, store).pending
         given_up = Counter(store.given_up().values())
     for reason, why in _GIVEN_UP_WHY.items():

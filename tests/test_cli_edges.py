@@ -2151,3 +2151,116 @@ def test_a_backup_user_reads_a_directory_it_may_not_write_cli_113() -> None:
             assert out == expected, command
         assert "heart_rate" in run_status([*as_nobody, *healthlog("export", "--data", data)])[1]
         assert sorted(path.name for path in data.iterdir()) == before
+
+
+VERIFY_ELSEWHERE = (
+    r"verify: {why}: rebuilding into a scratch directory in {tmp} instead, which needs room"
+    r" for a second store \([0-9,]+ bytes, as store\.sqlite\) until it is done"
+)
+
+
+def test_verify_rebuilds_elsewhere_on_read_only_media_cli_114(tmp_path: Path) -> None:
+    """CLI-114: `verify` on read-only media (a real tmpfs remounted read-only, its databases
+    closed) rebuilds into a scratch directory in the temporary directory, says so in one line,
+    and exits 1 printing the object that differs, as it did before the remount. (Before, it
+    exited 3: `unable to open database file: the file system of DIR is mounted read-only ...;
+    of the commands, only export, status and token list read a data directory that cannot be
+    written`.)"""
+    at = "2024-02-06 07:00:00 -0800"
+    live = write(tmp_path / "live.json", body(metric(HR, BPM, point(at, qty=1.5, source="a"))))
+    backfill = write(
+        tmp_path / "backfill.json", body(metric(HR, BPM, point(at, qty=99.5, source="b")))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    script = (
+        'args="import --aggregation minutes --data $1/data"\n'
+        '"$PY" -m healthlog.cli $args "$2" 2> /dev/null || exit 98\n'
+        '"$PY" -m healthlog.cli $args --received-at 2024-01-01T00:00:00Z "$3" 2> /dev/null'
+        " || exit 97\n"
+        '"$PY" -m healthlog.cli verify --data "$1/data" > "$4/before" 2> /dev/null\n'
+        'test -e "$1/data/store.sqlite-shm" && exit 96\n'
+        'mount -o remount,ro "$1" || exit 95\n'
+        'TMPDIR="$5" "$PY" -m healthlog.cli verify --data "$1/data" > "$4/after"\n'
+        'echo "verify exit $?" >&2\n'
+        'echo "scratch $(ls -A "$5" | wc -l)" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, live, backfill, tmp_path, scratch)
+    why = (
+        r"the file system of \S+/data is mounted read-only \(as the kernel remounts one after"
+        r" disk errors: see `dmesg`\)"
+    )
+    assert re.search(
+        "^" + VERIFY_ELSEWHERE.format(why=why, tmp=re.escape(str(scratch))) + "\n",
+        stderr,
+        re.MULTILINE,
+    ), stderr
+    assert "verify: 1 objects differ\nverify exit 1\nscratch 0\n" in stderr, stderr
+    before = (tmp_path / "before").read_bytes()
+    assert before.startswith(b"differs\theart_rate\tminutes\t")
+    assert (tmp_path / "after").read_bytes() == before
+
+
+def test_a_backup_user_verifies_a_directory_it_may_not_write_cli_114() -> None:
+    """CLI-114: a backup user (`nobody`) given group read on a stopped service's data directory
+    (0750, databases 0640) runs `verify`: it rebuilds into a scratch directory in its
+    temporary directory (`TMPDIR`), says so in one line, exits 1 with the object that differs
+    as the service's user's `verify` prints it, leaves nothing in the temporary directory and
+    makes no file in the data directory. (Before, it exited 3: `attempt to write a readonly
+    database: user nobody may not read and write DIR/journal.sqlite ...`.)"""
+    if os.geteuid() != 0:
+        pytest.skip("runs commands as two other users, which only root can")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    as_daemon = [setpriv, "--reuid=1", "--regid=65534", "--clear-groups"]
+    with reachable_home("healthlog-cli-114-") as home:
+        at = "2024-02-06 07:00:00 -0800"
+        live = write(home / "live.json", body(metric(HR, BPM, point(at, qty=1.5, source="a"))))
+        backfill = write(
+            home / "backfill.json", body(metric(HR, BPM, point(at, qty=99.5, source="b")))
+        )
+        data = home / "data"
+        args = ("import", "--aggregation", "minutes", "--data", data)
+        assert run_status(healthlog(*args, live))[0]
+        assert run_status(healthlog(*args, "--received-at", "2024-01-01T00:00:00Z", backfill))[0]
+        subprocess.run(["chown", "-R", "1:65534", data], check=True)
+        data.chmod(0o750)
+        for name in ("journal.sqlite", "store.sqlite"):
+            (data / name).chmod(0o640)
+        scratch = home / "scratch"
+        scratch.mkdir()
+        scratch.chmod(0o777)
+        before = sorted(path.name for path in data.iterdir())
+        owner = subprocess.run(
+            [*as_daemon, *healthlog("verify", "--data", data)], capture_output=True, check=False
+        )
+        assert owner.returncode == 1, owner.stderr
+        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        backup = subprocess.run(
+            [*as_nobody, *healthlog("verify", "--data", data)],
+            capture_output=True,
+            env={**env, "TMPDIR": str(scratch)},
+            cwd=home,
+            timeout=LIMIT_S,
+            check=False,
+        )
+        err = backup.stderr.decode()
+        assert backup.returncode == 1, err
+        assert re.search(
+            "^"
+            + VERIFY_ELSEWHERE.format(
+                why=f"user nobody may not write in {re.escape(str(data))}",
+                tmp=re.escape(str(scratch)),
+            )
+            + "\n",
+            err,
+            re.MULTILINE,
+        ), err
+        assert backup.stdout == owner.stdout
+        assert backup.stdout.startswith(b"differs\theart_rate\tminutes\t")
+        assert list(scratch.iterdir()) == []
+        assert sorted(path.name for path in data.iterdir()) == before

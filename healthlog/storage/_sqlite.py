@@ -36,6 +36,7 @@ __all__ = [
     "no_room_for_shm",
     "read_once",
     "reopened",
+    "user_name",
     "wal_held_back",
     "write_transaction",
 ]
@@ -294,7 +295,7 @@ def _where_no_shm_is_made(path: str) -> str | None:
     directory = os.path.dirname(path) or "."
     if os.access(directory, os.W_OK | os.X_OK):
         return None
-    return f"in {directory}, which user {_user_name(os.geteuid())} may not write"
+    return f"in {directory}, which user {user_name(os.geteuid())} may not write"
 
 
 def _on_read_only_media(path: str) -> bool:
@@ -334,9 +335,9 @@ def _would_leave_files(path: Path) -> StorageError:
     ``-shm`` files this user owns, with the file's mode, and leave them (a reader cannot remove
     them), and the service's user, who may not write them, could then write the database no
     more (CLI-105)."""
-    user = _user_name(os.geteuid())
+    user = user_name(os.geteuid())
     try:
-        owner = _user_name(path.stat().st_uid)
+        owner = user_name(path.stat().st_uid)
     except OSError:
         owner = "its owner"
     error = StorageError(
@@ -532,7 +533,7 @@ def not_permitted(path: str | os.PathLike[str]) -> str:
             stats = candidate.stat()
         except OSError:
             continue
-        user, owner = _user_name(os.geteuid()), _user_name(stats.st_uid)
+        user, owner = user_name(os.geteuid()), user_name(stats.st_uid)
         return (
             f": user {user} may not {what} {candidate} (it is {owner}'s, mode"
             f" {stat.S_IMODE(stats.st_mode):04o}); run every healthlog command on"
@@ -543,7 +544,8 @@ def not_permitted(path: str | os.PathLike[str]) -> str:
     return ""
 
 
-def _user_name(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """The name of the user ``uid``, else the number."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -822,6 +824,12 @@ class Database:
             if isinstance(exc, StorageError) and is_damage(exc) and self.DAMAGED is not None:
                 raise damaged(self.path, str(exc), self.DAMAGED) from exc
             raise
+
+    def reading_uri(self) -> str:
+        """The URI through which another connection reads this file as this one does: with
+        ``immutable=1`` where this one was opened so (:func:`connect_reading`)."""
+        uri = Path(self.path).resolve().as_uri() + "?mode=ro"
+        return uri + "&immutable=1" if isinstance(self._conn, _Unlocked) else uri
 
     def check_intact(self) -> None:
         """Raise a :class:`StorageError` if the file is damaged (:func:`check_intact`)."""

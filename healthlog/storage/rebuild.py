@@ -205,15 +205,18 @@ def rebuild_into(
 
 
 @contextlib.contextmanager
-def _scratch(near: Path) -> Iterator[Path]:
-    """A scratch store in a directory of its own next to ``near``, locked while in use; what
-    killed rebuilds left there is removed first. A :class:`RebuildError` saying so where the
-    file system is mounted read-only."""
-    remove_stale_scratch(near.parent)
+def _scratch(near: Path, elsewhere: Path | None = None) -> Iterator[Path]:
+    """A scratch store in a directory of its own next to ``near`` (or in ``elsewhere``, for a
+    verify of a directory that cannot be written: CLI-114), locked while in use; what killed
+    rebuilds left there is removed first. A :class:`RebuildError` saying so where the file
+    system is mounted read-only."""
+    parent = near.parent if elsewhere is None else elsewhere
+    if elsewhere is None:
+        remove_stale_scratch(parent)
     try:
-        scratch = tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=near.parent)
+        scratch = tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=parent)
     except OSError as exc:
-        read_only = mounted_read_only(near.parent)
+        read_only = mounted_read_only(parent)
         if read_only is None:
             raise
         # Not the scratch directory's own name, which the user never made (STORE-76).
@@ -221,7 +224,7 @@ def _scratch(near: Path) -> Iterator[Path]:
             f"{read_only}: `verify` and `reindex` rebuild into a second store beside"
             f" {near.name}, which cannot be written there (nothing was changed)"
         ) from exc
-    give_to_directory_owner(scratch.name, near.parent)
+    give_to_directory_owner(scratch.name, parent)
     with (
         scratch as tmp,
         open(Path(tmp) / f"{SCRATCH_OWNER}.new", "wb") as owner,
@@ -254,7 +257,7 @@ def _no_room(scratch: Path, near: Path) -> RebuildError | None:
     except OSError:
         return None
     return RebuildError(
-        f"the disk is full ({free:,} bytes free in {near.parent}): a rebuild writes a second"
+        f"the disk is full ({free:,} bytes free in {scratch.parent}): a rebuild writes a second"
         f" store beside {near.name} ({size:,} bytes) until it is done; free at least that much"
         " and run it again (nothing was changed)"
     )
@@ -305,6 +308,7 @@ def verify_all(
     *,
     progress: Progress | None = None,
     workers: int | None = None,
+    elsewhere: Path | None = None,
 ) -> Verification:
     """:func:`verify`'s objects, and the folded deliveries whose recorded status or reason a
     rebuild records otherwise (their counters are not compared: they depend on what was
@@ -312,8 +316,12 @@ def verify_all(
 
     The live summaries are copied into a file beside the rebuild and compared with it in
     SQLite, a row at a time: held in memory, those of 2.5 years (439,008 objects) took 674 MB
-    of a NAS's memory, twice over."""
-    with _scratch(Path(store.path)) as path:
+    of a NAS's memory, twice over.
+
+    With ``elsewhere`` (a directory of ``store`` that cannot be written: read-only media, a
+    backup user's), the rebuild goes into a scratch directory there, in one process: fold
+    workers open the journal to write."""
+    with _scratch(Path(store.path), elsewhere) as path:
         live = path.with_name(LIVE_SUMMARIES)
         folded, given_up = store.snapshot_into(live)
         rebuild_into(
@@ -321,11 +329,11 @@ def verify_all(
             path,
             only=folded,
             progress=progress,
-            workers=workers,
+            workers=workers if elsewhere is None else 1,
             reference=Path(store.path),
             given_up=given_up,
         )
-        objects = list(_differences(path, live, Path(store.path)))
+        objects = list(_differences(path, live, store))
         outcomes = list(_outcome_differences(path, live))
         lost = store.bodies_lost(path)
     return Verification(objects, outcomes, lost)
@@ -345,7 +353,7 @@ def _outcome_differences(rebuilt: Path, live: Path) -> Iterator[OutcomeDifferenc
         conn.close()
 
 
-def _differences(rebuilt: Path, live: Path, store: Path) -> Iterator[Difference]:
+def _differences(rebuilt: Path, live: Path, store: Store) -> Iterator[Difference]:
     """The objects that differ between the live summaries at ``live`` and the rebuilt store,
     sorted by key: by hash or seal, or, where those agree, by a row damaged behind the hash:
     units or a point count that are not the rebuild's, or a body in the live store (as it is
@@ -356,8 +364,8 @@ def _differences(rebuilt: Path, live: Path, store: Path) -> Iterator[Difference]
     decompressed."""
     conn = connect(rebuilt, readonly=True)
     try:
-        for name, path in (("live", live), ("store", store)):
-            conn.execute(f"ATTACH DATABASE ? AS {name}", (path.resolve().as_uri() + "?mode=ro",))
+        conn.execute("ATTACH DATABASE ? AS live", (live.resolve().as_uri() + "?mode=ro",))
+        conn.execute("ATTACH DATABASE ? AS store", (store.reading_uri(),))
         with read_transaction(conn):
             for (
                 metric,
