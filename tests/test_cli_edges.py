@@ -1574,9 +1574,11 @@ OLDER_STORE = (
 def test_a_reader_leaves_no_files_the_service_s_user_cannot_write_cli_105() -> None:
     """CLI-105: a backup user (`nobody`) given group read and write on a data directory whose
     files the service's user (`daemon`) owns, mode 0640, runs `export` and `token list`: with
-    the service stopped each exits 3 with one line saying why and leaves no `-wal` or `-shm`
-    file behind, and the service's user still writes (`token add`); beside the running service
-    `export` exits 0, and nothing of the reader's is left once the service stops."""
+    the service stopped, their `-wal` files holding changes without a `-shm` (since CLI-115 a
+    file whose changes are all in it is read), each exits 3 with one line saying why and leaves
+    no `-wal` or `-shm` file behind, and the service's user still writes (`token add`); beside
+    the running service `export` exits 0, and nothing of the reader's is left once the service
+    stops."""
     if os.geteuid() != 0:
         pytest.skip("runs commands as two other users, which only root can")
     setpriv = shutil.which("setpriv")
@@ -1595,10 +1597,25 @@ def test_a_reader_leaves_no_files_the_service_s_user_cannot_write_cli_105() -> N
             ("status", "--data", data),
         ):
             assert run_status(healthlog(*command))[0], command
+        with subprocess.Popen(
+            [sys.executable, "-c", HOLDER, data], stdout=subprocess.PIPE
+        ) as holder:
+            assert holder.stdout is not None
+            assert holder.stdout.readline() == b"open\n"
+            for command in (
+                ("import", "--aggregation", "minutes", "--data", data, hr),
+                ("token", "add", "laptop", "--data", data),
+            ):
+                assert run_status(healthlog(*command))[0], command
+            holder.kill()
+        for name in ("journal.sqlite", "store.sqlite", "tokens.sqlite"):
+            assert (data / f"{name}-wal").stat().st_size > 0
+            (data / f"{name}-shm").unlink()
         subprocess.run(["chown", "-R", "1:65534", data], check=True)
         data.chmod(0o770)
         for name in ("journal.sqlite", "store.sqlite", "tokens.sqlite"):
-            (data / name).chmod(0o640)
+            for suffix in ("", "-wal"):
+                (data / f"{name}{suffix}").chmod(0o640)
         before = sorted(path.name for path in data.iterdir())
         for command, file in ((("export",), "store.sqlite"), (("token", "list"), "tokens.sqlite")):
             done, out, err = run_status([*as_nobody, *healthlog(*command, "--data", data)], home)
@@ -2264,3 +2281,49 @@ def test_a_backup_user_verifies_a_directory_it_may_not_write_cli_114() -> None:
         assert backup.stdout.startswith(b"differs\theart_rate\tminutes\t")
         assert list(scratch.iterdir()) == []
         assert sorted(path.name for path in data.iterdir()) == before
+
+
+def test_a_backup_user_reads_a_directory_it_may_write_but_not_its_files_cli_115() -> None:
+    """CLI-115: a backup user (`nobody`) given group read and write on a stopped service's data
+    directory (`daemon`'s, 0770, its databases 0640, closed cleanly) runs `export`, `status`
+    and `token list`: each exits 0, prints what the service's own user prints, and makes no
+    file. (Before, `export` and `token list` exited 3 with `user nobody may not write
+    DIR/FILE, and reading it while no healthlog process has it open would leave FILE-wal and
+    FILE-shm files of nobody's beside it ...`, though every change was in the file.)"""
+    if os.geteuid() != 0:
+        pytest.skip("runs commands as two other users, which only root can")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    as_daemon = [setpriv, "--reuid=1", "--regid=65534", "--clear-groups"]
+    with reachable_home("healthlog-cli-115-") as home:
+        data = home / "data"
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        for command in (
+            ("import", "--aggregation", "minutes", "--data", data, hr),
+            ("token", "add", "phone", "--data", data),
+            ("status", "--data", data),
+        ):
+            assert run_status(healthlog(*command))[0], command
+        subprocess.run(["chown", "-R", "1:65534", data], check=True)
+        data.chmod(0o770)
+        for name in ("journal.sqlite", "store.sqlite", "tokens.sqlite"):
+            (data / name).chmod(0o640)
+        before = sorted(path.name for path in data.iterdir())
+        for command in (("export",), ("status",), ("token", "list")):
+            owner = run_status([*as_daemon, *healthlog(*command, "--data", data)], home)
+            assert owner[0], (command, owner)
+            done, out, err = run_status([*as_nobody, *healthlog(*command, "--data", data)], home)
+            assert done, (command, err)
+            assert err == ""
+            if command == ("status",):
+                # The wait since the delivery was journaled grows between the two.
+                out, expected = (re.sub(r"waited [0-9.]+ s", "", text) for text in (out, owner[1]))
+            else:
+                expected = owner[1]
+            assert out == expected, command
+            assert sorted(path.name for path in data.iterdir()) == before, command
+        assert "heart_rate" in run_status([*as_nobody, *healthlog("export", "--data", data)])[1]

@@ -232,11 +232,11 @@ def connect_reading(
     backup user's, the service stopped: CLI-113), where one that changes all the same (a
     process started meanwhile) is said on closing (:class:`_Unlocked`). A ``-wal`` holding
     changes without its ``-shm`` there (a copy that left the ``-shm`` files out) cannot be
-    read, and the error
-    says so; so is a file this user may not write in a directory it may write, while no process
-    has it open, which SQLite would leave ``-wal`` and ``-shm`` files of this user's beside;
-    where the file cannot be read otherwise, the write open's error is raised, which says why
-    (:func:`not_permitted`)."""
+    read, and the error says so. A file this user may not write in a directory it may write,
+    while no process has it open, is read alone too where no ``-wal`` holds changes
+    (CLI-115); where one does, it is refused, as SQLite would leave ``-wal`` and ``-shm``
+    files of this user's beside it. Where the file cannot be read otherwise, the write
+    open's error is raised, which says why (:func:`not_permitted`)."""
     name = os.fspath(path)
     if (
         os.geteuid() != 0
@@ -246,8 +246,11 @@ def connect_reading(
         and os.access(os.path.dirname(name) or ".", os.W_OK)
     ):
         # SQLite would open it read-only without a word and make the two files (as root, it
-        # gives them to the file's owner).
-        raise _would_leave_files(Path(name))
+        # gives them to the file's owner). With no -wal, or an empty one, every change is in
+        # the file, which is read alone, making nothing (CLI-115).
+        if _size(name + "-wal"):
+            raise _would_leave_files(Path(name))
+        return read_once(connect(path, readonly=True, create=False, immutable=True))
     if (
         os.path.exists(name)
         and not _size(name + "-wal")
