@@ -584,15 +584,20 @@ def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
 
 def _scratch_elsewhere(data: DataDir) -> Path | None:
     """Where ``verify`` rebuilds when this user cannot write the data directory (read-only
-    media, a backup user's: CLI-114), said in one line: the temporary directory (``TMPDIR``);
-    None where it rebuilds beside the store as ever."""
+    media, a backup user's: CLI-114) or its store (a backup user given the directory's group,
+    whose scratch directory the service's user could not remove, were it killed: STORE-84),
+    said in one line: the temporary directory (``TMPDIR``); None where it rebuilds beside the
+    store as ever."""
     if os.access(data.path, os.W_OK | os.X_OK):
-        return None
+        if os.access(data.store_path, os.W_OK):
+            return None
+        why = f"user {user_name(os.geteuid())} may not write {data.store_path}"
+    else:
+        why = (
+            mounted_read_only(data.path)
+            or f"user {user_name(os.geteuid())} may not write in {data.path}"
+        )
     elsewhere = Path(tempfile.gettempdir())
-    why = (
-        mounted_read_only(data.path)
-        or f"user {user_name(os.geteuid())} may not write in {data.path}"
-    )
     _tell(
         f"verify: {why}: rebuilding into a scratch directory in {elsewhere} instead, which"
         f" needs room for a second store ({data.store_path.stat().st_size:,} bytes, as"
@@ -613,12 +618,13 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     _journal_not_lost(data)
     _store_to_read(data, "verify")
     elsewhere = _scratch_elsewhere(data)
-    reading = elsewhere is not None
     progress = Progress("verify")
+    # Read as export reads them: opened to write, verify left -wal and -shm files of a user
+    # who may not write them beside a stopped service's databases (STORE-84).
     with (
         progress.stopping(),
-        data.open_journal(reading=reading) as journal,
-        data.open_store(reading=reading) as store,
+        data.open_journal(reading=True) as journal,
+        data.open_store(reading=True) as store,
     ):
         check_before_folding(journal, store)
         verification = verify_all(journal, store, progress=progress, elsewhere=elsewhere)

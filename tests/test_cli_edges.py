@@ -2327,3 +2327,62 @@ def test_a_backup_user_reads_a_directory_it_may_write_but_not_its_files_cli_115(
             assert out == expected, command
             assert sorted(path.name for path in data.iterdir()) == before, command
         assert "heart_rate" in run_status([*as_nobody, *healthlog("export", "--data", data)])[1]
+
+
+def test_verify_by_a_user_who_may_not_write_the_store_leaves_no_files_store_84() -> None:
+    """STORE-84: a backup user (`nobody`) given group read and write on a stopped service's
+    data directory (`daemon`'s, 0770, databases 0640) runs `verify`: it says in one line that
+    it may not write `store.sqlite` and rebuilds in the temporary directory, exits 0, and no
+    file is made in the data directory; the service's user then journals there (`import`).
+    (Before, it exited 0 leaving `journal.sqlite-wal`, `journal.sqlite-shm`,
+    `store.sqlite-wal` and `store.sqlite-shm` of nobody's, mode 0640, beside the databases:
+    files the service's user could not write, as CLI-105 says.)"""
+    if os.geteuid() != 0:
+        pytest.skip("runs commands as two other users, which only root can")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    as_daemon = [setpriv, "--reuid=1", "--regid=65534", "--clear-groups"]
+    with reachable_home("healthlog-store-84-") as home:
+        data = home / "data"
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        assert run_status(healthlog("import", "--aggregation", "minutes", "--data", data, hr))[0]
+        subprocess.run(["chown", "-R", "1:65534", data], check=True)
+        data.chmod(0o770)
+        for name in ("journal.sqlite", "store.sqlite"):
+            (data / name).chmod(0o640)
+        before = sorted(path.name for path in data.iterdir())
+        scratch = home / "scratch"
+        scratch.mkdir()
+        scratch.chmod(0o777)
+        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        done = subprocess.run(
+            [*as_nobody, *healthlog("verify", "--data", data)],
+            capture_output=True,
+            env={**env, "TMPDIR": str(scratch)},
+            cwd=home,
+            timeout=LIMIT_S,
+            check=False,
+        )
+        err = done.stderr.decode()
+        assert done.returncode == 0, err
+        assert re.search(
+            "^"
+            + VERIFY_ELSEWHERE.format(
+                why=f"user nobody may not write {re.escape(str(data / 'store.sqlite'))}",
+                tmp=re.escape(str(scratch)),
+            )
+            + "\n",
+            err,
+            re.MULTILINE,
+        ), err
+        assert "verify: 0 objects differ" in err
+        assert sorted(path.name for path in data.iterdir()) == before
+        assert list(scratch.iterdir()) == []
+        again = run_status(
+            [*as_daemon, *healthlog("import", "--no-wait", "--data", data, hr)], home
+        )
+        assert again[0], again
