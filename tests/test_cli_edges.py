@@ -2386,3 +2386,69 @@ def test_verify_by_a_user_who_may_not_write_the_store_leaves_no_files_store_84()
             [*as_daemon, *healthlog("import", "--no-wait", "--data", data, hr)], home
         )
         assert again[0], again
+
+
+def test_status_by_another_user_makes_no_signing_key_store_85() -> None:
+    """STORE-85: `status` run by a backup user (`nobody`) given group read and write on a data
+    directory `import` began as the service's user (`daemon`: databases 0640, no
+    `signing.key` yet) exits 3 with one line saying it may not make the key and who makes it,
+    and makes no file; the service's user then starts the service, and once its key is there
+    the backup user's `status` prints the same key. (Before, it exited 0 having made
+    `signing.key` of nobody's, mode 0600, and `journal.sqlite-wal` and `-shm` of nobody's:
+    `serve` as daemon exited 3, `cannot read DIR/signing.key: Permission denied`.)"""
+    if os.geteuid() != 0:
+        pytest.skip("runs commands as two other users, which only root can")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    as_daemon = [setpriv, "--reuid=1", "--regid=65534", "--clear-groups"]
+    with reachable_home("healthlog-store-85-") as home:
+        data = home / "data"
+        data.mkdir()
+        subprocess.run(["chown", "1:65534", data], check=True)
+        data.chmod(0o770)
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        imported = run_status(
+            [*as_daemon, *healthlog("import", "--no-wait", "--data", data, hr)],
+            home,
+        )
+        assert imported[0], imported
+        for name in ("journal.sqlite", "store.sqlite"):
+            (data / name).chmod(0o640)
+        before = sorted(path.name for path in data.iterdir())
+        assert "signing.key" not in before
+        done, out, err = run_status([*as_nobody, *healthlog("status", "--data", data)], home)
+        assert not done
+        assert out == ""
+        one_line_error(
+            err,
+            f"healthlog: no {data / 'signing.key'} yet, and user nobody may not make it: {data}"
+            " is daemon's, whose service makes it as it starts (one of nobody's would stop the"
+            " service); run it as daemon (`sudo -u daemon healthlog ...`)",
+        )
+        assert sorted(path.name for path in data.iterdir()) == before
+        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        with subprocess.Popen(
+            [*as_daemon, *healthlog("serve", "--port", "0", "--data", data)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=home,
+        ) as served:
+            try:
+                assert served.stdout is not None
+                assert b"healthlog serving on" in served.stdout.readline()
+            finally:
+                served.send_signal(signal.SIGTERM)
+                served.communicate(timeout=LIMIT_S)
+        assert served.returncode == 0
+        owner = run_status([*as_daemon, *healthlog("status", "--data", data)], home)
+        backup = run_status([*as_nobody, *healthlog("status", "--data", data)], home)
+        assert owner[0], owner
+        assert backup[0], backup
+        key = [line for line in owner[1].splitlines() if line.startswith("snapshot key")]
+        assert len(key) == 1
+        assert key[0] in backup[1].splitlines()

@@ -28,6 +28,7 @@ from healthlog.storage._sqlite import (
     give_to_directory_owner,
     no_room_for_shm,
     not_permitted,
+    user_name,
 )
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
@@ -137,6 +138,8 @@ class DataDir:
         (``signing.key`` lost and made anew, or replaced) is one followers that pinned the old
         one refuse, and the process that finds it says so in a WARNING, with what to do."""
         path = self.path / SIGNING_KEY_FILE
+        if not path.exists() and self._journal_not_ours():
+            raise self._not_ours_to_make(path)
         try:
             made = not path.exists() and self._create_signing_key(path)
             pem = path.read_bytes()
@@ -164,6 +167,32 @@ class DataDir:
         self._check_recorded(public_key_text(key), made=made)
         return key
 
+    def _journal_not_ours(self) -> bool:
+        """Whether ``journal.sqlite`` is another user's, which this process may not write: the
+        data directory is theirs (a backup user's group read), whose files this process makes
+        none of (STORE-85). Not so for root, nor on read-only media (CLI-106 says that)."""
+        try:
+            owner = self.journal_path.stat().st_uid
+        except OSError:
+            return False
+        uid = os.geteuid()
+        return uid not in (0, owner) and not os.access(self.journal_path, os.W_OK)
+
+    def _not_ours_to_make(self, path: Path) -> KeyOutOfReach:
+        """The error of a process that would make ``signing.key`` in another user's data
+        directory (STORE-85): made so, it would be this user's, mode 0600, which the service
+        could not read, and the service would not start."""
+        user = user_name(os.geteuid())
+        try:
+            owner = user_name(self.journal_path.stat().st_uid)
+        except OSError:
+            owner = "its owner"
+        return KeyOutOfReach(
+            f"no {path} yet, and user {user} may not make it: {self.path} is {owner}'s, whose"
+            f" service makes it as it starts (one of {user}'s would stop the service); run it as"
+            f" {owner} (`sudo -u {owner} healthlog ...`)"
+        )
+
     def public_key(self) -> str:
         """The public half of the snapshot signing key, as ``status`` prints it: that of
         :meth:`signing_key`, else, where this process may not read ``signing.key`` nor make
@@ -190,7 +219,9 @@ class DataDir:
         try:
             # On a disk too full for a -shm file it can be read, not written, and opening it to
             # write would leave part of one beside it (CLI-112).
-            cramped = no_room_for_shm(self.path)
+            # Nor, in another user's directory, left -wal and -shm files of this user's,
+            # which the service could not write (STORE-85).
+            cramped = no_room_for_shm(self.path) or self._journal_not_ours()
             with self.open_journal(create=False, reading=cramped) as journal:
                 recorded = journal.snapshot_key()
                 if recorded == public_key:
