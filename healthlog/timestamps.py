@@ -33,39 +33,51 @@ _COMMON = re.compile(
 )
 
 # The 12-hour markers a phone writes, as iOS does in the phone's language: CLDR's abbreviated
-# AM and PM of the format context (specs/timestamps.md rule 5 names the languages and the
+# AM and PM of the format context, and for Traditional Chinese and Burmese, whose 12-hour time is
+# `Bh:mm:ss`, their flexible day periods (specs/timestamps.md rule 5 names the languages and the
 # sources). Each is the marker as matched with its letters case-folded and any space inside it
-# dropped, and says whether it names the afternoon and which hours go with it: 1..12, or 0..11
-# for Japanese, whose 12-hour clock counts from 0 (`午前0:05`).
+# dropped, and says which hours its clock counts, 1..12, or 0..11 for Japanese, whose 12-hour
+# clock counts from 0 (`午前0:05`), and which hours of the day it names: from the first up to
+# the second (AM 0..12, PM 12..24; a day period its CLDR 42 rule's, 晚上 19..24).
 _MARKERS = {
-    "am": (False, 1),
-    "pm": (True, 1),
-    "a.m.": (False, 1),
-    "p.m.": (True, 1),
-    "π.μ.": (False, 1),
-    "μ.μ.": (True, 1),
-    "ص": (False, 1),
-    "م": (True, 1),
-    "오전": (False, 1),
-    "오후": (True, 1),
-    "午前": (False, 0),
-    "午後": (True, 0),
-    "上午": (False, 1),
-    "下午": (True, 1),
-    "öö": (False, 1),
-    "ös": (True, 1),
-    "sa": (False, 1),
-    "ch": (True, 1),
-    "pg": (False, 1),
-    "ptg": (True, 1),
-    "முற்பகல்": (False, 1),
-    "பிற்பகல்": (True, 1),
+    "am": (1, 0, 12),
+    "pm": (1, 12, 24),
+    "a.m.": (1, 0, 12),
+    "p.m.": (1, 12, 24),
+    "π.μ.": (1, 0, 12),
+    "μ.μ.": (1, 12, 24),
+    "ص": (1, 0, 12),
+    "م": (1, 12, 24),
+    "오전": (1, 0, 12),
+    "오후": (1, 12, 24),
+    "午前": (0, 0, 12),
+    "午後": (0, 12, 24),
+    "上午": (1, 0, 12),
+    "下午": (1, 12, 24),
+    "öö": (1, 0, 12),
+    "ös": (1, 12, 24),
+    "sa": (1, 0, 12),
+    "ch": (1, 12, 24),
+    "pg": (1, 0, 12),
+    "ptg": (1, 12, 24),
+    "முற்பகல்": (1, 0, 12),
+    "பிற்பகல்": (1, 12, 24),
+    "凌晨": (1, 0, 5),
+    "清晨": (1, 5, 8),
+    "中午": (1, 12, 13),
+    "晚上": (1, 19, 24),
+    "နံနက်": (1, 0, 12),
+    "မွန်းတည့်": (1, 12, 13),
+    "နေ့လယ်": (1, 12, 16),
+    "ညနေ": (1, 16, 19),
+    "ည": (1, 19, 24),
 }
 _SPACES = "[ \u00a0\u202f]"
 _NO_SPACES = dict.fromkeys(map(ord, " \u00a0\u202f"))
 _MARKER = (
     rf"(?i:[ap]m|[ap]\.{_SPACES}?m\.|π\.μ\.|μ\.μ\.|ص|م|오전|오후|午前|午後|上午|下午"
-    r"|ÖÖ|ÖS|SA|CH|PTG|PG|முற்பகல்|பிற்பகல்)"
+    r"|ÖÖ|ÖS|SA|CH|PTG|PG|முற்பகல்|பிற்பகல்"
+    r"|凌晨|清晨|中午|晚上|နံနက်|မွန်းတည့်|နေ့လယ်|ညနေ|ည)"
 )
 
 # Every accepted shape; only reached when the fast path does not match. A 12-hour marker stands
@@ -245,10 +257,15 @@ def _hour(hour: int, before: str | None, after: str | None) -> int:
     marker = after if before is None else before
     if marker is None:
         return hour
-    afternoon, first = _MARKERS[marker.translate(_NO_SPACES).casefold()]
+    first, start, stop = _MARKERS[marker.translate(_NO_SPACES).casefold()]
     if not first <= hour <= first + 11:
         raise TimestampError(f"timestamp 12-hour clock hour is out of range {first}..{first + 11}")
-    return hour % 12 + (12 if afternoon else 0)
+    hour %= 12
+    if hour < start:
+        hour += 12
+    if not start <= hour < stop:
+        raise TimestampError("timestamp 12-hour clock hour lies outside its day period")
+    return hour
 
 
 def parse_instant(value: object) -> int:

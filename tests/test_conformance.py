@@ -488,3 +488,70 @@ async def test_a_hebrew_year_is_named_not_read_as_buddhist_era_parse_47(tmp_path
         assert await points(service) == [
             line("heart_rate", "minutes", "count/min", buddhist, "2024-09-21T00:57:00Z", None)
         ]
+
+
+async def _twelve_hour_points_come_out_once(
+    tmp_path: Path, dates: list[tuple[str, str, str]]
+) -> None:
+    """Heart rate dated as ``dates`` writes it (as the phone does, as the 24-hour clock does, its
+    UTC start) is ``parsed``, comes out once each, byte for byte, at its UTC start, and is
+    unchanged when re-sent on the 24-hour clock."""
+    written = [heart_rate_point(n, date) for n, (date, _, _) in enumerate(dates)]
+    again = [heart_rate_point(n, date) for n, (_, date, _) in enumerate(dates)]
+    expected = sorted(
+        (at, line("heart_rate", "minutes", "count/min", raw, at, None))
+        for raw, (_, _, at) in zip(written, dates, strict=True)
+    )
+    async with serving(tmp_path / "data") as service:
+        first = await post_folded(
+            service, envelope({}, [("heart_rate", "count/min", written)]), MINUTES
+        )
+        assert first["status"] == "parsed", first["reason"]
+        assert first["counters"]["points_new"] == len(dates)
+        stored = await points(service)
+        assert stored == [found for _, found in expected]
+        resent = await post_folded(
+            service, envelope({}, [("heart_rate", "count/min", again)]), MINUTES
+        )
+        assert resent["status"] == "parsed"
+        changed = {
+            name: count
+            for name, count in resent["counters"].items()
+            if count and name not in ("metrics", "sections", "points", "objects_unchanged")
+        }
+        assert changed == {"points_unchanged": len(dates)}
+        assert await points(service) == stored
+
+
+# Heart rate as Traditional Chinese and Burmese phones on the 12-hour clock date it, with a day
+# period (specs/timestamps.md rule 5), Burmese in its own digits.
+DAY_PERIODS = [
+    ("2024-09-21 \u665a\u4e0a7:57:00 +0800", "2024-09-21 19:57:00 +0800", "2024-09-21T11:57:00Z"),
+    ("2024-09-21 \u51cc\u666812:00:00 +0800", "2024-09-21 00:00:00 +0800", "2024-09-20T16:00:00Z"),
+    ("2024-09-21 \u4e2d\u534812:30:00 +0800", "2024-09-21 12:30:00 +0800", "2024-09-21T04:30:00Z"),
+    ("2024-09-21 \u6e05\u66685:01:00 +0800", "2024-09-21 05:01:00 +0800", "2024-09-20T21:01:00Z"),
+    (
+        "\u1042\u1040\u1042\u1044-\u1040\u1049-\u1042\u1041 \u100a \u1047:\u1045\u1047:\u1040\u1040"
+        " +0630",
+        "2024-09-21 19:57:00 +0630",
+        "2024-09-21T13:27:00Z",
+    ),
+    (
+        "2024-09-21 \u1014\u1031\u1037\u101c\u101a\u103a 3:58:00 +0630",
+        "2024-09-21 15:58:00 +0630",
+        "2024-09-21T09:28:00Z",
+    ),
+    (
+        "2024-09-21 \u1019\u103d\u1014\u103a\u1038\u1010\u100a\u1037\u103a 12:00:00 +0630",
+        "2024-09-21 12:00:00 +0630",
+        "2024-09-21T05:30:00Z",
+    ),
+]
+
+
+async def test_day_periods_come_out_once_parse_48(tmp_path: Path) -> None:
+    """PARSE-48: heart rate dated as Traditional Chinese (`晚上7:57:00`, `凌晨12:00:00`,
+    `中午12:30:00`, `清晨5:01:00`) and Burmese phones (`ည` in Burmese digits, noon) on the
+    12-hour clock write it is ``parsed`` and comes out once each, byte for byte, at its UTC
+    start; the same points re-sent on the 24-hour clock are unchanged."""
+    await _twelve_hour_points_come_out_once(tmp_path, DAY_PERIODS)

@@ -803,3 +803,152 @@ def test_fast_path_of_locale_digits_agrees_time_30(
     for value in (text, mutated, written_in(text, zero, offset_too=True)):
         assert _fast(value) == _both(value)
     assert _fast(text) == ("ok", (moment.replace(tzinfo=zone) - EPOCH) // ONE_US)
+
+
+class DayPeriods:
+    """A language whose 12-hour time is CLDR 42's `B h:mm:ss` (specs/timestamps.md rule 5): its
+    abbreviated flexible day periods of the format context, each from the hour its dayPeriods
+    rule starts at to the one it stops before, its `noon` (`at 12:00`) if it has one, and what
+    stands between period and time."""
+
+    def __init__(self, periods: list[tuple[int, int, str]], noon: str | None, gap: str):
+        self.periods = periods
+        self.noon = noon
+        self.gap = gap
+
+    def period(self, local: datetime) -> str:
+        """The period ICU 72 writes for ``local`` (`SimpleDateFormat::subFormat`, field `B`):
+        noon only at 12:00:00 exactly, midnight never (suppressed since ICU 57), else the one
+        whose rule holds the hour."""
+        if self.noon is not None and (local.hour, local.minute, local.second) == (12, 0, 0):
+            return self.noon
+        return next(name for start, stop, name in self.periods if start <= local.hour < stop)
+
+    def write(self, local: datetime, zone: str) -> str:
+        """``local`` as a phone set to this language's 12-hour clock writes it."""
+        time = f"{local.hour % 12 or 12}:{local:%M:%S}"
+        return f"{local:%Y-%m-%d} {self.period(local)}{self.gap}{time} {zone}"
+
+
+DAY_PERIODS = {
+    "zh_Hant": DayPeriods(
+        [
+            (0, 5, "\u51cc\u6668"),
+            (5, 8, "\u6e05\u6668"),
+            (8, 12, "\u4e0a\u5348"),
+            (12, 13, "\u4e2d\u5348"),
+            (13, 19, "\u4e0b\u5348"),
+            (19, 24, "\u665a\u4e0a"),
+        ],
+        noon=None,
+        gap="",
+    ),
+    "my": DayPeriods(
+        [
+            (0, 12, "\u1014\u1036\u1014\u1000\u103a"),
+            (12, 16, "\u1014\u1031\u1037\u101c\u101a\u103a"),
+            (16, 19, "\u100a\u1014\u1031"),
+            (19, 24, "\u100a"),
+        ],
+        noon="\u1019\u103d\u1014\u103a\u1038\u1010\u100a\u1037\u103a",
+        gap=" ",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "hour", "minute"),
+    [
+        ("2024-09-21 \u51cc\u66681:00:00 +1000", 1, 0),
+        ("2024-09-21 \u51cc\u666812:00:00 +1000", 0, 0),
+        ("2024-09-21 \u51cc\u66684:59:59 +1000", 4, 59),
+        ("2024-09-21 \u6e05\u66685:30:00 +1000", 5, 30),
+        ("2024-09-21 \u6e05\u66687:57:00 +1000", 7, 57),
+        ("2024-09-21 \u4e0a\u53488:00:00 +1000", 8, 0),
+        ("2024-09-21 \u4e2d\u534812:30:00 +1000", 12, 30),
+        ("2024-09-21 \u4e0b\u53481:00:00 +1000", 13, 0),
+        ("2024-09-21 \u4e0b\u53486:59:00 +1000", 18, 59),
+        ("2024-09-21 \u665a\u4e0a7:57:00 +1000", 19, 57),
+        ("2024-09-21 \u665a\u4e0a11:59:00 +1000", 23, 59),
+        ("2024-09-21 \u1014\u1036\u1014\u1000\u103a 12:05:00 +1000", 0, 5),
+        ("2024-09-21 \u1014\u1036\u1014\u1000\u103a 7:57:00 +1000", 7, 57),
+        ("2024-09-21 \u1019\u103d\u1014\u103a\u1038\u1010\u100a\u1037\u103a 12:00:00 +1000", 12, 0),
+        ("2024-09-21 \u1014\u1031\u1037\u101c\u101a\u103a 12:00:01 +1000", 12, 0),
+        ("2024-09-21 \u1014\u1031\u1037\u101c\u101a\u103a 3:57:00 +1000", 15, 57),
+        ("2024-09-21 \u100a\u1014\u1031 4:00:00 +1000", 16, 0),
+        ("2024-09-21 \u100a\u1014\u1031 6:57:00 +1000", 18, 57),
+        ("2024-09-21 \u100a 7:57:00 +1000", 19, 57),
+        ("2024-09-21 \u100a 11:00:00 +1000", 23, 0),
+    ],
+)
+def test_day_periods_time_31(text: str, hour: int, minute: int) -> None:
+    """TIME-31: Traditional Chinese and Burmese write the time of a 12-hour clock after a day
+    period (`B h:mm:ss`); each period names the hours of its CLDR 42 rule (晚上 19..24, 凌晨
+    0..5, 中午 12..13), so `晚上7:57` is 19:57, `凌晨12:00` 00:00 and `中午12:30` 12:30, on the
+    fold's path too."""
+    second = int(text.split(":")[2][:2])
+    instant = expected(2024, 9, 21, hour, minute, second, offset_minutes=600)
+    assert parse_instant(text) == instant_of(text) == instant
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2024-09-21 \u665a\u4e0a1:00:00 +1000",
+        "2024-09-21 \u665a\u4e0a6:59:00 +1000",
+        "2024-09-21 \u51cc\u66685:00:00 +1000",
+        "2024-09-21 \u6e05\u666812:30:00 +1000",
+        "2024-09-21 \u6e05\u66688:00:00 +1000",
+        "2024-09-21 \u4e2d\u53481:00:00 +1000",
+        "2024-09-21 \u1014\u1031\u1037\u101c\u101a\u103a 4:00:00 +1000",
+        "2024-09-21 \u100a\u1014\u1031 7:00:00 +1000",
+        "2024-09-21 \u100a 6:00:00 +1000",
+        "2024-09-21 \u1019\u103d\u1014\u103a\u1038\u1010\u100a\u1037\u103a 1:00:00 +1000",
+    ],
+)
+def test_hour_outside_its_day_period_is_refused_time_32(text: str) -> None:
+    """TIME-32: an hour its day period does not hold (`晚上1:00`, `清晨12:30`) is refused, on the
+    fold's path too: no phone writes it, and reading it either way would be a guess."""
+    for read in (parse_instant, instant_of):
+        with pytest.raises(TimestampError, match="hour lies outside its day period"):
+            read(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2024-09-21 \u5348\u591c12:00:00 +1000",
+        "2024-09-21 \u65e9\u4e0a7:57:00 +1000",
+        "2024-09-21 \u534a\u591c1:00:00 +1000",
+        "2024-09-21 \u101e\u1014\u103a\u1038\u1001\u1031\u102b\u1004\u103a\u101a\u1036"
+        " 12:00:00 +1000",
+        "2024-09-21 \u51cc\u66680:30:00 +1000",
+        "2024-09-21 \u665a\u4e0a13:00:00 +1000",
+        "2024-09-21 7:57:00\u665a\u4e0a +1000 \u665a\u4e0a",
+    ],
+)
+def test_what_no_day_period_rule_gives_stays_refused_time_33(text: str) -> None:
+    """TIME-33: midnight periods, which ICU 72 never writes (午夜, Burmese သန်းခေါင်ယံ), periods
+    of locales whose 12-hour time is not `B h:mm:ss` (早上 of Hong Kong, 半夜), hour 0 or 13 and
+    two periods are refused, on the fold's path too."""
+    for read in (parse_instant, instant_of):
+        with pytest.raises(TimestampError):
+            read(text)
+
+
+@given(
+    local=LOCAL_TIMES,
+    offset=OFFSETS,
+    language=st.sampled_from(sorted(DAY_PERIODS)),
+    zero=st.sampled_from(["0", "\u1040"]),
+)
+def test_every_day_period_equals_the_24_hour_time_time_34(
+    local: datetime, offset: int, language: str, zero: str
+) -> None:
+    """TIME-34: any time written as a Traditional Chinese or Burmese phone on the 12-hour clock
+    writes it, in ASCII or Burmese digits, is the instant of its 24-hour spelling, on the
+    fold's path too."""
+    zone = offset_text(offset, colon=False)
+    twelve = written_in(DAY_PERIODS[language].write(local, zone), zero)
+    instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
+    assert parse_instant(twelve) == instant_of(twelve) == instant
