@@ -555,3 +555,54 @@ async def test_day_periods_come_out_once_parse_48(tmp_path: Path) -> None:
     12-hour clock write it is ``parsed`` and comes out once each, byte for byte, at its UTC
     start; the same points re-sent on the 24-hour clock are unchanged."""
     await _twelve_hour_points_come_out_once(tmp_path, DAY_PERIODS)
+
+
+# Heart rate as Persian (its digits, the LRM of its plus sign), Pashto, Nepali (its digits),
+# Assamese (its digits, the marker before the time), Central Kurdish, Sindhi and Dzongkha phones
+# on the 12-hour clock date it (specs/timestamps.md rule 5).
+MORE_MARKERS = [
+    (
+        "\u06f2\u06f0\u06f2\u06f4-\u06f0\u06f9-\u06f2\u06f1 \u06f7:\u06f5\u06f7:\u06f0\u06f0"
+        " \u0628.\u0638. \u200e+0330",
+        "2024-09-21 19:57:00 +0330",
+        "2024-09-21T16:27:00Z",
+    ),
+    (
+        "2024-09-21 7:58:00 \u063a.\u0645. +0430",
+        "2024-09-21 07:58:00 +0430",
+        "2024-09-21T03:28:00Z",
+    ),
+    (
+        "\u0968\u0966\u0968\u096a-\u0966\u096f-\u0968\u0967 \u096d:\u096b\u096f:\u0966\u0966"
+        " \u0905\u092a\u0930\u093e\u0939\u094d\u0928 +0545",
+        "2024-09-21 19:59:00 +0545",
+        "2024-09-21T14:14:00Z",
+    ),
+    (
+        "\u09e8\u09e6\u09e8\u09ea-\u09e6\u09ef-\u09e8\u09e7"
+        " \u09aa\u09c2\u09f0\u09cd\u09ac\u09be\u09b9\u09cd\u09a8"
+        " \u09e7\u09e8:\u09e6\u09eb:\u09e6\u09e6 +0530",
+        "2024-09-21 00:05:00 +0530",
+        "2024-09-20T18:35:00Z",
+    ),
+    ("2024-09-21 8:00:00 \u062f.\u0646 +0300", "2024-09-21 20:00:00 +0300", "2024-09-21T17:00:00Z"),
+    (
+        "2024-09-21 8:01:00 \u0635\u0628\u062d\u060c\u202f\u0645\u0646\u062c\u0647\u0646\u062f"
+        " +0500",
+        "2024-09-21 08:01:00 +0500",
+        "2024-09-21T03:01:00Z",
+    ),
+    (
+        "2024-09-21 8:02:00 \u0f55\u0fb1\u0f72\u0f0b\u0f46\u0f0b +0600",
+        "2024-09-21 20:02:00 +0600",
+        "2024-09-21T14:02:00Z",
+    ),
+]
+
+
+async def test_markers_of_more_languages_come_out_once_parse_49(tmp_path: Path) -> None:
+    """PARSE-49: heart rate dated as Persian, Pashto, Nepali, Assamese, Central Kurdish, Sindhi
+    and Dzongkha phones on the 12-hour clock write it, in their digits, is ``parsed`` and comes
+    out once each, byte for byte, at its UTC start; the same points re-sent on the 24-hour clock
+    are unchanged."""
+    await _twelve_hour_points_come_out_once(tmp_path, MORE_MARKERS)

@@ -952,3 +952,87 @@ def test_every_day_period_equals_the_24_hour_time_time_34(
     twelve = written_in(DAY_PERIODS[language].write(local, zone), zero)
     instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
     assert parse_instant(twelve) == instant_of(twelve) == instant
+
+
+# The 12-hour clocks of rule 5 whose markers an older healthlog refused, as CLDR 42 has them, with
+# the digits of their default numbering system (Dzongkha's Tibetan digits are also accepted).
+LOCALE_CLOCKS = {
+    "fa": (Clock("\u0642.\u0638.", "\u0628.\u0638.", before=False, gap=" "), "\u06f0"),
+    "ps": (Clock("\u063a.\u0645.", "\u063a.\u0648.", before=False, gap=" "), "\u06f0"),
+    "ne": (
+        Clock(
+            "\u092a\u0942\u0930\u094d\u0935\u093e\u0939\u094d\u0928",
+            "\u0905\u092a\u0930\u093e\u0939\u094d\u0928",
+            before=False,
+            gap=" ",
+        ),
+        "\u0966",
+    ),
+    "as": (
+        Clock(
+            "\u09aa\u09c2\u09f0\u09cd\u09ac\u09be\u09b9\u09cd\u09a8",
+            "\u0985\u09aa\u09f0\u09be\u09b9\u09cd\u09a8",
+            before=True,
+            gap=" ",
+        ),
+        "\u09e6",
+    ),
+    "ckb": (Clock("\u0628.\u0646", "\u062f.\u0646", before=False, gap=" "), "\u0660"),
+    "sd": (
+        Clock(
+            "\u0635\u0628\u062d\u060c\u202f\u0645\u0646\u062c\u0647\u0646\u062f",
+            "\u0634\u0627\u0645\u060c\u202f\u0645\u0646\u062c\u0647\u0646\u062f",
+            before=False,
+            gap=" ",
+        ),
+        "\u0660",
+    ),
+    "dz": (
+        Clock("\u0f66\u0f94\u0f0b\u0f46\u0f0b", "\u0f55\u0fb1\u0f72\u0f0b\u0f46\u0f0b", False, " "),
+        "\u0f20",
+    ),
+}
+
+
+@pytest.mark.parametrize("language", sorted(LOCALE_CLOCKS))
+@pytest.mark.parametrize(("hour", "minute"), [(7, 57), (19, 57), (0, 5), (12, 5)])
+def test_markers_of_more_languages_time_35(language: str, hour: int, minute: int) -> None:
+    """TIME-35: Persian `ق.ظ.`/`ب.ظ.`, Pashto, Nepali, Assamese (before the time), Central
+    Kurdish, Sindhi (with its U+202F) and Dzongkha markers are read on the 12-hour clock, in
+    ASCII digits and in those of the locale, on the fold's path too."""
+    clock, zero = LOCALE_CLOCKS[language]
+    text = clock.write(SEPT_21.replace(hour=hour, minute=minute), "+1000")
+    instant = expected(2024, 9, 21, hour, minute, offset_minutes=600)
+    for written in (text, written_in(text, zero)):
+        assert parse_instant(written) == instant_of(written) == instant
+
+
+@given(
+    local=LOCAL_TIMES,
+    offset=OFFSETS,
+    language=st.sampled_from(sorted(LOCALE_CLOCKS)),
+    gap=st.sampled_from(["\u202f", " ", "\u00a0", ""]),
+    before=st.booleans(),
+    locale_digits=st.booleans(),
+    mark=st.sampled_from(["", "\u200e", "\u200f", "\u061c"]),
+)
+def test_every_new_marker_equals_the_24_hour_time_time_36(
+    local: datetime,
+    offset: int,
+    language: str,
+    gap: str,
+    before: bool,
+    locale_digits: bool,
+    mark: str,
+) -> None:
+    """TIME-36: any time written on the 12-hour clock of TIME-35's languages, before or after the
+    time, with any gap, in ASCII or the locale's digits, with a bidi mark beside the offset's
+    sign, is the instant of its 24-hour spelling, on the fold's path too."""
+    clock, zero = LOCALE_CLOCKS[language]
+    zone = offset_text(offset, colon=False)
+    twelve = clock.write(local, zone, before, gap)
+    if locale_digits:
+        twelve = written_in(twelve, zero)
+    twelve = twelve[:-5] + mark + twelve[-5:]
+    instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
+    assert parse_instant(twelve) == instant_of(twelve) == instant
