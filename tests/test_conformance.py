@@ -606,3 +606,50 @@ async def test_markers_of_more_languages_come_out_once_parse_49(tmp_path: Path) 
     out once each, byte for byte, at its UTC start; the same points re-sent on the 24-hour clock
     are unchanged."""
     await _twelve_hour_points_come_out_once(tmp_path, MORE_MARKERS)
+
+
+# Heart rate as Hebrew, Ukrainian, Czech, Swedish, Hungarian (the marker before the time), Serbian
+# (a U+202F inside its marker), Kannada, Lao and Yoruba phones on the 12-hour clock date it
+# (specs/timestamps.md rule 5).
+OTHER_MARKERS = [
+    (
+        "2024-09-21 7:57:00 \u05d0\u05d7\u05d4\u05f4\u05e6 +0300",
+        "2024-09-21 19:57:00 +0300",
+        "2024-09-21T16:57:00Z",
+    ),
+    (
+        "2024-09-21 7:58:00\u202f\u0434\u043f +0300",
+        "2024-09-21 07:58:00 +0300",
+        "2024-09-21T04:58:00Z",
+    ),
+    ("2024-09-21 12:05:00\u202fodp. +0200", "2024-09-21 12:05:00 +0200", "2024-09-21T10:05:00Z"),
+    ("2024-09-21 12:06:00\u202ffm +0200", "2024-09-21 00:06:00 +0200", "2024-09-20T22:06:00Z"),
+    ("2024-09-21 du.\u202f8:00:00 +0200", "2024-09-21 20:00:00 +0200", "2024-09-21T18:00:00Z"),
+    (
+        "2024-09-21 8:01:00\u202fpo\u202fpodne +0200",
+        "2024-09-21 20:01:00 +0200",
+        "2024-09-21T18:01:00Z",
+    ),
+    (
+        "2024-09-21 8:02:00 \u0c85\u0caa\u0cb0\u0cbe\u0cb9\u0ccd\u0ca8 +0530",
+        "2024-09-21 20:02:00 +0530",
+        "2024-09-21T14:32:00Z",
+    ),
+    (
+        "2024-09-21 8:03:00 \u0e81\u0ec8\u0ead\u0e99\u0e97\u0ec8\u0ebd\u0e87 +0700",
+        "2024-09-21 08:03:00 +0700",
+        "2024-09-21T01:03:00Z",
+    ),
+    (
+        "2024-09-21 8:04:00\u202f\u1ecc\u0300s\xe1n +0100",
+        "2024-09-21 20:04:00 +0100",
+        "2024-09-21T19:04:00Z",
+    ),
+]
+
+
+async def test_markers_of_the_other_languages_come_out_once_parse_50(tmp_path: Path) -> None:
+    """PARSE-50: heart rate dated as Hebrew, Ukrainian, Czech, Swedish, Hungarian, Serbian, Kannada,
+    Lao and Yoruba phones on the 12-hour clock write it is ``parsed`` and comes out once each, byte
+    for byte, at its UTC start; the same points re-sent on the 24-hour clock are unchanged."""
+    await _twelve_hour_points_come_out_once(tmp_path, OTHER_MARKERS)

@@ -1036,3 +1036,283 @@ def test_every_new_marker_equals_the_24_hour_time_time_36(
     twelve = twelve[:-5] + mark + twelve[-5:]
     instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
     assert parse_instant(twelve) == instant_of(twelve) == instant
+
+
+# The 12-hour clocks of the other CLDR 42 languages whose time uses `a` (rule 5), one row per
+# distinct pair of markers, with the position and gap of the language's `h:mm:ss a` pattern.
+LANGUAGE_CLOCKS = [
+    ("af", Clock("vm.", "nm.", before=False, gap="\u202f")),
+    ("agq", Clock("a.g", "a.k", before=False, gap="\u202f")),
+    ("ak", Clock("AN", "EW", before=False, gap=" ")),
+    ("am", Clock("\u1325\u12cb\u1275", "\u12a8\u1230\u12d3\u1275", before=False, gap=" ")),
+    ("asa", Clock("icheheavo", "ichamthi", before=False, gap=" ")),
+    ("az", Clock("\u0410\u041c", "\u041f\u041c", before=False, gap=" ")),
+    (
+        "bas",
+        Clock(
+            "I\u202fbik\u025b\u0302gl\xe0", "I\u202f\u0253ugaj\u0254p", before=False, gap="\u202f"
+        ),
+    ),
+    (
+        "be",
+        Clock(
+            "\u0430\u043f\u043e\u045e\u043d\u0430\u0447\u044b",
+            "\u0430\u043f\u043e\u045e\u0434\u043d\u0456",
+            before=False,
+            gap="\u202f",
+        ),
+    ),
+    ("bem", Clock("uluchelo", "akasuba", before=False, gap=" ")),
+    ("bez", Clock("pamilau", "pamunyi", before=False, gap=" ")),
+    (
+        "bo",
+        Clock(
+            "\u0f66\u0f94\u0f0b\u0f51\u0fb2\u0f7c\u0f0b",
+            "\u0f55\u0fb1\u0f72\u0f0b\u0f51\u0fb2\u0f7c\u0f0b",
+            before=False,
+            gap=" ",
+        ),
+    ),
+    ("br", Clock("A.M.", "G.M.", before=False, gap="\u202f")),
+    (
+        "brx",
+        Clock(
+            "\u092b\u0941\u0902", "\u092c\u0947\u0932\u093e\u0938\u0947", before=False, gap="\u202f"
+        ),
+    ),
+    (
+        "bs",
+        Clock(
+            "\u043f\u0440\u0435\u202f\u043f\u043e\u0434\u043d\u0435",
+            "\u043f\u043e\u043f\u043e\u0434\u043d\u0435",
+            before=False,
+            gap=" ",
+        ),
+    ),
+    ("chr", Clock("\u13cc\u13be\u13b4", "\u13d2\u13af\u13f1\u13a2", before=False, gap=" ")),
+    ("cs", Clock("dop.", "odp.", before=False, gap="\u202f")),
+    ("dav", Clock("Luma\u202flwa\u202fK", "luma\u202flwa\u202fp", before=False, gap=" ")),
+    ("dje", Clock("Subbaahi", "Zaarikay\u202fb", before=False, gap="\u202f")),
+    ("doi", Clock("\u0938\u0935\u0947\u0930", "\u0938\u2019\u091e", before=False, gap=" ")),
+    ("dsb", Clock("dop.", "w\xf3tp.", before=False, gap="\u202f")),
+    ("dua", Clock("idi\u0253a", "eby\xe1mu", before=False, gap="\u202f")),
+    ("ebu", Clock("KI", "UT", before=False, gap=" ")),
+    ("eo", Clock("atm", "ptm", before=False, gap=" ")),
+    ("ewo", Clock("k\xedk\xedr\xedg", "ng\u0259g\xf3g\u0259le", before=False, gap="\u202f")),
+    ("ff", Clock("subaka", "kikii\u0257e", before=False, gap=" ")),
+    ("ff", Clock("\U0001e900\U0001e90e", "\U0001e907\U0001e90e", before=False, gap=" ")),
+    ("frr", Clock("i/m", "e/m", before=False, gap="\u202f")),
+    ("fur", Clock("a.", "p.", before=False, gap=" ")),
+    ("ga", Clock("r.n.", "i.n.", before=False, gap="\u202f")),
+    ("gd", Clock("m", "f", before=False, gap="\u202f")),
+    ("gsw", Clock("vorm.", "nam.", before=False, gap=" ")),
+    ("guz", Clock("Ma", "Mo", before=False, gap=" ")),
+    ("ha", Clock("SF", "YM", before=False, gap="\u202f")),
+    (
+        "he",
+        Clock(
+            "\u05dc\u05e4\u05e0\u05d4\u05f4\u05e6",
+            "\u05d0\u05d7\u05d4\u05f4\u05e6",
+            before=False,
+            gap=" ",
+        ),
+    ),
+    ("hsb", Clock("dop.", "pop.", before=False, gap="\u202f")),
+    ("hu", Clock("de.", "du.", before=True, gap="\u202f")),
+    ("ii", Clock("\ua3b8\ua111", "\ua06f\ua2d2", before=False, gap=" ")),
+    ("is", Clock("f.h.", "e.h.", before=False, gap="\u202f")),
+    (
+        "jgo",
+        Clock(
+            "mba\ua78cmba\ua78c", "\u014bka\u202fmb\u0254\u0301t\u202fnji", before=False, gap=" "
+        ),
+    ),
+    ("jmc", Clock("utuko", "kyiukonyi", before=False, gap=" ")),
+    ("jv", Clock("Isuk", "Wengi", before=False, gap="\u202f")),
+    ("kab", Clock("n\u202ftufat", "n\u202ftmeddit", before=False, gap="\u202f")),
+    ("kam", Clock("\u0128yakwakya", "\u0128yaw\u0129oo", before=False, gap=" ")),
+    ("kde", Clock("Muhi", "Chilo", before=False, gap=" ")),
+    ("khq", Clock("Adduha", "Aluula", before=False, gap=" ")),
+    ("ki", Clock("Kiroko", "Hwa\u0129-in\u0129", before=False, gap=" ")),
+    ("kl", Clock("u.t.", "u.k.", before=False, gap="\u202f")),
+    ("kln", Clock("krn", "koosk", before=False, gap=" ")),
+    (
+        "kn",
+        Clock(
+            "\u0caa\u0cc2\u0cb0\u0ccd\u0cb5\u0cbe\u0cb9\u0ccd\u0ca8",
+            "\u0c85\u0caa\u0cb0\u0cbe\u0cb9\u0ccd\u0ca8",
+            before=False,
+            gap=" ",
+        ),
+    ),
+    ("ksb", Clock("makeo", "nyiaghuo", before=False, gap=" ")),
+    ("ksf", Clock("s\xe1r\xfaw\xe1", "c\u025b\u025b\u0301nko", before=False, gap="\u202f")),
+    ("ksh", Clock("v.M.", "n.M.", before=False, gap="\u202f")),
+    ("ku", Clock("BN", "PN", before=False, gap=" ")),
+    ("ky", Clock("\u0442\u04a3", "\u0442\u043a", before=False, gap="\u202f")),
+    ("lag", Clock("TOO", "MUU", before=False, gap=" ")),
+    ("lb", Clock("moies", "nom\xebttes", before=False, gap="\u202f")),
+    ("ln", Clock("nt\u0254\u0301ng\u0254\u0301", "mp\xf3kwa", before=False, gap="\u202f")),
+    (
+        "lo",
+        Clock(
+            "\u0e81\u0ec8\u0ead\u0e99\u0e97\u0ec8\u0ebd\u0e87",
+            "\u0eab\u0ebc\u0eb1\u0e87\u0e97\u0ec8\u0ebd\u0e87",
+            before=False,
+            gap=" ",
+        ),
+    ),
+    ("lt", Clock("prie\u0161piet", "popiet", before=False, gap="\u202f")),
+    ("lu", Clock("Dinda", "Dilolo", before=False, gap="\u202f")),
+    ("luo", Clock("OD", "OT", before=False, gap=" ")),
+    ("lv", Clock("priek\u0161p.", "p\u0113cp.", before=False, gap="\u202f")),
+    ("mai", Clock("\u092d\u094b\u0930", "\u0938\u093e\u0902\u091d", before=False, gap=" ")),
+    ("mas", Clock("\u0190nkak\u025bny\xe1", "\u0190nd\xe1m\xe2", before=False, gap=" ")),
+    ("mer", Clock("R\u0168", "\u0168G", before=False, gap=" ")),
+    ("mgh", Clock("wichishu", "mchochil\u2019l", before=False, gap="\u202f")),
+    (
+        "mk",
+        Clock(
+            "\u043f\u0440\u0435\u0442\u043f\u043b.",
+            "\u043f\u043e\u043f\u043b.",
+            before=False,
+            gap="\u202f",
+        ),
+    ),
+    ("mn", Clock("\u04af.\u04e9.", "\u04af.\u0445.", before=False, gap="\u202f")),
+    ("mni", Clock("\u09a8\u09c1\u09ae\u09be\u0982", "PM", before=False, gap=" ")),
+    ("mua", Clock("comme", "lilli", before=False, gap="\u202f")),
+    ("naq", Clock("\u01c1goagas", "\u01c3uias", before=False, gap=" ")),
+    ("nds", Clock("vm", "nm", before=False, gap="\u202f")),
+    ("nmg", Clock("man\xe1", "kug\xfa", before=False, gap="\u202f")),
+    ("nn", Clock("f.m.", "e.m.", before=False, gap="\u202f")),
+    ("nnh", Clock("mba\u02bc\xe1mba\u02bc", "ncw\xf2nz\xe9m", before=False, gap=" ")),
+    ("nus", Clock("RW", "T\u014a", before=False, gap="\u202f")),
+    ("om", Clock("WD", "WB", before=False, gap="\u202f")),
+    (
+        "pa",
+        Clock("\u0a2a\u0a42.\u0a26\u0a41.", "\u0a2c\u0a3e.\u0a26\u0a41.", before=False, gap=" "),
+    ),
+    ("pcm", Clock("FM", "FI", before=False, gap="\u202f")),
+    ("rn", Clock("Z.MU.", "Z.MW.", before=False, gap="\u202f")),
+    ("rof", Clock("kang\u2019ama", "kingoto", before=False, gap=" ")),
+    ("rwk", Clock("utuko", "kyiukonyi", before=False, gap=" ")),
+    ("sah", Clock("\u042d\u0418", "\u042d\u041a", before=False, gap="\u202f")),
+    ("saq", Clock("Tesiran", "Teipa", before=False, gap=" ")),
+    ("sbp", Clock("Lwamilawu", "Pashamihe", before=False, gap="\u202f")),
+    ("se", Clock("i.b.", "e.b.", before=False, gap="\u202f")),
+    ("se", Clock("ib", "eb", before=False, gap="\u202f")),
+    ("ses", Clock("Adduha", "Aluula", before=False, gap=" ")),
+    ("sg", Clock("ND", "LK", before=False, gap=" ")),
+    (
+        "shi",
+        Clock(
+            "\u2d5c\u2d49\u2d3c\u2d30\u2d61\u2d5c",
+            "\u2d5c\u2d30\u2d37\u2d33\u2d33\u2d6f\u2d30\u2d5c",
+            before=False,
+            gap=" ",
+        ),
+    ),
+    ("shi", Clock("tifawt", "tadgg\u02b7at", before=False, gap=" ")),
+    ("si", Clock("\u0db4\u0dd9.\u0dc0.", "\u0db4.\u0dc0.", before=True, gap=" ")),
+    ("sl", Clock("dop.", "pop.", before=False, gap="\u202f")),
+    ("so", Clock("GH", "GD", before=False, gap=" ")),
+    ("sq", Clock("p.d.", "m.d.", before=False, gap="\u202f")),
+    (
+        "sr",
+        Clock(
+            "\u043f\u0440\u0438\u0458\u0435\u202f\u043f\u043e\u0434\u043d\u0435",
+            "\u043f\u043e\u202f\u043f\u043e\u0434\u043d\u0435",
+            before=False,
+            gap="\u202f",
+        ),
+    ),
+    ("sr", Clock("prije\u202fpodne", "po\u202fpodne", before=False, gap="\u202f")),
+    ("sv", Clock("fm", "em", before=False, gap="\u202f")),
+    ("teo", Clock("Taparachu", "Ebongi", before=False, gap=" ")),
+    ("ti", Clock("\u1245.\u1240.", "\u12f5.\u1240.", before=False, gap=" ")),
+    ("tk", Clock("go.\xf6\u0148", "go.so\u0148", before=False, gap="\u202f")),
+    ("twq", Clock("Subbaahi", "Zaarikay\u202fb", before=False, gap="\u202f")),
+    ("tzm", Clock("Zdat\u202fazal", "\u1e0ceffir\u202faza", before=False, gap=" ")),
+    ("ug", Clock("\u0686.\u0628", "\u0686.\u0643", before=False, gap=" ")),
+    ("uk", Clock("\u0434\u043f", "\u043f\u043f", before=False, gap="\u202f")),
+    ("uz", Clock("TO", "TK", before=False, gap="\u202f")),
+    ("uz", Clock("\u0422\u041e", "\u0422\u041a", before=False, gap="\u202f")),
+    ("vun", Clock("utuko", "kyiukonyi", before=False, gap=" ")),
+    ("wo", Clock("Sub", "Ngo", before=False, gap="\u202f")),
+    ("xog", Clock("Munkyo", "Eigulo", before=False, gap=" ")),
+    (
+        "yav",
+        Clock(
+            "ki\u025bm\u025b\u0301\u025bm", "kis\u025b\u0301nd\u025b", before=False, gap="\u202f"
+        ),
+    ),
+    (
+        "yi",
+        Clock(
+            "\u05e4\u05bf\u05d0\u05b7\u05e8\u05de\u05d9\u05d8\u05d0\u05b8\u05d2",
+            "\u05e0\u05d0\u05b8\u05db\u05de\u05d9\u05d8\u05d0\u05b8\u05d2",
+            before=False,
+            gap=" ",
+        ),
+    ),
+    ("yo", Clock("\xc0\xe1r\u1ecd\u0300", "\u1ecc\u0300s\xe1n", before=False, gap="\u202f")),
+    ("yo", Clock("\xc0\xe1r\u0254\u0300", "\u0186\u0300s\xe1n", before=False, gap="\u202f")),
+    (
+        "zgh",
+        Clock(
+            "\u2d5c\u2d49\u2d3c\u2d30\u2d61\u2d5c",
+            "\u2d5c\u2d30\u2d37\u2d33\u2d33\u2d6f\u2d30\u2d5c",
+            before=False,
+            gap=" ",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize(("language", "clock"), LANGUAGE_CLOCKS)
+@pytest.mark.parametrize(("hour", "minute"), [(7, 57), (19, 57), (0, 5), (12, 5)])
+def test_markers_of_the_other_languages_time_37(
+    language: str, clock: Clock, hour: int, minute: int
+) -> None:
+    """TIME-37: the abbreviated AM/PM of every other CLDR 42 language whose 12-hour time uses
+    `a` (Hebrew, Ukrainian `дп`, Czech `dop.`, Swedish `fm`, ...) is read on the 12-hour clock,
+    where the language puts it, on the fold's path too."""
+    text = clock.write(SEPT_21.replace(hour=hour, minute=minute), "+1000")
+    instant = expected(2024, 9, 21, hour, minute, offset_minutes=600)
+    assert parse_instant(text) == instant_of(text) == instant, language
+
+
+@given(
+    local=LOCAL_TIMES,
+    offset=OFFSETS,
+    row=st.sampled_from(LANGUAGE_CLOCKS),
+    gap=st.sampled_from(["\u202f", " ", "\u00a0", ""]),
+    before=st.booleans(),
+)
+def test_every_other_marker_equals_the_24_hour_time_time_38(
+    local: datetime, offset: int, row: tuple[str, Clock], gap: str, before: bool
+) -> None:
+    """TIME-38: any time written on the 12-hour clock of TIME-37's languages, before or after the
+    time, with any gap, is the instant of its 24-hour spelling, on the fold's path too."""
+    zone = offset_text(offset, colon=False)
+    twelve = row[1].write(local, zone, before, gap)
+    instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
+    assert parse_instant(twelve) == instant_of(twelve) == instant
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2024-09-21 7:57:00 ip. +1000",
+        "2024-09-21 7:57:00\u202fIP. +1000",
+        "2024-09-21 7:57:00 ap. +1000",
+        "2024-09-21 \u014bdi ga 7:57:00 +1000",
+    ],
+)
+def test_a_marker_that_is_am_and_pm_is_refused_time_39(text: str) -> None:
+    """TIME-39: `ip.`, PM in Finnish and AM in Inari Sami, is refused rather than guessed, and so
+    are the Finnish and Inari Sami clocks whose other marker is known (`ap.`) and Ewe's, which
+    writes `ga` between marker and time (`ŋdi ga 7:57:00`)."""
+    with pytest.raises(TimestampError, match="supported date/time shape"):
+        parse_instant(text)
