@@ -344,14 +344,14 @@ async def until_cursor(replica: Replica, seq: int) -> None:
 
 @contextlib.asynccontextmanager
 async def following_process(
-    service: Service, directory: Path, stderr: Path, seq: int
+    service: Service, directory: Path, stderr: Path, seq: int, *options: str
 ) -> AsyncIterator[trio.Process]:
     """``healthlog follow`` as a real process following ``service`` live into the replica
-    ``directory``, its stderr into the file ``stderr``, once its replica holds ``seq``; the
-    block's end waits for the process to end."""
+    ``directory``, with more ``options`` (``--subscriber NAME``), its stderr into the file
+    ``stderr``, once its replica holds ``seq``; the block's end waits for the process to end."""
     command = [
         *(sys.executable, "-m", "healthlog.cli", "follow", "--url", service.url),
-        *("--token", service.token, "--replica", str(directory)),
+        *("--token", service.token, "--replica", str(directory), *options),
     ]
     with open(stderr, "wb") as err:
         async with trio.open_nursery() as nursery:

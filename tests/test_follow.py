@@ -20,6 +20,7 @@ import contextlib
 import functools
 import gzip
 import hashlib
+import itertools
 import logging
 import os
 import random
@@ -47,7 +48,7 @@ import trio
 import trustme
 from _bodies import rows
 from _cli_bodies import body, metric, point, write
-from _service_helpers import TOKEN_NAME, Service, serving
+from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     HEAD_END,
@@ -1157,6 +1158,51 @@ async def test_follow_stops_cleanly_on_a_signal_cli_31(tmp_path: Path, signum: i
     lines = (tmp_path / "stderr").read_text().splitlines()
     assert lines[-1] == f"follow: replica at seq {total}"
     assert "Traceback" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_follow_stopped_acknowledges_what_its_replica_holds_stream_121(
+    tmp_path: Path, signum: int
+) -> None:
+    """STREAM-121: `healthlog follow --subscriber backup`, a real process following a real
+    `serve` while deliveries keep coming (frames closer together than its 0.2 s idle ACK, so it
+    acknowledges every 64 events), stopped by SIGTERM or SIGINT (Ctrl-C) while its replica holds
+    events beyond the stored ACK, exits 0 after one last ACK: the ACK `status` shows for
+    `backup` is the replica's cursor, the one its last line names."""
+    directory = tmp_path / "replica"
+    async with serving_process(tmp_path / "server") as service:
+        total = await post_small(service, 0, 1)
+
+        stop = trio.Event()
+
+        async def keep_posting() -> None:
+            # Not cancelled in the middle of a request: httpx would leave its body unfinished.
+            for minute in itertools.count(2):
+                if stop.is_set():
+                    return
+                await post(service, small(minute))
+
+        async with trio.open_nursery() as posting:
+            async with following_process(
+                service, directory, tmp_path / "stderr", total, "--subscriber", "backup"
+            ) as process:
+                await acked(service, "backup", total)
+                posting.start_soon(keep_posting)
+                with Replica(directory) as reading, trio.fail_after(FRAME_LIMIT_S):
+                    while True:
+                        stored = (await service.status())["subscribers"].get("backup", 0)
+                        if (await binding(reading)).cursor > stored:
+                            break
+                        await trio.sleep(POLL_S)
+                process.send_signal(signum)
+            stop.set()
+        assert process.returncode == 0
+        with Replica(directory) as replica:
+            cursor = (await binding(replica)).cursor
+        assert cursor > total
+        lines = (tmp_path / "stderr").read_text().splitlines()
+        assert lines[-1] == f"follow: replica at seq {cursor}"
+        await acked(service, "backup", cursor)
 
 
 def unsendable(token: str) -> list[str]:

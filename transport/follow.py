@@ -2,7 +2,8 @@
 
 It keeps a local replica equal to the server's objects. Frames are read and decoded ahead
 while the previous batch of events is applied and the cursor advanced in one replica
-transaction; the ACK sent is the highest contiguous durable sequence. On ``CURSOR_TOO_OLD``
+transaction; the ACK sent is the highest contiguous durable sequence, and a follower stopped
+(cancelled) sends one last ACK before it closes the stream. On ``CURSOR_TOO_OLD``
 (or when the server's stream changed) it downloads the signed snapshot into a temporary file
 beside the replica, checks schema, sha256, signature, instance and stream binding and
 sequence, restores it a line at a time in one replica transaction, and resumes strictly after
@@ -83,6 +84,10 @@ BACKOFF_MAX_S = 30.0
 RETRY_AFTER_MAX_S = 300.0
 ACK_EVERY = 64
 ACK_IDLE_S = 0.2
+# How long a follower stopped (SIGINT, SIGTERM: cancelled) may take to send its last ACK and
+# close the stream, so that the server knows where a named subscriber stands; it never delays
+# the stop by more.
+LAST_ACK_S = 1.0
 BATCH = 512
 # Frames decoded ahead while a batch is applied: READ_AHEAD pieces of at most READ_SIZE.
 READ_AHEAD = 8
@@ -456,14 +461,20 @@ class Follower:
         ``checked``, the cursor's tag was sent, and it is caught up only once an event came."""
         batches_in, batches = trio.open_memory_channel[_Batch](READ_AHEAD)
         refused: FollowError | StorageError | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_read_ahead, ws, batches_in)
-            try:
-                done = await self._apply(http, ws, batches, after, stream, checked=checked)
-            except (FollowError, StorageError) as exc:
-                # Raised again below, outside the nursery: callers catch these by type.
-                refused, done = exc, False
-            nursery.cancel_scope.cancel()
+        acks = _Acks(AckTracker(after), after)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_read_ahead, ws, batches_in)
+                try:
+                    done = await self._apply(http, ws, batches, acks, stream, checked=checked)
+                except (FollowError, StorageError) as exc:
+                    # Raised again below, outside the nursery: callers catch these by type.
+                    refused, done = exc, False
+                nursery.cancel_scope.cancel()
+        except BaseException as exc:
+            if _stopped(exc):
+                await _last_ack(ws, acks)
+            raise
         if refused is not None:
             raise refused
         if done:
@@ -475,7 +486,7 @@ class Follower:
         http: httpx.AsyncClient,
         ws: StreamSocket,
         batches: trio.MemoryReceiveChannel[_Batch],
-        after: int,
+        sent: _Acks,
         stream: str,
         *,
         checked: bool = True,
@@ -484,24 +495,21 @@ class Follower:
         and, unless ``checked`` (the cursor's tag was sent), an event came: the one at the
         cursor, sent again, says that the service holds it (STREAM-112), or, where it can no
         longer tell (pruned to the cursor), one after it."""
-        acks = AckTracker(after)
-        acked = after
+        acks = sent.tracker
         while True:
             if checked and self._caught_up(acks.contiguous):
                 await ws.send(_ack_frame(acks.contiguous))
                 return True
-            if acks.contiguous - acked >= ACK_EVERY:
-                await ws.send(_ack_frame(acks.contiguous))
-                acked = acks.contiguous
+            if acks.contiguous - sent.acked >= ACK_EVERY:
+                await sent.send(ws)
             with trio.move_on_after(ACK_IDLE_S) as idle:
                 try:
                     batch = await batches.receive()
                 except trio.EndOfChannel:
                     raise ws.ended("the stream ended") from None
             if idle.cancelled_caught:
-                if acks.contiguous > acked:
-                    await ws.send(_ack_frame(acks.contiguous))
-                    acked = acks.contiguous
+                if acks.contiguous > sent.acked:
+                    await sent.send(ws)
                 await self._keep_alive(ws)
                 continue
             while (
@@ -949,6 +957,46 @@ def _tag(value: object) -> str | None:
     if isinstance(value, str) and 0 < len(value) <= MAX_TAG and value.isascii() and value.isalnum():
         return value
     return None
+
+
+@attrs.define
+class _Acks:
+    """A stream connection's acknowledgements: what the replica made durable (``tracker``)
+    and the highest ACK sent for it (``acked``)."""
+
+    tracker: AckTracker
+    acked: int
+
+    async def send(self, ws: StreamSocket) -> None:
+        """Acknowledge everything durable."""
+        seq = self.tracker.contiguous
+        await ws.send(_ack_frame(seq))
+        self.acked = seq
+
+
+def _stopped(exc: BaseException) -> bool:
+    """Whether ``exc`` is a stop from outside (SIGINT, SIGTERM: a cancellation, alone or in a
+    group of them), not a crash."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_stopped(inner) for inner in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
+
+
+async def _last_ack(ws: StreamSocket, acks: _Acks) -> None:
+    """On a stop, once the last replica transaction is durable: acknowledge what the replica
+    holds beyond the last ACK, and close the stream, so that the ACK is read before the socket
+    closes (a socket closed with unread data is reset, and the server may lose what it had not
+    read yet). Shielded from the stop, for ``LAST_ACK_S`` at most; a connection that cannot
+    take it is left as it is."""
+    if acks.tracker.contiguous <= acks.acked:
+        return
+    with (
+        trio.CancelScope(shield=True),
+        trio.move_on_after(LAST_ACK_S),
+        contextlib.suppress(ConnectionLost, FollowError),
+    ):
+        await acks.send(ws)
+        await ws.aclose()
 
 
 async def _read_ahead(ws: StreamSocket, batches: trio.MemorySendChannel[_Batch]) -> None:
