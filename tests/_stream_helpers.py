@@ -51,6 +51,11 @@ FRAME_LIMIT_S = 15.0
 ACK_LIMIT_S = 10.0
 MAX_MESSAGE_BYTES = 16 * 2**20
 TINY_RECEIVE_BUFFER = 4096
+# What `follow` says of a token the server refuses, however it is refused (STREAM-122).
+TOKEN_REFUSED = (
+    "the server refused the token: it was revoked, or is not one of this service's"
+    " (healthlog token add NAME, run on the service, makes a new one)"
+)
 
 
 def small(n: int) -> bytes:

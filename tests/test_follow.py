@@ -52,6 +52,7 @@ from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     HEAD_END,
+    TOKEN_REFUSED,
     acked,
     event_tag,
     fold_metrics,
@@ -1203,6 +1204,33 @@ async def test_follow_stopped_acknowledges_what_its_replica_holds_stream_121(
         lines = (tmp_path / "stderr").read_text().splitlines()
         assert lines[-1] == f"follow: replica at seq {cursor}"
         await acked(service, "backup", cursor)
+
+
+REFUSED_LINE = f"healthlog: {TOKEN_REFUSED}"
+
+
+async def test_a_token_revoked_while_following_is_refused_as_at_connect_stream_122(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-122: `healthlog follow`, a real process following a service live, whose token is
+    revoked, exits 2 with the same one line, and no traceback, as a `follow` started with that
+    token, refused at its first request."""
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0, 1)
+        stderr = tmp_path / "stderr"
+        async with following_process(service, tmp_path / "live", stderr, total) as live:
+            revoke_token(tmp_path / "server")
+        run = await trio.to_thread.run_sync(
+            functools.partial(
+                run_cli,
+                *("follow", "--url", service.url, "--token", service.token),
+                *("--replica", tmp_path / "new"),
+            )
+        )
+    revoked = stderr.read_text()
+    assert (live.returncode, revoked.splitlines()[-1:]) == (2, [REFUSED_LINE])
+    assert "Traceback" not in revoked
+    assert (run.code, run.err.splitlines()) == (2, [REFUSED_LINE])
 
 
 def unsendable(token: str) -> list[str]:

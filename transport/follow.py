@@ -123,6 +123,13 @@ STREAM_PATH = "/v1/stream"
 MAX_TAG = 64
 # The stream's close code for a missing, unknown or revoked token (interfaces.md).
 CLOSE_UNAUTHORIZED = 4401
+# What a refused token stops ``follow`` with, whenever it is refused: a 401 to a request or to
+# the websocket upgrade, or the stream's ``UNAUTHORIZED`` (a token revoked while it follows) or
+# close 4401 alone.
+TOKEN_REFUSED = (
+    "the server refused the token: it was revoked, or is not one of this service's"
+    " (healthlog token add NAME, run on the service, makes a new one)"
+)
 
 
 class FollowError(Exception):
@@ -571,6 +578,8 @@ class Follower:
                     return False
                 if error.get("code") in RETRYABLE:
                     raise ConnectionLost(f"the server closed the stream: {error.get('code')}")
+                if error.get("code") == "UNAUTHORIZED":
+                    raise FollowError(TOKEN_REFUSED)
                 raise FollowError(f"the server refused the stream: {error.get('code')}")
 
     async def _server_stream(self, http: httpx.AsyncClient) -> StreamInfo:
@@ -590,7 +599,7 @@ class Follower:
         with trio.move_on_after(self.request_timeout_s) as timer:
             async with http.stream("GET", path) as response:
                 if response.status_code == 401:
-                    raise FollowError("the server refused the token")
+                    raise FollowError(TOKEN_REFUSED)
                 if response.status_code >= 500:
                     raise ConnectionLost(
                         f"{path} answered {response.status_code}", _asked_wait(response.headers)
@@ -714,6 +723,8 @@ async def _download_paced(
             raise ConnectionLost(
                 f"snapshot fetch answered {response.status_code}", _asked_wait(response.headers)
             )
+        if response.status_code == 401:
+            raise FollowError(TOKEN_REFUSED)
         if response.status_code != 200:
             raise FollowError(f"snapshot fetch answered {response.status_code}")
         too_large = (
@@ -797,11 +808,12 @@ class StreamSocket:
 
     def ended(self, reason: str) -> Exception:
         """Why the stream can no longer be used: a close 4401 is a refused token, for good
-        (FollowError), whether an ``UNAUTHORIZED`` frame came before it or not; anything else
+        (``TOKEN_REFUSED``), whether an ``UNAUTHORIZED`` frame came before it or not; anything
+        else
         is a lost connection (``reason``), retried no sooner than the close's reason asks
         (``SNAPSHOT_UNAVAILABLE; retry-after=60``)."""
         if self.close_code == CLOSE_UNAUTHORIZED:
-            return FollowError("the server refused the token (close 4401)")
+            return FollowError(TOKEN_REFUSED)
         return ConnectionLost(reason, close_retry_after_s(self.close_reason))
 
     async def ping(self) -> None:
@@ -876,7 +888,7 @@ class StreamSocket:
                 # As for the HTTP requests: a 5xx (a restarting server, or a proxy in front of
                 # one) is a lost connection; 401 and any other refusal are for good.
                 if event.status_code == 401:
-                    raise FollowError("the server refused the token")
+                    raise FollowError(TOKEN_REFUSED)
                 if event.status_code < 500:
                     raise FollowError(f"the server refused the stream ({event.status_code})")
                 raise ConnectionLost(
