@@ -330,13 +330,16 @@ _MARKER = (
 # Every accepted shape; only reached when the fast path does not match. A 12-hour marker stands
 # after the time or, after the space that follows the date, before it; mainland Chinese writes
 # the UTC offset before such a marker as well as after the time (`+1000 上午7:57:00 +1000`).
+# The markers' alternatives are tried only where a marker can start (not at a digit, a sign or
+# the end): tried in vain before every time and offset, they cost 1.5 to 3.4 µs a timestamp.
 _GENERAL = re.compile(
     r"(?P<year>[0-9]{4})-(?P<month>[0-9]{2})-(?P<day>[0-9]{2})"
-    r"(?:(?:T| (?:(?:(?P<lead_sign>[+-])(?P<lead_hours>[0-9]{2}):?(?P<lead_minutes>[0-9]{2}) ?)?"
+    r"(?:(?:T| (?:(?![0-9])"
+    r"(?:(?P<lead_sign>[+-])(?P<lead_hours>[0-9]{2}):?(?P<lead_minutes>[0-9]{2}) ?)?"
     rf"(?P<before>{_MARKER}){_SPACES}?)?)"
     r"(?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})"
     r"(?::(?P<second>[0-9]{2})(?:\.(?P<fraction>[0-9]{1,9}))?)?"
-    rf"(?:{_SPACES}?(?P<after>{_MARKER}))?"
+    rf"(?:{_SPACES}?(?![+-]|Z?\Z)(?P<after>{_MARKER}))?"
     r" ?(?:Z|(?P<sign>[+-])(?P<offset_hours>[0-9]{2}):?(?P<offset_minutes>[0-9]{2}))?)?"
 )
 
