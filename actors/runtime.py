@@ -179,6 +179,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         # NAS's disk, and a signal is heard meanwhile.
         await trio.to_thread.run_sync(check_before_folding, journal, store)
         await trio.to_thread.run_sync(remove_stale_scratch, data.path)
+        await trio.to_thread.run_sync(data.remove_left_over_keys)
         await trio.to_thread.run_sync(snapshot_files.remove_left_over, data.snapshot_dir)
         await trio.to_thread.run_sync(data.warn_if_readable_by_all)
         journal_limiter = trio.CapacityLimiter(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import fcntl
 import gc
 import gzip
 import hashlib
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -681,3 +683,37 @@ def test_a_starting_runtime_removes_what_a_killed_build_left_store_87(
     assert other.returncode == 0, err
     assert snapshot_files.find(data.snapshot_dir, store_objects[0].manifest.stream, int(out)), out
     assert leftovers(data) == []
+
+
+def test_a_starting_runtime_removes_a_killed_key_making_s_temporary_file_store_92(
+    tmp_path: Path,
+) -> None:
+    """STORE-92: a ``.signing-*`` file left by a process killed while making ``signing.key``
+    (a private key, mode 0600, as the code writes it before linking it into place) is removed
+    when a runtime opens the data directory; one whose maker holds its lock is kept."""
+    data = DataDir(tmp_path)
+    key = data.signing_key()
+
+    def temporary_key() -> tuple[int, Path]:
+        fd, name = tempfile.mkstemp(prefix=".signing-", dir=tmp_path)
+        os.write(fd, b"-----BEGIN PRIVATE KEY-----\n")
+        return fd, Path(name)
+
+    fd, killed = temporary_key()
+    os.close(fd)
+    held, making = temporary_key()
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    async def start_and_stop() -> None:
+        async with open_runtime(config(data.path)):
+            pass
+
+    try:
+        trio.run(start_and_stop)
+        assert not killed.exists()
+        assert making.exists()
+    finally:
+        os.close(held)
+    trio.run(start_and_stop)
+    assert sorted(p.name for p in tmp_path.glob(".signing-*")) == []
+    assert data.signing_key().private_bytes_raw() == key.private_bytes_raw()

@@ -5,6 +5,7 @@ optional ``healthlog.toml``."""
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import stat
@@ -39,6 +40,7 @@ STORE_FILE = "store.sqlite"
 TOKENS_FILE = "tokens.sqlite"
 CONFIG_FILE = "healthlog.toml"
 SIGNING_KEY_FILE = "signing.key"
+SIGNING_TEMPORARY_PREFIX = ".signing-"
 SNAPSHOT_DIR = "snapshots"
 
 log = logging.getLogger("healthlog.datadir")
@@ -259,7 +261,7 @@ class DataDir:
         pem = Ed25519PrivateKey.generate().private_bytes(
             Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
         )
-        fd, tmp = tempfile.mkstemp(prefix=".signing-", dir=self.path)
+        fd, tmp, lock = _locked_temporary(self.path, SIGNING_TEMPORARY_PREFIX)
         try:
             give_to_directory_owner(fd, self.path)
             _write_synced(fd, pem)
@@ -274,12 +276,33 @@ class DataDir:
                 made = _create_exclusive(path, pem)
         finally:
             os.unlink(tmp)
+            os.close(lock)
         directory = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(directory)
         finally:
             os.close(directory)
         return made
+
+    def remove_left_over_keys(self) -> None:
+        """Remove the temporary files (``.signing-*``, a private key each) of processes killed
+        while making ``signing.key``, unless a process making one holds its lock (STORE-92):
+        otherwise such a file, mode 0600, stayed in the data directory for good."""
+        for stale in self.path.glob(f"{SIGNING_TEMPORARY_PREFIX}*"):
+            try:
+                fd = os.open(stale, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                stale.unlink()
+            except OSError as exc:
+                # Being made (BlockingIOError), or not this user's to remove: kept.
+                log.debug("kept %s: %s", stale.name, exc)
+                continue
+            finally:
+                os.close(fd)
+            log.info("removed %s, left by a process stopped making the key", stale.name)
 
     def open_tokens(self, *, reading: bool = False) -> Tokens:
         """The tokens, as :meth:`open_journal` opens the journal."""
@@ -325,6 +348,24 @@ def _create_exclusive(path: Path, pem: bytes) -> bool:
     give_to_directory_owner(fd, path.parent)
     _write_synced(fd, pem)
     return True
+
+
+def _locked_temporary(directory: Path, prefix: str) -> tuple[int, str, int]:
+    """A new temporary file in ``directory``: its descriptor, its path and a second descriptor
+    holding an exclusive ``flock`` on it, which :meth:`DataDir.remove_left_over_keys` leaves
+    alone (close it once the file is gone). One removed in the instant before the lock was
+    taken is made anew."""
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, dir=directory)
+        lock = os.dup(fd)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(tmp)):
+                return fd, tmp, lock
+        except FileNotFoundError:
+            log.debug("%s was removed as it was made: making another", tmp)
+        os.close(lock)
+        os.close(fd)
 
 
 def _write_synced(fd: int, data: bytes) -> None:
