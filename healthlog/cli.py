@@ -616,6 +616,7 @@ _GIVEN_UP_WHY = {
 
 def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     _journal_not_lost(data)
+    _journal_to_read(data)
     _store_to_read(data, "verify")
     elsewhere = _scratch_elsewhere(data)
     progress = Progress("verify")
@@ -743,6 +744,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
     if args.limit is not None:
         raise CliError("--limit goes with --failed or --partial")
     _journal_not_lost(data)
+    _journal_to_read(data)
     _store_to_read(data, "status")
     public_key = data.public_key()
     with data.open_journal(reading=True) as journal, data.open_store(reading=True) as store:
@@ -1014,6 +1016,17 @@ def _journal_not_lost(data: DataDir) -> None:
             f"{data.path} holds {STORE_FILE} but no {JOURNAL_FILE}, the deliveries it was folded"
             f" from (moved away, deleted, or on a disk not mounted?): put {JOURNAL_FILE} back,"
             " from a backup if need be, and run the command again; nothing was changed"
+        )
+
+
+def _journal_to_read(data: DataDir) -> None:
+    """Refuse (CliError) to a command that reads the journal (``status``, ``verify``) a data
+    directory holding a ``store.sqlite`` that folded nothing (else :func:`_journal_not_lost`
+    refused it) but no ``journal.sqlite``: reading would begin an empty journal (CLI-117)."""
+    if data.store_path.exists() and not data.journal_path.exists():
+        raise CliError(
+            f"nothing journaled in {data.path} yet (no {JOURNAL_FILE}, and its {STORE_FILE}"
+            " has folded nothing): `serve` or `import` begins it"
         )
 
 

@@ -2491,3 +2491,30 @@ def test_a_database_its_user_may_not_write_is_refused_and_leaves_no_files_cli_11
         status = run_status([*as_nobody, *healthlog("status", "--data", data)], home)
         assert status[0], status
         assert "journal     3 deliveries" in status[1], status
+
+
+@pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["verify"]], ids="-".join)
+def test_a_store_that_folded_nothing_without_a_journal_makes_none_cli_117(
+    cli: Cli, tmp_path: Path, args: list[str]
+) -> None:
+    """CLI-117: `status` or `verify` on a data directory holding a `store.sqlite` that has
+    folded nothing (a process took its lease before anything was journaled) and no
+    `journal.sqlite` exits 2 with one line saying nothing was journaled there yet, and makes no
+    file; `import` then journals and folds there as CLI-111 allows. (Before, each made an empty
+    `journal.sqlite` beside the store.)"""
+    data = tmp_path / "data"
+    with DataDir(data).open_store():
+        pass
+    left = files_of(data)
+    run = cli(*args, "--data", data)
+    assert run.code == 2
+    one_line_error(
+        run.err,
+        f"healthlog: nothing journaled in {data} yet (no journal.sqlite, and its store.sqlite"
+        " has folded nothing): `serve` or `import` begins it",
+    )
+    assert run.out == b""
+    assert files_of(data) == left
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert cli("import", "--aggregation", "minutes", "--data", data, file).code == 0
+    assert b"journal     1 deliveries" in cli("status", "--data", data).out
