@@ -2176,6 +2176,31 @@ VERIFY_ELSEWHERE = (
 )
 
 
+def _verify_elsewhere(
+    as_user: list[str], data: Path, home: Path, why: str
+) -> tuple[subprocess.CompletedProcess[bytes], str]:
+    """`verify` of ``data`` run as ``as_user`` with ``TMPDIR`` a scratch directory in ``home``:
+    its first line must say why (``why``, a pattern) it rebuilds there, and it must leave
+    nothing there. The finished process and its stderr."""
+    scratch = home / "scratch"
+    scratch.mkdir()
+    scratch.chmod(0o777)
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    done = subprocess.run(
+        [*as_user, *healthlog("verify", "--data", data)],
+        capture_output=True,
+        env={**env, "TMPDIR": str(scratch)},
+        cwd=home,
+        timeout=LIMIT_S,
+        check=False,
+    )
+    err = done.stderr.decode()
+    line = VERIFY_ELSEWHERE.format(why=why, tmp=re.escape(str(scratch)))
+    assert re.search("^" + line + "\n", err, re.MULTILINE), err
+    assert list(scratch.iterdir()) == []
+    return done, err
+
+
 def test_verify_rebuilds_elsewhere_on_read_only_media_cli_114(tmp_path: Path) -> None:
     """CLI-114: `verify` on read-only media (a real tmpfs remounted read-only, its databases
     closed) rebuilds into a scratch directory in the temporary directory, says so in one line,
@@ -2248,38 +2273,16 @@ def test_a_backup_user_verifies_a_directory_it_may_not_write_cli_114() -> None:
         data.chmod(0o750)
         for name in ("journal.sqlite", "store.sqlite"):
             (data / name).chmod(0o640)
-        scratch = home / "scratch"
-        scratch.mkdir()
-        scratch.chmod(0o777)
         before = sorted(path.name for path in data.iterdir())
         owner = subprocess.run(
             [*as_daemon, *healthlog("verify", "--data", data)], capture_output=True, check=False
         )
         assert owner.returncode == 1, owner.stderr
-        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
-        backup = subprocess.run(
-            [*as_nobody, *healthlog("verify", "--data", data)],
-            capture_output=True,
-            env={**env, "TMPDIR": str(scratch)},
-            cwd=home,
-            timeout=LIMIT_S,
-            check=False,
-        )
-        err = backup.stderr.decode()
+        why = f"user nobody may not write in {re.escape(str(data))}"
+        backup, err = _verify_elsewhere(as_nobody, data, home, why)
         assert backup.returncode == 1, err
-        assert re.search(
-            "^"
-            + VERIFY_ELSEWHERE.format(
-                why=f"user nobody may not write in {re.escape(str(data))}",
-                tmp=re.escape(str(scratch)),
-            )
-            + "\n",
-            err,
-            re.MULTILINE,
-        ), err
         assert backup.stdout == owner.stdout
         assert backup.stdout.startswith(b"differs\theart_rate\tminutes\t")
-        assert list(scratch.iterdir()) == []
         assert sorted(path.name for path in data.iterdir()) == before
 
 
@@ -2355,33 +2358,11 @@ def test_verify_by_a_user_who_may_not_write_the_store_leaves_no_files_store_84()
         for name in ("journal.sqlite", "store.sqlite"):
             (data / name).chmod(0o640)
         before = sorted(path.name for path in data.iterdir())
-        scratch = home / "scratch"
-        scratch.mkdir()
-        scratch.chmod(0o777)
-        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
-        done = subprocess.run(
-            [*as_nobody, *healthlog("verify", "--data", data)],
-            capture_output=True,
-            env={**env, "TMPDIR": str(scratch)},
-            cwd=home,
-            timeout=LIMIT_S,
-            check=False,
-        )
-        err = done.stderr.decode()
+        why = f"user nobody may not write {re.escape(str(data / 'store.sqlite'))}"
+        done, err = _verify_elsewhere(as_nobody, data, home, why)
         assert done.returncode == 0, err
-        assert re.search(
-            "^"
-            + VERIFY_ELSEWHERE.format(
-                why=f"user nobody may not write {re.escape(str(data / 'store.sqlite'))}",
-                tmp=re.escape(str(scratch)),
-            )
-            + "\n",
-            err,
-            re.MULTILINE,
-        ), err
         assert "verify: 0 objects differ" in err
         assert sorted(path.name for path in data.iterdir()) == before
-        assert list(scratch.iterdir()) == []
         again = run_status(
             [*as_daemon, *healthlog("import", "--no-wait", "--data", data, hr)], home
         )
