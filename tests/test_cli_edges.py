@@ -2435,45 +2435,6 @@ def test_status_by_another_user_makes_no_signing_key_store_85() -> None:
         assert key[0] in backup[1].splitlines()
 
 
-def test_a_database_its_user_may_not_write_is_refused_and_leaves_no_files_cli_116() -> None:
-    """CLI-116: the service's user (`nobody`) runs `import` on its data directory whose
-    `store.sqlite` (then `journal.sqlite`) was made mode 0444: it exits 3 with one line naming
-    the file, its mode and what to do, and makes no `-wal` or `-shm` beside it; once the mode is
-    mended, `import --no-wait` journals (exit 0). (Before, SQLite opened the file read-only
-    without a word and made its `-wal` and `-shm` of mode 0444, and `import` retried its fold
-    for good; after the mode was mended the 0444 `-shm` still refused every write.)"""
-    if os.geteuid() != 0:
-        pytest.skip("runs commands as another user, which only root can")
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("setpriv is missing")
-    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
-    with reachable_home("healthlog-cli-116-") as home:
-        data = home / "data"
-        hr = write(
-            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
-        )
-        hr.chmod(0o644)
-        imported = ("import", "--aggregation", "minutes", "--data", data, hr)
-        assert run_status(healthlog(*imported))[0]
-        subprocess.run(["chown", "-R", "65534:65534", data], check=True)
-        for name in ("store.sqlite", "journal.sqlite"):
-            for left in data.glob("*.sqlite-*"):
-                left.unlink()
-            (data / name).chmod(0o444)
-            command = [*as_nobody, *healthlog("import", "--no-wait", *imported[1:])]
-            done, _, err = run_status(command, home)
-            assert not done
-            one_line_error(err, f"may not read and write {data / name} (it is nobody's, mode 0444)")
-            assert not (data / f"{name}-wal").exists(), name
-            assert not (data / f"{name}-shm").exists(), name
-            (data / name).chmod(0o600)
-            assert run_status(command, home)[0], name
-        status = run_status([*as_nobody, *healthlog("status", "--data", data)], home)
-        assert status[0], status
-        assert "journal     3 deliveries" in status[1], status
-
-
 @pytest.mark.parametrize("args", [["status"], ["status", "--json"], ["verify"]], ids="-".join)
 def test_a_store_that_folded_nothing_without_a_journal_makes_none_cli_117(
     cli: Cli, tmp_path: Path, args: list[str]

@@ -131,8 +131,6 @@ def connect(
     """
     if busy_timeout_ms < 0:
         raise ValueError("busy_timeout_ms must not be negative")
-    if not readonly:
-        _refuse_unwritable(path)
     if private and create and not readonly:
         _create_private(path)
     unlocked = readonly and immutable
@@ -280,27 +278,6 @@ def connect_reading(
         return read_once(connect(path, readonly=True, create=False, immutable=True))
     except StorageError:
         raise refused from None
-
-
-def _refuse_unwritable(path: str | os.PathLike[str]) -> None:
-    """Refuse (SQLITE_READONLY, saying why: :func:`not_permitted`) to open for writing a
-    database, or a ``-wal`` or ``-shm`` beside it, that this user may not read and write (a
-    mode such as 0444). SQLite would open it read-only without a word, make the missing
-    ``-wal`` and ``-shm`` with the file's mode, 0444, and fail each write: ``serve`` and
-    ``import`` retried their folds for good, and once the file's mode was mended the 0444
-    ``-shm`` still refused every process (CLI-116)."""
-    for candidate in (os.fspath(path), f"{os.fspath(path)}-wal", f"{os.fspath(path)}-shm"):
-        if not os.path.exists(candidate) or os.access(candidate, os.R_OK | os.W_OK):
-            continue
-        if mounted_read_only(Path(candidate).parent) is not None:
-            # No file can be made there: SQLite's own error says so (CLI-91, CLI-100).
-            return
-        meaning = _MEANINGS[_SQLITE_READONLY]
-        error = StorageError(f"{meaning}{not_permitted(candidate)} ({os.fspath(path)})")
-        error.code = _SQLITE_READONLY
-        error.kind = f"SQLITE_READONLY: {meaning}"
-        error.file = os.path.basename(path)
-        raise error
 
 
 def read_once(conn: sqlite3.Connection) -> sqlite3.Connection:
