@@ -59,6 +59,21 @@ def summary(millis: list[float]) -> str:
     )
 
 
+def worker_peaks_now(pid: int, peaks: dict[int, int]) -> None:
+    """Add the peak RSS of each child of ``pid`` to ``peaks``, by child: read while the fold
+    runs, since a worker ends after a large fold (RUN-59) and a reading after it would find
+    only its successor."""
+    try:
+        found = common.children(pid)
+    except FileNotFoundError:
+        return
+    for child in found:
+        try:
+            peaks[child] = max(peaks.get(child, 0), common.memory(child)["VmHWM"])
+        except (FileNotFoundError, ProcessLookupError, KeyError):
+            continue
+
+
 def main() -> None:
     body = common.large_body()
     size = len(body)
@@ -81,18 +96,19 @@ def main() -> None:
                 busy: list[float] = []
                 check_at = accepted + CHECK_EVERY_S
                 done = False
+                peaks: dict[int, int] = {}
                 while len(busy) < MAX_POSTS and time.perf_counter() - accepted < LIMIT_S:
                     busy.append(post_small(client, server, IDLE_POSTS + len(busy)))
                     if time.perf_counter() >= check_at:
+                        worker_peaks_now(server.process.pid, peaks)
                         done = folded(client, server, big_id)
                         if done:
                             break
                         check_at = time.perf_counter() + CHECK_EVERY_S
                 waited = time.perf_counter() - accepted
             serve_peak = common.memory(server.process.pid)["VmHWM"]
-            worker_peaks = [
-                common.memory(pid)["VmHWM"] for pid in common.children(server.process.pid)
-            ]
+            worker_peaks_now(server.process.pid, peaks)
+            worker_peaks = list(peaks.values())
         losses = (work / "serve.log").read_text(errors="replace").count("fold lease lost")
     worker_peak = max(worker_peaks, default=0)
     fate = f"folded {waited:.1f} s after it" if done else f"NOT folded after {waited:.1f} s"
