@@ -287,33 +287,7 @@ async def test_twelve_hour_clocks_of_other_languages_come_out_once_parse_43(
     Spanish, Greek, Arabic, Turkish, Vietnamese, Malay and Tamil phones, with the marker before
     or after the time, is ``parsed`` and comes out of ``GET /v1/points`` once each, byte for byte,
     at its UTC start; the same points re-sent on the 24-hour clock are unchanged."""
-    written = [heart_rate_point(n, date) for n, (date, _, _) in enumerate(TWELVE_HOUR)]
-    again = [heart_rate_point(n, date) for n, (_, date, _) in enumerate(TWELVE_HOUR)]
-    expected = sorted(
-        (at, line("heart_rate", "minutes", "count/min", raw, at, None))
-        for raw, (_, _, at) in zip(written, TWELVE_HOUR, strict=True)
-    )
-    async with serving(tmp_path / "data") as service:
-        first = await post_folded(
-            service, envelope({}, [("heart_rate", "count/min", written)]), MINUTES
-        )
-        assert first["status"] == "parsed", first["reason"]
-        assert first["counters"]["points_new"] == len(TWELVE_HOUR)
-        stored = await points(service)
-        assert stored == [found for _, found in expected]
-
-        resent = await post_folded(
-            service, envelope({}, [("heart_rate", "count/min", again)]), MINUTES
-        )
-
-        assert resent["status"] == "parsed"
-        changed = {
-            name: count
-            for name, count in resent["counters"].items()
-            if count and name not in ("metrics", "sections", "points", "objects_unchanged")
-        }
-        assert changed == {"points_unchanged": len(TWELVE_HOUR)}
-        assert await points(service) == stored
+    await _twelve_hour_points_come_out_once(tmp_path, TWELVE_HOUR)
 
 
 # Heart rate as phones set to calendars other than the Gregorian write 2024-09-21 (specs/
