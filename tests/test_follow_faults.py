@@ -610,6 +610,28 @@ async def test_a_store_restored_then_written_again_is_followed_again_stream_111_
     assert run_cli("export", "--replica", common).out == exported.out
 
 
+async def _two_copies(tmp_path: Path) -> tuple[Path, Path]:
+    """Two copies of one data directory with two deliveries folded (the same instance, key and
+    stream), each with its own token: ``first`` and ``second`` under ``tmp_path``."""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    async with serving(first_dir) as service:
+        await post_small(service, 0, 60)
+    shutil.copytree(first_dir, second_dir)
+    revoke_token(first_dir)
+    revoke_token(second_dir)
+    return first_dir, second_dir
+
+
+async def _warnings_of_follow(
+    caplog: pytest.LogCaptureFixture, service: Service, replica: Replica
+) -> list[str]:
+    """The WARNING and worse records logged so far, once ``follow --until-caught-up`` of
+    ``service`` into ``replica`` has ended (within 15 s)."""
+    with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
+        await follow(service.url, service.token, replica, until_caught_up=True)
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 async def test_a_follower_switched_between_two_copies_of_a_directory_stream_113(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -620,12 +642,7 @@ async def test_a_follower_switched_between_two_copies_of_a_directory_stream_113(
     applied an event of the second, it is pointed back at the first, now past its cursor too,
     THEN the same, and it ends equal to the first. (Before, it took the other copy's events as
     the continuation of its own and ended equal to neither, with no word.)"""
-    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    async with serving(first_dir) as service:
-        await post_small(service, 0, 60)
-    shutil.copytree(first_dir, second_dir)
-    revoke_token(first_dir)
-    revoke_token(second_dir)
+    first_dir, second_dir = await _two_copies(tmp_path)
     with Replica(tmp_path / "replica") as replica:
         async with serving(first_dir) as first, serving(second_dir) as second:
             assert (await first.status())["stream"] == (await second.status())["stream"]
@@ -634,9 +651,7 @@ async def test_a_follower_switched_between_two_copies_of_a_directory_stream_113(
             await follow(first.url, first.token, replica, until_caught_up=True)
             assert await cursor_of(replica) == on_first
 
-            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
-                await follow(second.url, second.token, replica, until_caught_up=True)
-            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            warnings = await _warnings_of_follow(caplog, second, replica)
             assert warnings == [DIVERGED.format(on_first)]
             assert await replica_export(replica) == await server_export(second)
 
@@ -646,9 +661,7 @@ async def test_a_follower_switched_between_two_copies_of_a_directory_stream_113(
             assert await cursor_of(replica) == on_second
             assert await post_small(first, 540, 600) >= on_second
             caplog.clear()
-            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
-                await follow(first.url, first.token, replica, until_caught_up=True)
-            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            warnings = await _warnings_of_follow(caplog, first, replica)
             assert warnings == [DIVERGED.format(on_second)]
             assert await replica_export(replica) == await server_export(first)
             assert await replica_export(replica) != await server_export(second)
@@ -664,12 +677,7 @@ async def test_a_replica_just_restored_knows_the_tag_at_its_cursor_stream_116(
     snapshot's sequence (from the snapshot file's header), is refused ``diverged``, logs one
     WARNING and ends equal to the first. (Before, it knew no tag after a restore: it took the
     first's events past its cursor as its own and ended equal to neither, with no word.)"""
-    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    async with serving(first_dir) as service:
-        await post_small(service, 0, 60)
-    shutil.copytree(first_dir, second_dir)
-    revoke_token(first_dir)
-    revoke_token(second_dir)
+    first_dir, second_dir = await _two_copies(tmp_path)
     with Replica(tmp_path / "replica") as replica:
         async with serving(first_dir) as first, serving(second_dir) as second:
             on_first = await post_small(first, 120, 180)
@@ -682,9 +690,7 @@ async def test_a_replica_just_restored_knows_the_tag_at_its_cursor_stream_116(
                 event_tag(second.data, on_second),
             )
             assert await post_small(first, 480, 540) > on_second > on_first
-            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
-                await follow(first.url, first.token, replica, until_caught_up=True)
-            warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            warnings = await _warnings_of_follow(caplog, first, replica)
             assert warnings == [
                 DIVERGED.format(on_first),
                 DIVERGED.format(on_second),
