@@ -2181,6 +2181,15 @@ CLOSE_LIMIT_S = 10.0
 """How long SERVE-58 gives the server to close the connections its clients closed."""
 
 
+def _announced_port(process: subprocess.Popen[bytes]) -> int:
+    """The port a ``healthlog serve --port 0`` process says it serves on, in its first line."""
+    assert process.stdout is not None
+    line = process.stdout.readline().decode()
+    found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
+    assert found, line
+    return int(found.group(1))
+
+
 def _few_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (FEW_FILES, FEW_FILES))
 
@@ -2205,11 +2214,7 @@ def test_connections_beyond_the_open_file_limit_log_one_error_a_minute_serve_53(
         preexec_fn=_few_files,
     ) as process:
         try:
-            assert process.stdout is not None
-            line = process.stdout.readline().decode()
-            found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
-            assert found, line
-            port = int(found.group(1))
+            port = _announced_port(process)
             held = []
             with contextlib.ExitStack() as stack:
                 for _ in range(120):
@@ -2251,11 +2256,7 @@ def test_a_delivery_answered_while_files_ran_out_is_folded_once_they_are_back_se
         ) as process,
     ):
         try:
-            assert process.stdout is not None
-            line = process.stdout.readline().decode()
-            found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
-            assert found, line
-            port = int(found.group(1))
+            port = _announced_port(process)
             with socket.create_connection(("127.0.0.1", port)) as upload:
                 upload.sendall(
                     b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\nConnection: close\r\n"
@@ -2313,11 +2314,7 @@ def test_connections_beyond_the_soft_open_file_limit_still_let_a_delivery_in_ser
         preexec_fn=_soft_limit_below_hard,
     ) as process:
         try:
-            assert process.stdout is not None
-            line = process.stdout.readline().decode()
-            found = re.search(r"healthlog serving on http://127\.0\.0\.1:(\d+) ", line)
-            assert found, line
-            port = int(found.group(1))
+            port = _announced_port(process)
             with contextlib.ExitStack() as stack:
                 for _ in range(HELD_CONNECTIONS):
                     stack.enter_context(socket.create_connection(("127.0.0.1", port)))
