@@ -507,7 +507,14 @@ def _hour(hour: int, before: str | None, after: str | None) -> int:
     marker = after if before is None else before
     if marker is None:
         return hour
-    first, start, stop = _MARKERS[marker.translate(_NO_SPACES).casefold()]
+    # The pattern matches a marker in any letter case as Python's `re` folds it, which also
+    # takes the dotless i (U+0131) and the dotted capital I (U+0130) for `i`; case folding keeps
+    # the one and makes the other `i` and U+0307, so such a spelling names no marker of the table
+    # and is refused (TIME-40).
+    sides = _MARKERS.get(marker.translate(_NO_SPACES).casefold())
+    if sides is None:
+        raise TimestampError("timestamp does not match a supported date/time shape")
+    first, start, stop = sides
     if not first <= hour <= first + 11:
         raise TimestampError(f"timestamp 12-hour clock hour is out of range {first}..{first + 11}")
     hour %= 12

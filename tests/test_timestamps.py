@@ -1,5 +1,6 @@
 """Tests for healthlog.timestamps; scenario ids refer to specs/timestamps.md."""
 
+import json
 import logging
 import re
 import time
@@ -7,9 +8,11 @@ import unicodedata
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
+from fixtures import MemoryProjection, fold
 from hypothesis import given
 from hypothesis import strategies as st
 
+from healthlog.fold import PARTIAL
 from healthlog.logs import JsonFormatter, KeyValueFormatter
 from healthlog.points import gregorian, instant_of
 from healthlog.timestamps import TimestampError, format_instant, hour_of, parse_instant
@@ -1316,3 +1319,37 @@ def test_a_marker_that_is_am_and_pm_is_refused_time_39(text: str) -> None:
     writes `ga` between marker and time (`ŋdi ga 7:57:00`)."""
     with pytest.raises(TimestampError, match="supported date/time shape"):
         parse_instant(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2024-09-21 7:57:00 k\u0131 +1000",
+        "2024-09-21 7:57:00\u202f\u0131chamthi +1000",
+        "2024-09-21 7:57:00 \u0131/m +1000",
+        "2024-09-21 pop\u0131et 7:57:00 +1000",
+        "2024-09-21 07:57:00 weng\u0131 +1000",
+        "2024-09-21 7:57:00 \u0130SUK +1000",
+    ],
+)
+def test_a_marker_spelled_with_a_dotless_i_is_refused_time_40(text: str) -> None:
+    """TIME-40: Python's `re` matches the dotless i (U+0131) and the dotted capital I (U+0130)
+    where a marker has `i` in any letter case, and case folding keeps the one and makes the
+    other `i` and U+0307, so the marker named no row of the table: parsing raised KeyError, and
+    a delivery holding one such point failed whole as an internal error. It is refused as
+    matching no supported shape, on the fold's path too."""
+    with pytest.raises(TimestampError, match="supported date/time shape"):
+        parse_instant(text)
+    with pytest.raises(TimestampError, match="supported date/time shape"):
+        instant_of(text)
+    points = [{"date": "2024-09-21 7:56:00 am +1000", "qty": 1}, {"date": text, "qty": 2}]
+    body = {"data": {"metrics": [{"name": "step_count", "units": "count", "data": points}]}}
+    projection = MemoryProjection()
+    _, outcome = fold(json.dumps(body).encode(), projection, aggregation="minutes")
+    assert (outcome.status, outcome.counters.points, outcome.counters.points_rejected) == (
+        PARTIAL,
+        1,
+        1,
+    )
+    assert "unparseable date" in (outcome.reason or "")
+    assert [obj.count for obj in projection.objects.values()] == [1]
