@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import random
+import re
 import tracemalloc
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -16,8 +20,8 @@ from hypothesis import strategies as st
 from healthlog import hae, objects
 from healthlog.fold import FAILED, PARSED, PARTIAL
 from healthlog.objects import ObjectKey
-from healthlog.points import MAX_NESTING, decode_point
-from healthlog.timestamps import hour_of, parse_instant
+from healthlog.points import MAX_NESTING, TIMESTAMP_KEYS, decode_point
+from healthlog.timestamps import format_instant, hour_of, parse_instant
 
 D0 = "2024-02-06 07:00:00 -0800"
 D1 = "2024-02-06 07:01:00 -0800"
@@ -825,3 +829,137 @@ def test_reasons_keep_values_private() -> None:
         assert "(x2)" in outcome.reason
         for secret in secrets:
             assert secret not in outcome.reason
+
+
+# Values a field of a point may be swapped for: every JSON type, numbers at the edges of a
+# double, integers past 64 bits, and timestamps in every accepted shape and some refused ones.
+EDGE_VALUES: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -0.0,
+    1e308,
+    -1e308,
+    5e-324,
+    12345678901234567890,
+    -123456789012345678901,
+    "",
+    "x",
+    [],
+    {},
+    [1, "a", None],
+    {"qty": 1, "units": "count"},
+    "2024-02-29 23:59:59 +1400",
+    "2024-12-31 23:59:59 -1200",
+    "2025-01-01T00:00:00.000001Z",
+    "2024-03-10 02:30:00 -0800",
+    "2024-11-03 01:30:00 -0700",
+    "2024-11-03 01:30:00 -0800",
+    "2567-02-29 07:00:00 +0700",
+    "2024-09-21 7:57:00\u202fpm +1000",
+    "2024-09-21 \u5348\u524d0:05:00 +0900",
+    "\u0662\u0660\u0662\u0664-\u0660\u0662-\u0660\u0666"
+    " \u0660\u0667:\u0660\u0660:\u0660\u0660 -0800",
+    "2024-09-21 7:57:00 k\u0131 +1000",
+    "2024-02-06",
+    "1899-12-31 23:00:00 +0000",
+    "3000-01-01 00:00:00 +0000",
+    "2024-02-30 07:00:00 -0800",
+]
+
+
+def _mutated(document: Any, rng: random.Random, edits: int) -> Any:
+    """``document`` with ``edits`` random edits, half of them at a timestamp: a value swapped for
+    one of ``EDGE_VALUES``, a field or element removed, an element doubled, an object's keys or
+    an array reordered."""
+    document = copy.deepcopy(document)
+    for _ in range(edits):
+        places = list(_places(document, ()))
+        if not places:
+            break
+        stamps = [place for place in places if place[-1] in TIMESTAMP_KEYS]
+        place = rng.choice(stamps if stamps and rng.random() < 0.5 else places)
+        parent = document
+        for step in place[:-1]:
+            parent = parent[step]
+        last = place[-1]
+        edit = rng.randrange(5)
+        if edit == 0:
+            parent[last] = copy.deepcopy(rng.choice(EDGE_VALUES))
+        elif edit == 1:
+            del parent[last]
+        elif edit == 2 and isinstance(parent, list):
+            parent.insert(last, copy.deepcopy(parent[last]))
+        elif edit == 3 and isinstance(parent, dict):
+            items = list(parent.items())
+            rng.shuffle(items)
+            parent.clear()
+            parent.update(items)
+        elif isinstance(parent, list):
+            rng.shuffle(parent)
+    return document
+
+
+def _places(value: Any, at: tuple[Any, ...]) -> Iterator[tuple[Any, ...]]:
+    """The path of every value below ``value``."""
+    steps = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for step, inner in steps:
+        yield (*at, step)
+        yield from _places(inner, (*at, step))
+
+
+def _key_doubled(text: str, rng: random.Random) -> str:
+    """``text`` with one of its ``"key": value`` members written twice."""
+    members = list(
+        re.finditer(r'"(date|qty|startDate|endDate|name|units|source)": ("[^"]*"|[-0-9.e]+)', text)
+    )
+    if not members:
+        return text
+    member = rng.choice(members)
+    return f"{text[: member.end()]}, {member.group(0)}{text[member.end() :]}"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(0, 2**32),
+    st.integers(0, 8),
+    st.booleans(),
+    st.sampled_from([None, "minutes", "days"]),
+)
+def test_mutated_app_bodies_fold_without_error_the_same_every_time_parse_51(
+    seed: int, edits: int, doubled: bool, aggregation: str | None
+) -> None:
+    """PARSE-51: an app-shaped body with any of its values swapped for another type, an edge
+    number or a timestamp in any shape, fields and elements removed or doubled, keys doubled
+    and anything reordered, folds without an error; folded again it writes nothing, folded
+    into another empty store it gives the same bytes, and every stored point sits at the
+    coordinates its own timestamps give, which format and parse back to themselves."""
+    rng = random.Random(seed)
+    body = make_body(
+        rng.randrange(100), metrics=("heart_rate", "sleep_analysis", "blood_pressure"), hours=1
+    )
+    text = json.dumps(_mutated(json.loads(body), rng, edits), ensure_ascii=rng.random() < 0.5)
+    if doubled:
+        text = _key_doubled(text, rng)
+    mutated = text.encode()
+    projection = MemoryProjection(inherited="minutes")
+    _, outcome = fold(mutated, projection, aggregation=aggregation)
+    stored = {key: (obj.hash, obj.body) for key, obj in projection.objects.items()}
+    again, second = fold(mutated, projection, delivery_id=2, aggregation=aggregation)
+    assert second.layer != outcome.layer or again == []
+    other = MemoryProjection(inherited="minutes")
+    fold(mutated, other, aggregation=aggregation)
+    assert {key: (obj.hash, obj.body) for key, obj in other.objects.items()} == stored
+    assert sum(obj.count for obj in other.objects.values()) == outcome.counters.points_new
+    for obj in other.objects.values():
+        for (start, end), raw in objects.decode(obj.body).items():
+            assert decode_point(raw).start == start
+            assert decode_point(raw).end == end
+            assert parse_instant(format_instant(start)) == start
