@@ -12,6 +12,7 @@ from fixtures import MemoryProjection, fold
 from hypothesis import given
 from hypothesis import strategies as st
 
+from healthlog import timestamps
 from healthlog.fold import PARTIAL
 from healthlog.logs import JsonFormatter, KeyValueFormatter
 from healthlog.points import gregorian, instant_of
@@ -1353,3 +1354,35 @@ def test_a_marker_spelled_with_a_dotless_i_is_refused_time_40(text: str) -> None
     )
     assert "unparseable date" in (outcome.reason or "")
     assert [obj.count for obj in projection.objects.values()] == [1]
+
+
+def test_every_spelling_the_pattern_takes_for_a_marker_is_read_as_it_or_refused_time_41() -> None:
+    """TIME-41: every marker of rule 5's table with one letter replaced by any character Python's
+    `re` matches for it in any letter case (its other case, the dotless i, the long s, the
+    Kelvin sign, the micro sign, ...), after the time and before it, is read as that marker
+    reads (the same instant) or refused with TimestampError: nothing else is raised."""
+    # Every code point but the surrogates, for Python's `re` to say which it takes for a letter.
+    every = "".join(chr(c) for c in range(0x30000) if not 0xD800 <= c < 0xE000)
+    variants: dict[str, list[str]] = {}
+    tried = refused = 0
+    for marker, (first, _, _) in timestamps._MARKERS.items():
+        hour = 7 if first == 1 else 0
+        for where in (f"2024-09-21 {hour}:57:00 {{}} +1000", f"2024-09-21 {{}} {hour}:57:00 +1000"):
+            try:
+                expected: int | None = parse_instant(where.format(marker))
+            except TimestampError:
+                expected = None
+            for at, letter in enumerate(marker):
+                if letter not in variants:
+                    variants[letter] = re.findall(f"(?i){re.escape(letter)}", every)
+                for other in variants[letter]:
+                    text = where.format(marker[:at] + other + marker[at + 1 :])
+                    tried += 1
+                    try:
+                        instant = parse_instant(text)
+                    except TimestampError:
+                        refused += 1
+                        continue
+                    assert instant == expected == instant_of(text), text
+    assert tried > 4000
+    assert refused > 0
