@@ -52,7 +52,14 @@ from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import Budget, run_pass
-from healthlog.storage.rebuild import Difference, RebuildError, rebuild_into, reindex, verify
+from healthlog.storage.rebuild import (
+    Difference,
+    RebuildError,
+    rebuild_into,
+    reindex,
+    verify,
+    verify_all,
+)
 from healthlog.storage.store import OUT_OF_MEMORY, WORKER_DIED, Store
 from healthlog.timestamps import format_instant
 from healthlog.workload import big_body, encode, window
@@ -1538,3 +1545,128 @@ def test_a_warning_of_the_rebuilds_store_names_its_file_store_77(
             r" \(rebuilt\.sqlite\)",
             warning,
         ), warning
+
+
+def _at(minute: int) -> str:
+    """A time on 2024-03-01 in the app's shape, ``minute`` minutes after midnight UTC, written
+    at +14:00 or -12:00 on odd minutes."""
+    moment = BASE_US // 1_000_000 + minute * 60
+    offset = (14 if minute % 4 == 1 else -12) * 3600 if minute % 2 else 0
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(moment + offset)) + (
+        " +1400" if offset > 0 else " -1200" if offset < 0 else " +0000"
+    )
+
+
+_MINUTES = st.sampled_from([0, 1, 2, 30, 61, 119])
+_ODD_VALUES = st.sampled_from(
+    [
+        None,
+        "",
+        0,
+        -0.0,
+        1e308,
+        5e-324,
+        12345678901234567890,
+        [],
+        {},
+        "2024-02-30 00:00:00 +0000",
+        "2024-03-01 7:57:00 k\u0131 +1000",
+    ]
+)
+_HOSTILE_POINTS = st.one_of(
+    st.builds(
+        lambda minute, qty, rich: {"date": _at(minute), "qty": qty, **rich},
+        _MINUTES,
+        st.sampled_from([1, 2, 2.0000000000001, -0.0, 12345678901234567890]),
+        st.sampled_from([{}, {"source": "Watch"}, {"source": "Watch", "context": "run"}]),
+    ),
+    st.builds(
+        lambda minute, length: {
+            "startDate": _at(minute),
+            "endDate": _at(minute + length),
+            "value": "Core",
+        },
+        _MINUTES,
+        st.sampled_from([0, 1, 30]),
+    ),
+    st.builds(
+        lambda minute, qty: {
+            "date": _at(minute),
+            "start": _at(minute),
+            "end": _at(minute + 60),
+            "qty": qty,
+        },
+        _MINUTES,
+        st.integers(0, 2),
+    ),
+    st.builds(lambda minute, odd: {"date": _at(minute), "qty": odd}, _MINUTES, _ODD_VALUES),
+    st.builds(lambda odd: {"date": odd, "qty": 1}, _ODD_VALUES),
+    _ODD_VALUES,
+)
+_HOSTILE_DELIVERIES = st.tuples(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["hr", "steps", "workouts"]),
+            st.sampled_from(["count", "kg", "", None]),
+            st.lists(_HOSTILE_POINTS, max_size=5),
+        ),
+        max_size=3,
+    ),
+    st.lists(
+        st.builds(
+            lambda start: {"name": "Walk", "start": _at(start), "end": _at(start + 30)}, _MINUTES
+        ),
+        max_size=2,
+    ),
+    st.sampled_from([None, None, "minutes", "Hours", "fortnights"]),
+    st.sampled_from(["A", "B", None]),
+    st.none() | st.integers(0, 4),
+    st.sampled_from(["wrapped", "bare", "listed"]),
+)
+
+
+def _hostile_body(
+    metrics: list[tuple[str, str | None, list[Any]]], workouts: list[dict[str, Any]], shape: str
+) -> bytes:
+    """A body of ``metrics`` (name, units or none, points) and ``workouts``, in the app's
+    ``data`` wrapper, without it, or in an array."""
+    sections: dict[str, Any] = {
+        "metrics": [
+            {"name": name, "data": data, **({} if units is None else {"units": units})}
+            for name, units, data in metrics
+        ]
+    }
+    if workouts:
+        sections["workouts"] = workouts
+    if shape == "bare":
+        return orjson.dumps(sections)
+    if shape == "listed":
+        return orjson.dumps([{"data": sections}])
+    return orjson.dumps({"data": sections})
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(_HOSTILE_DELIVERIES, min_size=1, max_size=5), st.sampled_from([1, 2]))
+def test_hostile_deliveries_folded_live_equal_their_rebuild_merge_30(
+    specs: list[tuple[Any, ...]], workers: int
+) -> None:
+    """MERGE-30: deliveries of any envelope shape, with or without a known header, of two
+    automations or none, backfilled or not, holding metric points, sleep segments, hourly
+    points with start and end, workouts, points rejected for any reason and values at the
+    edges, at +14:00 and -12:00, folded live one by one, verify clean against their rebuild
+    (objects and outcomes), by one worker and by two."""
+    with scratch_data() as (_, journal, store):
+        for metrics, workouts, aggregation, automation, offset, shape in specs:
+            append(
+                journal,
+                delivery(
+                    _hostile_body(metrics, workouts, shape),
+                    received_at=None if offset is None else BASE_US + offset,
+                    aggregation=aggregation,
+                    automation=automation,
+                ),
+            )
+        assert fold_live(journal, store).stopped_because == "empty"
+
+        verification = verify_all(journal, store, workers=workers)
+        assert (verification.objects, verification.outcomes) == ([], [])
