@@ -698,6 +698,48 @@ async def test_a_replica_just_restored_knows_the_tag_at_its_cursor_stream_116(
             assert await replica_export(replica) == await server_export(first)
 
 
+async def test_a_cursor_at_the_prune_horizon_is_still_checked_stream_123(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-123: GIVEN two services on two copies of one data directory, a follower caught up
+    with the first at seq 8, and each service past it with deliveries of its own, its window
+    pruned to exactly that cursor (event 8 gone, 9 and after held) WHEN the follower resumes
+    from the first THEN it gets the events after its cursor, restores no snapshot and logs no
+    WARNING; WHEN a second follower caught up at 8 with the first is pointed at the second THEN
+    it is refused ``diverged`` (the store kept the tag of the event it pruned last), logs the one
+    WARNING and ends equal to the second. (Before, the event at the cursor being pruned, its tag
+    was not checked: the diverged follower applied the second's events 9 and 10 without a word,
+    ending equal to neither service.)"""
+    first_dir, second_dir = await _two_copies(tmp_path)
+    with Replica(tmp_path / "same") as same, Replica(tmp_path / "other") as other:
+        async with serving(first_dir) as first, serving(second_dir) as second:
+            cursor = await post_small(first, 120, 180)
+            await follow(first.url, first.token, same, until_caught_up=True)
+            await follow(first.url, first.token, other, until_caught_up=True)
+            assert (await cursor_of(same), await cursor_of(other)) == (cursor, cursor)
+            on_first = await post_small(first, 240, 300)
+            on_second = await post_small(second, 360, 420, 480)
+            await prune(first.data, keep=on_first - cursor)
+            await prune(second.data, keep=on_second - cursor)
+            for service in (first, second):
+                status = await service.status()
+                assert status["stream"]["oldest_cursor"] == cursor
+
+            with caplog.at_level(logging.INFO, "healthlog.follow"), trio.fail_after(15):
+                await follow(first.url, first.token, same, until_caught_up=True)
+            messages = [r.getMessage() for r in caplog.records if r.name == "healthlog.follow"]
+            assert [m for m in messages if "snapshot" in m] == []
+            assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+            assert await cursor_of(same) == on_first
+            assert await replica_export(same) == await server_export(first)
+
+            caplog.clear()
+            warnings = await _warnings_of_follow(caplog, second, other)
+            assert warnings == [DIVERGED.format(cursor)]
+            assert await cursor_of(other) == on_second
+            assert await replica_export(other) == await server_export(second)
+
+
 async def test_a_second_follower_of_a_replica_is_refused_stream_77(
     tmp_path: Path, run_cli: RunCli
 ) -> None:

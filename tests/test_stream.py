@@ -544,8 +544,9 @@ async def test_a_cursor_whose_event_is_another_is_refused_stream_114(tmp_path: P
     subscriber resuming with the tag of the event at its cursor is sent that event again, then
     those after it (at the head, that one event); with another tag it gets CURSOR_TOO_OLD with
     ``diverged`` true and a snapshot, close 4410; without one, the events after its cursor as
-    before; a tag that is not one is BAD_CURSOR; and a cursor whose event was pruned cannot be
-    checked: the events after it come as without a tag."""
+    before; a tag that is not one is BAD_CURSOR; and a cursor whose event was the last pruned
+    is checked against the tag the store kept of it (STREAM-123): with that tag the events after
+    it come, with another ``diverged``."""
     async with serving(tmp_path) as service:
         total = await post_small(service, 0, 60, 120)
         async with subscribe(service, after=0) as ws:
@@ -574,8 +575,11 @@ async def test_a_cursor_whose_event_is_another_is_refused_stream_114(tmp_path: P
                 assert await refusal(ws) == ({"type": "error", "code": "BAD_CURSOR"}, 4400)
 
         await prune(service.data, keep=2)
-        async with subscribe(service, after=total - 2, tag="0" * 16) as ws:
+        async with subscribe(service, after=total - 2, tag=tags[total - 3]) as ws:
             assert await receive(ws, 2) == frames[4:]
+        async with subscribe(service, after=total - 2, tag="0" * 16) as ws:
+            frame, code = await refusal(ws)
+        assert (frame["code"], frame["diverged"], code) == ("CURSOR_TOO_OLD", True, 4410)
 
 
 async def test_cursor_older_than_window(tmp_path: Path) -> None:

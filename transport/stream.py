@@ -42,8 +42,10 @@ copy of the data directory, went on with other changes under the same numbers), 
 not one of this history, and the subscriber is refused as one older than the window, its error
 frame saying ``diverged`` (STREAM-111); where it is the same, the replay starts with the event at
 the cursor, sent again, so that a subscriber at the head learns that its cursor holds too. An
-event at the cursor that is no longer held (pruned to the cursor) cannot be checked: the replay
-goes on after it. Without ``tag`` nothing changes.
+event at the cursor that is no longer held is checked against the tag the store kept of the last
+event it pruned, when the cursor is that one's (the window's start, STREAM-123), and the replay
+goes on after it; a cursor further back is older than the window. Without ``tag`` nothing
+changes.
 
 Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
 4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
@@ -454,8 +456,8 @@ class StreamEndpoint:
             await self._too_old(after)
         start = after
         if tag is not None and after > 0:
-            held, ours = await self._read(functools.partial(Store.event_tag, seq=after))
-            if held and ours != tag:
+            held, known, ours = await self._read(functools.partial(Store.event_tag, seq=after))
+            if known and ours != tag:
                 log.info(
                     "stream: a subscriber's cursor (seq %d) is not in this stream's history (its"
                     " event there is another); it is sent the snapshot",

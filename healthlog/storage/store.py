@@ -205,6 +205,9 @@ MIGRATIONS = (
 )
 # The tag of an event as it is inserted: 64 random bits, as 16 hex digits.
 EVENT_TAG = "lower(hex(randomblob(8)))"
+# The mark of the last event pruned, ``{"seq": N, "tag": T}``: a subscriber resuming with its
+# cursor there (the window's start) is checked against that tag, as against a held event's.
+PRUNED_MARK = "pruned"
 # The statuses of the outcomes a delivery list holds (:meth:`Store.newest_outcomes`), which the
 # partial index ``outcomes_listed`` indexes, and its WHERE clause: SQLite takes a partial index
 # only for a query whose own WHERE holds that term, so each query of the lists holds it as is.
@@ -1095,12 +1098,26 @@ class Store(_objects.ObjectDatabase):
             for seq, event_id, kind, payload, tag in rows
         ]
 
-    def event_tag(self, seq: int) -> tuple[bool, str | None]:
-        """Whether the event ``seq`` is held (not pruned, not beyond the head), and its tag
-        (None for one written before events had tags)."""
+    def event_tag(self, seq: int) -> tuple[bool, bool, str | None]:
+        """Whether the event ``seq`` is held (not pruned, not beyond the head), whether its tag
+        is known (held, or the last event pruned, :data:`PRUNED_MARK`), and that tag (None for
+        one written before events had tags)."""
         with self._lock:
             row = self._conn.execute("SELECT tag FROM events WHERE seq = ?", (seq,)).fetchone()
-        return (False, None) if row is None else (True, row[0])
+            pruned = (
+                None
+                if row is not None
+                else self._conn.execute(
+                    "SELECT value FROM marks WHERE key = ?", (PRUNED_MARK,)
+                ).fetchone()
+            )
+        if row is not None:
+            return True, True, row[0]
+        if pruned is not None:
+            last = orjson.loads(pruned[0])
+            if last["seq"] == seq:
+                return False, True, last["tag"]
+        return False, False, None
 
     def replay_page(
         self, after: int, limit: int, max_bytes: int
@@ -1173,20 +1190,30 @@ class Store(_objects.ObjectDatabase):
         them stay (a follower behind them restores a snapshot). The journal is never touched.
         With ``at_most``, only the oldest that many sequences are dropped (STORE-88): every
         page a transaction frees goes to the ``-wal``, and dropping a reindex's worth of events
-        at once (321,000) wrote a 137 MB one. Returns how many were dropped."""
+        at once (321,000) wrote a 137 MB one. The seq and tag of the last event dropped are kept
+        (:data:`PRUNED_MARK`, in the same transaction), so that a subscriber whose cursor is that
+        event's is still checked against it (STREAM-123). Returns how many were dropped."""
         with self._lock, write_transaction(self._conn):
-            return self._conn.execute(
-                "DELETE FROM events WHERE seq <= (SELECT max(seq) FROM events) - ?"
+            last = self._conn.execute(
+                "SELECT seq, tag FROM events WHERE seq <= (SELECT max(seq) FROM events) - ?"
                 " AND seq < coalesce("
                 "(SELECT min(seq) FROM events WHERE at >= ? AND at <= ?), 1 << 62)"
-                " AND seq < (SELECT min(seq) FROM events) + ?",
+                " AND seq < (SELECT min(seq) FROM events) + ? ORDER BY seq DESC LIMIT 1",
                 (
                     keep,
                     older_than_us,
                     clock.now_us() + FUTURE_SKEW_US,
                     (1 << 62) if at_most is None else at_most,
                 ),
-            ).rowcount
+            ).fetchone()
+            if last is None:
+                return 0
+            self._conn.execute(
+                "INSERT INTO marks (key, value) VALUES (?, ?)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (PRUNED_MARK, orjson.dumps({"seq": last[0], "tag": last[1]}).decode()),
+            )
+            return self._conn.execute("DELETE FROM events WHERE seq <= ?", (last[0],)).rowcount
 
     def remove_gone_subscribers(self, *, older_than_us: int) -> int:
         """Remove the subscribers that are gone: whose last ACK is older than the given instant
