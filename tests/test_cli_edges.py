@@ -1480,6 +1480,111 @@ def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: Run
         assert served.returncode == 0
 
 
+# The service's user in RUN-64 and RUN-65: another one when the tests run as root, whom modes
+# do not stop.
+SERVICE_UID = 65534
+STORE_WRITER = (
+    "import sys\n"
+    "from healthlog.storage.datadir import DataDir\n"
+    "with DataDir(sys.argv[1]).open_store(create=False) as store:\n"
+    "    store.set_mark('written', True)\n"
+)
+"""``python -c STORE_WRITER DATA``: open the store of DATA and write to it, as a fold worker of
+the service (another process) does."""
+
+
+def as_service_user() -> list[str]:
+    """The command prefix that runs a command as the service's user (empty: this one)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("root is stopped by no mode, and setpriv is missing")
+    return [setpriv, f"--reuid={SERVICE_UID}", f"--regid={SERVICE_UID}", "--clear-groups"]
+
+
+def serve_process(prefix: list[str], data: Path, err: Path) -> subprocess.Popen[bytes]:
+    """``healthlog serve`` on ``data`` as the service's user, its stderr into ``err``."""
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    with err.open("wb") as sink:
+        return subprocess.Popen(
+            [*prefix, *healthlog("serve", "--port", "0", "--data", data)],
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+            env=env,
+            cwd=data.parent,
+        )
+
+
+def until_logged(err: Path, text: str, process: subprocess.Popen[bytes]) -> None:
+    """Wait until ``process`` has written ``text`` to ``err`` (within ``LIMIT_S``)."""
+    deadline = time.monotonic() + LIMIT_S
+    while text not in err.read_text():
+        assert process.poll() is None, err.read_text()
+        assert time.monotonic() < deadline, err.read_text()
+        time.sleep(0.05)
+
+
+def stopped(process: subprocess.Popen[bytes], signum: int = signal.SIGTERM) -> int:
+    """Stop ``process`` with ``signum``; its exit status."""
+    process.send_signal(signum)
+    return process.wait(timeout=LIMIT_S)
+
+
+def service_directory(home: Path, prefix: list[str]) -> Path:
+    """A data directory of the service's user, made by a ``serve`` started and stopped."""
+    data = home / "data"
+    data.mkdir()
+    if prefix:
+        os.chown(data, SERVICE_UID, SERVICE_UID)
+    first = serve_process(prefix, data, home / "first.err")
+    try:
+        until_logged(home / "first.err", "fold lease held at epoch 1", first)
+    finally:
+        assert stopped(first) == 0
+    return data
+
+
+def test_a_store_made_read_only_then_mended_is_written_by_every_process_run_64() -> None:
+    """RUN-64: GIVEN a service's `store.sqlite` made mode 0444 and `serve` started on it (the
+    RUN-38 warnings) WHEN its mode is mended (0600) THEN another process of the service's user
+    writes the store, as its fold worker does, and `serve` killed and started again takes the
+    lease at once, no renewal failing; the `-wal` and `-shm` that SQLite made 0444 with the file
+    are 0600 then. (Before, the `-shm` stayed 0444: the running service took the lease again
+    but its fold worker, and every later start, failed each write with `attempt to write a
+    readonly database (store.sqlite)`, a delivery pending for good.)"""
+    prefix = as_service_user()
+    with reachable_home("healthlog-run-64-") as home:
+        data = service_directory(home, prefix)
+        store = data / "store.sqlite"
+        companions = [data / "store.sqlite-wal", data / "store.sqlite-shm"]
+        store.chmod(0o444)
+        served = serve_process(prefix, data, home / "served.err")
+        try:
+            until_logged(home / "served.err", "lease renewal failed", served)
+            assert [stat.S_IMODE(path.stat().st_mode) for path in companions] == [0o444, 0o444]
+            store.chmod(0o600)
+            writer = subprocess.run(
+                [*prefix, sys.executable, "-c", STORE_WRITER, data],
+                capture_output=True,
+                timeout=LIMIT_S,
+                check=False,
+                cwd=home,
+            )
+            assert writer.returncode == 0, writer.stderr.decode()
+            assert [stat.S_IMODE(path.stat().st_mode) for path in companions] == [0o600, 0o600]
+            until_logged(home / "served.err", "fold lease held at epoch", served)
+        finally:
+            stopped(served, signal.SIGKILL)
+        assert all(path.exists() for path in companions)
+        again = serve_process(prefix, data, home / "again.err")
+        try:
+            until_logged(home / "again.err", "fold lease held at epoch", again)
+        finally:
+            assert stopped(again) == 0
+        assert "lease renewal failed" not in (home / "again.err").read_text()
+
+
 def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path: Path) -> None:
     """CLI-91: on a file system mounted read-only (as the kernel remounts one after disk
     errors), `token add` and `import`, which write, exit 3 with one line saying that the file

@@ -133,6 +133,8 @@ def connect(
         raise ValueError("busy_timeout_ms must not be negative")
     if private and create and not readonly:
         _create_private(path)
+    if not readonly:
+        _prepare_companions(path)
     unlocked = readonly and immutable
     seen = _identity(path) if unlocked else None
     try:
@@ -382,6 +384,50 @@ def _create_private(path: str | os.PathLike[str]) -> None:
         give_to_directory_owner(fd, Path(path).parent)
     finally:
         os.close(fd)
+
+
+COMPANIONS = ("-wal", "-shm")
+"""The files SQLite keeps beside a database of WAL mode, which every write goes through."""
+
+
+def _prepare_companions(path: str | os.PathLike[str]) -> None:
+    """Before SQLite opens ``path`` to write, as a user other than root (whom modes do not
+    stop), where this user may read and write the file: a ``-wal`` or ``-shm`` of this user's
+    beside it that this user may not read and write is given the file's mode (with read and
+    write for its owner), and an INFO line says so.
+
+    SQLite makes those files with the database file's mode, and gives an empty one that mode
+    again as it opens it, but never a ``-shm`` of some size: one made while the file was
+    read-only (mode 0444; RUN-38) stayed 0444 once the file's mode was mended. Through it SQLite
+    opens the database read-only and fails every write with ``attempt to write a readonly
+    database``, naming the file, whose mode is right: the service took the lease again, but its
+    fold worker, another process, wrote nothing, nor did the next start, until the ``-shm`` was
+    removed or its mode mended too (RUN-64)."""
+    if os.geteuid() == 0:
+        return
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode) | stat.S_IRUSR | stat.S_IWUSR
+    except OSError:
+        return
+    if not os.access(path, os.R_OK | os.W_OK):
+        return
+    for suffix in COMPANIONS:
+        companion = Path(f"{os.fspath(path)}{suffix}")
+        try:
+            stats = companion.stat()
+        except OSError:
+            continue
+        if stats.st_uid != os.geteuid() or os.access(companion, os.R_OK | os.W_OK):
+            continue
+        with contextlib.suppress(OSError):
+            companion.chmod(mode)
+            _log.info(
+                "%s was mode %04o, which no write goes through: made mode %04o, as %s is",
+                companion,
+                stat.S_IMODE(stats.st_mode),
+                mode,
+                os.path.basename(path),
+            )
 
 
 def give_to_directory_owner(
