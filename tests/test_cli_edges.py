@@ -9,6 +9,7 @@ import contextlib
 import functools
 import json
 import os
+import pwd
 import re
 import select
 import shutil
@@ -1583,6 +1584,62 @@ def test_a_store_made_read_only_then_mended_is_written_by_every_process_run_64()
         finally:
             assert stopped(again) == 0
         assert "lease renewal failed" not in (home / "again.err").read_text()
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o644])
+def test_a_wal_or_shm_of_another_user_is_said_run_65(mode: int) -> None:
+    """RUN-65: GIVEN a service's data directory whose `store.sqlite-shm` (left by a `serve`
+    killed) is another user's (root's, mode 0600 or 0644) WHEN `serve` or `import` runs as the
+    service's user THEN it exits 3 with one line naming that file, its owner and mode and what
+    to do; WHEN it is the service's user's again THEN `serve` takes the lease. (Before, both
+    exited 3 with `database error: unable to open database file (DIR/store.sqlite)` for 0600;
+    for 0644 `serve` ran on, every lease renewal failing `attempt to write a readonly database
+    (store.sqlite)`, and `import` waited for the lease for good: each named the database file,
+    whose mode is right.)"""
+    if os.geteuid() != 0:
+        pytest.skip("only root makes a file another user owns")
+    prefix = as_service_user()
+    with reachable_home("healthlog-run-65-") as home:
+        data = service_directory(home, prefix)
+        killed = serve_process(prefix, data, home / "killed.err")
+        try:
+            until_logged(home / "killed.err", "fold lease held at epoch", killed)
+        finally:
+            stopped(killed, signal.SIGKILL)
+        shm = data / "store.sqlite-shm"
+        os.chown(shm, 0, 0)
+        shm.chmod(mode)
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        refused = [
+            subprocess.run(
+                [*prefix, *healthlog(*args, "--data", data)],
+                capture_output=True,
+                timeout=LIMIT_S,
+                check=False,
+                cwd=home,
+                env=env,
+            )
+            for args in (("serve", "--port", "0"), ("import", hr))
+        ]
+        os.chown(shm, SERVICE_UID, SERVICE_UID)
+        served = serve_process(prefix, data, home / "served.err")
+        try:
+            until_logged(home / "served.err", "fold lease held at epoch", served)
+        finally:
+            assert stopped(served) == 0
+    user = pwd.getpwuid(SERVICE_UID).pw_name
+    for run in refused:
+        assert run.returncode == 3, run.stderr.decode()
+        assert run.stderr.decode().splitlines() == [
+            f"healthlog: store.sqlite cannot be written: user {user} may not read and write"
+            f" {shm} (it is root's, mode {mode:04o}), which every write to store.sqlite goes"
+            " through;"
+            f" make it {user}'s to read and write (`chown -R {user}: {data} && chmod -R u+rwX"
+            f" {data}`)"
+        ]
 
 
 def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path: Path) -> None:

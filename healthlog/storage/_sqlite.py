@@ -394,7 +394,8 @@ def _prepare_companions(path: str | os.PathLike[str]) -> None:
     """Before SQLite opens ``path`` to write, as a user other than root (whom modes do not
     stop), where this user may read and write the file: a ``-wal`` or ``-shm`` of this user's
     beside it that this user may not read and write is given the file's mode (with read and
-    write for its owner), and an INFO line says so.
+    write for its owner), and an INFO line says so; one of another user's is refused
+    (:func:`_companion_not_ours`).
 
     SQLite makes those files with the database file's mode, and gives an empty one that mode
     again as it opens it, but never a ``-shm`` of some size: one made while the file was
@@ -414,11 +415,13 @@ def _prepare_companions(path: str | os.PathLike[str]) -> None:
     for suffix in COMPANIONS:
         companion = Path(f"{os.fspath(path)}{suffix}")
         try:
-            stats = companion.stat()
+            stats = companion.lstat()
         except OSError:
             continue
-        if stats.st_uid != os.geteuid() or os.access(companion, os.R_OK | os.W_OK):
+        if not stat.S_ISREG(stats.st_mode) or os.access(companion, os.R_OK | os.W_OK):
             continue
+        if stats.st_uid != os.geteuid():
+            raise _companion_not_ours(Path(path), companion, stats)
         with contextlib.suppress(OSError):
             companion.chmod(mode)
             _log.info(
@@ -428,6 +431,24 @@ def _prepare_companions(path: str | os.PathLike[str]) -> None:
                 mode,
                 os.path.basename(path),
             )
+
+
+def _companion_not_ours(path: Path, companion: Path, stats: os.stat_result) -> StorageError:
+    """The error of a ``-wal`` or ``-shm`` of another user's beside a database this user may
+    write, which this user may not read and write (RUN-65): SQLite would open the database
+    through it read-only and fail every write with ``attempt to write a readonly database``,
+    naming the database file, whose mode is right."""
+    user = user_name(os.geteuid())
+    error = StorageError(
+        f"{path.name} cannot be written: user {user} may not read and write {companion} (it is"
+        f" {user_name(stats.st_uid)}'s, mode {stat.S_IMODE(stats.st_mode):04o}), which every"
+        f" write to {path.name} goes through; make it {user}'s to read and write"
+        f" (`chown -R {user}: {path.parent} && chmod -R u+rwX {path.parent}`)"
+    )
+    error.code = _SQLITE_READONLY
+    error.kind = f"SQLITE_READONLY: {_MEANINGS[_SQLITE_READONLY]}"
+    error.file = path.name
+    return error
 
 
 def give_to_directory_owner(
