@@ -13,8 +13,11 @@ freeze of every connection open at the time.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import logging
+import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -28,11 +31,13 @@ from typing import Any
 import orjson
 import pytest
 import trio
+from _cli_bodies import body, metric, point
 from _disk import files_limited_to
 from _service_helpers import POLL_S, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     HEAD_END,
+    SECONDS,
     TOKEN_REFUSED,
     event_tag,
     following_process,
@@ -59,7 +64,7 @@ from wsproto.events import (
 )
 
 import transport.follow
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import WAL_SIZE_LIMIT, StorageError
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from transport.follow import Endpoints, Follower, FollowError, follow
 
@@ -738,6 +743,79 @@ async def test_a_cursor_at_the_prune_horizon_is_still_checked_stream_123(
             assert warnings == [DIVERGED.format(cursor)]
             assert await cursor_of(other) == on_second
             assert await replica_export(other) == await server_export(second)
+
+
+def _noisy_day(day: int) -> bytes:
+    """Ten hourly objects on day ``day`` of 2024, each of 60 points with 100 random bytes (as
+    hex) in their note: some 130 KB that compress badly, written to the replica's -wal."""
+    date = datetime.date(2024, 1, 1) + datetime.timedelta(days=day)
+    points = [
+        point(f"{date} {hour:02d}:{minute:02d}:00 +0000", qty=minute, note=os.urandom(100).hex())
+        for hour in range(10)
+        for minute in range(60)
+    ]
+    return body(metric("noise", "count", *points))
+
+
+async def _logged(caplog: pytest.LogCaptureFixture, text: str) -> None:
+    """Wait until a record holding ``text`` was logged (within ``FRAME_LIMIT_S``)."""
+    with trio.fail_after(FRAME_LIMIT_S):
+        while not any(text in message for message in caplog.messages):
+            await trio.sleep(POLL_S)
+
+
+async def test_a_replica_wal_a_reader_keeps_from_being_checkpointed_is_said_stream_124(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-124: GIVEN `follow` following a real service live, and another program holding a
+    read transaction open on `replica.sqlite` (a database browser) WHEN deliveries are applied
+    until its `-wal` is past `WAL_SIZE_LIMIT` (16 MiB) THEN `follow` logs one WARNING naming the
+    file and its size, once while it lasts; once the reader ends its transaction and events
+    come, one INFO says it is checkpointed again, and the `-wal` is back at the limit. (Before,
+    nothing was said while the -wal grew with every batch: 71,653,768 bytes after 1,000
+    deliveries of 24 objects, against 16,522,888 without the reader.)"""
+    caplog.set_level(logging.INFO, "healthlog.follow")
+    with Replica(tmp_path / "replica") as replica:
+        async with serving(tmp_path / "server") as service, trio.open_nursery() as nursery:
+            nursery.start_soon(follow, service.url, service.token, replica)
+            day = 0
+
+            async def deliver() -> None:
+                nonlocal day
+                await post(service, _noisy_day(day), SECONDS)
+                day += 1
+                await until_cursor(replica, int((await service.wait_folded())["stream"]["head"]))
+
+            await deliver()
+            wal = Path(f"{replica.path}-wal")
+            with contextlib.closing(sqlite3.connect(replica.path, isolation_level=None)) as reader:
+                reader.execute("BEGIN")
+                reader.execute("SELECT count(*) FROM objects").fetchone()
+                while wal.stat().st_size <= WAL_SIZE_LIMIT:
+                    await deliver()
+                await _logged(caplog, "cannot be checkpointed")
+                await deliver()
+                reader.execute("COMMIT")
+            while not any("checkpointed again" in message for message in caplog.messages):
+                await deliver()
+            assert wal.stat().st_size <= WAL_SIZE_LIMIT
+            nursery.cancel_scope.cancel()
+    said = [r.getMessage() for r in caplog.records if "checkpoint" in r.getMessage()]
+    assert len(said) == 2, said
+    match = re.fullmatch(
+        rf"follow: {re.escape(replica.path)}-wal is (\d+) bytes and cannot be checkpointed: a"
+        rf" read transaction is kept open on {re.escape(replica.path)} \(by another program,"
+        r" such as a database browser, a script or a backup through SQLite\), and every event"
+        r" applied is added to the -wal until it ends",
+        said[0],
+    )
+    assert match is not None, said[0]
+    assert int(match[1]) > WAL_SIZE_LIMIT
+    assert said[1] == f"follow: {replica.path}-wal is checkpointed again"
+    assert [r.levelno for r in caplog.records if "checkpoint" in r.getMessage()] == [
+        logging.WARNING,
+        logging.INFO,
+    ]
 
 
 async def test_a_second_follower_of_a_replica_is_refused_stream_77(

@@ -20,7 +20,8 @@ copy of its data directory) refuses it ``diverged``, and the snapshot is restore
 that cannot be sent as a header value is refused before connecting, and a request of its own
 that is not valid HTTP stops it: no retry could send either. What it logs of an error never
 quotes a request (a header value, the token's included). One follower at a time writes a
-replica: a second is refused.
+replica: a second is refused. A replica ``-wal`` that another program's read transaction keeps
+from being checkpointed, growing with every batch, is said once while it lasts (STREAM-124).
 
 For ``https://`` and ``wss://`` URLs both the HTTP calls and the websocket go over TLS, verified
 with one ``ssl.SSLContext`` (by default the system's trust store, checking the host name), and
@@ -36,6 +37,7 @@ import functools
 import hashlib
 import logging
 import math
+import os
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
@@ -66,7 +68,7 @@ from healthlog.acks import AckTracker
 from healthlog.documents import AckFrame, Manifest, ObjectChanged, StreamInfo, converter, dumps
 from healthlog.objects import ObjectKey, from_wire
 from healthlog.snapshots import SnapshotError
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import WAL_SIZE_LIMIT, StorageError, describe
 from healthlog.storage.replica import Change, Replica, ReplicaInUse, ReplicaMismatch
 from healthlog.timestamps import parse_instant
 
@@ -256,6 +258,9 @@ class Follower:
     # The sequence of the snapshot this run restored last: the tag it gave the replica is the
     # service's own, and needs no check before ``until_caught_up`` ends at it.
     _restored: int | None = attrs.field(default=None, init=False)
+    # Whether the WARNING that a reader keeps the replica's -wal from being checkpointed was
+    # logged, and not yet the INFO that it is checkpointed again (STREAM-124).
+    _wal_held: bool = attrs.field(default=False, init=False)
 
     async def run(self) -> None:
         """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks."""
@@ -545,6 +550,7 @@ class Follower:
                     acks.durable(seq)
                     if self.on_event is not None:
                         self.on_event(seq)
+                await self._watch_wal()
             if skipped is not None:
                 # Never past a gap (R3): from the cursor, the server sends the event or a
                 # snapshot.
@@ -641,6 +647,37 @@ class Follower:
                 await ws.ping()
             if sending.cancelled_caught:
                 raise ConnectionLost(f"a ping could not be sent within {self.keepalive_s:g} s")
+
+    async def _watch_wal(self) -> None:
+        """After a batch applied: say once, while it lasts, that a reader keeps the replica's
+        ``-wal`` from being checkpointed, and when it is checkpointed again (STREAM-124), as the
+        service says of its own files (RUN-63). Only a ``-wal`` past ``WAL_SIZE_LIMIT`` is looked
+        into (a passive checkpoint): SQLite checkpoints it every 1,000 pages and cuts it back to
+        that size once no reader holds it, so one that stays past it grows with every batch."""
+        size = await trio.to_thread.run_sync(_size, f"{self.replica.path}-wal")
+        if size <= WAL_SIZE_LIMIT:
+            if self._wal_held:
+                self._wal_held = False
+                log.info("follow: %s-wal is checkpointed again", self.replica.path)
+            return
+        if self._wal_held:
+            return
+        try:
+            held = await trio.to_thread.run_sync(self.replica.wal_held_back)
+        except StorageError as exc:
+            log.debug("follow: checkpoint of the replica not tried: %s", describe(exc))
+            return
+        if held:
+            self._wal_held = True
+            log.warning(
+                "follow: %s-wal is %d bytes and cannot be checkpointed: a read transaction is"
+                " kept open on %s (by another program, such as a database browser, a script or"
+                " a backup through SQLite), and every event applied is added to the -wal until"
+                " it ends",
+                self.replica.path,
+                held,
+                self.replica.path,
+            )
 
     def _caught_up(self, cursor: int) -> bool:
         return self.until_caught_up and self._target is not None and cursor >= self._target
@@ -961,6 +998,14 @@ class _Batch:
             other.malformed,
             self.tags + other.tags,
         )
+
+
+def _size(path: str) -> int:
+    """The size of the file at ``path``, 0 when there is none."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _tag(value: object) -> str | None:
