@@ -24,6 +24,7 @@ from actors.lease import LeaseActor, LeaseStatistics
 from actors.retention import RetentionActor, RetentionStatistics
 from healthlog.config import ServeConfig
 from healthlog.storage import snapshot_files
+from healthlog.storage._sqlite import make_directory
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
 from healthlog.storage.passes import PAGE, Budget, check_before_folding
@@ -167,7 +168,7 @@ class Runtime:
 async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
     """Start every actor under supervision; cancel and shut them down on exit."""
     data = DataDir(config.data_dir)
-    data.path.mkdir(parents=True, exist_ok=True)
+    make_directory(data.path)
     journal = Journal(data.journal_path, busy_timeout_ms=config.busy_timeout_ms)
     try:
         store = Store(data.store_path, busy_timeout_ms=config.busy_timeout_ms)

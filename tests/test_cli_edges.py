@@ -42,6 +42,7 @@ from healthlog.cli import build_parser
 from healthlog.config import load_serve_config
 from healthlog.storage import snapshot_files
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.replica import Replica
 from healthlog.storage.store import MIGRATIONS as STORE_MIGRATIONS
 
 if TYPE_CHECKING:
@@ -1335,6 +1336,45 @@ def test_the_data_directory_s_files_are_readable_by_its_user_alone_store_62(
     assert {"journal.sqlite-wal", "store.sqlite-shm", "tokens.sqlite", "signing.key"} <= names
     assert any(name.endswith(".snap") for name in names)
     assert {name: oct(mode) for name, mode in modes.items() if mode & 0o077} == {}
+
+
+def test_no_directory_healthlog_makes_is_writable_by_others_store_96(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-96: under umask 000, the directories healthlog makes (a new data directory and
+    the missing ones above it, ``snapshots/``, a replica's directory and those above it) are
+    0755: none lets another account remove or replace the journal, the tokens or the signing
+    key, or plant a link where a snapshot is written. Its files stay 0600."""
+    data = DataDir(tmp_path / "nas" / "health" / "data")
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    previous = os.umask(0o000)
+    try:
+        assert run_cli("token", "add", "phone", "--data", data.path).code == 0
+        assert run_cli("import", "--aggregation", "minutes", "--data", data.path, hr).code == 0
+        assert run_cli("reindex", "--data", data.path).code == 0
+        with data.open_journal() as journal, data.open_store() as store:
+            snapshot_files.build(
+                data.snapshot_dir, journal, store, data.signing_key(), "/v1/snapshots"
+            )
+        Replica(tmp_path / "laptop" / "replica").close()
+    finally:
+        os.umask(previous)
+    modes = {
+        path.relative_to(tmp_path).as_posix(): stat.S_IMODE(path.stat().st_mode)
+        for path in tmp_path.rglob("*")
+    }
+    directories = {name for name in modes if (tmp_path / name).is_dir()}
+    assert {"nas", "nas/health", "nas/health/data", "nas/health/data/snapshots"} <= directories
+    assert {"laptop", "laptop/replica"} <= directories
+    assert {name: oct(modes[name]) for name in directories if modes[name] != 0o755} == {}
+    in_data = {name: mode for name, mode in modes.items() if name.startswith("nas/health/data/")}
+    assert {
+        name: oct(mode)
+        for name, mode in in_data.items()
+        if name not in directories and mode != 0o600
+    } == {}
 
 
 def test_files_every_user_may_read_are_named_at_start_store_79(

@@ -451,6 +451,27 @@ def _companion_not_ours(path: Path, companion: Path, stats: os.stat_result) -> S
     return error
 
 
+# The mode of a directory healthlog makes, less the umask: no user but its owner may add,
+# remove or rename files in it, whatever the umask (STORE-96).
+DIRECTORY_MODE = 0o755
+
+
+def make_directory(path: str | os.PathLike[str]) -> None:
+    """Make the directory ``path`` and the missing ones above it, mode ``DIRECTORY_MODE`` less
+    the umask (STORE-96): under umask 000 (a container's or a NAS share's) each was 0777, in
+    which any account of the machine could remove or replace ``journal.sqlite``,
+    ``tokens.sqlite`` or ``signing.key``, or plant a link where a snapshot is written. Those
+    already there are left as they are."""
+    directory = Path(path)
+    try:
+        directory.mkdir(mode=DIRECTORY_MODE, exist_ok=True)
+    except FileNotFoundError:
+        if directory.parent == directory:
+            raise
+        make_directory(directory.parent)
+        directory.mkdir(mode=DIRECTORY_MODE, exist_ok=True)
+
+
 def give_to_directory_owner(
     made: int | str | os.PathLike[str], directory: str | os.PathLike[str]
 ) -> None:

@@ -27,6 +27,7 @@ from healthlog.storage._sqlite import (
     StorageError,
     describe,
     give_to_directory_owner,
+    make_directory,
     no_room_for_shm,
     not_permitted,
     user_name,
@@ -257,7 +258,7 @@ class DataDir:
 
     def _create_signing_key(self, path: Path) -> bool:
         """Make a key at ``path`` unless one is there; whether this call's key is the one."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_directory(self.path)
         pem = Ed25519PrivateKey.generate().private_bytes(
             Encoding.PEM, PrivateFormat.PKCS8, NoEncryption()
         )
@@ -306,7 +307,7 @@ class DataDir:
 
     def open_tokens(self, *, reading: bool = False) -> Tokens:
         """The tokens, as :meth:`open_journal` opens the journal."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_directory(self.path)
         return Tokens(self.tokens_path, reading=reading)
 
     def open_journal(
@@ -316,7 +317,7 @@ class DataDir:
         the file that is there (a StorageError if it is not). With ``reading``, for a command
         that only reads, a file that cannot be written is read where it is (CLI-105)."""
         if create:
-            self.path.mkdir(parents=True, exist_ok=True)
+            make_directory(self.path)
         return Journal(
             self.journal_path, busy_timeout_ms=busy_timeout_ms, create=create, reading=reading
         )
@@ -326,7 +327,7 @@ class DataDir:
     ) -> Store:
         """The store, as :meth:`open_journal` opens the journal."""
         if create:
-            self.path.mkdir(parents=True, exist_ok=True)
+            make_directory(self.path)
         return Store(
             self.store_path, busy_timeout_ms=busy_timeout_ms, create=create, reading=reading
         )

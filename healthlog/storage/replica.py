@@ -20,6 +20,7 @@ from healthlog.storage._sqlite import (
     ConnectionGuard,
     StorageError,
     connect,
+    make_directory,
     mounted_read_only,
     not_permitted,
     read_once,
@@ -104,7 +105,7 @@ class Replica(_objects.ObjectDatabase):
     """As the umask says: ``export --replica`` may read it as another user than ``follow``'s."""
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        make_directory(directory)
         _refuse_unwritable(Path(directory) / REPLICA_FILE)
         super().__init__(Path(directory) / REPLICA_FILE)
         self._identity = _identity(self.path)

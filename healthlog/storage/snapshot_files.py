@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from healthlog import faults, snapshots
 from healthlog.documents import Manifest
-from healthlog.storage._sqlite import give_to_directory_owner
+from healthlog.storage._sqlite import DIRECTORY_MODE, give_to_directory_owner
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 
@@ -52,7 +52,7 @@ def build(
     if not Path(store.path).exists():
         raise FileNotFoundError(errno.ENOENT, "the store is no longer at its path", store.path)
     with contextlib.suppress(FileExistsError):
-        directory.mkdir()
+        directory.mkdir(mode=DIRECTORY_MODE)
         give_to_directory_owner(directory, directory.parent)
     with _locked(directory):
         _remove_stale(directory)
