@@ -486,18 +486,31 @@ def _writing_stdout() -> Iterator[None]:
         raise OutputFailed(f"cannot write to stdout: {exc.strerror or exc}") from None
 
 
+def _follow_token(args: argparse.Namespace) -> str:
+    """``--token``, else ``HEALTHLOG_TOKEN`` (CLI-127): an argument is in the process list,
+    which every account of the machine may read (``ps aux``), the environment is its user's."""
+    token = args.token if args.token is not None else os.environ.get("HEALTHLOG_TOKEN")
+    if token is None:
+        raise CliError(
+            "follow needs the service's token: set HEALTHLOG_TOKEN (the process list, which"
+            " every account of this machine may read, shows --token)"
+        )
+    return token
+
+
 def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
     from transport.follow import FollowError, check_token, follow
 
     try:
+        token = _follow_token(args)
         # Before the replica is made: a token that cannot be sent never gets anywhere.
-        check_token(args.token)
+        check_token(token)
         _check_directory(args.replica)
         with Replica(args.replica) as replica:
             following = functools.partial(
                 follow,
                 args.url,
-                args.token,
+                token,
                 replica,
                 subscriber=args.subscriber,
                 until_caught_up=args.until_caught_up,
@@ -894,7 +907,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("follow", cmd_follow, "keep a local replica of every object, from the stream")
     p.add_argument("--url", required=True, help="http://host:8787 or ws://host:8787/v1/stream")
-    p.add_argument("--token", required=True)
+    p.add_argument(
+        "--token",
+        default=None,
+        help="the service's token (default: HEALTHLOG_TOKEN, which the process list, every"
+        " account's to read, does not show)",
+    )
     p.add_argument("--replica", type=Path, required=True, help="replica directory")
     p.add_argument("--subscriber", default=None, help="name under which ACKs are stored")
     p.add_argument("--until-caught-up", action="store_true", help="exit once at the head")

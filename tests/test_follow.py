@@ -1320,6 +1320,48 @@ async def test_follow_command_refuses_a_token_it_cannot_send_cli_36(
     assert not (tmp_path / "replica").exists()
 
 
+async def test_follow_takes_its_token_from_the_environment_cli_127(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-127: `follow` without `--token` takes `HEALTHLOG_TOKEN`, which the process list
+    (every account's to read) does not show, and follows as with `--token`; without either it
+    exits 2 with one line naming `HEALTHLOG_TOKEN`, making no replica; `--token` given counts
+    over the variable."""
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0, 1, 2)
+        following = ("follow", "--url", service.url, "--until-caught-up", "--data", tmp_path)
+        none = await trio.to_thread.run_sync(
+            functools.partial(run_cli, *following, "--replica", tmp_path / "none")
+        )
+        assert none.code == 2, none.err
+        assert none.err.splitlines() == [
+            "healthlog: follow needs the service's token: set HEALTHLOG_TOKEN (the process"
+            " list, which every account of this machine may read, shows --token)"
+        ]
+        assert not (tmp_path / "none").exists()
+        from_env = await trio.to_thread.run_sync(
+            functools.partial(
+                run_cli,
+                *following,
+                *("--replica", tmp_path / "replica"),
+                env={"HEALTHLOG_TOKEN": service.token},
+            )
+        )
+        assert from_env.code == 0, from_env.err
+        assert from_env.err == f"follow: replica at seq {total}\n"
+        with Replica(tmp_path / "replica") as replica:
+            assert await replica_export(replica) == await server_export(service)
+        over = await trio.to_thread.run_sync(
+            functools.partial(
+                run_cli,
+                *following,
+                *("--token", service.token, "--replica", tmp_path / "replica"),
+                env={"HEALTHLOG_TOKEN": "hl_revoked"},
+            )
+        )
+        assert over.code == 0, over.err
+
+
 async def follow_nowhere(
     tmp_path: Path, clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, *, met: bool
 ) -> tuple[list[str], list[str]]:
