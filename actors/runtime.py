@@ -182,7 +182,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         await trio.to_thread.run_sync(remove_stale_scratch, data.path)
         await trio.to_thread.run_sync(data.remove_left_over_keys)
         await trio.to_thread.run_sync(snapshot_files.remove_left_over, data.snapshot_dir)
-        await trio.to_thread.run_sync(data.warn_if_readable_by_all)
+        await trio.to_thread.run_sync(data.warn_of_open_modes)
         journal_limiter = trio.CapacityLimiter(1)
         store_limiter = trio.CapacityLimiter(1)
         submit_send, submit_receive = trio.open_memory_channel[Submission](SUBMISSION_BUFFER)

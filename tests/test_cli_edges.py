@@ -1408,6 +1408,33 @@ def test_files_every_user_may_read_are_named_at_start_store_79(
     assert "readable by every user" not in mended.err
 
 
+def test_directories_every_user_may_write_in_are_named_at_start_store_97(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-97: a data directory and a `snapshots/` an older healthlog made under umask 000
+    (0777) are named in one WARNING as a runtime starts on them, with `chmod go-w` of both;
+    after that command the next start says nothing of them."""
+    data = tmp_path / "data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    (data / "snapshots").mkdir()
+    for directory in (data, data / "snapshots"):
+        directory.chmod(0o777)
+    again = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert again.code == 0, again.err
+    warned = [line for line in again.err.splitlines() if "may write in" in line]
+    assert len(warned) == 1, again.err
+    assert "level=WARNING logger=healthlog.datadir" in warned[0]
+    assert f" {data} (mode 0777), {data / 'snapshots'} (mode 0777)" in warned[0], warned[0]
+    assert f"`chmod go-w {data} {data / 'snapshots'}`" in warned[0], warned[0]
+    subprocess.run(["chmod", "go-w", data, data / "snapshots"], check=True)
+    mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert mended.code == 0, mended.err
+    assert "may write in" not in mended.err
+
+
 def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(
     run_cli: RunCli,
 ) -> None:

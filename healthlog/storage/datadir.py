@@ -89,6 +89,30 @@ class DataDir:
         names = (JOURNAL_FILE, STORE_FILE, TOKENS_FILE, SIGNING_KEY_FILE, CONFIG_FILE)
         return any((self.path / name).exists() for name in names)
 
+    def warn_of_open_modes(self) -> None:
+        """:meth:`warn_if_readable_by_all`, and one WARNING naming the data directory and its
+        ``snapshots/`` where every user of the machine may write in them (STORE-97): made so
+        by an older healthlog under umask 000, where any account may remove or replace
+        ``journal.sqlite``, ``tokens.sqlite`` or ``signing.key``; with the command that mends
+        them. Only the names and modes."""
+        self.warn_if_readable_by_all()
+        names = []
+        for path in (self.path, self.snapshot_dir):
+            try:
+                mode = stat.S_IMODE(path.stat().st_mode)
+            except OSError:
+                continue
+            if mode & stat.S_IWOTH:
+                names.append((path, mode))
+        if names:
+            log.warning(
+                "directories every user of the machine may write in: %s (made by an older"
+                " healthlog); any of them may remove or replace the journal and the tokens there;"
+                " `chmod go-w %s` makes them writable by their owner alone",
+                ", ".join(f"{path} (mode {mode:04o})" for path, mode in names),
+                " ".join(str(path) for path, _ in names),
+            )
+
     def warn_if_readable_by_all(self) -> None:
         """One WARNING naming healthlog's files here that every user of the machine may read
         (STORE-79): those an older healthlog made (0644 under the usual umask; SQLite gives a
