@@ -246,6 +246,34 @@ async def test_read_routes_need_a_token_probes_do_not(service: Service) -> None:
         assert (await service.client.get(path)).status_code == 200, path
 
 
+async def test_no_answer_may_be_stored_by_a_cache_serve_86(service: Service) -> None:
+    """SERVE-86: every answer of the read routes (status, a delivery, points in both formats, the
+    snapshot reference and file), their refusals, and the probes say `Cache-Control: no-store`:
+    a caching front (nginx's `proxy_cache_valid` looks at no `Authorization` header) must not
+    keep health data and give it to the next request for the same URL, with a token or none."""
+    assert (await service.post(small(1))).status_code == 200
+    await service.wait_folded()
+    manifest = (await service.get("/v1/snapshots")).json()
+    paths = [
+        "/v1/status",
+        "/v1/deliveries/1",
+        "/v1/points",
+        "/v1/points?format=csv",
+        "/v1/snapshots",
+        f"/v1/snapshots/{manifest['seq']}",
+    ]
+    for path in paths:
+        answered = await service.get(path)
+        assert answered.status_code == 200, path
+        assert answered.headers.get("Cache-Control") == "no-store", path
+        refused = await service.client.get(path)
+        assert refused.status_code == 401, path
+        assert refused.headers.get("Cache-Control") == "no-store", path
+    for path in ("/v1/deliveries/999", "/healthz", "/readyz", "/metrics"):
+        answered = await service.get(path)
+        assert answered.headers.get("Cache-Control") == "no-store", path
+
+
 # -- intake ---------------------------------------------------------------------------------
 
 

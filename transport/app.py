@@ -238,6 +238,15 @@ def create_app(
     async def internal(_exc: InternalServerError) -> Response:
         return _error("INTERNAL", 500)
 
+    @app.after_request
+    async def not_stored(response: Response) -> Response:
+        # Health data, and answers that change by the second: a caching front (nginx's
+        # proxy_cache_valid, which looks at no Authorization header) otherwise kept a
+        # /v1/points answer and gave it to the next request for that URL, token or none
+        # (SERVE-86).
+        response.headers["Cache-Control"] = "no-store"
+        return response
+
     @app.before_serving
     async def start_hub() -> None:
         # Supervised like the runtime's actors (specs/runtime.md, supervision): a crash is one
