@@ -32,6 +32,7 @@ POINTS = (
     "stream.page",
     "stream.ack",
     "snapshot.build",
+    "snapshot.open",
     "snapshot.write",
     "schema.migrate",
 )

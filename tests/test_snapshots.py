@@ -32,7 +32,7 @@ from _stream_helpers import HOURS, event_tag, fold_metrics, post_small, prune, v
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from actors.runtime import open_runtime
-from healthlog import snapshots
+from healthlog import faults, snapshots
 from healthlog.documents import Manifest
 from healthlog.objects import HourlyObject, to_wire
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
@@ -434,6 +434,40 @@ def test_a_concurrent_build_keeps_its_temporary_file_stream_47(
     path = snapshot_files.find(data.snapshot_dir, manifest.stream, manifest.seq)
     assert path is not None
     attempt, objects = store_objects
+    assert attrs.evolve(attempt, manifest=manifest, data=path.read_bytes()).validate() == objects
+
+
+def test_a_link_planted_at_a_build_s_temporary_name_is_refused_store_98(
+    store_objects: tuple[Attempt, list[HourlyObject]], tmp_path: Path
+) -> None:
+    """STORE-98: a link to another file planted at the name of a build's temporary file once
+    the build has removed what stopped builds left (the fault point ``snapshot.open``, as an
+    account that may write in ``snapshots/`` would, racing it) makes the build fail with
+    FileExistsError: the file it names keeps its bytes and its owner (run as root, with
+    ``snapshots/`` another user's, the build used to give it to that user); the link is gone,
+    and the next build succeeds."""
+    data = DataDir(tmp_path)
+    attempt, objects = store_objects
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.write_bytes(b"root:precious\n")
+    victim.chmod(0o644)
+    owner = victim.stat().st_uid
+    if os.geteuid() == 0:
+        os.chown(data.snapshot_dir, 65534, 65534)
+    tmp = data.snapshot_dir / f"snapshot-{attempt.manifest.stream}-{attempt.manifest.seq}.tmp"
+
+    def plant(_point: str) -> None:
+        tmp.symlink_to(victim)
+
+    plan = faults.Plan(actions={"snapshot.open": faults.Action(frozenset({1}), plant)})
+    with faults.loaded(plan), pytest.raises(FileExistsError):
+        build_here(data)
+    assert victim.read_bytes() == b"root:precious\n"
+    assert victim.stat().st_uid == owner
+    assert not tmp.is_symlink()
+    manifest = build_here(data)
+    path = snapshot_files.find(data.snapshot_dir, manifest.stream, manifest.seq)
+    assert path is not None
     assert attrs.evolve(attempt, manifest=manifest, data=path.read_bytes()).validate() == objects
 
 

@@ -60,6 +60,7 @@ def build(
             seq = head.seq
             path = _path(directory, stream, seq)
             tmp = path.with_suffix(".tmp")
+            faults.point("snapshot.open")
             with _removed_on_failure(tmp), _private(tmp) as out:
                 digest = snapshots.write(
                     out,
@@ -119,9 +120,12 @@ def _locked(directory: Path) -> Iterator[None]:
 
 
 def _private(path: Path) -> BinaryIO:
-    """``path`` opened for writing, made mode 0600 if new: a snapshot holds every object
-    (STORE-62); the data directory owner's when made as root (STORE-78)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """``path`` made anew for writing, mode 0600: a snapshot holds every object (STORE-62);
+    the data directory owner's when made as root (STORE-78). Whatever is at ``path`` (what a
+    stopped build left was removed under the lock) is refused, a link above all (STORE-98):
+    one planted there by whoever may write in ``snapshots/`` had the build truncate and
+    overwrite the file it named, and, run as root, give that file to the directory's owner."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     give_to_directory_owner(fd, path.parent)
     return os.fdopen(fd, "wb")
 
