@@ -50,6 +50,7 @@ from _service_helpers import (
     write_minute_body,
 )
 from _stream_helpers import acked, receive, send_ack, subscribe
+from conftest import PROCESS_TIMEOUT_S
 from prometheus_client.parser import text_string_to_metric_families
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
@@ -2256,6 +2257,142 @@ def test_connections_beyond_the_open_file_limit_log_one_error_a_minute_serve_53(
     failed = [line for line in stderr.decode().splitlines() if "EMFILE" in line]
     assert len(failed) == 1, failed
     assert "level=ERROR logger=trio.serve_listeners" in failed[0]
+
+
+SENTINELS = (
+    "ZQXDEV",  # device and source names
+    "ZQXHDR",  # header values
+    "ZQXTOK",  # tokens presented that are not a client's
+    "ZQXBODY",  # a body that is not JSON
+    "ZQXQUERY",  # query parameters
+    "4242.4242",
+    "5151.5151",
+    "6363.6363",
+)
+"""SERVE-87: what a run plants, none of which may reach a log record above DEBUG."""
+
+
+def _refused_handshake(port: int, target: str) -> bytes:
+    """The first bytes of the answer to a websocket handshake for ``target`` (the stream, with
+    its query), the connection then closed by this side."""
+    with socket.create_connection(("127.0.0.1", port), timeout=CLIENT_TIMEOUT_S) as conn:
+        conn.sendall(
+            f"GET {target} HTTP/1.1\r\nHost: healthlog\r\nUpgrade: websocket\r\n"
+            "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+        )
+        return conn.recv(4096)
+
+
+def test_no_log_record_of_a_real_run_holds_what_a_client_sent_serve_87(
+    tmp_path: Path,
+) -> None:
+    """SERVE-87: a `healthlog serve` process at its default level, `follow` and the CLI
+    (`import`, `status --failed --partial`, `verify`, `reindex`, `export`) given bodies with
+    planted device names and values (colliding points, units that differ, a body that is not
+    JSON), header values, wrong tokens (bearer, api-key, the stream's query), query parameters
+    and a client token named like a device: no line above DEBUG of any of them holds a planted
+    value, the client's token or its name."""
+    data = tmp_path / "data"
+    with DataDir(data).open_tokens() as tokens:
+        token = tokens.add("Kim's ZQXDEV phone")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    log = tmp_path / "serve.log"
+    planted = body(
+        metric(
+            "heart_rate",
+            "count/min",
+            point("2024-03-01 10:00:00 +0000", qty=4242.4242, source="ZQXDEV Watch"),
+            point("2024-03-01 10:00:00 +0000", qty=5151.5151, source="ZQXDEV Ring"),
+            point("ZQXDEV-not-a-date", qty=6363.6363),
+        ),
+        metric("step_count", "count", point("2024-03-01 10:00:00 +0000", qty=4242.4242)),
+        metric("step_count", "km", point("2024-03-01 10:00:00 +0000", qty=5151.5151)),
+    )
+    headers = {
+        "Authorization": f"Bearer {token}",
+        "automation-name": "ZQXHDR name",
+        "automation-id": "ZQXHDR-id",
+        "automation-aggregation": "minutes",
+        "session-id": "ZQXHDR-session",
+        "Idempotency-Key": "ZQXHDR-key",
+    }
+    command = [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0", "--data", str(data)]
+    outputs: list[str] = []
+    with (
+        log.open("wb") as stderr,
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=stderr) as process,
+    ):
+        try:
+            port = _announced_port(process)
+            url = f"http://127.0.0.1:{port}"
+            with httpx.Client(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+                assert client.post("/v1/deliveries", content=planted, headers=headers).is_success
+                garbage = b'{"data": ZQXBODY 4242.4242'
+                auth = {"Authorization": f"Bearer {token}"}
+                assert client.post("/v1/deliveries", content=garbage, headers=auth).is_success
+                for wrong in ({"Authorization": "Bearer hl_ZQXTOK"}, {"api-key": "hl_ZQXTOK"}):
+                    refused = client.post("/v1/deliveries", content=planted, headers=wrong)
+                    assert refused.status_code == 401
+                    assert client.get("/v1/status", headers=wrong).status_code == 401
+                query = {"metric": "ZQXQUERY", "from": "ZQXQUERY", "layer": "ZQXQUERY"}
+                assert client.get("/v1/points", params=query, headers=auth).status_code == 400
+            for presented in ("hl_ZQXTOK", token):
+                answer = _refused_handshake(
+                    port, f"/v1/stream?after=ZQXQUERY&subscriber=ZQXQUERY&token={presented}"
+                )
+                assert answer.startswith(b"HTTP/1.1 "), answer
+            following = [sys.executable, "-m", "healthlog.cli", "follow", "--url", url]
+            for presented in ("hl_ZQXTOK", token):
+                followed = subprocess.run(
+                    [*following, "--replica", str(tmp_path / "replica"), "--until-caught-up"],
+                    env={**env, "HEALTHLOG_TOKEN": presented},
+                    capture_output=True,
+                    text=True,
+                    timeout=PROCESS_TIMEOUT_S,
+                    check=False,
+                )
+                assert followed.returncode == (2 if presented == "hl_ZQXTOK" else 0)
+                outputs.append(followed.stderr)
+        finally:
+            process.terminate()
+            process.communicate(timeout=PROCESS_TIMEOUT_S)
+    assert process.returncode == 0
+    planted_file = tmp_path / "planted.json"
+    planted_file.write_bytes(planted)
+    commands = [
+        ("import", "--aggregation", "minutes", str(planted_file)),
+        ("status", "--failed", "--partial"),
+        ("verify",),
+        ("reindex",),
+        ("export",),
+    ]
+    for args in commands:
+        done = subprocess.run(
+            [sys.executable, "-m", "healthlog.cli", *args, "--data", str(data)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=PROCESS_TIMEOUT_S,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stderr)
+    served = log.read_text()
+    assert "delivery 1 folded: status=partial" in served
+    records = [
+        line
+        for text in (served, *outputs)
+        for line in text.splitlines()
+        if "level=DEBUG" not in line
+    ]
+    assert any("refused 401" in line for line in records)
+    leaked = [
+        line
+        for line in records
+        if any(mark in line for mark in SENTINELS) or token[3:] in line or "Kim" in line
+    ]
+    assert leaked == []
 
 
 FOLD_AFTER_CRASH_LIMIT_S = 15.0
