@@ -33,6 +33,7 @@ POINTS = (
     "stream.ack",
     "snapshot.build",
     "snapshot.open",
+    "rebuild.scratch",
     "snapshot.write",
     "schema.migrate",
 )

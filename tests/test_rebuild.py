@@ -1268,6 +1268,39 @@ def test_a_rebuild_stopped_with_its_process_group_exits_143_store_30(tmp_path: P
         time.sleep(0.05)
 
 
+def test_a_link_planted_in_the_scratch_directory_is_not_opened_cli_128(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path
+) -> None:
+    """CLI-128: a link to another file planted at the name of the scratch directory's lock
+    file (``owner.lock.new``) the instant the directory is given to the data directory's owner
+    (the fault point ``rebuild.scratch``; as root, the data directory 65534's, as the service's
+    account would, racing a `reindex` run as root) is never opened: the file it names keeps its
+    bytes and its owner, and the reindex succeeds. (Before, the directory was given first, and
+    such a link had the file truncated and, under root, given to that account.)"""
+    append(journal, delivery(body({"hr": [point(1, 60)]})))
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.write_bytes(b"root:precious\n")
+    victim.chmod(0o644)
+    owner = victim.stat().st_uid
+    if os.geteuid() == 0:
+        os.chown(tmp_path, 65534, 65534)
+    planted: list[Path] = []
+
+    def plant(_point: str) -> None:
+        (scratch,) = tmp_path.glob(f"{rebuild.SCRATCH_PREFIX}*")
+        link = scratch / f"{rebuild.SCRATCH_OWNER}.new"
+        link.symlink_to(victim)
+        planted.append(link)
+
+    plan = faults.Plan(actions={"rebuild.scratch": faults.Action(frozenset({1}), plant)})
+    with faults.loaded(plan):
+        assert reindex(journal, store, "reindex") == 1
+    assert planted
+    assert victim.read_bytes() == b"root:precious\n"
+    assert victim.stat().st_uid == owner
+    assert list(tmp_path.glob(f"{rebuild.SCRATCH_PREFIX}*")) == []
+
+
 def test_a_rebuild_killed_as_root_leaves_what_the_service_s_user_removes_cli_108() -> None:
     """CLI-108: `reindex` run as root on the data directory of a service that runs as another
     user, killed (SIGKILL to its process group) once its workers fold, leaves a scratch

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import attrs
 
-from healthlog import clock, objects
+from healthlog import clock, faults, objects
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage import _partition
@@ -224,15 +224,19 @@ def _scratch(near: Path, elsewhere: Path | None = None) -> Iterator[Path]:
             f"{read_only}: `verify` and `reindex` rebuild into a second store beside"
             f" {near.name}, which cannot be written there (nothing was changed)"
         ) from exc
-    give_to_directory_owner(scratch.name, parent)
     with (
         scratch as tmp,
         open(Path(tmp) / f"{SCRATCH_OWNER}.new", "wb") as owner,
     ):
-        give_to_directory_owner(owner.fileno(), tmp)
+        give_to_directory_owner(owner.fileno(), parent)
         # Locked before it takes its name, so that no rebuild ever finds it unlocked.
         fcntl.flock(owner, fcntl.LOCK_EX)
         os.replace(Path(tmp) / f"{SCRATCH_OWNER}.new", Path(tmp) / SCRATCH_OWNER)
+        # Given to the data directory's owner (CLI-108) only once its lock file is made in it:
+        # given before, that owner could plant a link at the lock file's name, which root then
+        # opened, truncated and gave to it (CLI-128).
+        give_to_directory_owner(tmp, parent)
+        faults.point("rebuild.scratch")
         try:
             yield Path(tmp) / SCRATCH_STORE
         except (StorageError, RebuildUnwritten) as exc:
