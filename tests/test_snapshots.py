@@ -11,6 +11,7 @@ import fcntl
 import gc
 import gzip
 import hashlib
+import logging
 import os
 import signal
 import subprocess
@@ -334,6 +335,33 @@ async def test_previous_snapshot_stays_fetchable_stream_34(tmp_path: Path) -> No
         kept = {path.name for path in service.data.snapshot_dir.iterdir()}
     stream = third["stream"]
     assert kept == {f"snapshot-{stream}-{m['seq']}.snap" for m in (second, third)}
+
+
+async def test_a_link_at_a_snapshot_s_name_is_not_served_serve_88(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-88: a link to another file planted in `snapshots/` at the name of a snapshot of
+    the current stream (by whoever may write there: the service's account when `serve` runs as
+    root) answers 404 `NOT_FOUND` without a byte of the file it names, with one WARNING; a
+    snapshot the service built is still served."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"root:precious\n")
+    async with serving(tmp_path / "data") as service:
+        built = await newer_snapshot(service, 0, 20)
+        stream, seq = built["stream"], int(built["seq"])
+        directory = service.data.snapshot_dir
+        (directory / f"snapshot-{stream}-{seq + 1000}.snap").symlink_to(victim)
+        with caplog.at_level(logging.WARNING, "healthlog.storage.snapshot_files"):
+            refused = await service.get(f"/v1/snapshots/{seq + 1000}")
+        assert refused.status_code == 404
+        assert refused.json() == {"error": "NOT_FOUND"}
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warned == [
+            f"not serving snapshot {seq + 1000}: a link is at its name, not a file a build made"
+        ]
+        served = await service.get(str(built["url"]))
+        assert served.status_code == 200
+        assert hashlib.sha256(served.content).hexdigest() == built["sha256"]
 
 
 _BUILD = """

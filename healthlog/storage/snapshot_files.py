@@ -95,11 +95,19 @@ def find(directory: Path, stream: str, seq: int) -> Path | None:
 def open_file(directory: Path, stream: str, seq: int) -> BinaryIO | None:
     """The snapshot file of ``stream`` at ``seq`` opened for reading, or None if it is not (or
     no longer) kept: a newer build may remove it at any time, and once open it stays readable
-    to the end."""
+    to the end. A link at that name (planted by whoever may write in ``snapshots/``) is None
+    (SERVE-88), not the file it names read with the service's rights: a build never makes
+    one."""
     try:
-        return open(_path(directory, stream, seq), "rb")
+        fd = os.open(_path(directory, stream, seq), os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        log.warning("not serving snapshot %d: a link is at its name, not a file a build made", seq)
+        return None
+    return os.fdopen(fd, "rb")
 
 
 def latest(directory: Path, stream: str) -> int | None:
