@@ -233,6 +233,58 @@ async def test_revoked_token_stops_working_while_serving(service: Service) -> No
     assert await service.journal() == []
 
 
+async def test_a_token_revoked_while_its_body_comes_journals_nothing_serve_89(
+    service: Service,
+) -> None:
+    """SERVE-89: an upload whose token is revoked after its headers and first bytes came, and
+    before the rest of its body (as a lost phone's upload begun before its owner revoked it),
+    is answered 401 `UNAUTHORIZED` once its body is whole, and nothing is journaled; a token
+    that stays valid over a body that comes the same way is answered 200."""
+    content = small(7)
+    half = len(content) // 2
+    kept = trio.Event()
+    drip = Drip([content[:half], content[half:]], gate=kept)
+    async with trio.open_nursery() as nursery:
+        answers: list[httpx.Response] = []
+
+        async def upload() -> None:
+            answers.append(await post_stream(service.client, drip, service.auth))
+
+        nursery.start_soon(upload)
+        await drip.held.wait()
+
+        def revoke() -> None:
+            with service.data.open_tokens() as tokens:
+                tokens.revoke(TOKEN_NAME)
+
+        await trio.to_thread.run_sync(revoke)
+        with trio.fail_after(REVOKE_LIMIT_S):
+            while (await service.get("/v1/status")).status_code != 401:
+                await trio.sleep(POLL_S)
+        kept.set()
+    [answer] = answers
+    assert answer.status_code == 401
+    assert answer.json() == {"error": "UNAUTHORIZED"}
+    assert await service.journal() == []
+
+    def add() -> str:
+        with service.data.open_tokens() as tokens:
+            return tokens.add("tablet")
+
+    token = await trio.to_thread.run_sync(add)
+    again = Drip([content[:half], content[half:]])
+    with trio.fail_after(REVOKE_LIMIT_S):
+        while (await service.client.get("/v1/status", headers=_bearer(token))).status_code != 200:
+            await trio.sleep(POLL_S)
+    accepted = await post_stream(service.client, again, _bearer(token))
+    assert accepted.status_code == 200
+    assert [m.client for m in await service.journal()] == ["tablet"]
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
 async def test_read_routes_need_a_token_probes_do_not(service: Service) -> None:
     """SERVE-4: status, one delivery and points need a token; health, readiness, metrics not."""
     assert (await service.post(small(1))).status_code == 200

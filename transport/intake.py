@@ -231,12 +231,8 @@ class IntakeEndpoint:
         headers = _headers(scope["headers"])
         presented = presented_token(headers.get("authorization"), headers.get("api-key"))
         name = None if presented is None else await self._tokens.authenticate(presented)
-        if name is None:
-            self.refused.unauthorized += 1
-            self._refusals.unauthorized(
-                "POST", INTAKE_PATH, client_address(scope), presented is not None
-            )
-            return _answer(401, _error("UNAUTHORIZED"), ((b"www-authenticate", b"Bearer"),))
+        if presented is None or name is None:
+            return self._refuse_unauthorized(scope, presented is not None)
         if int(headers.get("content-length") or 0) > self._limit:
             return self._refuse_too_large(scope)
         if _encoded(scope["headers"]):
@@ -253,10 +249,15 @@ class IntakeEndpoint:
                 return _answer(409, _error("IDEMPOTENCY_KEY_IN_FLIGHT"))
             self._in_flight.add((name, key))
         try:
-            return await self._take(scope, name, key, headers, body)
+            return await self._take(scope, presented, name, key, headers, body)
         finally:
             if key is not None:
                 self._in_flight.discard((name, key))
+
+    def _refuse_unauthorized(self, scope: Any, presented: bool) -> _Answer:
+        self.refused.unauthorized += 1
+        self._refusals.unauthorized("POST", INTAKE_PATH, client_address(scope), presented)
+        return _answer(401, _error("UNAUTHORIZED"), ((b"www-authenticate", b"Bearer"),))
 
     def _refuse_too_large(self, scope: Any) -> _Answer:
         self.refused.too_large += 1
@@ -264,7 +265,13 @@ class IntakeEndpoint:
         return _answer(413, self._too_large, CLOSE)
 
     async def _take(
-        self, scope: Any, name: str, key: str | None, headers: dict[str, str], body: _Body
+        self,
+        scope: Any,
+        presented: str,
+        name: str,
+        key: str | None,
+        headers: dict[str, str],
+        body: _Body,
     ) -> _Answer | None:
         try:
             encoded = await self._read_upload(body)
@@ -280,6 +287,11 @@ class IntakeEndpoint:
         if encoded is None:
             body.done = True
             return _answer(503, _error("SHUTTING_DOWN"), ((b"retry-after", RETRY_AFTER_S), *CLOSE))
+        # Checked again once the body is whole: a token revoked while it came (a lost phone's,
+        # its upload begun before) is refused as at the headers, and nothing is journaled under
+        # it (SERVE-89), as its open streams are ended (STREAM-28).
+        if await self._tokens.authenticate(presented) != name:
+            return self._refuse_unauthorized(scope, True)
         digest = None
         if key is not None:
             # Here rather than in the journal's thread, which journals every delivery.
