@@ -1301,6 +1301,16 @@ def test_a_link_planted_in_the_scratch_directory_is_not_opened_cli_128(
     assert list(tmp_path.glob(f"{rebuild.SCRATCH_PREFIX}*")) == []
 
 
+def _parts_given_to(data: Path, uid: int) -> bool:
+    """Whether the workers of a rebuild in ``data`` have made part files, each given to
+    ``uid`` (a part file is the worker's for the instant between its making and its giving)."""
+    parts = list(data.glob(".rebuild-*/.partitions-*/*/part-*.sqlite"))
+    try:
+        return bool(parts) and all(part.lstat().st_uid == uid for part in parts)
+    except FileNotFoundError:
+        return False
+
+
 def test_a_rebuild_killed_as_root_leaves_what_the_service_s_user_removes_cli_108() -> None:
     """CLI-108: `reindex` run as root on the data directory of a service that runs as another
     user, killed (SIGKILL to its process group) once its workers fold, leaves a scratch
@@ -1325,7 +1335,7 @@ def test_a_rebuild_killed_as_root_leaves_what_the_service_s_user_removes_cli_108
         command = [sys.executable, "-m", "healthlog.cli", "reindex", "--data", str(data.path)]
         with subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True) as run:
             deadline = time.monotonic() + 60
-            while not any(data.path.glob(".rebuild-*/.partitions-*/*/part-*.sqlite")):
+            while not _parts_given_to(data.path, 65534):
                 assert run.poll() is None, "the reindex ended before its workers folded"
                 assert time.monotonic() < deadline
                 time.sleep(0.005)
