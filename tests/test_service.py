@@ -810,6 +810,25 @@ async def test_points_equal_the_export(service: Service) -> None:
     assert (bad_time.status_code, bad_time.json()["error"]) == (400, "BAD_TIMESTAMP")
 
 
+async def test_points_name_their_charset_serve_81(service: Service) -> None:
+    """SERVE-81: `/v1/points` says its bytes are UTF-8, as jsonl and as csv, so a client that
+    decodes by the header reads a source name with a character beyond ASCII as it was sent."""
+    watch = "Anna\u2019s Apple Watch"
+    content = body(
+        metric("heart_rate", "count/min", point("2024-02-06 15:00:00 +0000", qty=61, source=watch))
+    )
+    assert (await service.post(content, MINUTES)).status_code == 200
+    await service.wait_folded()
+    for fmt, media_type in (("jsonl", "application/x-ndjson"), ("csv", "text/csv")):
+        response = await service.get("/v1/points", format=fmt)
+        assert response.status_code == 200
+        assert response.headers["content-type"] == f"{media_type}; charset=utf-8", fmt
+        assert response.charset_encoding == "utf-8", fmt
+        text = response.content.decode(response.charset_encoding)
+        assert watch in text, fmt
+        assert response.content == await export(service.data, {}, fmt), fmt
+
+
 async def chunks_of(service: Service, target: str) -> list[bytes]:
     """The body of a GET of ``target`` over HTTP/1.1, chunk by chunk as the server framed it."""
     client = h11.Connection(h11.CLIENT)
