@@ -2003,6 +2003,35 @@ async def test_a_websocket_handshake_to_an_http_route_is_404_as_json_serve_49(
             assert json.loads(content) == {"error": "NOT_FOUND"}, (path, answer)
 
 
+async def test_a_plain_request_for_the_stream_is_told_to_upgrade_serve_82(
+    tmp_path: Path,
+) -> None:
+    """SERVE-82: a request for ``/v1/stream`` without the websocket upgrade (curl, or a reverse
+    proxy that does not pass Upgrade and Connection on) is 426 ``UPGRADE_REQUIRED`` as JSON with
+    ``Upgrade: websocket``, with or without a token, and over h2c 426 without it; other methods
+    are 405; the connection serves on, and the websocket handshake still opens the stream."""
+    async with serving(tmp_path / "data") as service:
+        for headers in ({}, service.auth, {"Upgrade": "websocket"}):
+            answer = await service.client.get("/v1/stream", headers=headers)
+            assert answer.status_code == 426, (headers, answer.text)
+            assert answer.headers["content-type"] == "application/json"
+            assert answer.headers["upgrade"] == "websocket"
+            assert "upgrade" in answer.headers["connection"].lower()
+            assert answer.json() == {"error": "UPGRADE_REQUIRED"}
+        head = await service.client.head("/v1/stream")
+        assert (head.status_code, head.content) == (426, b"")
+        post = await service.client.post("/v1/stream", headers=service.auth, content=b"{}")
+        assert (post.status_code, post.json()) == (405, {"error": "METHOD_NOT_ALLOWED"})
+        assert "GET" in post.headers["allow"]
+        assert (await service.client.get("/healthz")).status_code == 200
+        get = [(b":method", b"GET"), (b":scheme", b"http"), (b":authority", b"x")]
+        assert await h2c_request(service.port, [*get, (b":path", b"/v1/stream")]) == 426
+        assert (await service.post(small(1))).status_code == 200
+        async with subscribe(service) as ws:
+            [frame] = await receive(ws, 1)
+            assert (frame["type"], frame["seq"]) == ("event", 1)
+
+
 STALLED_STREAM_LIMIT_S = 10.0
 """How long SERVE-64 waits for the reset of a stream its peer stalls (the limit is 1 s)."""
 

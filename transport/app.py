@@ -394,6 +394,13 @@ def create_app(
         response.content_length = body.size
         return _streamed(response)
 
+    @app.get(STREAM_PATH)
+    async def stream_without_upgrade() -> Response:
+        # The stream is a websocket only. A plain request for it (curl, or a reverse proxy that
+        # does not pass the Upgrade and Connection headers on) was 404 NOT_FOUND, and the user
+        # looked for a wrong path (SERVE-82). Over HTTP/2 the h2 library drops both headers.
+        return _error("UPGRADE_REQUIRED", 426, {"Upgrade": "websocket", "Connection": "Upgrade"})
+
     @app.get("/healthz")
     async def healthz() -> Response:
         return _json({"ok": True})
