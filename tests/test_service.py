@@ -49,7 +49,7 @@ from _service_helpers import (
     serving,
     write_minute_body,
 )
-from _stream_helpers import acked, receive, send_ack, subscribe
+from _stream_helpers import acked, connect, receive, send_ack, subscribe
 from conftest import PROCESS_TIMEOUT_S
 from prometheus_client.parser import text_string_to_metric_families
 from wsproto import ConnectionType, WSConnection
@@ -213,6 +213,33 @@ async def test_a_bearer_token_is_read_before_an_api_key_serve_79(tmp_path: Path)
     assert [(m.sha256, m.client) for m in metas] == [
         (sha256(content), TOKEN_NAME) for content in contents[:-1]
     ]
+
+
+async def test_a_repeated_token_header_is_read_alike_by_every_route_serve_83(
+    tmp_path: Path,
+) -> None:
+    """SERVE-83: a request with two `Authorization` or two `api-key` headers presents the
+    first of them to intake, to `/v1/status` and to the stream alike: taken when the first is a
+    client's token, refused when only the second is."""
+    async with serving(tmp_path / "data") as service:
+        assert (await service.post(small(0))).status_code == 200
+        await service.wait_folded()
+        good, bad = service.token, "hl_not-a-token"
+        for name, form in (("authorization", "Bearer {}"), ("api-key", "{}")):
+            for first, second in ((good, bad), (bad, good)):
+                headers = [(name, form.format(first)), (name, form.format(second))]
+                expected = 200 if first == good else 401
+                status = await service.client.get("/v1/status", headers=headers)
+                assert status.status_code == expected, headers
+                post = await service.client.post(
+                    "/v1/deliveries", content=small(len(headers)), headers=headers
+                )
+                assert post.status_code == expected, headers
+                raw = [(key.encode(), value.encode()) for key, value in headers]
+                async with connect(service.port, "/v1/stream", raw) as ws:
+                    [frame] = await receive(ws, 1)
+                expected_frame = "event" if first == good else "error"
+                assert frame["type"] == expected_frame, (headers, frame)
 
 
 async def test_revoked_token_stops_working_while_serving(service: Service) -> None:

@@ -76,6 +76,7 @@ from healthlog.documents import AckFrame, ErrorFrame, EventFrame, Manifest, conv
 from healthlog.objects import HourlyObject, to_wire
 from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Event, Store
+from transport.auth import presented_token
 from transport.refusals import FaultLog, RefusalLog, client_address
 
 log = logging.getLogger("healthlog.stream")
@@ -421,11 +422,14 @@ class StreamEndpoint:
     async def _authenticate(self, scope: dict[str, Any], query: dict[str, str]) -> str | None:
         """The presented token if it is live, else None, the refusal logged as the HTTP
         routes' are (never the token)."""
-        headers = {k.decode("latin1").lower(): v.decode("latin1") for k, v in scope["headers"]}
-        presented = headers.get("api-key") or query.get("token")
-        authorization = headers.get("authorization", "")
-        if authorization[:7].lower() == "bearer ":
-            presented = authorization[7:].strip()
+        # The first of repeated headers counts, as for the HTTP routes: the last did here, and
+        # a request that intake took was refused 4401, or one it refused served (SERVE-83).
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin1").lower(), value.decode("latin1"))
+        presented = presented_token(
+            headers.get("authorization"), headers.get("api-key")
+        ) or query.get("token")
         if presented and await self.authenticate(presented) is not None:
             return presented
         self.refusals.unauthorized(
