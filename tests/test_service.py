@@ -19,6 +19,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.parse
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import closing
@@ -1351,6 +1352,93 @@ async def test_other_methods_on_the_intake_route_are_405(service: Service) -> No
         assert response.headers["Allow"] == "POST", method
         assert response.json() == {"error": "METHOD_NOT_ALLOWED"}, method
     assert await service.journal() == []
+
+
+READ_ROUTES = ("/healthz", "/readyz", "/metrics", "/v1/status", "/v1/deliveries/1", "/v1/points")
+
+
+async def test_head_options_a_trailing_slash_and_a_query_string_serve_84(
+    service: Service,
+) -> None:
+    """SERVE-84: HEAD on each read route answers GET's status and headers without a body, and
+    on `/v1/deliveries` 405 with `Allow: POST`; OPTIONS on a read route names its methods, on
+    `/v1/deliveries` 405; each route with a trailing slash is 404 `NOT_FOUND` as JSON; a query
+    string on `/v1/deliveries` is no part of the route: the delivery is journaled. Only the
+    delivery posted with a query string is journaled."""
+    with_query = await service.client.post(
+        "/v1/deliveries?source=phone&x=1", content=small(1), headers=service.auth
+    )
+    assert with_query.status_code == 200, with_query.text
+    await service.wait_folded()
+    for path in READ_ROUTES:
+        get = await service.get(path)
+        head = await service.client.head(path, headers=service.auth)
+        assert (head.status_code, head.content) == (get.status_code, b""), path
+        assert head.headers["content-type"] == get.headers["content-type"], path
+        options = await service.client.options(path, headers=service.auth)
+        assert options.status_code == 200, path
+        assert {"GET", "HEAD"} <= set(options.headers["allow"].split(", ")), path
+    for method in ("HEAD", "OPTIONS"):
+        refused = await service.client.request(method, "/v1/deliveries", headers=service.auth)
+        assert (refused.status_code, refused.headers["allow"]) == (405, "POST"), method
+    for path in (*READ_ROUTES, "/v1/deliveries"):
+        slashed = (
+            await service.client.post(f"{path}/", content=small(2), headers=service.auth)
+            if path == "/v1/deliveries"
+            else await service.get(f"{path}/")
+        )
+        assert slashed.status_code == 404, path
+        assert slashed.headers["content-type"] == "application/json", path
+        assert slashed.json() == {"error": "NOT_FOUND"}, path
+    assert await journaled(service) == [sha256(small(1))]
+
+
+async def status_of(port: int, request: bytes) -> int:
+    """The status of the answer to ``request``, sent as raw bytes on a connection of its own."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as conn:
+        await conn.send_all(request)
+        answer = b""
+        with trio.fail_after(CLIENT_TIMEOUT_S):
+            while b"\r\n" not in answer:
+                chunk = await conn.receive_some()
+                assert chunk, answer
+                answer += chunk
+    return int(answer.split(b" ", 2)[1])
+
+
+async def test_a_token_is_read_through_whitespace_and_scheme_case_serve_84(
+    service: Service,
+) -> None:
+    """SERVE-84: a token with spaces or tabs around it, after `Bearer` (in any case) or as
+    `api-key`, is taken by `/v1/status`, by intake and (spaces after `Bearer`) by the stream; a
+    `token` query parameter is the stream's alone: `/v1/status` and intake refuse it 401."""
+    token = service.token.encode()
+    forms = [
+        b"Authorization: Bearer   " + token + b"   ",
+        b"Authorization:bEaReR " + token,
+        b"Authorization: BEARER " + token + b"\t",
+        b"api-key: \t " + token + b" \t",
+    ]
+    for n, form in enumerate(forms):
+        status = b"GET /v1/status HTTP/1.1\r\nHost: x\r\n%s\r\n\r\n" % form
+        assert await status_of(service.port, status) == 200, n
+        content = small(n)
+        post = b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n\r\n%s" % (
+            len(content),
+            form,
+            content,
+        )
+        assert await status_of(service.port, post) == 200, n
+    in_query = urllib.parse.urlencode({"token": service.token})
+    assert (await service.client.get(f"/v1/status?{in_query}")).status_code == 401
+    refused = await service.client.post(f"/v1/deliveries?{in_query}", content=small(99))
+    assert refused.status_code == 401
+    assert await journaled(service) == [sha256(small(n)) for n in range(len(forms))]
+    await service.wait_folded()
+    spaced = [(b"authorization", b"Bearer    " + token)]
+    async with connect(service.port, "/v1/stream", spaced) as ws:
+        [frame] = await receive(ws, 1)
+    assert (frame["type"], frame["seq"]) == ("event", 1)
 
 
 # -- configuration --------------------------------------------------------------------------
