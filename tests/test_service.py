@@ -1441,6 +1441,37 @@ async def test_a_token_is_read_through_whitespace_and_scheme_case_serve_84(
     assert (frame["type"], frame["seq"]) == ("event", 1)
 
 
+async def test_a_path_with_repeated_slashes_reaches_every_route_serve_85(
+    service: Service,
+) -> None:
+    """SERVE-85: `//v1/deliveries`, `///v1/deliveries` and `/v1//deliveries` journal their
+    delivery, `//v1/status` and `/v1//status` answer the status (not a redirect as an HTML
+    page), and a stream handshake to `//v1/stream` or `/v1//stream` opens the stream: the paths
+    a base URL ending in a slash makes, or a doubled slash in a script."""
+    token = service.token.encode()
+    posted = (b"//v1/deliveries", b"///v1/deliveries", b"/v1//deliveries")
+    for n, path in enumerate(posted):
+        content = small(n)
+        post = (
+            b"POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+            b"automation-aggregation: minutes\r\nContent-Length: %d\r\n\r\n%s"
+            % (path, token, len(content), content)
+        )
+        assert await status_of(service.port, post) == 200, path
+    for path in (b"//v1/status", b"/v1//status"):
+        status = b"GET %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n\r\n" % (
+            path,
+            token,
+        )
+        assert await status_of(service.port, status) == 200, path
+    assert await journaled(service) == [sha256(small(n)) for n in range(len(posted))]
+    await service.wait_folded()
+    for path in ("//v1/stream", "/v1//stream"):
+        async with connect(service.port, path, [(b"authorization", b"Bearer " + token)]) as ws:
+            [frame] = await receive(ws, 1)
+        assert (frame["type"], frame["seq"]) == ("event", 1), path
+
+
 # -- configuration --------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import re
 from collections.abc import AsyncGenerator, AsyncIterator
 from types import TracebackType
 from typing import Any
@@ -61,6 +62,7 @@ POINTS_TYPES = {
     "csv": "text/csv; charset=utf-8",
 }
 MAX_HEADER_BYTES = 64 * 1024
+_SLASHES = re.compile("/{2,}")
 # How many bytes of lines `/v1/points` gathers into one chunk of its body (at least a line).
 POINTS_CHUNK_BYTES = 64 * 1024
 SQLITE_MAX_INTEGER = 2**63 - 1
@@ -127,6 +129,8 @@ class HealthlogApp:
         self.finish_limit_s = finish_limit_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = _route_path(scope)
         if scope["type"] in ("http", "websocket") and _header_bytes(scope) > MAX_HEADER_BYTES:
             await _refuse(scope, send, 431, "HEADERS_TOO_LARGE")
         elif scope["type"] in ("http", "websocket") and not _utf8(scope["query_string"]):
@@ -140,6 +144,17 @@ class HealthlogApp:
             await self.http(scope, receive, _finishing(send, self.finish_limit_s))
         else:
             await self.http(scope, receive, send)
+
+
+def _route_path(scope: Any) -> Any:
+    """``scope`` with every run of slashes in its path made one, for every route alike.
+
+    werkzeug matched the quart app's routes after any leading slashes, and answered a run of
+    them inside the path with a 308 redirect as an HTML page; intake and the stream took their
+    path exactly: a base URL ending in a slash (``http://nas:8787/`` + ``/v1/deliveries``)
+    reached every read route, and a delivery posted there was 404, not journaled (SERVE-85)."""
+    path = _SLASHES.sub("/", scope["path"])
+    return scope if path == scope["path"] else {**scope, "path": path}
 
 
 def _utf8(raw: bytes) -> bool:
