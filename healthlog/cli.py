@@ -116,6 +116,9 @@ class Progress:
         self._what = what
         self._tty = sys.stderr.isatty()
         self._last = 0.0
+        # The count last printed: a partitioned rebuild reports its end once for each
+        # partition it settles, and `reindex: N/N` came six times over (CLI-123).
+        self._shown: tuple[int, int] | None = None
         self._signal: int | None = None
 
     @contextlib.contextmanager
@@ -140,9 +143,12 @@ class Progress:
         if self._signal is not None:
             raise Stopped(self._signal)
         now = time.monotonic()
+        if (done, total) == self._shown:
+            return
         if done < total and now - self._last < (0.1 if self._tty else 1.0):
             return
         self._last = now
+        self._shown = (done, total)
         end = "\n" if done >= total or not self._tty else ""
         prefix = "\r" if self._tty else ""
         # Dropped when stderr cannot be written, as :func:`_tell`'s lines are (CLI-94).

@@ -37,11 +37,14 @@ from _disk import (
     unwritable,
 )
 from _runtime_helpers import alive, children_of, lease_row
+from _service_helpers import write_minute_body
 
 from healthlog.cli import build_parser
 from healthlog.config import load_serve_config
 from healthlog.storage import snapshot_files
+from healthlog.storage._partition import available_cores
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.rebuild import PARALLEL_MIN_BYTES
 from healthlog.storage.replica import Replica
 from healthlog.storage.store import MIGRATIONS as STORE_MIGRATIONS
 
@@ -2689,3 +2692,22 @@ def test_a_store_that_folded_nothing_without_a_journal_makes_none_cli_117(
     file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
     assert cli("import", "--aggregation", "minutes", "--data", data, file).code == 0
     assert b"journal     1 deliveries" in cli("status", "--data", data).out
+
+
+def test_progress_says_each_count_once_cli_123(run_cli: RunCli, tmp_path: Path) -> None:
+    """CLI-123: `reindex` and `verify` of a journal rebuilt by several worker processes (its
+    bodies over 4 MiB) print each progress count on stderr once, the last `N/N`."""
+    if available_cores() < 2:
+        pytest.skip("a rebuild takes several processes only with two cores or more")
+    data = tmp_path / "data"
+    minutes = tmp_path / "minutes.json"
+    write_minute_body(minutes, metrics=3, points=20_000)
+    assert minutes.stat().st_size > PARALLEL_MIN_BYTES
+    imported = run_cli("import", "--data", data, "--aggregation", "minutes", minutes)
+    assert imported.code == 0, imported.err
+    for command in ("reindex", "verify"):
+        run = run_cli(command, "--data", data)
+        assert run.code == 0, run.err
+        counts = re.findall(rf"^{command}: (\d+/\d+)$", run.err, re.MULTILINE)
+        assert counts[-1] == "1/1", run.err
+        assert len(counts) == len(set(counts)), run.err
