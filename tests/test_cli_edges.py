@@ -2711,3 +2711,46 @@ def test_progress_says_each_count_once_cli_123(run_cli: RunCli, tmp_path: Path) 
         counts = re.findall(rf"^{command}: (\d+/\d+)$", run.err, re.MULTILINE)
         assert counts[-1] == "1/1", run.err
         assert len(counts) == len(set(counts)), run.err
+
+
+def test_import_reads_each_file_when_its_turn_comes_cli_124(tmp_path: Path) -> None:
+    """CLI-124: `import A FIFO` journals A before it reads the FIFO, which is written only once
+    A's delivery is said to be journaled: no file is read before the ones before it are
+    journaled (each was read, and all held, before the first was); both are journaled, in
+    argument order."""
+    data = tmp_path / "data"
+    first = body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=61)))
+    second = body(metric(HR, BPM, point("2024-02-06 07:01:00 -0800", qty=62)))
+    named = write(tmp_path / "a.json", first)
+    fifo = tmp_path / "b.fifo"
+    os.mkfifo(fifo)
+    args = ["--no-wait", "--aggregation", "minutes", named, fifo]
+    with subprocess.Popen(
+        healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
+    ) as importing:
+        try:
+            assert importing.stderr is not None
+            fd = importing.stderr.fileno()
+            said = b""
+            deadline = time.monotonic() + LIMIT_S
+            while f"journaled {named} as delivery 1".encode() not in said:
+                left = deadline - time.monotonic()
+                assert left > 0, said
+                assert select.select([fd], [], [], left)[0], said
+                chunk = os.read(fd, 65536)
+                assert chunk, said
+                said += chunk
+            fifo.write_bytes(second)
+            _, rest = importing.communicate(timeout=LIMIT_S)
+        finally:
+            importing.kill()
+    assert importing.returncode == 0, said + rest
+    refused = subprocess.run(
+        healthlog("import", "--data", data, "--no-wait", named, tmp_path),
+        capture_output=True,
+        check=False,
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.decode() == f"healthlog: cannot read {tmp_path}: Is a directory\n"
+    with DataDir(data).open_journal() as journal:
+        assert [journal.read_body(m.id) for m in journal.iter_order()] == [first, second]
