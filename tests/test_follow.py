@@ -639,7 +639,9 @@ class Front:
     request after the first ``/v1/status`` goes to that port, as if the service had restarted
     there just after answering it. With a prefix, answers, routes or a restart, each forwarded
     request closes its connection after its answer, so that every request passes here.
-    ``received`` is every byte clients sent, as it came off the wire."""
+    ``received`` is every byte clients sent, as it came off the wire. With ``plain`` it forwards a
+    websocket upgrade without its ``Upgrade`` and ``Connection`` headers, as a proxy not set up
+    for websockets does."""
 
     def __init__(
         self,
@@ -657,8 +659,10 @@ class Front:
         answers: dict[bytes, bytes] | None = None,
         routes: dict[bytes, int] | None = None,
         restart_to: int | None = None,
+        plain: bool = False,
     ) -> None:
         self.upstream = upstream
+        self.plain = plain
         self.restart_to = restart_to
         self.restarted = False
         self.prefix = prefix.encode()
@@ -721,6 +725,15 @@ class Front:
                     await client.send_all(BAD_GATEWAY)
                 elif b"upgrade: websocket" not in head.lower():
                     await self._forward(client, head, upstream)
+                elif self.plain:
+                    self.upgrades.append(trio.current_time())
+                    top, _, after = head.partition(HEAD_END)
+                    kept = [
+                        line
+                        for line in top.split(b"\r\n")
+                        if not line.lower().startswith((b"upgrade:", b"connection:"))
+                    ]
+                    await self._forward(client, b"\r\n".join(kept) + HEAD_END + after, upstream)
                 else:
                     self.upgrades.append(trio.current_time())
                     self.upgrade_heads.append(head)
@@ -994,6 +1007,27 @@ async def test_follow_stops_when_the_stream_upgrade_is_refused_stream_37(
             with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match=says):
                 await follow(front.url("http"), service.token, replica, until_caught_up=True)
             assert (front.refuse, len(front.upgrades)) == ([], 2)
+
+
+async def test_follow_through_a_proxy_that_drops_the_upgrade_says_so_cli_125(
+    tmp_path: Path,
+) -> None:
+    """CLI-125: behind a front that forwards the stream's request without its Upgrade and
+    Connection headers, the service answers 426 and the follower stops, for good, saying that a
+    proxy must pass those headers on."""
+    with Replica(tmp_path / "replica") as replica:
+        async with (
+            serving(tmp_path / "server") as service,
+            fronting(service, plain=True) as front,
+        ):
+            await post_small(service, 0)
+            with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError) as stopped:
+                await follow(front.url("http"), service.token, replica, until_caught_up=True)
+            assert len(front.upgrades) == 1
+    assert str(stopped.value) == (
+        "the server refused the stream (426): the request reached it without its websocket"
+        " upgrade; a reverse proxy in front of it must pass the Upgrade and Connection headers on"
+    )
 
 
 async def test_follow_under_a_path_prefix_stream_38(tmp_path: Path) -> None:

@@ -134,6 +134,14 @@ TOKEN_REFUSED = (
 )
 
 
+UPGRADE_LOST = (
+    "the server refused the stream (426): the request reached it without its websocket upgrade;"
+    " a reverse proxy in front of it must pass the Upgrade and Connection headers on"
+)
+"""What a 426 means (SERVE-82): the service answers so a stream request that came as a plain
+HTTP request, as one does through a proxy not set up for websockets (CLI-125)."""
+
+
 class FollowError(Exception):
     """A reason to stop following for good (a wrong token, another instance, a bad snapshot)."""
 
@@ -926,6 +934,8 @@ class StreamSocket:
                 # one) is a lost connection; 401 and any other refusal are for good.
                 if event.status_code == 401:
                     raise FollowError(TOKEN_REFUSED)
+                if event.status_code == 426:
+                    raise FollowError(UPGRADE_LOST)
                 if event.status_code < 500:
                     raise FollowError(f"the server refused the stream ({event.status_code})")
                 raise ConnectionLost(
