@@ -529,12 +529,14 @@ def _follow_token(args: argparse.Namespace) -> str:
 
 
 def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
-    from transport.follow import FollowError, check_token, follow
+    from transport.follow import FollowError, check_subscriber, check_token, follow
 
     try:
         token = _follow_token(args)
-        # Before the replica is made: a token that cannot be sent never gets anywhere.
+        # Before the replica is made: a token that cannot be sent, or a subscriber name the
+        # service refuses, never gets anywhere.
         check_token(token)
+        check_subscriber(args.subscriber)
         _check_directory(args.replica)
         with Replica(args.replica) as replica:
             following = functools.partial(

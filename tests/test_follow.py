@@ -1396,6 +1396,40 @@ async def test_follow_takes_its_token_from_the_environment_cli_127(
         assert over.code == 0, over.err
 
 
+async def test_follow_command_refuses_a_subscriber_name_the_service_refuses_cli_126(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-126: `healthlog follow --subscriber` with an empty name, one of 129 characters or one
+    with a control character exits 2 with one line saying what a name is, before connecting or
+    making the replica; a name of 128 printable characters, non-ASCII ones among them, is
+    followed under."""
+    async with serving(tmp_path / "server") as service, fronting(service) as front:
+        await post_small(service, 0)
+        for name in ("", "x" * 129, "phone\n", "a\tb"):
+            run = await cli(
+                run_cli,
+                *("follow", "--url", front.url("http"), "--token", service.token),
+                *("--replica", tmp_path / "replica", "--until-caught-up"),
+                *("--subscriber", name, "--data", tmp_path / "client"),
+            )
+            assert run.code == 2, run.err
+            assert run.err.splitlines() == [
+                "healthlog: a subscriber name is 1 to 128 printable characters (no control"
+                " character, a newline copied with it?)"
+            ], name
+        assert front.connections == 0
+        assert not (tmp_path / "replica").exists()
+        name = "Annas-Mac-\u00e9" + "x" * 114
+        run = await cli(
+            run_cli,
+            *("follow", "--url", front.url("http"), "--token", service.token),
+            *("--replica", tmp_path / "replica", "--until-caught-up"),
+            *("--subscriber", name, "--data", tmp_path / "client"),
+        )
+        assert run.code == 0, run.err
+        assert name in (await service.status())["subscribers"]
+
+
 async def follow_nowhere(
     tmp_path: Path, clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, *, met: bool
 ) -> tuple[list[str], list[str]]:

@@ -121,6 +121,8 @@ SNAPSHOT_RESERVE_BYTES = 64 * 2**20
 # was read; the next session sees its head behind the cursor and restores its snapshot.
 RETRYABLE = frozenset({"TOO_SLOW", "GOING_AWAY", "CURSOR_IN_FUTURE"})
 STREAM_PATH = "/v1/stream"
+# The longest subscriber name the service takes (``transport.stream.MAX_SUBSCRIBER``).
+MAX_SUBSCRIBER = 128
 # The longest event tag kept and sent back (the service's are 16 hex digits).
 MAX_TAG = 64
 # The stream's close code for a missing, unknown or revoked token (interfaces.md).
@@ -195,6 +197,18 @@ def check_token(token: str) -> None:
         raise FollowError(
             "the token cannot be sent in an HTTP header: it is empty or holds a space, a control "
             "character (a newline copied with it?) or a character that is not ASCII"
+        )
+
+
+def check_subscriber(name: str | None) -> None:
+    """Refuse (FollowError) a subscriber name the service refuses (``BAD_SUBSCRIBER``): one is
+    1 to ``MAX_SUBSCRIBER`` printable characters, as ``transport.stream`` checks it. Checked
+    before anything connects: the service's refusal came after the replica was made, as the
+    code ``BAD_SUBSCRIBER`` alone (CLI-126)."""
+    if name is not None and not (0 < len(name) <= MAX_SUBSCRIBER and name.isprintable()):
+        raise FollowError(
+            f"a subscriber name is 1 to {MAX_SUBSCRIBER} printable characters (no control"
+            " character, a newline copied with it?)"
         )
 
 
@@ -1147,6 +1161,7 @@ async def follow(
     ``ssl_context`` is the trust for https:// and wss:// URLs (default: the system's);
     ``accept_key`` the snapshot key the server must have, pinned in place of another."""
     check_token(token)
+    check_subscriber(subscriber)
     try:
         await Follower(
             Endpoints.parse(url),
