@@ -1021,7 +1021,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    data = DataDir(args.data if args.data is not None else default_data_dir())
+    if args.data is None:
+        args.data = default_data_dir()
+    gone = _leave_an_unusable_directory(args)
+    if gone is not None:
+        _tell(f"healthlog: {gone}")
+        return 2
+    data = DataDir(args.data)
     func: Command = args.func
     try:
         # export --replica reads the replica, not the data directory.
@@ -1097,6 +1103,36 @@ def _store_to_read(data: DataDir, command: str) -> None:
         f"nothing journaled in {data.path} yet (no {JOURNAL_FILE}, no {STORE_FILE}):"
         " `serve` or `import` begins them"
     )
+
+
+def _leave_an_unusable_directory(args: argparse.Namespace) -> str | None:
+    """Work from ``/`` when the current directory is one this user may not enter (CLI-118) or
+    is gone (CLI-119), the paths given made absolute first; the error line where a path is
+    relative to a directory that is gone. A fold worker is a new process that multiprocessing
+    starts in this one's directory: from one this user may not enter (``sudo -u healthlog
+    healthlog import ...`` in an admin's home, mode 0700) each worker died on the way and the
+    delivery was recorded ``failed``; from a deleted one none could start, the folding actor
+    crashed every 30 s and ``import`` waited for good. A relative path in such a directory
+    names nothing this process may read either way, and made absolute it still fails alike."""
+    try:
+        here = os.getcwd()
+    except FileNotFoundError:
+        here = None
+    if here is not None and os.access(here, os.X_OK):
+        return None
+    names = ["data"] + [name for name in ("files", "replica") if getattr(args, name, None)]
+    for name in names:
+        given = getattr(args, name)
+        paths = given if isinstance(given, list) else [given]
+        if here is None and not all(os.path.isabs(path) for path in paths):
+            return (
+                "the current directory was deleted, and a relative path would be read from"
+                " it: run the command from another directory, or give absolute paths"
+            )
+        absolute = [Path(os.path.abspath(path)) for path in paths]
+        setattr(args, name, absolute if isinstance(given, list) else absolute[0])
+    os.chdir("/")
+    return None
 
 
 def _check_directory(path: Path) -> None:

@@ -2754,3 +2754,82 @@ def test_import_reads_each_file_when_its_turn_comes_cli_124(tmp_path: Path) -> N
     assert refused.stderr.decode() == f"healthlog: cannot read {tmp_path}: Is a directory\n"
     with DataDir(data).open_journal() as journal:
         assert [journal.read_body(m.id) for m in journal.iter_order()] == [first, second]
+
+
+def test_a_current_directory_the_user_may_not_enter_still_folds_cli_118(tmp_path: Path) -> None:
+    """CLI-118: `import` run in a directory its user may not enter (`sudo -u healthlog healthlog
+    import ...` in an admin's home, mode 0700; here root without its override of file
+    permissions, in `nobody`'s) folds its delivery, `parsed`. (Before, each fold worker, a new
+    process multiprocessing starts in its parent's directory, died entering it: `delivery 1: its
+    fold worker died; folding it again`, then `recorded failed`, and so was every delivery of a
+    `serve` started there.)"""
+    if os.geteuid() != 0:
+        pytest.skip("only root makes a directory another user's and enters it")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    home = tmp_path / "admin-home"
+    home.mkdir(mode=0o700)
+    os.chown(home, 65534, 65534)
+    no_override = "-dac_override,-dac_read_search"
+    as_root_without_override = [
+        setpriv,
+        f"--bounding-set={no_override}",
+        f"--inh-caps={no_override}",
+    ]
+    env = {**os.environ, "HEALTHLOG_WAKE_PERIOD_S": "1"}
+    command = healthlog("import", "--aggregation", "minutes", "--data", tmp_path / "data", hr)
+    done = subprocess.run(
+        [*as_root_without_override, *command],
+        cwd=home,
+        env=env,
+        capture_output=True,
+        timeout=LIMIT_S,
+        check=False,
+    )
+    said = (done.stdout + done.stderr).decode()
+    assert done.returncode == 0, said
+    assert "delivery 1: parsed" in said, said
+    assert "died" not in said, said
+
+
+def test_a_deleted_current_directory_folds_or_says_so_cli_119(tmp_path: Path) -> None:
+    """CLI-119: `import` run in a directory deleted under it, its paths absolute, folds its
+    delivery, `parsed`; `status` there without `--data`, whose default `./var` would be read
+    from that directory, exits 2 with one line saying so. (Before, `import` waited for good:
+    the folding actor crashed every 30 s starting its fold worker, `actor folding crashed
+    (FileNotFoundError)`; `status` ended in a traceback.)"""
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    in_deleted = ["sh", "-c", 'cd "$1" && rmdir "$1" && shift && exec "$@"', "sh"]
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    runs = []
+    for name, command in (
+        ("a", healthlog("import", "--aggregation", "minutes", "--data", tmp_path / "data", hr)),
+        ("b", healthlog("status")),
+    ):
+        gone = tmp_path / name
+        gone.mkdir()
+        runs.append(
+            subprocess.run(
+                [*in_deleted, gone, *command],
+                env=env,
+                capture_output=True,
+                timeout=LIMIT_S,
+                check=False,
+            )
+        )
+    imported, status = runs
+    said = (imported.stdout + imported.stderr).decode()
+    assert imported.returncode == 0, said
+    assert "delivery 1: parsed" in said, said
+    assert status.returncode == 2
+    one_line_error(
+        status.stderr.decode(),
+        "healthlog: the current directory was deleted, and a relative path would be read from"
+        " it: run the command from another directory, or give absolute paths",
+    )
