@@ -709,7 +709,8 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     if rebuilt and not verification.bodies_lost:
         # A reindex refuses while bodies are lost (STORE-56), which _say_outcomes says instead.
         _tell(
-            f"verify: {rebuilt} objects are not what a rebuild of the journal makes (after an"
+            f"verify: {rebuilt} objects are not what a rebuild of the journal makes (a"
+            " backfill, `import --received-at`, folded after later deliveries; after an"
             " upgrade: folded under a rule that has changed since; otherwise changed outside"
             " healthlog); `healthlog reindex` rebuilds them from the journal"
         )

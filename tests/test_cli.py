@@ -1212,9 +1212,10 @@ def test_verify_says_that_reindex_rebuilds_what_differs_cli_101(cli: Cli, tmp_pa
     found = cli("verify", "--data", moved_an_hour(cli, tmp_path))
     assert found.code == 1, found.err
     assert found.err.splitlines()[-2:] == [
-        "verify: 2 objects are not what a rebuild of the journal makes (after an upgrade: folded"
-        " under a rule that has changed since; otherwise changed outside healthlog);"
-        " `healthlog reindex` rebuilds them from the journal",
+        "verify: 2 objects are not what a rebuild of the journal makes (a backfill, `import"
+        " --received-at`, folded after later deliveries; after an upgrade: folded under a rule"
+        " that has changed since; otherwise changed outside healthlog); `healthlog reindex`"
+        " rebuilds them from the journal",
         "verify: 2 objects differ",
     ]
 

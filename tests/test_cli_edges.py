@@ -2833,3 +2833,24 @@ def test_a_deleted_current_directory_folds_or_says_so_cli_119(tmp_path: Path) ->
         "healthlog: the current directory was deleted, and a relative path would be read from"
         " it: run the command from another directory, or give absolute paths",
     )
+
+
+def test_verify_names_a_backfill_folded_late_as_a_cause_cli_120(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-120: after a backfill (`import --received-at`) of a point with other content, folded
+    after the delivery it comes before in journal order, as the README's `import` says it is,
+    `verify` exits 1 printing the object `differs`, and its line on what to do names the
+    backfill among the causes. (Before, it named only an upgrade and `otherwise changed outside
+    healthlog`: a user who had backfilled as the README says was told the store had been
+    tampered with.)"""
+    found = run_cli("verify", "--data", differing(run_cli, tmp_path))
+    assert found.code == 1, found.err
+    assert found.out == b"differs\theart_rate\tminutes\t2024-02-06T15:00:00Z\n"
+    assert found.err.splitlines()[-2:] == [
+        "verify: 1 objects are not what a rebuild of the journal makes (a backfill, `import"
+        " --received-at`, folded after later deliveries; after an upgrade: folded under a rule"
+        " that has changed since; otherwise changed outside healthlog); `healthlog reindex`"
+        " rebuilds them from the journal",
+        "verify: 1 objects differ",
+    ]
