@@ -885,6 +885,8 @@ def _print_listed(listed: documents.DeliveryList) -> None:
 
 Command = Callable[[argparse.Namespace, DataDir], int]
 
+DATA_HELP = "data directory (default: $HEALTHLOG_DATA, else ./var)"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -905,7 +907,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--data",
             type=Path,
             default=None,
-            help="data directory (default: $HEALTHLOG_DATA, else ./var)",
+            help=DATA_HELP,
         )
         p.set_defaults(func=func, needs_data=needs_data, makes_data=makes_data)
         return p
@@ -967,7 +969,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", type=str.lower, choices=LEVELS, default=None)
 
     token = sub.add_parser("token", help="manage client tokens", description="client tokens")
-    token.add_argument("--data", type=Path, default=None, help="data directory")
+    token.add_argument("--data", type=Path, default=None, help=DATA_HELP)
     token_sub = token.add_subparsers(dest="action", required=True, metavar="ACTION")
     for action, help_text in (
         ("add", "create a token and print it (only now)"),
@@ -978,7 +980,7 @@ def build_parser() -> argparse.ArgumentParser:
         if action != "list":
             p.add_argument("name", metavar="NAME")
         # Absent here, the value given after ``token`` (or None) stands.
-        p.add_argument("--data", type=Path, default=argparse.SUPPRESS, help="data directory")
+        p.add_argument("--data", type=Path, default=argparse.SUPPRESS, help=DATA_HELP)
         # Only ``add`` makes a data directory (before ``serve``, say); ``list`` and ``revoke``
         # of a mistyped one say so instead of making it.
         p.set_defaults(func=cmd_token, needs_data=action != "add", makes_data=action == "add")

@@ -2854,3 +2854,25 @@ def test_verify_names_a_backfill_folded_late_as_a_cause_cli_120(
         " rebuilds them from the journal",
         "verify: 1 objects differ",
     ]
+
+
+def test_every_command_s_help_gives_the_data_directory_s_default_cli_121() -> None:
+    """CLI-121: the `--help` of every command and of each `token` action says where the data
+    directory is when `--data` is not given, `(default: $HEALTHLOG_DATA, else ./var)`, as the
+    outside contract and the README say every command takes it. (Before, `token --help` and
+    `token add --help`, the first command a new user runs, said `data directory` alone.)"""
+    commands = [
+        [name]
+        for name in ("import", "seal", "export", "follow", "serve", "chaos", "reindex", "verify")
+    ]
+    commands += [["status"], ["token"], ["token", "add"], ["token", "list"], ["token", "revoke"]]
+    for command in commands:
+        done = subprocess.run(
+            healthlog(*command, "--help"), capture_output=True, timeout=LIMIT_S, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        said = " ".join(done.stdout.decode().split())
+        assert "--data DATA data directory (default: $HEALTHLOG_DATA, else ./var)" in said, (
+            command,
+            said,
+        )
