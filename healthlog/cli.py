@@ -1036,6 +1036,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # export --replica reads the replica, not the data directory.
         uses_data = (args.needs_data or args.makes_data) and getattr(args, "replica", None) is None
         _check_directory(data.path)
+        if uses_data:
+            _enterable(data.path)
         if uses_data and args.needs_data and not data.holds_data():
             raise CliError(f"no healthlog data in {data.path} (give --data DIR)")
         if func is not cmd_serve:
@@ -1136,6 +1138,23 @@ def _leave_an_unusable_directory(args: argparse.Namespace) -> str | None:
         setattr(args, name, absolute if isinstance(given, list) else absolute[0])
     os.chdir("/")
     return None
+
+
+def _enterable(path: Path) -> None:
+    """Refuse (StorageError) a data directory this process's user may not enter (CLI-122), in
+    one line naming it, its owner and mode, and what to do: the README's ``chmod 700`` keeps
+    ``/srv/healthlog`` to the service's user, and another user's ``healthlog status`` there
+    ended in ``[Errno 13] Permission denied: '/srv/healthlog/journal.sqlite'`` (or
+    ``healthlog.toml``), which said none of it."""
+    if not path.is_dir() or os.access(path, os.X_OK):
+        return
+    stats = path.stat()
+    owner = user_name(stats.st_uid)
+    raise StorageError(
+        f"user {user_name(os.geteuid())} may not enter {path} (it is {owner}'s, mode"
+        f" {stat.S_IMODE(stats.st_mode):04o}); run every healthlog command on {path} as the"
+        f" user it belongs to (`sudo -u {owner} healthlog ...`)"
+    )
 
 
 def _check_directory(path: Path) -> None:

@@ -2876,3 +2876,62 @@ def test_every_command_s_help_gives_the_data_directory_s_default_cli_121() -> No
             command,
             said,
         )
+
+
+def test_a_data_directory_the_user_may_not_enter_is_said_so_cli_122(tmp_path: Path) -> None:
+    """CLI-122: `status`, `export`, `token list`, `token add`, `import` and `serve` run by a user
+    who may not enter the data directory (the README's `chmod 700 /srv/healthlog`, run without
+    `sudo -u healthlog`; here root without its override of file permissions, on `nobody`'s
+    directory) exit 3 with one line naming the directory, its owner and mode, and what to do, and
+    make nothing. (Before: `healthlog: [Errno 13] Permission denied:
+    '.../journal.sqlite'`, or `.../healthlog.toml` for `import` and `serve`, and nothing else.)"""
+    if os.geteuid() != 0:
+        pytest.skip("only root makes a directory another user's")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    data = tmp_path / "srv"
+    imported = subprocess.run(
+        healthlog("import", "--aggregation", "minutes", "--data", data, hr),
+        capture_output=True,
+        timeout=LIMIT_S,
+        check=False,
+    )
+    assert imported.returncode == 0, imported.stderr
+    for path in [data, *data.rglob("*")]:
+        os.chown(path, 65534, 65534)
+    data.chmod(0o700)
+    left = sorted(path.name for path in data.iterdir())
+    no_override = "-dac_override,-dac_read_search"
+    as_root_without_override = [
+        setpriv,
+        f"--bounding-set={no_override}",
+        f"--inh-caps={no_override}",
+    ]
+    for command in (
+        ["status"],
+        ["export"],
+        ["token", "list"],
+        ["token", "add", "phone"],
+        ["import", "--aggregation", "minutes", hr],
+        ["serve", "--port", "0"],
+    ):
+        done = subprocess.run(
+            [*as_root_without_override, *healthlog(*command, "--data", data)],
+            cwd=tmp_path,
+            capture_output=True,
+            timeout=LIMIT_S,
+            check=False,
+        )
+        assert done.returncode == 3, (command, done.stderr)
+        one_line_error(
+            done.stderr.decode(),
+            f"healthlog: user root may not enter {data} (it is nobody's, mode 0700); run every"
+            f" healthlog command on {data} as the user it belongs to (`sudo -u nobody healthlog"
+            " ...`)",
+        )
+        assert done.stdout == b""
+    assert sorted(path.name for path in data.iterdir()) == left
