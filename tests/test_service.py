@@ -1963,6 +1963,39 @@ async def test_points_layer_in_any_case_is_that_layer_serve_43(service: Service)
     assert (await service.get("/v1/points", layer="MINUTES")).content == lower.content
 
 
+async def test_an_offset_sent_with_a_bare_plus_is_that_offset_serve_92(service: Service) -> None:
+    """SERVE-92: a `from` or `to` whose offset's `+` came unencoded in the query string (a
+    browser, or curl without --data-urlencode) reaches the service as a space, and is read as
+    the `+` it was: the same lines as with `%2B`. A space where no offset can stand is still
+    400 `BAD_TIMESTAMP`."""
+    assert (await service.post(HEART_RATE, MINUTES)).status_code == 200
+    await service.wait_folded()
+    sent: list[bytes] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(request.url.query)
+
+    service.client.event_hooks["request"].append(record)
+    cases = {
+        "from=2024-03-01T11:01:00+01:00": {"from": "2024-03-01T11:01:00+01:00"},
+        "to=2024-03-01T11:01:00+0100": {"to": "2024-03-01T11:01:00+0100"},
+        "from=2024-03-01+11:01:00++0100": {"from": "2024-03-01 11:01:00 +0100"},
+        "from=2024-03-01T10:01:00-00:00": {"from": "2024-03-01T10:01:00-00:00"},
+    }
+    for raw, params in cases.items():
+        bare = await service.client.get(f"/v1/points?{raw}", headers=service.auth)
+        assert sent[-1] == raw.encode(), raw
+        encoded = await service.get("/v1/points", **params)
+        assert b"%2B" in sent[-1] or b"-00" in sent[-1], sent[-1]
+        assert (bare.status_code, encoded.status_code) == (200, 200), raw
+        assert bare.content == encoded.content, raw
+        assert len(bare.content.splitlines()) == 1, raw
+    for raw in ("from=2024-03-01T11:01:00+25:00", "from=garbage+01:00", "to=11:01:00+01:00"):
+        refused = await service.client.get(f"/v1/points?{raw}", headers=service.auth)
+        assert refused.status_code == 400, raw
+        assert refused.json()["error"] == "BAD_TIMESTAMP", raw
+
+
 def refusals_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
     """The refusal lines logged, each checked to be an INFO of ``healthlog.http``."""
     records = [r for r in caplog.records if r.getMessage().startswith("refused ")]

@@ -63,6 +63,9 @@ POINTS_TYPES = {
 }
 MAX_HEADER_BYTES = 64 * 1024
 _SLASHES = re.compile("/{2,}")
+# The space a query string's unencoded `+` becomes, where only a UTC offset's sign can stand:
+# before its HH:MM (or HHMM) at the end of a timestamp (SERVE-92).
+_SPACE_FOR_PLUS = re.compile(r" (?=[0-9]{2}:?[0-9]{2}\Z)")
 # How many bytes of lines `/v1/points` gathers into one chunk of its body (at least a line).
 POINTS_CHUNK_BYTES = 64 * 1024
 SQLITE_MAX_INTEGER = 2**63 - 1
@@ -155,6 +158,24 @@ def _route_path(scope: Any) -> Any:
     reached every read route, and a delivery posted there was 404, not journaled (SERVE-85)."""
     path = _SLASHES.sub("/", scope["path"])
     return scope if path == scope["path"] else {**scope, "path": path}
+
+
+def _query_instant(value: str) -> int:
+    """The instant of a query parameter, its offset's `+` restored where it came unencoded.
+
+    A `+` in a query string means a space: `from=2024-09-21T07:00:00+01:00` as a browser or
+    curl without ``--data-urlencode`` sends it reached the service as `...07:00:00 01:00`, and
+    was 400 ``BAD_TIMESTAMP`` with no hint why. A value that is a timestamp as it came keeps
+    its meaning (`2024-09-21+07:00`, a space between date and time); only one that is none is
+    read again with the space before a final HH:MM as the `+` it can only have been. Raises
+    :class:`TimestampError` when neither is a timestamp."""
+    try:
+        return parse_instant(value)
+    except TimestampError:
+        restored = _SPACE_FOR_PLUS.sub("+", value)
+        if restored == value:
+            raise
+        return parse_instant(restored)
 
 
 def _utf8(raw: bytes) -> bool:
@@ -343,7 +364,7 @@ def create_app(
         instants: dict[str, int | None] = {}
         for name in ("from", "to"):
             try:
-                instants[name] = parse_instant(args[name]) if args.get(name) else None
+                instants[name] = _query_instant(args[name]) if args.get(name) else None
             except TimestampError:
                 return _bad_parameter(
                     "BAD_TIMESTAMP", name, f"an ISO 8601 instant such as {TIMESTAMP_EXAMPLE}"
