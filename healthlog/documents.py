@@ -214,10 +214,10 @@ converter.register_unstructure_hook(EventFrame, _unstructure_event_frame)
 @attrs.frozen
 class ErrorFrame:
     """A server-to-client error frame: ``{"type": "error", "code"}``, and the field its
-    code carries: ``head`` (``CURSOR_IN_FUTURE``), ``sent`` (``ACK_BEYOND_SENT``) or
-    ``snapshot`` (``CURSOR_TOO_OLD``), with ``diverged`` true when the cursor is not one of
-    this stream's history (its event is another, STREAM-111); a field that is None is left
-    out."""
+    code carries: ``head`` (``CURSOR_IN_FUTURE``), ``sent`` (``ACK_BEYOND_SENT``),
+    ``parameter`` (``REPEATED_PARAMETER``, STREAM-127) or ``snapshot`` (``CURSOR_TOO_OLD``),
+    with ``diverged`` true when the cursor is not one of this stream's history (its event is
+    another, STREAM-111); a field that is None is left out."""
 
     type: str = attrs.field(default="error", init=False)
     code: str
@@ -225,6 +225,7 @@ class ErrorFrame:
     sent: int | None = None
     snapshot: Manifest | None = None
     diverged: bool | None = None
+    parameter: str | None = None
 
 
 converter.register_unstructure_hook(

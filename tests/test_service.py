@@ -1996,6 +1996,35 @@ async def test_an_offset_sent_with_a_bare_plus_is_that_offset_serve_92(service: 
         assert refused.json()["error"] == "BAD_TIMESTAMP", raw
 
 
+@pytest.mark.parametrize("parameter", ["metric", "layer", "from", "to", "format"])
+async def test_points_with_a_repeated_parameter_names_it_serve_93(
+    service: Service, parameter: str
+) -> None:
+    """SERVE-93: `/v1/points` with one of its parameters given twice, each value good alone,
+    answers 400 `REPEATED_PARAMETER` naming it; another parameter given twice is ignored. The
+    HTTP routes took the first of them and the stream the last."""
+    good = {
+        "metric": ("heart_rate", "step_count"),
+        "layer": ("minutes", "hours"),
+        "from": ("2024-03-01T10:01:00Z", "2024-03-01T10:00:00Z"),
+        "to": ("2024-03-01T10:01:00Z", "2024-03-01T11:00:00Z"),
+        "format": ("jsonl", "csv"),
+    }[parameter]
+    assert (await service.post(HEART_RATE, MINUTES)).status_code == 200
+    await service.wait_folded()
+    query = urllib.parse.urlencode([(parameter, value) for value in good])
+    refused = await service.client.get(f"/v1/points?{query}", headers=service.auth)
+    assert refused.status_code == 400
+    assert refused.json() == {
+        "error": "REPEATED_PARAMETER",
+        "parameter": parameter,
+        "accepted": "one value",
+    }
+    ignored = await service.client.get("/v1/points?x=1&x=2", headers=service.auth)
+    assert ignored.status_code == 200
+    assert len(ignored.content.splitlines()) == 2
+
+
 def refusals_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
     """The refusal lines logged, each checked to be an INFO of ``healthlog.http``."""
     records = [r for r in caplog.records if r.getMessage().startswith("refused ")]

@@ -497,6 +497,31 @@ async def test_cursor_in_future(tmp_path: Path) -> None:
         assert refused == ({"type": "error", "code": "CURSOR_IN_FUTURE", "head": total}, 4400)
 
 
+async def test_a_repeated_parameter_is_refused_naming_it_stream_127(tmp_path: Path) -> None:
+    """STREAM-127: `after`, `subscriber`, `tag` or `token` given twice is refused
+    `REPEATED_PARAMETER` naming it, close 4400, holding no slot (with the one slot taken by a
+    witness), a repeated `token` before any is checked; another parameter given twice is no
+    part of the stream's and is ignored. The stream took the last of a repeated parameter, the
+    HTTP routes the first: `after=1&after=0` replayed from 0."""
+    async with serving(tmp_path, stream_max_subscribers=1) as service:
+        await post_small(service, 0, 1)
+        token = service.token
+        for query, parameter, headers in (
+            ("after=1&after=0", "after", bearer(token)),
+            ("after=0&subscriber=a&subscriber=b", "subscriber", bearer(token)),
+            ("after=1&tag=0a&tag=0b", "tag", bearer(token)),
+            (f"after=0&token={token}&token={token}", "token", []),
+            ("after=0&token=no&token=no", "token", []),
+        ):
+            path = f"/v1/stream?{query}"
+            refused = await refused_beside_witness(service, path, headers)
+            expected = {"type": "error", "code": "REPEATED_PARAMETER", "parameter": parameter}
+            assert refused == (expected, 4400), query
+        async with connect(service.port, "/v1/stream?after=0&x=1&x=2", bearer(token)) as ws:
+            [frame] = await receive(ws, 1)
+        assert (frame["type"], frame["seq"]) == ("event", 1)
+
+
 CLOSING_SUBSCRIBERS = 40
 SERVE_START_LIMIT_S = 30.0
 SERVE_STOP_LIMIT_S = 60.0

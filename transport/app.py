@@ -62,6 +62,8 @@ POINTS_TYPES = {
     "csv": "text/csv; charset=utf-8",
 }
 MAX_HEADER_BYTES = 64 * 1024
+# The query parameters of `/v1/points`; one of them given twice is refused (SERVE-93).
+POINTS_PARAMETERS = ("metric", "layer", "from", "to", "format")
 _SLASHES = re.compile("/{2,}")
 # The space a query string's unencoded `+` becomes, where only a UTC offset's sign can stand:
 # before its HH:MM (or HHMM) at the end of a timestamp (SERVE-92).
@@ -353,6 +355,11 @@ def create_app(
         if await client() is None:
             return unauthorized()
         args = request.args
+        # werkzeug gives the first of a repeated parameter, the stream took the last:
+        # `from=A&from=B` meant A here and `after=5&after=0` 0 there (SERVE-93, STREAM-127).
+        for name in POINTS_PARAMETERS:
+            if len(args.getlist(name)) > 1:
+                return _bad_parameter("REPEATED_PARAMETER", name, "one value")
         fmt = args.get("format", "jsonl")
         if fmt not in FORMATS:
             return _bad_parameter("BAD_FORMAT", "format", " or ".join(FORMATS))

@@ -47,7 +47,8 @@ event it pruned, when the cursor is that one's (the window's start, STREAM-123),
 goes on after it; a cursor further back is older than the window. Without ``tag`` nothing
 changes.
 
-Close codes: 4400 bad request (cursor, subscriber name, frame, ACK beyond what was sent),
+Close codes: 4400 bad request (cursor, subscriber name, a repeated query parameter, frame, ACK
+beyond what was sent),
 4401 unauthorized (at the handshake or once the token is revoked), 4408 too slow, 4410 cursor
 older than the online window or, ``diverged``, not of this history (after an error frame with a
 signed snapshot reference), 1001
@@ -103,6 +104,8 @@ CLOSE_GOING_AWAY = 1001
 # error frame, as 1001 is: a subscriber reconnects after a close without one (an error frame of
 # a code it does not know would stop the reference follower for good).
 CLOSE_STORE_ERROR = 1011
+# The query parameters the stream reads; one of them given twice is refused (STREAM-127).
+PARAMETERS = ("after", "subscriber", "tag", "token")
 # The name the event hub is supervised (and its crashes counted) under.
 HUB_ACTOR = "event-hub"
 # How often a stream waiting for events checks that its token is still live: the token
@@ -209,8 +212,8 @@ class HandshakeRefusals:
 
 class StreamRefused(Exception):
     """A reason to end a subscription with an error frame (unless ``frame`` is False) and a
-    close code; ``head``, ``sent``, ``snapshot`` and ``diverged`` are the error frame's
-    fields. The close reason is ``code``, with ``; retry-after=N`` after it when
+    close code; ``head``, ``sent``, ``snapshot``, ``diverged`` and ``parameter`` are the
+    error frame's fields. The close reason is ``code``, with ``; retry-after=N`` after it when
     ``retry_after_s`` says when to come back (the seconds of an HTTP ``Retry-After``)."""
 
     def __init__(
@@ -222,13 +225,16 @@ class StreamRefused(Exception):
         sent: int | None = None,
         snapshot: Manifest | None = None,
         diverged: bool | None = None,
+        parameter: str | None = None,
         frame: bool = True,
         retry_after_s: int | None = None,
     ) -> None:
         super().__init__(code)
         self.code = code
         self.close = close
-        self.error = ErrorFrame(code, head=head, sent=sent, snapshot=snapshot, diverged=diverged)
+        self.error = ErrorFrame(
+            code, head=head, sent=sent, snapshot=snapshot, diverged=diverged, parameter=parameter
+        )
         self.frame = frame
         self.reason = code if retry_after_s is None else f"{code}; retry-after={retry_after_s}"
 
@@ -277,19 +283,28 @@ class StreamEndpoint:
 
         The token is decided first: a client whose token is not valid is refused with 4401
         (for good), never with the 503 that tells it to come back (STREAM-106). That refusal
-        holds no slot: it reads nothing of the store and ends within two sends."""
+        holds no slot: it reads nothing of the store and ends within two sends.
+
+        A parameter the stream reads given twice is refused ``REPEATED_PARAMETER`` (4400),
+        holding no slot either: the stream took the last of them and the HTTP routes the
+        first, so ``after=5&after=0`` replayed from 0 here (STREAM-127). A repeated ``token``
+        names no one token to check, and is refused so before any is."""
         if (await receive())["type"] != "websocket.connect":
             return
-        query = {
-            k: v[-1]
-            for k, v in urllib.parse.parse_qs(
-                scope["query_string"].decode(), keep_blank_values=True
-            ).items()
-        }
+        values = urllib.parse.parse_qs(scope["query_string"].decode(), keep_blank_values=True)
+        query = {name: given[0] for name, given in values.items()}
+        repeated = next((name for name in PARAMETERS if len(values.get(name, ())) > 1), None)
+        if repeated == "token":
+            await self._serve(scope, receive, send, query, _repeated(repeated))
+            return
         token = await self._authenticate(scope, query)
         if token is None:
             self.refused.unauthorized += 1
-            await self._serve(scope, receive, send, query, None)
+            unauthorized = StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
+            await self._serve(scope, receive, send, query, unauthorized)
+            return
+        if repeated is not None:
+            await self._serve(scope, receive, send, query, _repeated(repeated))
             return
         try:
             self.slots.acquire_nowait()
@@ -330,10 +345,10 @@ class StreamEndpoint:
         receive: Receive,
         send: Send,
         query: dict[str, str],
-        token: str | None,
+        opening: str | StreamRefused,
     ) -> None:
-        """Accept the connection and serve it, or refuse it with ``UNAUTHORIZED`` when its
-        token (None) was refused."""
+        """Accept the connection and serve it with the token ``opening``, or refuse it with
+        ``opening``, the refusal decided at the handshake."""
         try:
             await send({"type": "websocket.accept"})
         except Exception as exc:
@@ -349,9 +364,9 @@ class StreamEndpoint:
                 # First, so that a shutdown also ends a subscription still opening (its reads
                 # wait while the store is busy).
                 nursery.start_soon(self._going_away)
-                if token is None:
-                    raise StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
-                sub = await self._open(query, token)
+                if isinstance(opening, StreamRefused):
+                    raise opening
+                sub = await self._open(query, opening)
                 nursery.start_soon(self._send_loop, sub, send)
                 await self._receive_loop(sub, receive)
                 nursery.cancel_scope.cancel()
@@ -547,6 +562,10 @@ class StreamEndpoint:
                 waiting="an ACK waits",
                 shield=True,
             )
+
+
+def _repeated(parameter: str) -> StreamRefused:
+    return StreamRefused("REPEATED_PARAMETER", CLOSE_BAD_REQUEST, parameter=parameter)
 
 
 def _kinds(exc: BaseException) -> str:
