@@ -1342,14 +1342,14 @@ async def test_client_gone_mid_upload_journals_nothing_and_logs_no_error(
 
 
 async def test_other_methods_on_the_intake_route_are_405(service: Service) -> None:
-    """SERVE-30: another method than POST on `/v1/deliveries`, with a token and a delivery's
-    body, is 405 with `Allow: POST` and journals nothing."""
+    """SERVE-30: another method than POST (or OPTIONS) on `/v1/deliveries`, with a token and a
+    delivery's body, is 405 with `Allow: OPTIONS, POST` and journals nothing."""
     for method in ("GET", "PUT", "PATCH", "DELETE"):
         response = await service.client.request(
             method, "/v1/deliveries", content=small(1), headers=service.auth
         )
         assert response.status_code == 405, method
-        assert response.headers["Allow"] == "POST", method
+        assert response.headers["Allow"] == "OPTIONS, POST", method
         assert response.json() == {"error": "METHOD_NOT_ALLOWED"}, method
     assert await service.journal() == []
 
@@ -1361,8 +1361,8 @@ async def test_head_options_a_trailing_slash_and_a_query_string_serve_84(
     service: Service,
 ) -> None:
     """SERVE-84: HEAD on each read route answers GET's status and headers without a body, and
-    on `/v1/deliveries` 405 with `Allow: POST`; OPTIONS on a read route names its methods, on
-    `/v1/deliveries` 405; each route with a trailing slash is 404 `NOT_FOUND` as JSON; a query
+    on `/v1/deliveries` 405 with `Allow: OPTIONS, POST` (OPTIONS: SERVE-94); each route with a
+    trailing slash is 404 `NOT_FOUND` as JSON; a query
     string on `/v1/deliveries` is no part of the route: the delivery is journaled. Only the
     delivery posted with a query string is journaled."""
     with_query = await service.client.post(
@@ -1375,12 +1375,8 @@ async def test_head_options_a_trailing_slash_and_a_query_string_serve_84(
         head = await service.client.head(path, headers=service.auth)
         assert (head.status_code, head.content) == (get.status_code, b""), path
         assert head.headers["content-type"] == get.headers["content-type"], path
-        options = await service.client.options(path, headers=service.auth)
-        assert options.status_code == 200, path
-        assert {"GET", "HEAD"} <= set(options.headers["allow"].split(", ")), path
-    for method in ("HEAD", "OPTIONS"):
-        refused = await service.client.request(method, "/v1/deliveries", headers=service.auth)
-        assert (refused.status_code, refused.headers["allow"]) == (405, "POST"), method
+    refused = await service.client.head("/v1/deliveries", headers=service.auth)
+    assert (refused.status_code, refused.headers["allow"]) == (405, "OPTIONS, POST")
     for path in (*READ_ROUTES, "/v1/deliveries"):
         slashed = (
             await service.client.post(f"{path}/", content=small(2), headers=service.auth)
@@ -1391,6 +1387,55 @@ async def test_head_options_a_trailing_slash_and_a_query_string_serve_84(
         assert slashed.headers["content-type"] == "application/json", path
         assert slashed.json() == {"error": "NOT_FOUND"}, path
     assert await journaled(service) == [sha256(small(1))]
+
+
+async def test_options_is_answered_alike_by_every_route_serve_94(service: Service) -> None:
+    """SERVE-94: OPTIONS on every route, intake and the stream's plain route among them, with
+    or without a token, is 204 with `Allow` listing the route's methods, the `Allow` of its 405,
+    with neither body nor `Content-Type` nor `Content-Length`, and the connection serves the
+    next request. The read routes answered 200 with an empty `text/html` page, and intake
+    405 `METHOD_NOT_ALLOWED`."""
+    routes = {
+        **dict.fromkeys(
+            (
+                *READ_ROUTES,
+                "/v1/snapshots",
+                "/v1/snapshots/key",
+                "/v1/snapshots/1",
+                "/v1/stream",
+            ),
+            "GET, HEAD, OPTIONS",
+        ),
+        "/v1/deliveries": "OPTIONS, POST",
+    }
+    for path, allow in routes.items():
+        for headers in ({}, service.auth):
+            options = await service.client.options(path, headers=headers)
+            assert (options.status_code, options.headers.get("allow")) == (204, allow), path
+            assert options.content == b"", path
+            assert "content-type" not in options.headers, path
+            assert "content-length" not in options.headers, path
+        refused = await service.client.delete(path, headers=service.auth)
+        assert (refused.status_code, refused.headers["allow"]) == (405, allow), path
+        assert refused.json() == {"error": "METHOD_NOT_ALLOWED"}, path
+    async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+        answer = b""
+        for path in ("/v1/deliveries", "/v1/status"):
+            await conn.send_all(b"OPTIONS %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
+            with trio.fail_after(CLIENT_TIMEOUT_S):
+                while b"\r\n\r\n" not in answer:
+                    chunk = await conn.receive_some()
+                    assert chunk, answer
+                    answer += chunk
+            head, _, answer = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 204 "), head
+        await conn.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        with trio.fail_after(CLIENT_TIMEOUT_S):
+            while chunk := await conn.receive_some():
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert answer.endswith(b'{"ok":true}'), answer
+    assert await service.journal() == []
 
 
 async def status_of(port: int, request: bytes) -> int:

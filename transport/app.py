@@ -114,6 +114,17 @@ class _Http(QuartTrio):
         else:
             log.error("unhandled %s", name)
 
+    async def make_default_options_response(self) -> Response:
+        """OPTIONS on a route: 204 with ``Allow`` and neither body nor ``Content-Type``, as
+        intake answers it; quart's own answer was an empty ``text/html`` page (SERVE-94)."""
+        response = await super().make_default_options_response()
+        allowed = sorted(response.headers["Allow"].split(", "))
+        answer = Response(b"", status=204, headers={"Allow": ", ".join(allowed)})
+        # RFC 9110 (8.3, 8.6): a 204 has no content, so neither its type nor its length.
+        answer.headers.remove("Content-Type")
+        answer.headers.remove("Content-Length")
+        return answer
+
 
 class HealthlogApp:
     """The ASGI application: intake and the replay stream endpoint beside the quart-trio app.
@@ -277,7 +288,9 @@ def create_app(
 
     @app.errorhandler(MethodNotAllowed)
     async def method_not_allowed(error: MethodNotAllowed) -> Response:
-        return _error("METHOD_NOT_ALLOWED", 405, {"Allow": ", ".join(error.valid_methods or ())})
+        # Sorted, as OPTIONS lists them: werkzeug's order was a set's.
+        allowed = ", ".join(sorted(error.valid_methods or ()))
+        return _error("METHOD_NOT_ALLOWED", 405, {"Allow": allowed})
 
     @app.errorhandler(InternalServerError)
     async def internal(_exc: InternalServerError) -> Response:

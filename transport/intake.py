@@ -35,6 +35,8 @@ from transport.refusals import RefusalLog, client_address
 log = logging.getLogger("healthlog.http")
 
 INTAKE_PATH = "/v1/deliveries"
+# The methods of intake, for `Allow`.
+ALLOW = b"OPTIONS, POST"
 RETRY_AFTER_S = b"5"
 BATCH_BYTES = 1 << 20
 """Raw bytes handed to the encoding thread at a time: small bodies never leave the event loop."""
@@ -226,8 +228,12 @@ class IntakeEndpoint:
 
     async def _handle(self, scope: Any, body: _Body) -> _Answer | None:
         """The answer to give, or None when the client left."""
+        if scope["method"] == "OPTIONS":
+            # As the read routes answer it, without a token: the methods are no secret. It was
+            # 405 here and an empty text/html page there (SERVE-94).
+            return _answer(204, b"", ((b"allow", ALLOW),))
         if scope["method"] != "POST":
-            return _answer(405, _error("METHOD_NOT_ALLOWED"), ((b"allow", b"POST"),))
+            return _answer(405, _error("METHOD_NOT_ALLOWED"), ((b"allow", ALLOW),))
         headers = _headers(scope["headers"])
         presented = presented_token(headers.get("authorization"), headers.get("api-key"))
         name = None if presented is None else await self._tokens.authenticate(presented)
@@ -464,16 +470,18 @@ async def _cancel_on_disconnect(receive: Any, scope: trio.CancelScope) -> None:
 
 
 async def _send_answer(send: Any, status: int, content: bytes, headers: Headers) -> None:
+    # A 204 has no content, so neither its type nor its length (RFC 9110, 8.3 and 8.6).
+    framing = (
+        []
+        if status == 204
+        else [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(content))]
+    )
     try:
         await send(
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", b"%d" % len(content)),
-                    *headers,
-                ],
+                "headers": [*framing, *headers],
             }
         )
         await send({"type": "http.response.body", "body": content})
