@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import multiprocessing
+import multiprocessing.spawn
 import os
 import signal
 from collections import Counter
@@ -30,7 +32,7 @@ from healthlog.folding import FoldPass, FoldReport, OutcomeClass
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Budget, Selection, take_page, write_marks
 from healthlog.storage.store import WORKER_DIED, Store
-from healthlog.storage.worker import fold_run, retire
+from healthlog.storage.worker import fold_run, ready, retire
 
 log = logging.getLogger("healthlog.folding")
 
@@ -43,6 +45,12 @@ WORKER_DEATHS = 2
 """A delivery whose fold loses this many worker processes in a row (killed by the kernel's
 out-of-memory killer, say) is recorded ``failed``, so that it does not hold the queue for ever;
 one death alone may have another cause, and the delivery is folded again."""
+WORKER_START_S = 60.0
+"""How long a fresh worker may take to answer an empty task (a start takes 0.5 s here) before
+the folder takes it for one that cannot start."""
+START_BACKOFF_S = 1.0
+"""While no worker can start, the folder waits this long after a pass before the next one,
+twice as long each time, up to its period."""
 WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
 under contention a worker gets about a tenth of a core beside one busy task of the service's,
@@ -160,6 +168,8 @@ class FoldingActor:
         self._deaths: Counter[int] = Counter()
         self._workers_lost = 0
         self._unrecorded_stop: str | None = None
+        self._cannot_start = False
+        self._backoff_s = START_BACKOFF_S
 
     def statistics(self) -> FoldingStatistics:
         return FoldingStatistics(
@@ -209,6 +219,9 @@ class FoldingActor:
                         await self._pass(epoch)
                 finally:
                     self._pass_scope = None
+                if self._cannot_start:
+                    await trio.sleep(self._backoff_s)
+                    self._backoff_s = min(self._backoff_s * 2, self._period_s)
 
     async def _follow_lease(self) -> None:
         async for epoch in self._lease_updates:
@@ -289,6 +302,7 @@ class FoldingActor:
                 )
             except trio_parallel.BrokenWorkerError:
                 return await self._worker_lost(run, epoch)
+            self._workers_start()
             return reports
         [meta] = run
         check = self._budget.checker(meta.bytes)
@@ -316,6 +330,23 @@ class FoldingActor:
         return reports
 
     async def _fold_killed(self, meta: DeliveryMeta, epoch: int) -> FoldReport:
+        """The report for ``meta``, whose worker died folding it: counted against it only if a
+        new worker runs an empty task; if that one dies too (the interpreter gone or not
+        executable for the service's user, its packages gone), the machine is at fault, not
+        the delivery, which stays pending until a worker starts again."""
+        cause = await self._start_failure()
+        if cause is not None:
+            if not self._cannot_start:
+                log.error(
+                    "fold workers cannot start: %s; deliveries stay pending until one does, "
+                    "tried again at the next wake or timer",
+                    cause,
+                )
+            else:
+                log.debug("fold workers still cannot start: %s", cause)
+            self._cannot_start = True
+            return FoldReport(meta.id, OutcomeClass.DEFERRED, reason=WORKER_DIED)
+        self._workers_start()
         self._deaths[meta.id] += 1
         if self._deaths[meta.id] < WORKER_DEATHS:
             log.warning("delivery %d: its fold worker died; folding it again", meta.id)
@@ -329,3 +360,41 @@ class FoldingActor:
         return await trio.to_thread.run_sync(
             self._store.fail, meta, epoch, WORKER_DIED, limiter=self._limiter
         )
+
+    async def _start_failure(self) -> str | None:
+        """Why a new fold worker cannot run an empty task, or None if one does."""
+        try:
+            with trio.fail_after(WORKER_START_S):
+                await trio_parallel.run_sync(ready, kill_on_cancel=True)
+        except trio.TooSlowError:
+            return f"a new worker process did not answer within {WORKER_START_S:.0f} s"
+        except OSError as exc:
+            return f"a new worker process could not be started ({exc.strerror or exc})"
+        except trio_parallel.BrokenWorkerError as exc:
+            return _died_starting(exc)
+        return None
+
+    def _workers_start(self) -> None:
+        """A worker ran: after workers could not start, say that they do again."""
+        if self._cannot_start:
+            log.info("fold workers start again; pending deliveries fold")
+        self._cannot_start = False
+        self._backoff_s = START_BACKOFF_S
+
+
+def _died_starting(exc: trio_parallel.BrokenWorkerError) -> str:
+    """What is known of why a new worker process ended before it ran an empty task."""
+    executable = os.fsdecode(multiprocessing.spawn.get_executable())
+    if not os.access(executable, os.X_OK):
+        return f"{executable} cannot be run by uid {os.getuid()} (missing, or not executable)"
+    process = exc.args[-1] if exc.args else None
+    code = process.exitcode if isinstance(process, multiprocessing.process.BaseProcess) else None
+    if code is None:
+        return "a new worker process ended before it ran anything"
+    if code < 0:
+        try:
+            killer = signal.Signals(-code).name
+        except ValueError:
+            killer = f"signal {-code}"
+        return f"a new worker process was killed by {killer}"
+    return f"a new worker process exited with status {code} before it ran anything"

@@ -9,18 +9,23 @@ import gc
 import logging
 import math
 import os
+import re
 import socket
 import sqlite3
 import subprocess
 import sys
+import sysconfig
 import time
+import venv
 from contextlib import closing
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 import trio
 import trio_parallel
+from _cli_bodies import body, metric, point
 from _disk import files_limited_to
 from _runtime_helpers import (
     CLIENT,
@@ -946,3 +951,86 @@ async def test_a_data_directory_moved_away_is_not_begun_anew_by_a_fold_worker_ru
         await wait_folded(data, [receipt.delivery_id], timeout=30)
 
     assert folded_in_order(data) == [receipt.delivery_id]
+
+
+WORKER_START_RETRIES = 2
+"""RUN-66: tries to fold a delivery again while no fold worker can start, after the first:
+three in all, one more than the ``WORKER_DEATHS`` that recorded such a delivery failed."""
+HEART_RATE = body(
+    metric(
+        "heart_rate",
+        "count/min",
+        point("2024-03-01 10:00:00 +0000", qty=61),
+        point("2024-03-01 10:01:00 +0000", qty=62),
+    )
+)
+
+
+def removable_interpreter(where: Path) -> Path:
+    """A virtual environment in ``where`` that runs this interpreter with this one's packages;
+    its ``bin/python`` (a symbolic link) may be removed and put back."""
+    venv.EnvBuilder(symlinks=True, with_pip=False).create(where)
+    [site] = (where / "lib").glob("python3*/site-packages")
+    outer = sysconfig.get_paths()["purelib"]
+    (site / "outer.pth").write_text(f"import site; site.addsitedir({outer!r})\n")
+    return where / "bin" / "python"
+
+
+def test_a_fold_worker_that_cannot_start_leaves_the_delivery_pending_run_66(
+    tmp_path: Path,
+) -> None:
+    """RUN-66: a `healthlog serve` whose interpreter is removed while it runs (a virtual
+    environment built anew, a Python upgraded under the service): a delivery answered 200 then
+    stays pending through three tries, one ERROR names the interpreter and none blames the
+    delivery; once the interpreter is back it folds `parsed`, and one INFO says so."""
+    python = removable_interpreter(tmp_path / "venv")
+    data = tmp_path / "data"
+    with DataDir(data).open_tokens() as tokens:
+        token = tokens.add("phone")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    env |= {"HEALTHLOG_WAKE_PERIOD_S": "0.5", "HEALTHLOG_LOG_LEVEL": "debug"}
+    command = [str(python), "-m", "healthlog.cli", "serve", "--port", "0", "--data", str(data)]
+    log = tmp_path / "serve.log"
+    headers = {"Authorization": f"Bearer {token}", "automation-aggregation": "minutes"}
+    with (
+        log.open("wb") as stderr,
+        subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=stderr, cwd=tmp_path
+        ) as process,
+    ):
+        try:
+            assert process.stdout is not None
+            line = process.stdout.readline().decode()
+            found = re.search(r"healthlog serving on (http://127\.0\.0\.1:\d+) ", line)
+            assert found, line + log.read_text()
+            target = os.readlink(python)
+            python.unlink()
+            with httpx.Client(base_url=found.group(1), headers=headers, timeout=30) as client:
+                assert client.post("/v1/deliveries", content=HEART_RATE).status_code == 200
+                deadline = time.monotonic() + 60
+                while (
+                    log.read_text().count("fold workers still cannot start") < WORKER_START_RETRIES
+                    and "recorded failed" not in log.read_text()
+                    and time.monotonic() < deadline
+                ):
+                    time.sleep(0.1)
+                while_gone = client.get("/v1/deliveries/1").json()
+                python.symlink_to(target)
+                deadline = time.monotonic() + 60
+                while (back := client.get("/v1/deliveries/1").json())[
+                    "status"
+                ] == "pending" and time.monotonic() < deadline:
+                    time.sleep(0.1)
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+    records = [line for line in log.read_text().splitlines() if "level=DEBUG" not in line]
+    assert (while_gone["status"], back["status"]) == ("pending", "parsed"), records
+    said = [line.split(" ", 1)[1] for line in records if "logger=healthlog.folding" in line]
+    assert said == [
+        'level=ERROR logger=healthlog.folding msg="fold workers cannot start: '
+        f"{python} cannot be run by uid {os.getuid()} (missing, or not executable); "
+        'deliveries stay pending until one does, tried again at the next wake or timer"',
+        'level=INFO logger=healthlog.folding msg="fold workers start again; pending '
+        'deliveries fold"',
+    ], records

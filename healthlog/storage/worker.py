@@ -42,6 +42,8 @@ _largest = 0
 whose fold was not written is tried again by the same worker: a new one for each try would
 cost a start each time, and would meet again a fault that a seeded plan injects at a hit of
 the worker's own count (a plan counts hits per process), so the try would never pass."""
+_probe = False
+"""Whether this worker ran :func:`ready`, and ends."""
 _service_pid: int | None = None
 """The parent of this worker when it first opened its handles: the service that started it."""
 
@@ -117,7 +119,15 @@ def fold_run(
     return reports
 
 
+def ready() -> None:
+    """Nothing, in a worker that then ends: the task that tells a worker process that starts
+    from one that cannot (the folding actor runs it in a new worker after one died folding,
+    RUN-66). The fold tried again then starts a worker of its own, as it did before."""
+    global _probe
+    _probe = True
+
+
 def retire() -> bool:
     """Whether this worker ends after the run it has just answered: once it has folded a body
-    of :data:`RETIRE_AFTER_BYTES` or more (RUN-59)."""
-    return _largest >= RETIRE_AFTER_BYTES
+    of :data:`RETIRE_AFTER_BYTES` or more (RUN-59), or run :func:`ready`."""
+    return _probe or _largest >= RETIRE_AFTER_BYTES
