@@ -967,8 +967,9 @@ HEART_RATE = body(
 
 
 def removable_interpreter(where: Path) -> Path:
-    """A virtual environment in ``where`` that runs this interpreter with this one's packages;
-    its ``bin/python`` (a symbolic link) may be removed and put back."""
+    """A virtual environment in ``where`` that runs this interpreter with this one's packages
+    (through ``outer.pth`` in its own site-packages); its ``bin/python``, a symbolic link, and
+    that file may be moved away and back."""
     venv.EnvBuilder(symlinks=True, with_pip=False).create(where)
     [site] = (where / "lib").glob("python3*/site-packages")
     outer = sysconfig.get_paths()["purelib"]
@@ -976,14 +977,11 @@ def removable_interpreter(where: Path) -> Path:
     return where / "bin" / "python"
 
 
-def test_a_fold_worker_that_cannot_start_leaves_the_delivery_pending_run_66(
-    tmp_path: Path,
-) -> None:
-    """RUN-66: a `healthlog serve` whose interpreter is removed while it runs (a virtual
-    environment built anew, a Python upgraded under the service): a delivery answered 200 then
-    stays pending through three tries, one ERROR names the interpreter and none blames the
-    delivery; once the interpreter is back it folds `parsed`, and one INFO says so."""
-    python = removable_interpreter(tmp_path / "venv")
+def folded_while_away(tmp_path: Path, python: Path, away: Path) -> tuple[str, str, list[str]]:
+    """A delivery to `healthlog serve` run by ``python``, with ``away`` moved away once it
+    serves: its status once the folder has tried to fold it three times (or recorded it
+    failed), its status once ``away`` is back and it is no longer pending (or a minute has
+    passed), and what the folding actor logged above DEBUG."""
     data = tmp_path / "data"
     with DataDir(data).open_tokens() as tokens:
         token = tokens.add("phone")
@@ -992,6 +990,7 @@ def test_a_fold_worker_that_cannot_start_leaves_the_delivery_pending_run_66(
     command = [str(python), "-m", "healthlog.cli", "serve", "--port", "0", "--data", str(data)]
     log = tmp_path / "serve.log"
     headers = {"Authorization": f"Bearer {token}", "automation-aggregation": "minutes"}
+    moved = away.with_name(away.name + ".away")
     with (
         log.open("wb") as stderr,
         subprocess.Popen(
@@ -1003,8 +1002,7 @@ def test_a_fold_worker_that_cannot_start_leaves_the_delivery_pending_run_66(
             line = process.stdout.readline().decode()
             found = re.search(r"healthlog serving on (http://127\.0\.0\.1:\d+) ", line)
             assert found, line + log.read_text()
-            target = os.readlink(python)
-            python.unlink()
+            away.rename(moved)
             with httpx.Client(base_url=found.group(1), headers=headers, timeout=30) as client:
                 assert client.post("/v1/deliveries", content=HEART_RATE).status_code == 200
                 deadline = time.monotonic() + 60
@@ -1014,23 +1012,55 @@ def test_a_fold_worker_that_cannot_start_leaves_the_delivery_pending_run_66(
                     and time.monotonic() < deadline
                 ):
                     time.sleep(0.1)
-                while_gone = client.get("/v1/deliveries/1").json()
-                python.symlink_to(target)
+                while_away = client.get("/v1/deliveries/1").json()["status"]
+                moved.rename(away)
                 deadline = time.monotonic() + 60
-                while (back := client.get("/v1/deliveries/1").json())[
-                    "status"
-                ] == "pending" and time.monotonic() < deadline:
+                while (back := client.get("/v1/deliveries/1").json()["status"]) == "pending" and (
+                    time.monotonic() < deadline
+                ):
                     time.sleep(0.1)
         finally:
             process.terminate()
             process.wait(timeout=60)
     records = [line for line in log.read_text().splitlines() if "level=DEBUG" not in line]
-    assert (while_gone["status"], back["status"]) == ("pending", "parsed"), records
     said = [line.split(" ", 1)[1] for line in records if "logger=healthlog.folding" in line]
-    assert said == [
-        'level=ERROR logger=healthlog.folding msg="fold workers cannot start: '
-        f"{python} cannot be run by uid {os.getuid()} (missing, or not executable); "
+    return while_away, back, said
+
+
+def workers_cannot_start(cause: str) -> list[str]:
+    """What the folding actor says while no fold worker starts for ``cause``, and after."""
+    return [
+        f'level=ERROR logger=healthlog.folding msg="fold workers cannot start: {cause}; '
         'deliveries stay pending until one does, tried again at the next wake or timer"',
         'level=INFO logger=healthlog.folding msg="fold workers start again; pending '
         'deliveries fold"',
-    ], records
+    ]
+
+
+def test_a_fold_worker_that_cannot_start_leaves_the_delivery_pending_run_66(
+    tmp_path: Path,
+) -> None:
+    """RUN-66: a `healthlog serve` whose interpreter is removed while it runs (a virtual
+    environment built anew, a Python upgraded under the service): a delivery answered 200 then
+    stays pending through three tries, one ERROR names the interpreter and none blames the
+    delivery; once the interpreter is back it folds `parsed`, and one INFO says so."""
+    python = removable_interpreter(tmp_path / "venv")
+    while_away, back, said = folded_while_away(tmp_path, python, python)
+    assert (while_away, back) == ("pending", "parsed"), said
+    cause = f"{python} cannot be run by uid {os.getuid()} (missing, or not executable)"
+    assert said == workers_cannot_start(cause)
+
+
+def test_a_fold_worker_without_its_packages_leaves_the_delivery_pending_run_67(
+    tmp_path: Path,
+) -> None:
+    """RUN-67: a `healthlog serve` whose interpreter is there but whose packages are not (a
+    virtual environment built anew, between `python -m venv` and `pip install`): a delivery
+    answered 200 stays pending through three tries, one ERROR gives the new worker's exit status;
+    once the packages are back it folds `parsed`, and one INFO says so."""
+    python = removable_interpreter(tmp_path / "venv")
+    [packages] = (tmp_path / "venv" / "lib").glob("python3*/site-packages/outer.pth")
+    while_away, back, said = folded_while_away(tmp_path, python, packages)
+    assert (while_away, back) == ("pending", "parsed"), said
+    cause = "a new worker process exited with status 1 before it ran anything"
+    assert said == workers_cannot_start(cause)
