@@ -271,8 +271,15 @@ def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
 def _check_readable(name: str) -> None:
     """Refuse (exit 2, nothing journaled) a file that cannot be opened for reading, or is a
     directory, before any is read: each is read only when its turn comes (CLI-124). Opened
-    without blocking, so that a FIFO (``<(command)``) is not waited on here."""
+    without blocking, so that a FIFO (``<(command)``) is not waited on here; a named FIFO is
+    not opened at all: its writer, waiting for a reader, took that open for its reader, wrote
+    into a pipe closed at once, and died of SIGPIPE, while the import then waited on the FIFO
+    for good (CLI-130)."""
     try:
+        if stat.S_ISFIFO(os.stat(name).st_mode):
+            if not os.access(name, os.R_OK):
+                raise CliError(f"cannot read {name}: {os.strerror(errno.EACCES)}")
+            return
         fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise CliError(f"cannot read {name}: {exc.strerror}") from None

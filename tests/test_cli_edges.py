@@ -19,6 +19,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import closing
@@ -2935,3 +2936,44 @@ def test_a_data_directory_the_user_may_not_enter_is_said_so_cli_122(tmp_path: Pa
         )
         assert done.stdout == b""
     assert sorted(path.name for path in data.iterdir()) == left
+
+
+def test_import_reads_a_fifo_whose_writer_waits_cli_130(tmp_path: Path) -> None:
+    """CLI-130: `import FIFO` whose writer already waits for a reader (`cat body > FIFO &`, then
+    the import) journals the whole body, and the writer ends well. The check before any file
+    is read opened the FIFO without blocking and closed it: the writer took that open for its
+    reader and died of SIGPIPE (a body over the pipe's 64 KiB cannot sit in it), and the import
+    then waited on the FIFO for good."""
+    data = tmp_path / "data"
+    source = tmp_path / "source.json"
+    write_minute_body(source, metrics=1, points=3000)
+    content = source.read_bytes()
+    assert len(content) > 2**16
+    fifo = tmp_path / "body.fifo"
+    os.mkfifo(fifo)
+    broken: list[OSError] = []
+
+    def feed() -> None:
+        try:
+            with fifo.open("wb") as out:
+                out.write(content)
+        except BrokenPipeError as exc:
+            broken.append(exc)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        run = subprocess.run(
+            healthlog("import", "--data", data, "--no-wait", fifo),
+            capture_output=True,
+            timeout=LIMIT_S,
+            check=False,
+        )
+    finally:
+        # A writer still waiting for a reader is let go: it meets a closed pipe.
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(LIMIT_S)
+    assert run.returncode == 0, run.stderr
+    assert broken == []
+    with DataDir(data).open_journal() as journal:
+        assert [journal.read_body(m.id) for m in journal.iter_order()] == [content]
