@@ -322,7 +322,9 @@ async def _import(args: argparse.Namespace, data: DataDir, config: ServeConfig) 
         for name in args.files:
             receipt = await runtime.submit(
                 NewDelivery(
-                    body=await trio.to_thread.run_sync(_read_file, name),
+                    # Abandoned when cancelled (SIGTERM, Ctrl-C): waited for, a read still
+                    # waiting on a FIFO nobody writes kept the command from stopping (CLI-131).
+                    body=await trio.to_thread.run_sync(_read_file, name, abandon_on_cancel=True),
                     client=IMPORT_CLIENT,
                     content_type="application/json",
                     automation_id=args.automation_id,

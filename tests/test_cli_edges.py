@@ -2977,3 +2977,38 @@ def test_import_reads_a_fifo_whose_writer_waits_cli_130(tmp_path: Path) -> None:
     assert broken == []
     with DataDir(data).open_journal() as journal:
         assert [journal.read_body(m.id) for m in journal.iter_order()] == [content]
+
+
+def test_import_waiting_on_a_fifo_stops_on_sigterm_cli_131(tmp_path: Path) -> None:
+    """CLI-131: `import A FIFO` whose FIFO no program writes yet, once it has said that A is
+    journaled (it then waits on the FIFO), stops on SIGTERM: exit 143, the first delivery kept.
+    Each file is read at its turn in a worker thread (CLI-124), which the signal's cancel
+    waited for: the command went on waiting on the FIFO, SIGTERM and Ctrl-C alike."""
+    data = tmp_path / "data"
+    first = body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=61)))
+    named = write(tmp_path / "a.json", first)
+    fifo = tmp_path / "b.fifo"
+    os.mkfifo(fifo)
+    args = ["--no-wait", "--aggregation", "minutes", named, fifo]
+    with subprocess.Popen(
+        healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
+    ) as importing:
+        try:
+            assert importing.stderr is not None
+            fd = importing.stderr.fileno()
+            said = b""
+            deadline = time.monotonic() + LIMIT_S
+            while f"journaled {named} as delivery 1".encode() not in said:
+                left = deadline - time.monotonic()
+                assert left > 0, said
+                assert select.select([fd], [], [], left)[0], said
+                chunk = os.read(fd, 65536)
+                assert chunk, said
+                said += chunk
+            importing.send_signal(signal.SIGTERM)
+            _, rest = importing.communicate(timeout=LIMIT_S)
+        finally:
+            importing.kill()
+    assert importing.returncode == 128 + signal.SIGTERM, said + rest
+    with DataDir(data).open_journal() as journal:
+        assert [journal.read_body(m.id) for m in journal.iter_order()] == [first]
