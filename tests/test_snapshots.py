@@ -364,6 +364,31 @@ async def test_a_link_at_a_snapshot_s_name_is_not_served_serve_88(
         assert hashlib.sha256(served.content).hexdigest() == built["sha256"]
 
 
+async def test_a_link_at_the_kept_snapshot_s_name_is_built_anew_serve_95(tmp_path: Path) -> None:
+    """SERVE-95: GIVEN the snapshot the service built last replaced by a link at its name (to a
+    copy of that very file, elsewhere) WHEN `/v1/snapshots` is asked THEN a new snapshot is
+    built at that name and its `url` answers 200 with the file its manifest signs. (Before,
+    the link counted as the kept file: the manifest was offered again and again and its `url`
+    answered 404 `NOT_FOUND` each time, SERVE-88, so a follower sent there never restored.)"""
+    async with serving(tmp_path / "data") as service:
+        built = await newer_snapshot(service, 0, 20)
+        name = f"snapshot-{built['stream']}-{built['seq']}.snap"
+        planted = service.data.snapshot_dir / name
+        elsewhere = tmp_path / name
+        original = planted.read_bytes()
+        planted.rename(elsewhere)
+        planted.symlink_to(elsewhere)
+        response = await service.get("/v1/snapshots")
+        assert response.status_code == 200, response.text
+        offered = response.json()
+        assert offered["seq"] == built["seq"]
+        fetched = await service.get(str(offered["url"]))
+        assert fetched.status_code == 200, fetched.text
+        assert hashlib.sha256(fetched.content).hexdigest() == offered["sha256"]
+        assert not planted.is_symlink()
+        assert elsewhere.read_bytes() == original
+
+
 _BUILD = """
 import os, resource, signal, sys
 from healthlog.storage import snapshot_files

@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -87,9 +88,16 @@ def build(
 
 
 def find(directory: Path, stream: str, seq: int) -> Path | None:
-    """The snapshot file of ``stream`` at ``seq``, if it is still kept."""
+    """The snapshot file of ``stream`` at ``seq``, if it is still kept: a regular file, as a
+    build makes it. Anything else at that name (a link, which :func:`open_file` refuses to
+    serve) is None, so that a new snapshot is built rather than a manifest offered whose file
+    answers 404 at every fetch (SERVE-95)."""
     path = _path(directory, stream, seq)
-    return path if path.exists() else None
+    try:
+        mode = path.lstat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return path if stat.S_ISREG(mode) else None
 
 
 def open_file(directory: Path, stream: str, seq: int) -> BinaryIO | None:
