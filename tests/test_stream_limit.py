@@ -270,6 +270,7 @@ async def test_metrics_count_the_stream_connections_refused_serve_65(tmp_path: P
         assert await refusals(service) == {
             "reason=too_many_subscribers": 0,
             "reason=unauthorized": 0,
+            "reason=repeated_parameter": 0,
         }
         async with subscribe(service) as served:
             assert consecutive(await receive(served, total), 0)
@@ -280,10 +281,35 @@ async def test_metrics_count_the_stream_connections_refused_serve_65(tmp_path: P
             assert await refusals(service) == {
                 "reason=too_many_subscribers": 2,
                 "reason=unauthorized": 1,
+                "reason=repeated_parameter": 0,
             }
         text = (await service.client.get("/metrics")).text
         assert service.token not in text
         assert "127.0.0.1" not in text
+
+
+async def test_metrics_count_repeated_parameters_refused_stream_128(tmp_path: Path) -> None:
+    """STREAM-128: ``healthlog_stream_refused_total{reason="repeated_parameter"}`` counts each
+    handshake refused 4400 ``REPEATED_PARAMETER``: a token given twice as the `token` query
+    parameter (the client's own, and one that is no client's) and `after` given twice with a
+    live token, three in all, and nothing under the other reasons. (Before, a repeated `token`,
+    refused before any token is checked, was counted nowhere: a follower or scanner sending it
+    showed in no figure.)"""
+    async with serving(tmp_path) as service:
+        await post_small(service, 0)
+        for path, headers in (
+            (f"/v1/stream?after=0&token={service.token}&token={service.token}", []),
+            ("/v1/stream?after=0&token=no&token=no", []),
+            ("/v1/stream?after=1&after=0", bearer(service.token)),
+        ):
+            async with connect(service.port, path, headers) as ws:
+                frame, code = await refusal(ws)
+            assert (frame["code"], code) == ("REPEATED_PARAMETER", 4400), path
+        assert await refusals(service) == {
+            "reason=too_many_subscribers": 0,
+            "reason=unauthorized": 0,
+            "reason=repeated_parameter": 3,
+        }
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -208,6 +208,10 @@ class HandshakeRefusals:
     """Refused 503 ``TOO_MANY_SUBSCRIBERS``: ``stream_max_subscribers`` were served."""
     unauthorized: int = 0
     """Refused 4401 ``UNAUTHORIZED``: no token, or one that is not live."""
+    repeated_parameter: int = 0
+    """Refused 4400 ``REPEATED_PARAMETER``: ``after``, ``subscriber``, ``tag`` or ``token``
+    given twice (STREAM-127); a repeated ``token`` is checked before any token, so it counted
+    under no reason (STREAM-128)."""
 
 
 class StreamRefused(Exception):
@@ -295,6 +299,7 @@ class StreamEndpoint:
         query = {name: given[0] for name, given in values.items()}
         repeated = next((name for name in PARAMETERS if len(values.get(name, ())) > 1), None)
         if repeated == "token":
+            self.refused.repeated_parameter += 1
             await self._serve(scope, receive, send, query, _repeated(repeated))
             return
         token = await self._authenticate(scope, query)
@@ -304,6 +309,7 @@ class StreamEndpoint:
             await self._serve(scope, receive, send, query, unauthorized)
             return
         if repeated is not None:
+            self.refused.repeated_parameter += 1
             await self._serve(scope, receive, send, query, _repeated(repeated))
             return
         try:
