@@ -36,6 +36,7 @@ POINTS = (
     "rebuild.scratch",
     "snapshot.write",
     "schema.migrate",
+    "tokens.read",
 )
 
 

@@ -56,12 +56,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
 
+from healthlog import faults
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.logs import Throttle
+from healthlog.storage._sqlite import Deferred
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import NewDelivery
 from healthlog.timestamps import format_instant, parse_instant
 from transport import app as app_module
+from transport.intake import INTAKE_PATH as INTAKE
 from transport.refusals import Bucket, RefusalLog
 
 MiB = 2**20
@@ -307,6 +310,67 @@ async def test_a_token_revoked_while_its_body_comes_journals_nothing_serve_89(
     accepted = await post_stream(service.client, again, _bearer(token))
     assert accepted.status_code == 200
     assert [m.client for m in await service.journal()] == ["tablet"]
+
+
+async def test_a_token_store_that_cannot_be_read_is_503_serve_96(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-96: while the token store cannot be read (a busy `tokens.sqlite`, forced at the
+    fault point `tokens.read`), an upload checked at its headers, and one whose headers were
+    checked before and whose body ends meanwhile (SERVE-89's second check), are each answered
+    503 `TOKENS_UNAVAILABLE` with `Retry-After`, nothing is journaled, and each is one WARNING
+    naming the error's type and no token; once it can be read again the next upload is 200.
+    (Before, each was 500 with an empty body, and hypercorn logged the exception at ERROR.)"""
+    content = small(7)
+    half = len(content) // 2
+    failing = [True]
+
+    def busy(name: str) -> None:
+        if failing[0]:
+            raise Deferred(f"injected busy at {name}")
+
+    async def until_busy() -> None:
+        # Until the token cache reloads, and fails: a token that is no client's asks for it.
+        wrong = _bearer("hl_no")
+        with trio.fail_after(REVOKE_LIMIT_S):
+            while (
+                await service.client.post(INTAKE, content=b"{}", headers=wrong)
+            ).status_code != 503:
+                await trio.sleep(POLL_S)
+
+    plan = faults.Plan(actions={"tokens.read": faults.Action(frozenset(range(1, 10**6)), busy)})
+    with faults.loaded(plan), caplog.at_level(logging.INFO):
+        await until_busy()
+        at_headers = await service.post(content)
+        failing[0] = False
+        kept = trio.Event()
+        drip = Drip([content[:half], content[half:]], gate=kept)
+        answers: list[httpx.Response] = []
+        async with trio.open_nursery() as nursery:
+
+            async def upload() -> None:
+                answers.append(await post_stream(service.client, drip, service.auth))
+
+            nursery.start_soon(upload)
+            await drip.held.wait()
+            failing[0] = True
+            await until_busy()
+            kept.set()
+        failing[0] = False
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    [after_body] = answers
+    for answer in (at_headers, after_body):
+        assert answer.status_code == 503, answer.text
+        assert answer.json() == {"error": "TOKENS_UNAVAILABLE"}
+        assert answer.headers["Retry-After"] == "5"
+    assert await service.journal() == []
+    assert {r.getMessage() for r in warnings} == {
+        "intake: the token store could not be read: Deferred"
+    }
+    assert len(warnings) >= 3
+    assert all(service.token not in r.getMessage() for r in caplog.records)
+    assert (await service.post(content)).status_code == 200
+    assert len(await service.journal()) == 1
 
 
 def _bearer(token: str) -> dict[str, str]:

@@ -236,7 +236,10 @@ class IntakeEndpoint:
             return _answer(405, _error("METHOD_NOT_ALLOWED"), ((b"allow", ALLOW),))
         headers = _headers(scope["headers"])
         presented = presented_token(headers.get("authorization"), headers.get("api-key"))
-        name = None if presented is None else await self._tokens.authenticate(presented)
+        try:
+            name = None if presented is None else await self._tokens.authenticate(presented)
+        except StorageError as exc:
+            return _tokens_unavailable(exc)
         if presented is None or name is None:
             return self._refuse_unauthorized(scope, presented is not None)
         if int(headers.get("content-length") or 0) > self._limit:
@@ -296,7 +299,11 @@ class IntakeEndpoint:
         # Checked again once the body is whole: a token revoked while it came (a lost phone's,
         # its upload begun before) is refused as at the headers, and nothing is journaled under
         # it (SERVE-89), as its open streams are ended (STREAM-28).
-        if await self._tokens.authenticate(presented) != name:
+        try:
+            still = await self._tokens.authenticate(presented)
+        except StorageError as exc:
+            return _tokens_unavailable(exc)
+        if still != name:
             return self._refuse_unauthorized(scope, True)
         digest = None
         if key is not None:
@@ -425,6 +432,14 @@ def _waits_to_continue(scope: Any) -> bool:
         name.lower() == b"expect" and value.strip().lower() == b"100-continue"
         for name, value in scope["headers"]
     )
+
+
+def _tokens_unavailable(exc: StorageError) -> _Answer:
+    """503 with ``Retry-After`` when the token store cannot be read (busy, or failing while
+    the token cache reloads): the app sends the delivery again, and nothing is journaled. It
+    was 500, logged by hypercorn at ERROR with its traceback (SERVE-96)."""
+    log.warning("intake: the token store could not be read: %s", describe(exc))
+    return _answer(503, _error("TOKENS_UNAVAILABLE"), ((b"retry-after", RETRY_AFTER_S),))
 
 
 def _error(code: str) -> bytes:

@@ -13,6 +13,7 @@ import time
 
 import attrs
 
+from healthlog import faults
 from healthlog.storage._sqlite import (
     Database,
     StorageError,
@@ -84,6 +85,7 @@ class Tokens(Database):
     def hashes(self) -> dict[bytes, str]:
         """Every live token hash with its client name; a token with a reserved name (one made
         before names were reserved) authenticates nothing."""
+        faults.point("tokens.read")
         with self._lock:
             rows = self._conn.execute("SELECT hash, name FROM tokens").fetchall()
         return {bytes(h): str(n) for h, n in rows if not str(n).startswith(RESERVED_PREFIX)}
