@@ -65,7 +65,7 @@ from healthlog.storage.journal import NewDelivery
 from healthlog.timestamps import format_instant, parse_instant
 from transport import app as app_module
 from transport.intake import INTAKE_PATH as INTAKE
-from transport.refusals import Bucket, RefusalLog
+from transport.refusals import Bucket, RefusalLog, WrongPathLog
 
 MiB = 2**20
 HEART_RATE = body(
@@ -2214,6 +2214,71 @@ async def test_a_flood_of_401s_logs_a_few_lines_and_counts_the_rest_serve_44(
     ]
     assert all(held_back), lines[5:]
     assert sum(int(m.group(1)) for m in held_back if m) == 301 - len(lines)
+
+
+async def test_a_post_to_a_wrong_path_is_logged_serve_97(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-97: a delivery posted to a path no route serves (`/`, `/v1/delivery`,
+    `/v1/deliveries/`, `/api/v1/deliveries` with a query string) is 404 `NOT_FOUND`, nothing
+    is journaled, and each path is one INFO line naming the method and the path, never the
+    query string, a header's value or the body; a control character in the path is escaped;
+    the same path again within the minute adds no line. (Before, the service
+    logged nothing above DEBUG: a phone app set to a wrong URL reached the service and the user
+    reading its log saw no sign of it.)"""
+    wrong = ["/", "/v1/delivery", "/v1/deliveries/", "/api/v1/deliveries?token=hl_planted"]
+    headers = {**service.auth, "automation-name": "Planted ZQX"}
+    with caplog.at_level(logging.DEBUG, "healthlog"):
+        for path in [*wrong, "/v1/delivery", "/v1/delivery", "/a%0Ab%1B"]:
+            answer = await service.client.post(path, content=b'{"planted": 61}', headers=headers)
+            assert answer.status_code == 404, path
+            assert answer.json() == {"error": "NOT_FOUND"}, path
+    http = [r for r in caplog.records if r.name == "healthlog.http"]
+    lines = [r.getMessage() for r in http if r.levelno > logging.DEBUG]
+    hint = "from 127.0.0.1: deliveries go to POST /v1/deliveries"
+    assert lines == [
+        f"no route for POST / {hint}",
+        f"no route for POST /v1/delivery {hint}",
+        f"no route for POST /v1/deliveries/ {hint}",
+        f"no route for POST /api/v1/deliveries {hint}",
+        f"no route for POST /a\\nb\\x1b {hint}",
+    ]
+    above_debug = [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG]
+    for planted in (service.token, "hl_planted", "Planted", "61"):
+        assert all(planted not in line for line in above_debug), planted
+    assert await service.journal() == []
+
+
+def test_wrong_paths_are_logged_once_a_minute_and_within_a_bucket_serve_97(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SERVE-97: a path asked for again is logged once a minute, the next line saying how many
+    requests for it were not; 1,000 distinct paths at once (a scanner) are 5 lines, and the line
+    after them says how many were held back; a path of 501 characters is cut at 120."""
+    now = [0.0]
+    wrong = WrongPathLog(clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, "healthlog.http"):
+        for _ in range(4):
+            wrong("POST", "/v1/delivery", "192.0.2.1")
+        now[0] += 60.0
+        wrong("POST", "/v1/delivery", "192.0.2.1")
+        now[0] += 60.0
+        for n in range(1000):
+            wrong("GET", f"/scan/{n}", "198.51.100.7")
+        now[0] += 60.0
+        wrong("POST", "/v1/delivery", "192.0.2.1")
+        wrong("POST", "/" + "x" * 500, None)
+    lines = [r.getMessage() for r in caplog.records]
+    line = "no route for POST /v1/delivery from 192.0.2.1: deliveries go to POST /v1/deliveries"
+    assert lines[:2] == [line, f"{line}; 3 more requests for it were not logged before this one"]
+    assert len(lines) == 2 + 5 + 2
+    assert lines[-2] == (
+        f"{line}; 995 more requests for paths without a route were not logged before this one"
+    )
+    assert lines[-1] == (
+        f"no route for POST /{'x' * 119}... (501 characters) from an unknown address:"
+        " deliveries go to POST /v1/deliveries"
+    )
 
 
 def test_refusal_log_counts_what_it_holds_back_serve_44(caplog: pytest.LogCaptureFixture) -> None:

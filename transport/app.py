@@ -41,7 +41,7 @@ from healthlog.timestamps import (
 from transport.auth import TokenCache, presented_token
 from transport.intake import INTAKE_PATH, IntakeEndpoint
 from transport.metrics import render_metrics
-from transport.refusals import RefusalLog
+from transport.refusals import RefusalLog, WrongPathLog
 from transport.snapshots import SnapshotService
 from transport.stream import (
     HUB_ACTOR,
@@ -274,10 +274,14 @@ def create_app(
     slots = trio.CapacityLimiter(config.stream_max_subscribers)
     handshake_refusals = HandshakeRefusals()
     refusals = RefusalLog()
+    wrong_paths = WrongPathLog()
     intake = IntakeEndpoint(runtime, tokens, config, refusals)
 
     @app.errorhandler(NotFound)
     async def not_found(_exc: NotFound) -> Response:
+        # Only a path no route serves: a route's own 404 (an id not kept) is answered directly.
+        if has_request_context():
+            wrong_paths(request.method, request.path, request.remote_addr)
         return _error("NOT_FOUND", 404)
 
     @app.errorhandler(WebsocketMismatch)

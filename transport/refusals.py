@@ -113,6 +113,77 @@ class RefusalLog:
         self.refused(status, method, route, address, why)
 
 
+class WrongPathLog:
+    """Logs requests for a path the service has no route for (404) at INFO, so that a user can
+    see a phone app configured with a wrong URL (POST to `/` or `/v1/delivery`) reaching the
+    service: nothing said so before (SERVE-97).
+
+    A line names the method and the path, never the query string, a header's value or the
+    body; the path is cut at ``MAX_PATH`` characters and its control characters escaped. A
+    path is logged once per ``period_s``, the next line for it saying how many requests for it
+    went unlogged meanwhile; and all the lines pass one :class:`Bucket`, so that a scanner
+    asking for many paths cannot flood the log either."""
+
+    MAX_PATH = 120
+    MAX_METHOD = 16
+    MAX_PATHS = 256
+    """Paths remembered within ``period_s``; one beyond them is left to the bucket alone."""
+
+    def __init__(
+        self,
+        period_s: float = PERIOD_S,
+        bucket: Bucket | None = None,
+        clock: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self._period_s = period_s
+        self._bucket = Bucket(clock=clock) if bucket is None else bucket
+        self._clock = clock
+        self._paths: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def __call__(self, method: str, path: str, address: str | None) -> None:
+        """Log one request for ``path`` that no route serves (or count it)."""
+        now = self._clock()
+        # As logged: what is remembered of a path is bounded as its line is.
+        key = (_printable(method, self.MAX_METHOD), _printable(path, self.MAX_PATH))
+        logged_at, unlogged = self._paths.get(key, (None, 0))
+        if logged_at is not None and now - logged_at < self._period_s:
+            self._paths[key] = (logged_at, unlogged + 1)
+            return
+        held = self._bucket.admit()
+        if held is None:
+            if logged_at is not None:
+                self._paths[key] = (logged_at, unlogged + 1)
+            return
+        self._remember(key, now)
+        log.info(
+            "no route for %s %s from %s: deliveries go to POST /v1/deliveries%s%s",
+            *key,
+            address or "an unknown address",
+            f"; {unlogged} more requests for it were not logged before this one"
+            if unlogged
+            else "",
+            f"; {held} more requests for paths without a route were not logged before this one"
+            if held
+            else "",
+        )
+
+    def _remember(self, key: tuple[str, str], now: float) -> None:
+        self._paths.pop(key, None)
+        if len(self._paths) >= self.MAX_PATHS:
+            self._paths = {
+                k: (at, n) for k, (at, n) in self._paths.items() if now - at < self._period_s
+            }
+        if len(self._paths) < self.MAX_PATHS:
+            self._paths[key] = (now, 0)
+
+
+def _printable(text: str, limit: int) -> str:
+    """``text`` cut at ``limit`` characters (saying how long it was), each character that is
+    not printable written as its escape (``\\n``, ``\\x1b``)."""
+    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return shown if len(text) <= limit else f"{shown}... ({len(text)} characters)"
+
+
 def client_address(scope: dict[str, Any]) -> str | None:
     """The client's address in an ASGI scope (its host, not its port), when the server knows
     it."""
