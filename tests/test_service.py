@@ -50,9 +50,10 @@ from _service_helpers import (
     serving,
     write_minute_body,
 )
-from _stream_helpers import acked, connect, receive, send_ack, subscribe
+from _stream_helpers import acked, bearer, connect, receive, send_ack, subscribe
 from conftest import PROCESS_TIMEOUT_S
 from prometheus_client.parser import text_string_to_metric_families
+from trio_websocket import ConnectionClosed
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
 
@@ -371,6 +372,48 @@ async def test_a_token_store_that_cannot_be_read_is_503_serve_96(
     assert all(service.token not in r.getMessage() for r in caplog.records)
     assert (await service.post(content)).status_code == 200
     assert len(await service.journal()) == 1
+
+
+async def test_a_token_store_that_cannot_be_read_is_no_error_of_the_read_routes_serve_98(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-98: while the token store cannot be read (the fault point `tokens.read`),
+    `/v1/status`, `/v1/points` and `/v1/snapshots` with a token are 503 `TOKENS_UNAVAILABLE` with
+    `Retry-After`, and a stream handshake with it is accepted and closed 1011 `STORE_ERROR` (which
+    `follow` retries), each with one WARNING naming the error's type and no record at ERROR;
+    once it can be read again they are served. (Before, the read routes answered 500 `INTERNAL`
+    with an ERROR `unhandled Deferred`, and the handshake an HTTP 500 with hypercorn's
+    `Error in ASGI Framework` and its traceback at ERROR.)"""
+    failing = [True]
+
+    def busy(name: str) -> None:
+        if failing[0]:
+            raise Deferred(f"injected busy at {name}")
+
+    plan = faults.Plan(actions={"tokens.read": faults.Action(frozenset(range(1, 10**6)), busy)})
+    with faults.loaded(plan), caplog.at_level(logging.INFO):
+        with trio.fail_after(REVOKE_LIMIT_S):
+            while (await service.get("/v1/status")).status_code == 200:
+                await trio.sleep(POLL_S)
+        for path in ("/v1/status", "/v1/points", "/v1/snapshots"):
+            answer = await service.get(path)
+            assert answer.status_code == 503, (path, answer.text)
+            assert answer.json() == {"error": "TOKENS_UNAVAILABLE"}, path
+            assert answer.headers["Retry-After"] == "5", path
+        async with connect(service.port, "/v1/stream?after=0", bearer(service.token)) as ws:
+            with pytest.raises(ConnectionClosed) as closed:
+                await ws.get_message()
+        assert (closed.value.reason.code, closed.value.reason.reason) == (1011, "STORE_ERROR")
+        failing[0] = False
+        records = list(caplog.records)
+    assert [r for r in records if r.levelno >= logging.ERROR] == []
+    warnings = {r.getMessage() for r in records if r.levelno == logging.WARNING}
+    assert warnings == {
+        "the token store could not be read: Deferred",
+        "stream: the token store could not be read: Deferred",
+    }
+    assert all(service.token not in r.getMessage() for r in records)
+    assert (await service.get("/v1/status")).status_code == 200
 
 
 def _bearer(token: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ from healthlog import documents, layers
 from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject
-from healthlog.storage._sqlite import StorageError
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import OBJECTS_PAGE, Store
 from healthlog.timestamps import (
@@ -39,7 +39,7 @@ from healthlog.timestamps import (
     parse_instant,
 )
 from transport.auth import TokenCache, presented_token
-from transport.intake import INTAKE_PATH, IntakeEndpoint
+from transport.intake import INTAKE_PATH, RETRY_AFTER_S, IntakeEndpoint
 from transport.metrics import render_metrics
 from transport.refusals import RefusalLog, WrongPathLog
 from transport.snapshots import SnapshotService
@@ -72,6 +72,8 @@ _SPACE_FOR_PLUS = re.compile(r" (?=[0-9]{2}:?[0-9]{2}\Z)")
 POINTS_CHUNK_BYTES = 64 * 1024
 SQLITE_MAX_INTEGER = 2**63 - 1
 RESPONSE_TIMEOUT_S = 60.0
+# As intake's: the token store is busy for moments (a token added or revoked).
+TOKENS_RETRY_AFTER_S = RETRY_AFTER_S.decode()
 
 log = logging.getLogger("healthlog.http")
 
@@ -97,6 +99,15 @@ def _streamed(response: Response) -> Response:
     (``transport.serve``)."""
     response.timeout = None
     return response
+
+
+class _TokensUnavailable(Exception):
+    """The token store could not be read to check a request's token: 503 with
+    ``Retry-After``, as intake answers it; it was 500 ``INTERNAL`` and an ERROR (SERVE-98)."""
+
+    def __init__(self, cause: StorageError) -> None:
+        super().__init__(type(cause).__name__)
+        self.cause = cause
 
 
 class _Http(QuartTrio):
@@ -316,11 +327,19 @@ def create_app(
         # started again after a backoff instead of ending for the life of the process.
         app.nursery.start_soon(runtime.supervise, HUB_ACTOR, hub.run)
 
+    @app.errorhandler(_TokensUnavailable)
+    async def tokens_unavailable(error: _TokensUnavailable) -> Response:
+        log.warning("the token store could not be read: %s", describe(error.cause))
+        return _error("TOKENS_UNAVAILABLE", 503, {"Retry-After": TOKENS_RETRY_AFTER_S})
+
     async def client() -> str | None:
         presented = presented_token(
             request.headers.get("Authorization"), request.headers.get("api-key")
         )
-        return None if presented is None else await tokens.authenticate(presented)
+        try:
+            return None if presented is None else await tokens.authenticate(presented)
+        except StorageError as exc:
+            raise _TokensUnavailable(exc) from None
 
     def unauthorized() -> Response:
         # The route's pattern, never the path: that holds what the client sent.

@@ -302,7 +302,15 @@ class StreamEndpoint:
             self.refused.repeated_parameter += 1
             await self._serve(scope, receive, send, query, _repeated(repeated))
             return
-        token = await self._authenticate(scope, query)
+        try:
+            token = await self._authenticate(scope, query)
+        except StorageError as exc:
+            # Ended as a subscription whose store failed, which `follow` retries; it escaped
+            # the endpoint: an HTTP 500 and hypercorn's traceback at ERROR (SERVE-98).
+            log.warning("stream: the token store could not be read: %s", describe(exc))
+            store_error = StreamRefused("STORE_ERROR", CLOSE_STORE_ERROR, frame=False)
+            await self._serve(scope, receive, send, query, store_error)
+            return
         if token is None:
             self.refused.unauthorized += 1
             unauthorized = StreamRefused("UNAUTHORIZED", CLOSE_UNAUTHORIZED)
