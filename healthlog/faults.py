@@ -35,6 +35,8 @@ POINTS = (
     "snapshot.open",
     "rebuild.scratch",
     "snapshot.write",
+    "follow.download",
+    "follow.restore",
     "schema.migrate",
     "tokens.read",
 )

@@ -1980,15 +1980,18 @@ def test_a_killed_restore_leaves_no_download_for_good_stream_60(tmp_path: Path) 
     with Replica(directory) as replica, contextlib.ExitStack() as never_ended:
         left = never_ended.enter_context(replica.snapshot_file())
         recent = never_ended.enter_context(replica.snapshot_file())
-        left.write_bytes(b"\x1f\x8b half a snapshot")
-        recent.write_bytes(b"\x1f\x8b")
+        left.write(b"\x1f\x8b half a snapshot")
+        left.flush()
+        recent.write(b"\x1f\x8b")
+        recent.flush()
         hours_ago = time.time() - 2 * 3600
-        os.utime(left, (hours_ago, hours_ago))
+        os.utime(left.fileno(), (hours_ago, hours_ago))
+        assert len(list(directory.glob("*.tmp"))) == 2
         with replica.following():
             assert list(directory.glob("*.tmp")) == []
-            with replica.snapshot_file() as download:
-                assert download.exists()
-            assert not download.exists()
+            with replica.snapshot_file():
+                assert len(list(directory.glob("*.tmp"))) == 1
+            assert list(directory.glob("*.tmp")) == []
         assert list(directory.glob("*.tmp")) == []
 
 
@@ -2034,21 +2037,115 @@ async def test_a_snapshot_larger_than_the_disk_has_room_for_stops_follow_stream_
                 httpx.AsyncClient(base_url=front.url("http")) as http,
             ):
                 path = tmp_path / "download"
-                with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="room for"):
-                    await _download(http, "/v1/snapshots/1", path, room=2**18)
+                with (
+                    open(path, "w+b") as file,
+                    trio.fail_after(FRAME_LIMIT_S),
+                    pytest.raises(FollowError, match="room for"),
+                ):
+                    await _download(http, "/v1/snapshots/1", file, room=2**18)
                 assert path.stat().st_size <= 2**18
-                # A length announced over the room, by a single byte, is refused before the
-                # file is even opened, though all but that byte of the body would fit.
+                # A length announced over the room, by a single byte, is refused before a byte
+                # is written, though all but that byte of the body would fit.
                 path = tmp_path / "announced"
-                with trio.fail_after(FRAME_LIMIT_S), pytest.raises(FollowError, match="room for"):
-                    await _download(http, "/v1/snapshots/2", path, room=2**18)
-                assert not path.exists()
+                with (
+                    open(path, "w+b") as file,
+                    trio.fail_after(FRAME_LIMIT_S),
+                    pytest.raises(FollowError, match="room for"),
+                ):
+                    await _download(http, "/v1/snapshots/2", file, room=2**18)
+                assert path.stat().st_size == 0
                 # A body of exactly the room is taken whole.
                 path = tmp_path / "fitting"
-                with trio.fail_after(FRAME_LIMIT_S):
-                    digest = await _download(http, "/v1/snapshots/3", path, room=2**18)
+                with open(path, "w+b") as file, trio.fail_after(FRAME_LIMIT_S):
+                    digest = await _download(http, "/v1/snapshots/3", file, room=2**18)
                 assert path.read_bytes() == b"x" * 2**18
                 assert digest == hashlib.sha256(b"x" * 2**18).hexdigest()
+
+
+def the_download(directory: Path) -> Path:
+    """The one snapshot download file beside the replica in ``directory``."""
+    (download,) = directory.glob("snapshot-*.tmp")
+    return download
+
+
+def swapping_in_one_object_fewer(directory: Path, served: Path) -> Callable[[str], None]:
+    """A fault action: the download file beside the replica replaced, by name, with the
+    newest snapshot in ``served`` (the service's snapshot directory) less its last object,
+    its header counting one fewer (never signed), as another account that may write in the
+    replica's directory can rename one over it."""
+
+    def swap(_: str) -> None:
+        download = the_download(directory)
+        newest = max(served.glob("snapshot-*.snap"), key=lambda p: int(p.stem.split("-")[-1]))
+        header, *objects = snapshot_lines(newest.read_bytes())
+        fields = orjson.loads(header)
+        forged = directory / "forged"
+        forged.write_bytes(
+            packed([orjson.dumps({**fields, "objects": len(objects) - 1}), *objects[:-1]])
+        )
+        os.replace(forged, download)
+
+    return swap
+
+
+def linking_to(directory: Path, victim: Path) -> Callable[[str], None]:
+    """A fault action: the download file beside the replica replaced with a symbolic link to
+    ``victim``, as another account that may write in the replica's directory can plant one."""
+
+    def plant(_: str) -> None:
+        download = the_download(directory)
+        download.unlink()
+        download.symlink_to(victim)
+
+    return plant
+
+
+async def test_a_snapshot_swapped_after_its_check_is_not_restored_stream_129(
+    tmp_path: Path,
+) -> None:
+    """STREAM-129: a follower whose cursor fell out of the window downloads the snapshot; WHEN,
+    after its check and before its restore (the fault point ``follow.restore``), the download
+    file is replaced by name with one of the same header less an object THEN the replica is
+    restored from the bytes checked: it equals the service, and no download file is left."""
+    directory = tmp_path / "replica"
+    with Replica(directory) as replica:
+        async with serving(tmp_path / "server") as service:
+            await fall_behind(service, replica)
+            plan = faults.Plan()
+            plan.actions["follow.restore"] = faults.Action(
+                frozenset({1}), swapping_in_one_object_fewer(directory, service.data.snapshot_dir)
+            )
+            with faults.loaded(plan), trio.fail_after(FRAME_LIMIT_S):
+                await follow(service.url, service.token, replica, until_caught_up=True)
+            assert plan.fired["follow.restore"] == 1
+            assert await replica_export(replica) == await server_export(service)
+        assert list(directory.glob("snapshot-*")) == []
+
+
+async def test_a_link_planted_at_the_download_name_is_not_written_stream_130(
+    tmp_path: Path,
+) -> None:
+    """STREAM-130: a follower whose cursor fell out of the window makes its download file; WHEN,
+    before the download is written (the fault point ``follow.download``), a symbolic link to
+    another file of the follower's user is planted at its name THEN that file is left as it
+    was, the snapshot is downloaded, checked and restored all the same (the replica equals the
+    service), and the link is removed with the download's name."""
+    directory = tmp_path / "replica"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"a file of the follower's user\n")
+    with Replica(directory) as replica:
+        async with serving(tmp_path / "server") as service:
+            await fall_behind(service, replica)
+            plan = faults.Plan()
+            plan.actions["follow.download"] = faults.Action(
+                frozenset({1}), linking_to(directory, victim)
+            )
+            with faults.loaded(plan), trio.fail_after(FRAME_LIMIT_S):
+                await follow(service.url, service.token, replica, until_caught_up=True)
+            assert plan.fired["follow.download"] == 1
+            assert victim.read_bytes() == b"a file of the follower's user\n"
+            assert await replica_export(replica) == await server_export(service)
+        assert list(directory.glob("snapshot-*")) == []
 
 
 RESTORE_PEAK_BYTES = 1_000_000

@@ -57,6 +57,8 @@ NOT_WALKED = frozenset(
         "snapshot.write",
         "rebuild.scratch",
         "tokens.read",
+        "follow.download",
+        "follow.restore",
     }
 )
 assert NOT_WALKED.issubset(faults.POINTS), "an excluded fault point no longer exists"

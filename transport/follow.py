@@ -5,7 +5,8 @@ while the previous batch of events is applied and the cursor advanced in one rep
 transaction; the ACK sent is the highest contiguous durable sequence, and a follower stopped
 (cancelled) sends one last ACK before it closes the stream. On ``CURSOR_TOO_OLD``
 (or when the server's stream changed) it downloads the signed snapshot into a temporary file
-beside the replica, checks schema, sha256, signature, instance and stream binding and
+beside the replica and reads it back through the same descriptor, never by name (STREAM-129,
+STREAM-130): it checks schema, sha256, signature, instance and stream binding and
 sequence, restores it a line at a time in one replica transaction, and resumes strictly after
 the snapshot. A stream connection is used only once the status, read again after it opened,
 still names the stream the session started with. It reconnects with backoff after a broken or
@@ -42,8 +43,7 @@ import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 import attrs
 import cattrs
@@ -63,7 +63,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import RemoteProtocolError
 
-from healthlog import snapshots
+from healthlog import faults, snapshots
 from healthlog.acks import AckTracker
 from healthlog.documents import AckFrame, Manifest, ObjectChanged, StreamInfo, converter, dumps
 from healthlog.objects import ObjectKey, from_wire
@@ -713,9 +713,10 @@ class Follower:
         binding = await trio.to_thread.run_sync(self.replica.binding)
         assert binding.instance is not None
         assert binding.public_key is not None
-        with self.replica.snapshot_file() as path:
+        with self.replica.snapshot_file() as file:
+            faults.point("follow.download")
             room = await trio.to_thread.run_sync(self.replica.room, self.snapshot_reserve_bytes)
-            digest = await _download(http, manifest.url, path, room, self.snapshot_window_s)
+            digest = await _download(http, manifest.url, file, room, self.snapshot_window_s)
             try:
                 snapshots.check(
                     manifest,
@@ -725,37 +726,41 @@ class Follower:
                     stream=stream,
                     after=after,
                 )
-                count = await trio.to_thread.run_sync(self._restore_file, path, manifest)
+                faults.point("follow.restore")
+                count = await trio.to_thread.run_sync(self._restore_file, file, manifest)
             except SnapshotError as exc:
                 raise FollowError(f"snapshot refused: {exc}") from None
         self._progressed()
         self._restored = manifest.seq
         log.info("follow: restored snapshot at seq %d (%d objects)", manifest.seq, count)
 
-    def _restore_file(self, path: Path, manifest: Manifest) -> int:
+    def _restore_file(self, file: BinaryIO, manifest: Manifest) -> int:
+        """Restore from the download ``file`` read again from its start through the same
+        descriptor: the bytes restored are those hashed and checked (STREAM-129)."""
         # The tag of the event at the snapshot's sequence: the next connection checks with it
         # that the service still holds that event (STREAM-116).
-        with open(path, "rb") as file:
-            tag = _tag(snapshots.header_tag(file))
-        with open(path, "rb") as file:
-            return self.replica.restore(
-                manifest.stream, manifest.seq, snapshots.read(file, manifest), tag
-            )
+        file.seek(0)
+        tag = _tag(snapshots.header_tag(file))
+        file.seek(0)
+        return self.replica.restore(
+            manifest.stream, manifest.seq, snapshots.read(file, manifest), tag
+        )
 
 
 async def _download(
     http: httpx.AsyncClient,
     url: str,
-    path: Path,
+    file: BinaryIO,
     room: int,
     window_s: float = SNAPSHOT_WINDOW_S,
 ) -> str:
-    """Stream the answer of ``url`` into the file ``path`` a chunk at a time; the sha256 of
-    its bytes. An answer of more than ``room`` bytes, announced or sent, is a FollowError; one
-    that brings less than ``SNAPSHOT_PACE_BYTES`` within ``window_s`` of the request or of the
-    last such stretch (stalled, or trickled) is a lost connection."""
+    """Stream the answer of ``url`` into the open ``file`` a chunk at a time (never a file
+    opened by name: STREAM-130); the sha256 of its bytes. An answer of more than ``room``
+    bytes, announced or sent, is a FollowError; one that brings less than
+    ``SNAPSHOT_PACE_BYTES`` within ``window_s`` of the request or of the last such stretch
+    (stalled, or trickled) is a lost connection."""
     with trio.move_on_after(window_s) as window:
-        digest = await _download_paced(http, url, path, room, window, window_s)
+        digest = await _download_paced(http, url, file, room, window, window_s)
     if window.cancelled_caught:
         raise ConnectionLost(
             f"the snapshot download brought less than {SNAPSHOT_PACE_BYTES // 2**10} KiB"
@@ -767,7 +772,7 @@ async def _download(
 async def _download_paced(
     http: httpx.AsyncClient,
     url: str,
-    path: Path,
+    file: BinaryIO,
     room: int,
     window: trio.CancelScope,
     window_s: float,
@@ -795,17 +800,17 @@ async def _download_paced(
             raise FollowError(too_large)
         written = paced = 0
         chunks = response.aiter_bytes()
-        async with await trio.open_file(path, "wb") as out:
-            async for chunk in chunks:
-                written += len(chunk)
-                if written > room:
-                    await _abandon(response, chunks)
-                    raise FollowError(too_large)
-                digest.update(chunk)
-                await out.write(chunk)
-                if written - paced >= SNAPSHOT_PACE_BYTES:
-                    paced = written
-                    window.deadline = trio.current_time() + window_s
+        out = trio.wrap_file(file)
+        async for chunk in chunks:
+            written += len(chunk)
+            if written > room:
+                await _abandon(response, chunks)
+                raise FollowError(too_large)
+            digest.update(chunk)
+            await out.write(chunk)
+            if written - paced >= SNAPSHOT_PACE_BYTES:
+                paced = written
+                window.deadline = trio.current_time() + window_s
     return digest.hexdigest()
 
 

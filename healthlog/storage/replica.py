@@ -11,6 +11,7 @@ import sqlite3
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import attrs
 
@@ -236,15 +237,21 @@ class Replica(_objects.ObjectDatabase):
         return max(0, stats.f_bavail * stats.f_frsize - reserve)
 
     @contextlib.contextmanager
-    def snapshot_file(self) -> Iterator[Path]:
-        """A new empty file in the replica's directory (``snapshot-*.tmp``) to download a
-        snapshot into; removed when the block ends, however it ends. Those a killed follower
-        left there are removed when the next one takes the replica (:meth:`following`)."""
+    def snapshot_file(self) -> Iterator[BinaryIO]:
+        """A new empty file in the replica's directory (``snapshot-*.tmp``, made with
+        ``O_EXCL|O_NOFOLLOW``, mode 0600), open for writing and reading: a snapshot is
+        downloaded into it, checked and restored from it through this one descriptor, never
+        opened again by name. Whoever else may write in the directory (one of mode 0777, or
+        shared) can rename another file over that name or plant a link there, but not change
+        the bytes read back, nor have the download written into the file a link names
+        (STREAM-129, STREAM-130). Closed and removed when the block ends, however it ends.
+        Those a killed follower left there are removed when the next one takes the replica
+        (:meth:`following`)."""
         directory = Path(self.path).parent
         fd, name = tempfile.mkstemp(prefix="snapshot-", suffix=".tmp", dir=directory)
-        os.close(fd)
         try:
-            yield Path(name)
+            with os.fdopen(fd, "w+b") as file:
+                yield file
         finally:
             Path(name).unlink(missing_ok=True)
 
