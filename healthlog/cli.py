@@ -298,6 +298,15 @@ def _read_file(name: str) -> bytes:
         raise CliError(f"cannot read {name}: {exc.strerror}") from None
 
 
+def _journaled_before(names: list[str], ids: list[int]) -> str:
+    """What an import stopped at a file that failed to read in its turn had journaled, for its
+    error line: importing those files again by hand would journal them twice (CLI-132)."""
+    if not ids:
+        return "; nothing journaled"
+    done = ", ".join(f"{name} as delivery {id_}" for name, id_ in zip(names, ids, strict=False))
+    return f"; journaled before it: {done} (do not import those again)"
+
+
 def _settings(data: DataDir) -> ServeConfig:
     """The data directory's settings (``healthlog.toml``, ``HEALTHLOG_*``), which a command
     that folds without the service folds under, as the service would."""
@@ -318,13 +327,17 @@ async def _import(args: argparse.Namespace, data: DataDir, config: ServeConfig) 
     from actors.runtime import configured, open_runtime
 
     async with open_runtime(configured(data.path, config, fold=not args.no_wait)) as runtime:
-        ids = []
+        ids: list[int] = []
         for name in args.files:
+            try:
+                # Abandoned when cancelled (SIGTERM, Ctrl-C): waited for, a read still waiting
+                # on a FIFO nobody writes kept the command from stopping (CLI-131).
+                content = await trio.to_thread.run_sync(_read_file, name, abandon_on_cancel=True)
+            except CliError as exc:
+                raise CliError(f"{exc}{_journaled_before(args.files, ids)}") from None
             receipt = await runtime.submit(
                 NewDelivery(
-                    # Abandoned when cancelled (SIGTERM, Ctrl-C): waited for, a read still
-                    # waiting on a FIFO nobody writes kept the command from stopping (CLI-131).
-                    body=await trio.to_thread.run_sync(_read_file, name, abandon_on_cancel=True),
+                    body=content,
                     client=IMPORT_CLIENT,
                     content_type="application/json",
                     automation_id=args.automation_id,

@@ -3012,3 +3012,47 @@ def test_import_waiting_on_a_fifo_stops_on_sigterm_cli_131(tmp_path: Path) -> No
     assert importing.returncode == 128 + signal.SIGTERM, said + rest
     with DataDir(data).open_journal() as journal:
         assert [journal.read_body(m.id) for m in journal.iter_order()] == [first]
+
+
+def test_a_file_gone_at_its_turn_says_what_was_journaled_cli_132(tmp_path: Path) -> None:
+    """CLI-132: `import A FIFO C` whose C is removed while the import waits on the FIFO (after
+    the check made before any file is read) exits 2, and its error line names the deliveries
+    journaled before it, A's and the FIFO's, so that nobody imports them again (without a key
+    they would be journaled twice); the journal holds those two. Before, the line said only
+    `cannot read C: No such file or directory`."""
+    data = tmp_path / "data"
+    first = body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=61)))
+    second = body(metric(HR, BPM, point("2024-02-06 07:01:00 -0800", qty=62)))
+    named = write(tmp_path / "a.json", first)
+    fifo = tmp_path / "b.fifo"
+    os.mkfifo(fifo)
+    gone = write(tmp_path / "c.json", second)
+    args = ["--no-wait", "--aggregation", "minutes", named, fifo, gone]
+    with subprocess.Popen(
+        healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
+    ) as importing:
+        try:
+            assert importing.stderr is not None
+            fd = importing.stderr.fileno()
+            said = b""
+            deadline = time.monotonic() + LIMIT_S
+            while f"journaled {named} as delivery 1".encode() not in said:
+                left = deadline - time.monotonic()
+                assert left > 0, said
+                assert select.select([fd], [], [], left)[0], said
+                chunk = os.read(fd, 65536)
+                assert chunk, said
+                said += chunk
+            gone.unlink()
+            fifo.write_bytes(second)
+            _, rest = importing.communicate(timeout=LIMIT_S)
+        finally:
+            importing.kill()
+    assert importing.returncode == 2, said + rest
+    last = (said + rest).decode().splitlines()[-1]
+    assert last == (
+        f"healthlog: cannot read {gone}: No such file or directory; journaled before it:"
+        f" {named} as delivery 1, {fifo} as delivery 2 (do not import those again)"
+    )
+    with DataDir(data).open_journal() as journal:
+        assert [journal.read_body(m.id) for m in journal.iter_order()] == [first, second]
