@@ -1404,12 +1404,57 @@ def test_files_every_user_may_read_are_named_at_start_store_79(
         for suffix in ("", "-wal", "-shm"):
             assert f" {name}{suffix} (mode 0644)" in warned[0], warned[0]
     assert "tokens.sqlite" not in warned[0]
-    assert f"`chmod -R o-rwx {data}`" in warned[0], warned[0]
+    assert f"(mode 0644); `chmod -R o-rwx {data}` makes them unreadable" in warned[0], warned[0]
+    assert "older healthlog" not in warned[0], warned[0]
     assert "1.5" not in warned[0]
     subprocess.run(["chmod", "-R", "o-rwx", data], check=True)
     mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
     assert mended.code == 0, mended.err
     assert "readable by every user" not in mended.err
+
+
+def test_a_restore_readable_by_every_user_is_named_without_a_guessed_cause_store_99(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-99: a journal backed up with `sqlite3 .backup` under umask 022 (0644) and copied
+    into a new data directory is named in the WARNING as a runtime starts on it, with its mode
+    and `chmod -R o-rwx DIR`, and no cause: it said `made by an older healthlog`, which no
+    healthlog did here."""
+    sqlite = shutil.which("sqlite3")
+    if sqlite is None:
+        pytest.skip("the sqlite3 command is missing")
+    data = tmp_path / "data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    subprocess.run(
+        [
+            "sh",
+            "-c",
+            'umask 022 && "$0" "$1" ".backup $2"',
+            sqlite,
+            data / "journal.sqlite",
+            backup / "journal.sqlite",
+        ],
+        check=True,
+    )
+    restored = tmp_path / "restored"
+    restored.mkdir(mode=0o700)
+    shutil.copy(backup / "journal.sqlite", restored / "journal.sqlite")
+    assert stat.S_IMODE((restored / "journal.sqlite").stat().st_mode) == 0o644
+    again = run_cli("import", "--aggregation", "minutes", "--data", restored, hr)
+    assert again.code == 0, again.err
+    warned = [line for line in again.err.splitlines() if "readable by every user" in line]
+    assert len(warned) == 1, again.err
+    assert (
+        f"readable by every user of the machine in {restored}: journal.sqlite (mode 0644)"
+        in (warned[0])
+    ), warned[0]
+    assert f"; `chmod -R o-rwx {restored}` makes them unreadable to others" in warned[0]
+    assert "older healthlog" not in warned[0], warned[0]
 
 
 def test_directories_every_user_may_write_in_are_named_at_start_store_97(

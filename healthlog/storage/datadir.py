@@ -115,10 +115,11 @@ class DataDir:
 
     def warn_if_readable_by_all(self) -> None:
         """One WARNING naming healthlog's files here that every user of the machine may read
-        (STORE-79): those an older healthlog made (0644 under the usual umask; SQLite gives a
-        database's ``-wal`` and ``-shm`` files its mode), with the command that mends them.
-        Only the file names and modes, never what they hold. Group permissions are left
-        unsaid: a group may be given read on purpose (a backup job's)."""
+        (STORE-79): an older healthlog made them 0644 under the usual umask, and so do a restore
+        or a ``chmod`` (SQLite gives a database's ``-wal`` and ``-shm`` files its mode), so only
+        what is known is said, the modes, with the command that mends them, not a cause
+        (STORE-99). Only the file names and modes, never what they hold. Group permissions are
+        left unsaid: a group may be given read on purpose (a backup job's)."""
         names = [
             f"{path.relative_to(self.path)} (mode {mode:04o})"
             for path, mode in self._modes()
@@ -126,8 +127,8 @@ class DataDir:
         ]
         if names:
             log.warning(
-                "health data readable by every user of the machine in %s: %s (made by an older"
-                " healthlog); `chmod -R o-rwx %s` makes them unreadable to others",
+                "health data readable by every user of the machine in %s: %s;"
+                " `chmod -R o-rwx %s` makes them unreadable to others",
                 self.path,
                 ", ".join(names),
                 self.path,
