@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import logging
 import multiprocessing
 import multiprocessing.spawn
@@ -51,6 +52,14 @@ the folder takes it for one that cannot start."""
 START_BACKOFF_S = 1.0
 """While no worker can start, the folder waits this long after a pass before the next one,
 twice as long each time, up to its period."""
+SHORT_OF = {
+    errno.EAGAIN: "the process limit reached?",
+    errno.EMFILE: "the open file limit reached?",
+    errno.ENFILE: "the system's open file table full?",
+    errno.ENOMEM: "memory exhausted?",
+}
+"""What a ``fork`` or ``pipe`` refused with when a fold worker could not be made says of its
+likely cause: something the machine is short of, which ends on its own (SERVE-76, RUN-68)."""
 WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
 under contention a worker gets about a tenth of a core beside one busy task of the service's,
@@ -169,6 +178,7 @@ class FoldingActor:
         self._workers_lost = 0
         self._unrecorded_stop: str | None = None
         self._cannot_start = False
+        self._short_of = False
         self._backoff_s = START_BACKOFF_S
 
     def statistics(self) -> FoldingStatistics:
@@ -222,6 +232,11 @@ class FoldingActor:
                 if self._cannot_start:
                     await trio.sleep(self._backoff_s)
                     self._backoff_s = min(self._backoff_s * 2, self._period_s)
+                    if self._short_of:
+                        # What the machine is short of (processes, descriptors) comes back on
+                        # its own: try again then, not at the next wake or timer (SERVE-76).
+                        with contextlib.suppress(*GONE):
+                            self._poke.send_nowait(None)
 
     async def _follow_lease(self) -> None:
         async for epoch in self._lease_updates:
@@ -302,6 +317,13 @@ class FoldingActor:
                 )
             except trio_parallel.BrokenWorkerError:
                 return await self._worker_lost(run, epoch)
+            except OSError as exc:
+                if exc.errno not in SHORT_OF:
+                    raise
+                # No worker could be made (a process or open file limit): the delivery stays
+                # pending, as when one cannot start (RUN-68).
+                self._cannot_start_for(_not_made(exc), short_of=True)
+                return [FoldReport(run[0].id, OutcomeClass.DEFERRED, reason=WORKER_DIED)]
             self._workers_start()
             return reports
         [meta] = run
@@ -336,15 +358,7 @@ class FoldingActor:
         the delivery, which stays pending until a worker starts again."""
         cause = await self._start_failure()
         if cause is not None:
-            if not self._cannot_start:
-                log.error(
-                    "fold workers cannot start: %s; deliveries stay pending until one does, "
-                    "tried again at the next wake or timer",
-                    cause,
-                )
-            else:
-                log.debug("fold workers still cannot start: %s", cause)
-            self._cannot_start = True
+            self._cannot_start_for(cause, short_of=False)
             return FoldReport(meta.id, OutcomeClass.DEFERRED, reason=WORKER_DIED)
         self._workers_start()
         self._deaths[meta.id] += 1
@@ -360,6 +374,22 @@ class FoldingActor:
         return await trio.to_thread.run_sync(
             self._store.fail, meta, epoch, WORKER_DIED, limiter=self._limiter
         )
+
+    def _cannot_start_for(self, cause: str, *, short_of: bool) -> None:
+        """No fold worker can start, for ``cause``: one ERROR while it lasts, DEBUG after."""
+        if not self._cannot_start:
+            log.error(
+                "fold workers cannot start: %s; deliveries stay pending until one does, "
+                "tried again %s",
+                cause,
+                f"after {START_BACKOFF_S:.0f} s, then less often"
+                if short_of
+                else "at the next wake or timer",
+            )
+        else:
+            log.debug("fold workers still cannot start: %s", cause)
+        self._cannot_start = True
+        self._short_of = short_of
 
     async def _start_failure(self) -> str | None:
         """Why a new fold worker cannot run an empty task, or None if one does."""
@@ -380,6 +410,13 @@ class FoldingActor:
             log.info("fold workers start again; pending deliveries fold")
         self._cannot_start = False
         self._backoff_s = START_BACKOFF_S
+
+
+def _not_made(exc: OSError) -> str:
+    """Why no worker process could be made, from what ``fork`` or ``pipe`` refused with."""
+    code = exc.errno or 0
+    name = errno.errorcode.get(code, f"errno {code}")
+    return f"a new worker process could not be made: {name}, {exc.strerror} ({SHORT_OF[code]})"
 
 
 def _died_starting(exc: trio_parallel.BrokenWorkerError) -> str:

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import re
+import resource
 import socket
 import sqlite3
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import sysconfig
 import time
 import venv
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 
@@ -1064,3 +1066,61 @@ def test_a_fold_worker_without_its_packages_leaves_the_delivery_pending_run_67(
     assert (while_away, back) == ("pending", "parsed"), said
     cause = "a new worker process exited with status 1 before it ran anything"
     assert said == workers_cannot_start(cause)
+
+
+DESCRIPTORS = 256
+"""RUN-68: the soft open file limit the test lowers this process's to while it holds every
+descriptor below it."""
+
+
+@contextlib.contextmanager
+def descriptors_exhausted() -> Iterator[Callable[[], None]]:
+    """Every file descriptor of this process taken for the block, under a soft limit of
+    ``DESCRIPTORS`` (no ``pipe`` or ``open`` succeeds); its ``release()`` frees them."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+
+    def release() -> None:
+        while held:
+            os.close(held.pop())
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (DESCRIPTORS, hard))
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        yield release
+    finally:
+        release()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_a_fold_worker_that_cannot_be_made_is_said_once_in_words_run_68(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-68: while no fold worker can be made (every descriptor taken: its pipes cannot be
+    opened; a process limit alike) a delivery stays pending, the folding actor does not crash,
+    and one ERROR names the cause in words, its later tries at DEBUG; once descriptors are
+    free again it folds with one INFO. (Before, the actor crashed at each try, each time one
+    ERROR naming only the exception's type: `actor folding crashed (OSError)`.)"""
+    caplog.set_level(logging.DEBUG, logger="healthlog.folding")
+    settings = {"executor": Executor.PROCESS, "wake_period_s": 60.0}
+    async with open_runtime(config(tmp_path, **settings)) as runtime:
+        await until(runtime.ready)
+        with descriptors_exhausted() as release:
+            receipt = await runtime.submit(new_delivery(0))
+            await until(lambda: runtime.statistics().folding.passes_by_stop.get("deferred", 0) >= 2)
+            release()
+            await wait_folded(tmp_path, [receipt.delivery_id], timeout=60)
+        stats = runtime.statistics()
+
+    assert stats.crashes == {}
+    assert logged(caplog, logging.ERROR) == [
+        "fold workers cannot start: a new worker process could not be made: EMFILE, Too many"
+        " open files (the open file limit reached?); deliveries stay pending until one does,"
+        " tried again after 1 s, then less often"
+    ]
+    assert "fold workers still cannot start" in caplog.text
+    assert logged(caplog, logging.INFO)[-1:] == [
+        "fold workers start again; pending deliveries fold"
+    ]
