@@ -1460,9 +1460,11 @@ def test_a_restore_readable_by_every_user_is_named_without_a_guessed_cause_store
 def test_directories_every_user_may_write_in_are_named_at_start_store_97(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
-    """STORE-97: a data directory and a `snapshots/` an older healthlog made under umask 000
-    (0777) are named in one WARNING as a runtime starts on them, with `chmod go-w` of both;
-    after that command the next start says nothing of them."""
+    """STORE-97, STORE-100: a data directory and a `snapshots/` of mode 0777 (an older
+    healthlog made them so under umask 000; here a `chmod`) are named in one WARNING as a
+    runtime starts on them, with `chmod go-w` of both and no cause (it said `made by an older
+    healthlog`, wrong after a `chmod` or a restore); after that command the next start says
+    nothing of them."""
     data = tmp_path / "data"
     hr = write(
         tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
@@ -1476,7 +1478,8 @@ def test_directories_every_user_may_write_in_are_named_at_start_store_97(
     warned = [line for line in again.err.splitlines() if "may write in" in line]
     assert len(warned) == 1, again.err
     assert "level=WARNING logger=healthlog.datadir" in warned[0]
-    assert f" {data} (mode 0777), {data / 'snapshots'} (mode 0777)" in warned[0], warned[0]
+    assert f" {data} (mode 0777), {data / 'snapshots'} (mode 0777); any" in warned[0], warned[0]
+    assert "older healthlog" not in warned[0], warned[0]
     assert f"`chmod go-w {data} {data / 'snapshots'}`" in warned[0], warned[0]
     subprocess.run(["chmod", "go-w", data, data / "snapshots"], check=True)
     mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)

@@ -91,10 +91,11 @@ class DataDir:
 
     def warn_of_open_modes(self) -> None:
         """:meth:`warn_if_readable_by_all`, and one WARNING naming the data directory and its
-        ``snapshots/`` where every user of the machine may write in them (STORE-97): made so
-        by an older healthlog under umask 000, where any account may remove or replace
-        ``journal.sqlite``, ``tokens.sqlite`` or ``signing.key``; with the command that mends
-        them. Only the names and modes."""
+        ``snapshots/`` where every user of the machine may write in them (STORE-97), in which
+        any account may remove or replace ``journal.sqlite``, ``tokens.sqlite`` or
+        ``signing.key``; with the command that mends them. An older healthlog made them so under
+        umask 000, and so do a restore or a ``chmod``: no cause is said (STORE-100). Only the
+        names and modes."""
         self.warn_if_readable_by_all()
         names = []
         for path in (self.path, self.snapshot_dir):
@@ -106,9 +107,9 @@ class DataDir:
                 names.append((path, mode))
         if names:
             log.warning(
-                "directories every user of the machine may write in: %s (made by an older"
-                " healthlog); any of them may remove or replace the journal and the tokens there;"
-                " `chmod go-w %s` makes them writable by their owner alone",
+                "directories every user of the machine may write in: %s; any of them may remove"
+                " or replace the journal and the tokens there; `chmod go-w %s` makes them"
+                " writable by their owner alone",
                 ", ".join(f"{path} (mode {mode:04o})" for path, mode in names),
                 " ".join(str(path) for path, _ in names),
             )
