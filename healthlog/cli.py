@@ -299,10 +299,9 @@ def _read_file(name: str) -> bytes:
 
 
 def _journaled_before(names: list[str], ids: list[int]) -> str:
-    """What an import stopped at a file that failed to read in its turn had journaled, for its
-    error line: importing those files again by hand would journal them twice (CLI-132)."""
-    if not ids:
-        return "; nothing journaled"
+    """What an import stopped at a file (one that failed to read in its turn, CLI-132, or to be
+    journaled, CLI-133) had journaled, for its error line: importing those files again by hand
+    would journal them twice."""
     done = ", ".join(f"{name} as delivery {id_}" for name, id_ in zip(names, ids, strict=False))
     return f"; journaled before it: {done} (do not import those again)"
 
@@ -330,21 +329,26 @@ async def _import(args: argparse.Namespace, data: DataDir, config: ServeConfig) 
         ids: list[int] = []
         for name in args.files:
             try:
-                # Abandoned when cancelled (SIGTERM, Ctrl-C): waited for, a read still waiting
-                # on a FIFO nobody writes kept the command from stopping (CLI-131).
-                content = await trio.to_thread.run_sync(_read_file, name, abandon_on_cancel=True)
-            except CliError as exc:
-                raise CliError(f"{exc}{_journaled_before(args.files, ids)}") from None
-            receipt = await runtime.submit(
-                NewDelivery(
-                    body=content,
-                    client=IMPORT_CLIENT,
-                    content_type="application/json",
-                    automation_id=args.automation_id,
-                    automation_aggregation=args.aggregation,
-                    received_at=args.received_at,
+                receipt = await runtime.submit(
+                    NewDelivery(
+                        # Abandoned when cancelled (SIGTERM, Ctrl-C): waited for, a read still
+                        # waiting on a FIFO nobody writes kept the command from stopping
+                        # (CLI-131).
+                        body=await trio.to_thread.run_sync(
+                            _read_file, name, abandon_on_cancel=True
+                        ),
+                        client=IMPORT_CLIENT,
+                        content_type="application/json",
+                        automation_id=args.automation_id,
+                        automation_aggregation=args.aggregation,
+                        received_at=args.received_at,
+                    )
                 )
-            )
+            except Exception as exc:
+                if ids:
+                    # Said at the end of the error's line (CLI-132, CLI-133).
+                    exc.add_note(_journaled_before(args.files, ids))
+                raise
             ids.append(receipt.delivery_id)
             _tell(
                 f"journaled {name} as delivery {receipt.delivery_id}"
@@ -1080,7 +1084,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         error = _user_error(exc)
         if error is None:
             raise
-        _tell(f"healthlog: {_naming_its_file(error, data)}")
+        notes = "".join(getattr(error, "__notes__", ()))
+        _tell(f"healthlog: {_naming_its_file(error, data)}{notes}")
         return 2 if isinstance(error, CliError) else 3
 
 

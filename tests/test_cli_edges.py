@@ -11,6 +11,7 @@ import json
 import os
 import pwd
 import re
+import resource
 import select
 import shutil
 import signal
@@ -3104,3 +3105,58 @@ def test_a_file_gone_at_its_turn_says_what_was_journaled_cli_132(tmp_path: Path)
     )
     with DataDir(data).open_journal() as journal:
         assert [journal.read_body(m.id) for m in journal.iter_order()] == [first, second]
+
+
+JOURNAL_LIMIT = 300 * 1024
+"""CLI-133: the file size limit (`ulimit -f`) the import runs under, as a full disk: room for a
+small delivery's journal, not for a large one's."""
+
+
+def _files_up_to_journal_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_FSIZE, (JOURNAL_LIMIT, resource.RLIM_INFINITY))
+
+
+def test_a_file_the_journal_has_no_room_for_says_what_was_journaled_cli_133(
+    tmp_path: Path,
+) -> None:
+    """CLI-133: `import A B` whose B does not fit in the journal (its writes fail: here a file
+    size limit; a full disk alike) exits 3, and its error line ends with the delivery journaled
+    before it, A's, so that nobody imports A again; the journal holds A alone. Before, the line
+    was `database error: disk I/O error (journal.sqlite)` alone."""
+    data = tmp_path / "data"
+    first = body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=61)))
+    named = write(tmp_path / "a.json", first)
+    # Random, so that it does not shrink in the journal.
+    large = tmp_path / "b.json"
+    large.write_text(
+        json.dumps(
+            {
+                "data": {
+                    "metrics": [
+                        {
+                            "name": "x",
+                            "units": "u",
+                            "data": [
+                                {"date": "2024-02-06 07:00:00 -0800", "n": os.urandom(32).hex()}
+                                for _ in range(20_000)
+                            ],
+                        }
+                    ]
+                }
+            }
+        )
+    )
+    run = subprocess.run(
+        healthlog("import", "--data", data, "--no-wait", "--aggregation", "minutes", named, large),
+        capture_output=True,
+        timeout=LIMIT_S,
+        check=False,
+        preexec_fn=_files_up_to_journal_limit,
+    )
+    said = run.stderr.decode()
+    assert run.returncode == 3, said
+    assert said.splitlines()[-1].endswith(
+        f" (journal.sqlite); journaled before it: {named} as delivery 1 (do not import those again)"
+    ), said
+    with DataDir(data).open_journal() as journal:
+        assert [journal.read_body(m.id) for m in journal.iter_order()] == [first]
