@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -64,8 +66,13 @@ async def supervise(
 
 
 def _kinds(exc: BaseException) -> str:
-    """The type name of an exception; for a group (an actor's own nursery wraps what its
-    tasks raise), the names of the exceptions in it, however deeply nested."""
-    if not isinstance(exc, BaseExceptionGroup):
-        return type(exc).__name__
-    return ", ".join(sorted({_kinds(inner) for inner in exc.exceptions}))
+    """The type name of an exception, and for an OSError its errno's name and the system's
+    text for it (`OSError: EMFILE, Too many open files`: never the file it names, RUN-69); for
+    a group (an actor's own nursery wraps what its tasks raise), those of the exceptions in it,
+    however deeply nested."""
+    if isinstance(exc, BaseExceptionGroup):
+        return ", ".join(sorted({_kinds(inner) for inner in exc.exceptions}))
+    if isinstance(exc, OSError) and exc.errno is not None:
+        name = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
+        return f"{type(exc).__name__}: {name}, {os.strerror(exc.errno)}"
+    return type(exc).__name__

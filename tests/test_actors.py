@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import errno
 import itertools
 import logging
 import os
@@ -272,6 +273,35 @@ async def test_a_crash_inside_the_actors_nursery_names_the_exception_run_5(
 
     assert logged(caplog, logging.ERROR) == [
         "actor worker crashed (KeyError, ValueError); restarting in 1.0 s"
+    ]
+
+
+async def test_a_crash_on_an_os_error_names_its_errno_in_words_run_69(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-69: a crash on an OSError (descriptors or processes running out) is named by its
+    type, its errno's name and the system's text for it, never the file it names; a group's
+    too. (Before: `actor worker crashed (OSError)`, the type alone.)"""
+    errors: list[BaseException] = [
+        OSError(errno.EMFILE, os.strerror(errno.EMFILE), "/srv/healthlog/Kim.json"),
+        BlockingIOError(errno.EAGAIN, "fork failed"),
+        ExceptionGroup("nursery", [OSError(errno.ENFILE, "x"), KeyError("k")]),
+        OSError("no errno"),
+    ]
+
+    async def run() -> None:
+        if errors:
+            raise errors.pop(0)
+
+    await supervise("worker", run, Crashes(), backoff_start_s=1, backoff_max_s=1)
+
+    assert logged(caplog, logging.ERROR) == [
+        "actor worker crashed (OSError: EMFILE, Too many open files); restarting in 1.0 s",
+        "actor worker crashed (BlockingIOError: EAGAIN, Resource temporarily unavailable);"
+        " restarting in 1.0 s",
+        "actor worker crashed (KeyError, OSError: ENFILE, Too many open files in system);"
+        " restarting in 1.0 s",
+        "actor worker crashed (OSError); restarting in 1.0 s",
     ]
 
 
