@@ -2763,6 +2763,22 @@ def test_progress_says_each_count_once_cli_123(run_cli: RunCli, tmp_path: Path) 
         assert len(counts) == len(set(counts)), run.err
 
 
+def _stderr_until(importing: subprocess.Popen[bytes], text: str) -> bytes:
+    """What ``importing`` wrote on stderr until it wrote ``text`` (within ``LIMIT_S``)."""
+    assert importing.stderr is not None
+    fd = importing.stderr.fileno()
+    said = b""
+    deadline = time.monotonic() + LIMIT_S
+    while text.encode() not in said:
+        left = deadline - time.monotonic()
+        assert left > 0, said
+        assert select.select([fd], [], [], left)[0], said
+        chunk = os.read(fd, 65536)
+        assert chunk, said
+        said += chunk
+    return said
+
+
 def test_import_reads_each_file_when_its_turn_comes_cli_124(tmp_path: Path) -> None:
     """CLI-124: `import A FIFO` journals A before it reads the FIFO, which is written only once
     A's delivery is said to be journaled: no file is read before the ones before it are
@@ -2779,17 +2795,7 @@ def test_import_reads_each_file_when_its_turn_comes_cli_124(tmp_path: Path) -> N
         healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
     ) as importing:
         try:
-            assert importing.stderr is not None
-            fd = importing.stderr.fileno()
-            said = b""
-            deadline = time.monotonic() + LIMIT_S
-            while f"journaled {named} as delivery 1".encode() not in said:
-                left = deadline - time.monotonic()
-                assert left > 0, said
-                assert select.select([fd], [], [], left)[0], said
-                chunk = os.read(fd, 65536)
-                assert chunk, said
-                said += chunk
+            said = _stderr_until(importing, f"journaled {named} as delivery 1")
             fifo.write_bytes(second)
             _, rest = importing.communicate(timeout=LIMIT_S)
         finally:
@@ -3043,17 +3049,7 @@ def test_import_waiting_on_a_fifo_stops_on_sigterm_cli_131(tmp_path: Path) -> No
         healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
     ) as importing:
         try:
-            assert importing.stderr is not None
-            fd = importing.stderr.fileno()
-            said = b""
-            deadline = time.monotonic() + LIMIT_S
-            while f"journaled {named} as delivery 1".encode() not in said:
-                left = deadline - time.monotonic()
-                assert left > 0, said
-                assert select.select([fd], [], [], left)[0], said
-                chunk = os.read(fd, 65536)
-                assert chunk, said
-                said += chunk
+            said = _stderr_until(importing, f"journaled {named} as delivery 1")
             importing.send_signal(signal.SIGTERM)
             _, rest = importing.communicate(timeout=LIMIT_S)
         finally:
@@ -3081,17 +3077,7 @@ def test_a_file_gone_at_its_turn_says_what_was_journaled_cli_132(tmp_path: Path)
         healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
     ) as importing:
         try:
-            assert importing.stderr is not None
-            fd = importing.stderr.fileno()
-            said = b""
-            deadline = time.monotonic() + LIMIT_S
-            while f"journaled {named} as delivery 1".encode() not in said:
-                left = deadline - time.monotonic()
-                assert left > 0, said
-                assert select.select([fd], [], [], left)[0], said
-                chunk = os.read(fd, 65536)
-                assert chunk, said
-                said += chunk
+            said = _stderr_until(importing, f"journaled {named} as delivery 1")
             gone.unlink()
             fifo.write_bytes(second)
             _, rest = importing.communicate(timeout=LIMIT_S)
