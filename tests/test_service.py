@@ -2292,6 +2292,37 @@ async def test_a_post_to_a_wrong_path_is_logged_serve_97(
     assert await service.journal() == []
 
 
+async def test_a_token_typed_into_a_wrong_path_is_not_logged_serve_99(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-99: a token typed into the URL's path (its `?` typed as `&` or `;`, or sent
+    percent-encoded as `%3F` by an app that encodes what it was given, or as a path segment) is
+    404 `NOT_FOUND` and logged as SERVE-97's line with the token masked (`hl_...`), nothing
+    journaled. (Before, the INFO line held the token: whoever reads the log could post as that
+    client.)"""
+    token = service.token
+    paths = [
+        f"/v1/deliveries&api-key={token}",
+        f"/v1/deliveries;token={token}",
+        f"/v1/deliveries%3Ftoken={token}",
+        f"/hooks/{token}/v1/deliveries",
+    ]
+    with caplog.at_level(logging.DEBUG, "healthlog"):
+        for path in paths:
+            answer = await service.client.post(path, content=b"{}", headers=service.auth)
+            assert answer.status_code == 404, path
+    lines = [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG]
+    hint = "from 127.0.0.1: deliveries go to POST /v1/deliveries"
+    assert [line for line in lines if line.startswith("no route for")] == [
+        f"no route for POST /v1/deliveries&api-key=hl_... {hint}",
+        f"no route for POST /v1/deliveries;token=hl_... {hint}",
+        f"no route for POST /v1/deliveries?token=hl_... {hint}",
+        f"no route for POST /hooks/hl_.../v1/deliveries {hint}",
+    ]
+    assert all(token[3:] not in line for line in lines)
+    assert await service.journal() == []
+
+
 def test_wrong_paths_are_logged_once_a_minute_and_within_a_bucket_serve_97(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

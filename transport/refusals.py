@@ -13,15 +13,20 @@ quiet spell is always logged, which is the one a user looks for.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
+from healthlog.storage.tokens import TOKEN_PREFIX
+
 log = logging.getLogger("healthlog.http")
 
 BURST = 5
 PERIOD_S = 60.0
+_TOKEN = re.compile(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]+")
+"""A token as :meth:`Tokens.add` makes it, wherever it stands in a path a client typed."""
 
 
 class Bucket:
@@ -119,10 +124,11 @@ class WrongPathLog:
     service: nothing said so before (SERVE-97).
 
     A line names the method and the path, never the query string, a header's value or the
-    body; the path is cut at ``MAX_PATH`` characters and its control characters escaped. A
-    path is logged once per ``period_s``, the next line for it saying how many requests for it
-    went unlogged meanwhile; and all the lines pass one :class:`Bucket`, so that a scanner
-    asking for many paths cannot flood the log either."""
+    body; a token typed into the path (its ``?`` typed as ``&``, or sent encoded as ``%3F``)
+    is masked (``hl_...``, SERVE-99); the path is cut at ``MAX_PATH`` characters and its
+    control characters escaped. A path is logged once per ``period_s``, the next line for it
+    saying how many requests for it went unlogged meanwhile; and all the lines pass one
+    :class:`Bucket`, so that a scanner asking for many paths cannot flood the log either."""
 
     MAX_PATH = 120
     MAX_METHOD = 16
@@ -144,7 +150,8 @@ class WrongPathLog:
         """Log one request for ``path`` that no route serves (or count it)."""
         now = self._clock()
         # As logged: what is remembered of a path is bounded as its line is.
-        key = (_printable(method, self.MAX_METHOD), _printable(path, self.MAX_PATH))
+        masked = _TOKEN.sub(f"{TOKEN_PREFIX}...", path)
+        key = (_printable(method, self.MAX_METHOD), _printable(masked, self.MAX_PATH))
         logged_at, unlogged = self._paths.get(key, (None, 0))
         if logged_at is not None and now - logged_at < self._period_s:
             self._paths[key] = (logged_at, unlogged + 1)
