@@ -2193,6 +2193,35 @@ def export_as_another_user(directory: Path) -> subprocess.CompletedProcess[bytes
     return subprocess.run(command, capture_output=True, timeout=PROCESS_TIMEOUT_S, check=False)
 
 
+async def test_a_replica_directory_every_user_may_write_in_is_named_stream_132(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-132: `healthlog follow` on a replica directory of mode 0777 (made under umask 000
+    by an older healthlog, or shared) catches up all the same, with one WARNING naming the
+    directory, its mode and `chmod go-w DIR`; after that command the next run says nothing of
+    it. (Before, nothing was said, where the service names its own such directory: STORE-97.)"""
+    replica = tmp_path / "replica"
+    replica.mkdir()
+    replica.chmod(0o777)
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0)
+        warned = await follow_process(run_cli, service, tmp_path)
+        total = await post_small(service, 60)
+        subprocess.run(["chmod", "go-w", replica], check=True)
+        mended = await follow_process(run_cli, service, tmp_path)
+    assert warned.code == 0, warned.err
+    lines = warned.err.splitlines()
+    assert len(lines) == 2, warned.err
+    assert "level=WARNING logger=healthlog.follow" in lines[0]
+    assert (
+        f"follow: the replica directory {replica} (mode 0777) is one every user of the machine"
+        f" may write in: any of them may remove or replace {REPLICA_FILE} there between runs;"
+        f" `chmod go-w {replica}` makes it writable by its owner alone"
+    ) in lines[0], lines[0]
+    assert lines[1].startswith("follow: replica at seq ")
+    assert (mended.code, mended.err) == (0, f"follow: replica at seq {total}\n")
+
+
 async def test_export_reads_a_replica_without_writing_it_cli_68(
     tmp_path: Path, run_cli: RunCli
 ) -> None:

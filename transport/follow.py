@@ -69,7 +69,13 @@ from healthlog.documents import AckFrame, Manifest, ObjectChanged, StreamInfo, c
 from healthlog.objects import ObjectKey, from_wire
 from healthlog.snapshots import SnapshotError
 from healthlog.storage._sqlite import WAL_SIZE_LIMIT, StorageError, describe
-from healthlog.storage.replica import Change, Replica, ReplicaInUse, ReplicaMismatch
+from healthlog.storage.replica import (
+    REPLICA_FILE,
+    Change,
+    Replica,
+    ReplicaInUse,
+    ReplicaMismatch,
+)
 from healthlog.timestamps import parse_instant
 
 log = logging.getLogger("healthlog.follow")
@@ -285,7 +291,21 @@ class Follower:
     _wal_held: bool = attrs.field(default=False, init=False)
 
     async def run(self) -> None:
-        """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks."""
+        """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks.
+        A replica directory every user may write in is said in one WARNING, with the ``chmod``
+        that mends it (STREAM-132), as the service says of its data directory (STORE-97)."""
+        mode = self.replica.open_mode()
+        if mode is not None:
+            directory = os.path.dirname(self.replica.path)
+            log.warning(
+                "follow: the replica directory %s (mode %04o) is one every user of the machine"
+                " may write in: any of them may remove or replace %s there between runs;"
+                " `chmod go-w %s` makes it writable by its owner alone",
+                directory,
+                mode,
+                REPLICA_FILE,
+                directory,
+            )
         with self.replica.following():
             await self._run()
 

@@ -8,6 +8,7 @@ import contextlib
 import fcntl
 import os
 import sqlite3
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -119,6 +120,13 @@ class Replica(_objects.ObjectDatabase):
             raise StorageError(
                 "the replica file was removed or replaced while follow ran; start follow again"
             )
+
+    def open_mode(self) -> int | None:
+        """The mode of the replica's directory when every user of the machine may write in it
+        (one made 0777 under umask 000, a shared one), where any of them may remove or replace
+        ``replica.sqlite`` between runs, or plant a link at its ``-wal``'s name; else None."""
+        mode = stat.S_IMODE(os.stat(Path(self.path).parent).st_mode)
+        return mode if mode & stat.S_IWOTH else None
 
     def binding(self) -> Binding:
         with self._lock:
