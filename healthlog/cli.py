@@ -578,6 +578,8 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
             cursor = replica.binding().cursor
     except FollowError as exc:
         raise CliError(str(exc)) from None
+    except NotAReplica as exc:
+        raise CliError(f"{args.replica / REPLICA_FILE} {exc}") from None
     print(f"follow: replica at seq {cursor}", file=sys.stderr)
     return 0
 

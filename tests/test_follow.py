@@ -2222,6 +2222,56 @@ async def test_a_replica_directory_every_user_may_write_in_is_named_stream_132(
     assert (mended.code, mended.err) == (0, f"follow: replica at seq {total}\n")
 
 
+async def test_another_database_in_the_replicas_place_is_refused_stream_133(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-133: `healthlog follow` on a replica directory whose `replica.sqlite` was replaced
+    between runs by another database (the service's store, journal or tokens copied there,
+    another program's) exits 2 with one line naming the file and what to do, that file left
+    byte for byte as it was; on a 0-byte one it makes a replica there and catches up. (Before,
+    a store or a journal exited 3 with `database schema is newer than this healthlog`, the
+    tokens with `database error: no such table: binding`, and another program's database was
+    given the replica's tables.)"""
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0)
+        data = service.data
+        with closing(sqlite3.connect(tmp_path / "other.sqlite")) as conn, conn:
+            conn.execute("CREATE TABLE notes (body TEXT)")
+        sources = {
+            "store": data.store_path,
+            "journal": data.journal_path,
+            "tokens": data.tokens_path,
+            "other": tmp_path / "other.sqlite",
+        }
+        copies = {}
+        for name, source in sources.items():
+            # A whole copy of a live database (its -wal's pages in it), as `.backup` makes.
+            copy = tmp_path / f"{name}.copy"
+            with closing(sqlite3.connect(source)) as live, closing(sqlite3.connect(copy)) as into:
+                live.backup(into)
+            copies[name] = copy.read_bytes()
+        runs = {}
+        for name, content in copies.items():
+            (tmp_path / name / "replica").mkdir(parents=True)
+            (tmp_path / name / "replica" / REPLICA_FILE).write_bytes(content)
+            runs[name] = await follow_process(run_cli, service, tmp_path / name)
+        (tmp_path / "empty" / "replica").mkdir(parents=True)
+        (tmp_path / "empty" / "replica" / REPLICA_FILE).write_bytes(b"")
+        empty = await follow_process(run_cli, service, tmp_path / "empty")
+    for name, run in runs.items():
+        file = tmp_path / name / "replica" / REPLICA_FILE
+        assert (run.code, run.err.splitlines()) == (
+            2,
+            [
+                f"healthlog: {file} is another database than a follow replica (a store or a"
+                " journal copied there?): follow into another --replica directory, or move that"
+                " file away"
+            ],
+        ), name
+        assert file.read_bytes() == copies[name], name
+    assert (empty.code, empty.err) == (0, f"follow: replica at seq {total}\n")
+
+
 async def test_export_reads_a_replica_without_writing_it_cli_68(
     tmp_path: Path, run_cli: RunCli
 ) -> None:

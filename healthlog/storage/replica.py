@@ -109,6 +109,7 @@ class Replica(_objects.ObjectDatabase):
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         make_directory(directory)
         _refuse_unwritable(Path(directory) / REPLICA_FILE)
+        _refuse_another_database(Path(directory) / REPLICA_FILE)
         super().__init__(Path(directory) / REPLICA_FILE)
         self._identity = _identity(self.path)
 
@@ -352,6 +353,36 @@ def _refuse_unwritable(path: Path) -> None:
         error = StorageError(f"the replica cannot be written{why}")
         error.file = candidate.name
         raise error
+
+
+def _refuse_another_database(path: Path) -> None:
+    """Refuse (:class:`NotAReplica`), before it is opened to write, a ``replica.sqlite`` that
+    is another database (a store, a journal or tokens copied there, another program's): its
+    tables and no replica's ``binding`` (STREAM-133). Opened to write, it was given the
+    replica's schema: a store or a journal, whose schema versions are higher, was refused as
+    ``database schema is newer than this healthlog``, tokens with ``no such table: binding``,
+    and another program's database, of version 0, got the replica's tables added. An empty file
+    is no other database (a replica is made in it); one SQLite cannot read is left to the write
+    open to say so."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    try:
+        conn = _connect_readonly(os.fspath(path))
+    except StorageError:
+        return
+    try:
+        tables = {
+            name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+    except sqlite3.Error:
+        return
+    finally:
+        conn.close()
+    if tables and "binding" not in tables:
+        raise NotAReplica(
+            "is another database than a follow replica (a store or a journal copied there?):"
+            " follow into another --replica directory, or move that file away"
+        )
 
 
 def _identity(path: str) -> tuple[int, int] | None:
