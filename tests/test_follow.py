@@ -48,6 +48,7 @@ import trio
 import trustme
 from _bodies import rows
 from _cli_bodies import body, metric, point, write
+from _disk import in_full_file_system
 from _service_helpers import POLL_S, TOKEN_NAME, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
@@ -2270,6 +2271,39 @@ async def test_another_database_in_the_replicas_place_is_refused_stream_133(
         ), name
         assert file.read_bytes() == copies[name], name
     assert (empty.code, empty.err) == (0, f"follow: replica at seq {total}\n")
+
+
+FULL_REPLICA = (
+    '"$PY" -m healthlog.cli follow --url "$2" --token "$3" --replica "$1/replica"'
+    " --until-caught-up 2> /dev/null || exit 98\n"
+    'ls "$1/replica" > "$4/files before"\n'
+    'dd if=/dev/zero of="$1/fill" bs=4096 2> /dev/null\n'
+    'df -B1 --output=avail "$1" | tail -1 >&2\n'
+    '"$PY" -m healthlog.cli export --replica "$1/replica" > "$4/after"\n'
+    'echo "export exit $?" >&2\n'
+    'ls "$1/replica" > "$4/files after"\n'
+)
+
+
+async def test_export_reads_a_stopped_replica_on_a_full_disk_store_101(tmp_path: Path) -> None:
+    """STORE-101: `export --replica` of a replica whose follower stopped (no `-wal`, no
+    `-shm`) on a full file system (a real 1 MiB tmpfs, filled) exits 0, printing what the
+    service exports, and makes no file there. (Before, it exited 3 with
+    `database error: disk I/O error: the disk is full (0 bytes free), free some space (...)`,
+    printing nothing and leaving a 3-byte `-shm` and an empty `-wal`, where `export` of a data
+    directory reads it (CLI-112).)"""
+    point = tmp_path / "mnt"
+    point.mkdir()
+    async with serving(tmp_path / "server") as service:
+        await post_small(service, 0, 60, 120)
+        err = await trio.to_thread.run_sync(
+            lambda: in_full_file_system(FULL_REPLICA, point, service.url, service.token, tmp_path)
+        )
+        server = await server_export(service)
+    assert [line.strip() for line in err.splitlines()] == ["0", "export exit 0"], err
+    assert (tmp_path / "after").read_bytes() == server
+    assert (tmp_path / "files before").read_text() == f"{REPLICA_FILE}\n"
+    assert (tmp_path / "files after").read_text() == f"{REPLICA_FILE}\n"
 
 
 async def test_export_reads_a_replica_without_writing_it_cli_68(

@@ -24,6 +24,7 @@ from healthlog.storage._sqlite import (
     connect,
     make_directory,
     mounted_read_only,
+    no_room_for_shm,
     not_permitted,
     read_once,
     write_transaction,
@@ -321,7 +322,16 @@ class ReplicaReader(_objects.ObjectReading):
 def _connect_readonly(path: str) -> sqlite3.Connection:
     """``path`` opened ``mode=ro`` and read once; on read-only media (a directory that cannot
     be written) with neither ``-wal`` nor ``-shm`` beside it, where SQLite cannot make the
-    ``-shm`` that reading a WAL file needs, ``immutable`` (see :class:`ReplicaReader`)."""
+    ``-shm`` that reading a WAL file needs, ``immutable`` (see :class:`ReplicaReader`); so on a
+    disk too full for a ``-shm`` file with no ``-wal``, or an empty one (its follower stopped:
+    every change is in the file), where SQLite fails with ``disk I/O error`` and leaves part of a
+    ``-shm`` (STORE-101, as CLI-112 reads a data directory there)."""
+    if (
+        os.path.isfile(path)
+        and not _size(path + "-wal")
+        and no_room_for_shm(os.path.dirname(path) or ".")
+    ):
+        return read_once(connect(path, readonly=True, create=False, immutable=True))
     try:
         return read_once(connect(path, readonly=True, create=False))
     except StorageError:
@@ -383,6 +393,14 @@ def _refuse_another_database(path: Path) -> None:
             "is another database than a follow replica (a store or a journal copied there?):"
             " follow into another --replica directory, or move that file away"
         )
+
+
+def _size(path: str) -> int:
+    """The size of the file at ``path``, 0 when there is none."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _identity(path: str) -> tuple[int, int] | None:
