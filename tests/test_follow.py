@@ -2306,6 +2306,53 @@ async def test_export_reads_a_stopped_replica_on_a_full_disk_store_101(tmp_path:
     assert (tmp_path / "files after").read_text() == f"{REPLICA_FILE}\n"
 
 
+# 24 KiB left of the 1 MiB: room for the new replica's first 16 KiB page, not for the 32 KiB
+# -shm a WAL file's first read needs (SQLite fails to size it: a disk I/O error).
+NEW_REPLICA_ON_A_FULL_DISK = (
+    'dd if=/dev/zero of="$1/fill" bs=1024 count=1000 2> /dev/null\n'
+    '"$PY" -m healthlog.cli import --no-wait --data "$1/data" "$4" 2>&1 > /dev/null | tail -1 >&2\n'
+    'rm -r "$1/data"\n'
+    '"$PY" -m healthlog.cli follow --url "$2" --token "$3" --replica "$1/replica"'
+    " --until-caught-up\n"
+    'echo "follow exit $?" >&2\n'
+    'rm "$1/fill"\n'
+    '"$PY" -m healthlog.cli follow --url "$2" --token "$3" --replica "$1/replica"'
+    " --until-caught-up\n"
+    'echo "follow exit $?" >&2\n'
+)
+
+
+async def test_a_new_replica_on_a_full_disk_is_named_store_102(tmp_path: Path) -> None:
+    """STORE-102: `healthlog follow` making a new replica on a full file system (a real 1 MiB
+    tmpfs, 24 KiB left) exits 3 with one line naming the replica's file and the full disk; once
+    space is freed it catches up; `import` making a new data directory there names its
+    journal alike. (Before, the line was `database error: disk I/O error` alone: no file, no
+    cause.)"""
+    mount = tmp_path / "mnt"
+    mount.mkdir()
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0, 60)
+        hr = write(
+            tmp_path / "hr.json",
+            body(metric("heart_rate", "count/min", point("2024-02-06 07:00:00 -0800", qty=1.5))),
+        )
+        err = await trio.to_thread.run_sync(
+            lambda: in_full_file_system(
+                NEW_REPLICA_ON_A_FULL_DISK, mount, service.url, service.token, hr
+            )
+        )
+    journal, refused, *rest = err.splitlines()
+    assert journal.startswith("healthlog: database error: disk I/O error: the disk is full ("), err
+    assert journal.endswith(f" bytes free), free some space ({mount / 'data' / 'journal.sqlite'})")
+    assert refused.startswith("healthlog: database error: disk I/O error: the disk is full ("), err
+    assert refused.endswith(f" bytes free), free some space ({mount / 'replica' / REPLICA_FILE})")
+    assert rest == [
+        "follow exit 3",
+        f"follow: replica at seq {total}",
+        "follow exit 0",
+    ], err
+
+
 async def test_export_reads_a_replica_without_writing_it_cli_68(
     tmp_path: Path, run_cli: RunCli
 ) -> None:

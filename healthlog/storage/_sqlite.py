@@ -536,13 +536,25 @@ def damaged(path: str | os.PathLike[str], finding: str, remedy: str) -> StorageE
     return error
 
 
+def _disk_error(error: StorageError) -> bool:
+    """Whether SQLite failed for a disk error (SQLITE_IOERR, SQLITE_FULL)."""
+    return error.code is not None and error.code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL)
+
+
+def opening_failed(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
+    """``error``, met reading the schema of the database at ``path`` as it is opened: a disk
+    error (a new file on a disk too full for its ``-shm``, which its first read sizes) named
+    with its file and a full disk said, as a failed open's (STORE-102); any other as it is."""
+    return _opening(error, path) if _disk_error(error) else error
+
+
 def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     """``error``, naming the file that could not be opened (a data directory has several),
     and saying that the disk is full when a disk error met a full one."""
     cause = ""
     if write_refused(error):
         cause = not_permitted(path)
-    if error.code is not None and error.code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL):
+    if _disk_error(error):
         free = free_when_full(Path(path).parent)
         if free is not None:
             cause = f": the disk is full ({free} bytes free), free some space"
@@ -914,6 +926,8 @@ class Database:
             self._conn.close()
             if isinstance(exc, StorageError) and is_damage(exc) and self.DAMAGED is not None:
                 raise damaged(self.path, str(exc), self.DAMAGED) from exc
+            if isinstance(exc, StorageError) and _disk_error(exc):
+                raise opening_failed(exc, self.path) from exc
             raise
 
     def reading_uri(self) -> str:

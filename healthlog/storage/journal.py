@@ -38,6 +38,7 @@ from healthlog.storage._sqlite import (
     damaged,
     is_damage,
     migrate,
+    opening_failed,
     read_transaction,
     reopened,
     wal_held_back,
@@ -454,6 +455,8 @@ class Journal:
             error = classify(exc) if isinstance(exc, sqlite3.Error) else exc
             if isinstance(error, StorageError) and is_damage(error):
                 raise damaged(self.path, str(exc), DAMAGED) from exc
+            if isinstance(error, StorageError):
+                error = opening_failed(error, self.path)
             if error is not exc:
                 raise error from exc
             raise
