@@ -564,6 +564,7 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
         check_token(token)
         check_subscriber(args.subscriber)
         _check_directory(args.replica)
+        _check_replica_file(args.replica / REPLICA_FILE)
         with Replica(args.replica) as replica:
             following = functools.partial(
                 follow,
@@ -1191,6 +1192,14 @@ def _check_directory(path: Path) -> None:
     disk not mounted, say: say where it points rather than make a directory there)."""
     if path.exists() and not path.is_dir():
         raise CliError(f"{path} is not a directory")
+    if path.is_symlink() and not path.exists():
+        raise CliError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist")
+
+
+def _check_replica_file(path: Path) -> None:
+    """Refuse (CliError) a replica file that is a symbolic link to nothing (one to a disk not
+    mounted, say, or planted in a directory others may write in: STREAM-134): SQLite would make
+    a new replica where it points, following the whole stream again there."""
     if path.is_symlink() and not path.exists():
         raise CliError(f"{path} is a symbolic link to {os.readlink(path)}, which does not exist")
 

@@ -2353,6 +2353,40 @@ async def test_a_new_replica_on_a_full_disk_is_named_store_102(tmp_path: Path) -
     ], err
 
 
+async def test_a_replica_file_linked_to_nothing_is_refused_stream_134(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-134: `healthlog follow` on a replica directory whose `replica.sqlite` is a
+    symbolic link to a file that does not exist (its disk not mounted: the mount point is there,
+    empty) exits 2 with one line naming the link and where it points, and makes nothing there;
+    once the file is there (the disk mounted) it follows into it. (Before, SQLite made a new
+    replica where the link pointed and followed the whole stream into it, exit 0, on the disk
+    under the mount point.)"""
+    unmounted = tmp_path / "disk"
+    unmounted.mkdir()
+    target = unmounted / REPLICA_FILE
+    (tmp_path / "replica").mkdir()
+    (tmp_path / "replica" / REPLICA_FILE).symlink_to(target)
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0, 60)
+        refused = await follow_process(run_cli, service, tmp_path)
+        made = sorted(os.listdir(unmounted))
+        with Replica(tmp_path / "elsewhere"):
+            pass
+        shutil.copy(tmp_path / "elsewhere" / REPLICA_FILE, target)
+        mounted = await follow_process(run_cli, service, tmp_path)
+    assert (refused.code, refused.err.splitlines()) == (
+        2,
+        [
+            f"healthlog: {tmp_path / 'replica' / REPLICA_FILE} is a symbolic link to {target},"
+            " which does not exist"
+        ],
+    )
+    assert made == []
+    assert (mounted.code, mounted.err) == (0, f"follow: replica at seq {total}\n")
+    assert (tmp_path / "replica" / REPLICA_FILE).is_symlink()
+
+
 async def test_export_reads_a_replica_without_writing_it_cli_68(
     tmp_path: Path, run_cli: RunCli
 ) -> None:
