@@ -179,6 +179,19 @@ def _past_instant(value: str) -> int:
     return instant
 
 
+def _ended_instant(value: str) -> int:
+    """An instant no later than now, for ``seal --before``: a seal covers the hours that end by
+    then, and one of hours not over yet (a year mistyped, ``date -d tomorrow`` in a nightly job)
+    would mark every later write to them a sealed write, for good: the journal keeps the seal
+    and every rebuild folds it again (SEAL-20)."""
+    instant = _instant(value)
+    if instant > clock.now_us():
+        raise argparse.ArgumentTypeError(
+            f"{format_instant(instant)} is later than now: a seal covers hours that have ended"
+        )
+    return instant
+
+
 def _layer(value: str) -> str:
     layer = layers.layer_from_header(value)
     if layer is None:
@@ -956,7 +969,7 @@ def build_parser() -> argparse.ArgumentParser:
         "mark the hours before an instant final (late writes warn)",
         needs_data=True,
     )
-    p.add_argument("--before", type=_instant, required=True, help="seal hours ending by then")
+    p.add_argument("--before", type=_ended_instant, required=True, help="seal hours ending by then")
     p.add_argument("--metric", default=None, help="only this metric (or record section)")
     p.add_argument("--layer", type=_stored_layer, default=None, help="only this layer")
     p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")

@@ -336,6 +336,25 @@ def test_seal_says_its_outcome_once_folded_seal_17(run_cli: RunCli, tmp_path: Pa
     ]
 
 
+def test_a_seal_of_hours_not_over_is_refused_seal_20(run_cli: RunCli, tmp_path: Path) -> None:
+    """SEAL-20: `healthlog seal --before` a later instant than now (a year mistyped) exits 2
+    saying so and journals nothing, so no later write to those hours counts as sealed; a seal
+    before now is taken as ever."""
+    data = tmp_path / "data"
+    payload = tmp_path / "day.json"
+    payload.write_bytes(TWO_HOURS)
+    assert run_cli("import", "--data", data, "--aggregation", "minutes", payload).code == 0
+
+    future = run_cli("seal", "--data", data, "--before", "2999-01-01T00:00:00Z")
+    past = run_cli("seal", "--data", data, "--before", "2024-03-01T01:00:00Z", "--no-wait")
+
+    assert future.code == 2
+    assert "2999-01-01T00:00:00Z is later than now" in future.err
+    assert past.code == 0, past.err
+    with Journal(data / "journal.sqlite") as journal:
+        assert len(journal.iter_order()) == 2
+
+
 def test_the_stream_carries_the_flag_seal_8(journal: Journal, store: Store, epoch: int) -> None:
     """SEAL-8: the replay stream's page shows a sealed object's state with its flag set."""
     append(journal, delivery(TWO_HOURS))
