@@ -631,6 +631,10 @@ def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
+    if args.metric == "":
+        # A metric no object has: it printed nothing and exited 0, as if there were no points,
+        # where `GET /v1/points?metric=` gives every metric's (CLI-136).
+        raise CliError("--metric names a metric; leave it out to export every metric")
     if args.replica is not None and not (args.replica / REPLICA_FILE).is_file():
         raise CliError(f"no follow replica in {args.replica}")
     if args.replica is None:

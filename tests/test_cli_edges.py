@@ -810,6 +810,22 @@ def test_export_layer_names_a_stored_layer_in_any_case_cli_40(cli: Cli, tmp_path
     assert cli("export", "--layer", "records", "--data", data).out == b""
 
 
+def test_export_of_an_empty_metric_exits_2_cli_136(cli: Cli, tmp_path: Path) -> None:
+    """CLI-136: `export --metric ''` (a script's unset variable) exits 2 naming `--metric` and
+    writes nothing; it printed nothing and exited 0, as if there were no points, where
+    `GET /v1/points?metric=` gives every metric's."""
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert cli("import", "--aggregation", "minutes", "--data", data, file).code == 0
+    run = cli("export", "--metric", "", "--data", data)
+    assert run.code == 2
+    assert run.out == b""
+    assert run.err.splitlines() == [
+        "healthlog: --metric names a metric; leave it out to export every metric"
+    ]
+    assert len(cli("export", "--metric", HR, "--data", data).out.splitlines()) == 1
+
+
 def log_records(err: str, own: str) -> list[dict[str, Any]]:
     """The log records of a command's stderr, each a JSON object: every line that does not
     match ``own`` (the command's own lines) must be one."""
