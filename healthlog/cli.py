@@ -635,6 +635,18 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
         # A metric no object has: it printed nothing and exited 0, as if there were no points,
         # where `GET /v1/points?metric=` gives every metric's (CLI-136).
         raise CliError("--metric names a metric; leave it out to export every metric")
+    if (
+        args.start_from is not None
+        and args.start_to is not None
+        and args.start_from >= args.start_to
+    ):
+        # Arguments swapped: nothing starts in [from, to), and it printed nothing and exited 0,
+        # as if there were no points in the range (CLI-137).
+        raise CliError(
+            f"--from {format_instant(args.start_from)} is not earlier than --to"
+            f" {format_instant(args.start_to)}: export writes the points that start in"
+            " [from, to)"
+        )
     if args.replica is not None and not (args.replica / REPLICA_FILE).is_file():
         raise CliError(f"no follow replica in {args.replica}")
     if args.replica is None:

@@ -826,6 +826,31 @@ def test_export_of_an_empty_metric_exits_2_cli_136(cli: Cli, tmp_path: Path) -> 
     assert len(cli("export", "--metric", HR, "--data", data).out.splitlines()) == 1
 
 
+def test_export_of_a_range_that_ends_before_it_starts_exits_2_cli_137(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """CLI-137: `export --from A --to B` with B not later than A (the two swapped) exits 2
+    saying so and writes nothing; it printed nothing and exited 0, as if the range held no
+    points. The same range the right way round exports its point."""
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert cli("import", "--aggregation", "minutes", "--data", data, file).code == 0
+    swapped = ["--from", "2024-02-07", "--to", "2024-02-06"]
+    run = cli("export", *swapped, "--data", data)
+    same = cli("export", "--from", "2024-02-06", "--to", "2024-02-06", "--data", data)
+    ordered = cli("export", "--from", "2024-02-06", "--to", "2024-02-07", "--data", data)
+    assert run.code == 2
+    assert run.out == b""
+    assert run.err.splitlines() == [
+        "healthlog: --from 2024-02-07T00:00:00Z is not earlier than --to 2024-02-06T00:00:00Z:"
+        " export writes the points that start in [from, to)"
+    ]
+    assert same.code == 2
+    assert same.out == b""
+    assert ordered.code == 0
+    assert len(ordered.out.splitlines()) == 1
+
+
 def log_records(err: str, own: str) -> list[dict[str, Any]]:
     """The log records of a command's stderr, each a JSON object: every line that does not
     match ``own`` (the command's own lines) must be one."""
