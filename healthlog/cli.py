@@ -401,12 +401,25 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
             f"journaled the seal of the hours before {format_instant(seal.before)}"
             f"{' of ' + scope if scope else ''} as delivery {receipt.delivery_id}"
         )
-        if args.no_wait:
-            return 0
-        await _say_who_folds(runtime, "seal")
-        await runtime.wait_folded([receipt.delivery_id])
-        await _tell_outcomes(runtime, [receipt.delivery_id])
+        if not args.no_wait:
+            await _say_who_folds(runtime, "seal")
+            await runtime.wait_folded([receipt.delivery_id])
+            await _tell_outcomes(runtime, [receipt.delivery_id])
+        if scope and not await runtime.read_store(
+            functools.partial(_holds_any, metric=seal.metric, layer=seal.layer)
+        ):
+            # A metric mistyped (`HeartRate` for `heart_rate`) sealed nothing, and the command
+            # said `parsed` as for any seal (SEAL-21).
+            _tell(
+                f"seal: no object of {scope} is stored, so the seal marks none: names are as"
+                " `healthlog export` prints them (heart_rate, minutes)"
+            )
     return 0
+
+
+def _holds_any(store: Store, *, metric: str | None, layer: str | None) -> bool:
+    """Whether ``store`` holds an object of ``metric`` and ``layer`` (None: any)."""
+    return next(store.iter_objects(metric=metric, layer=layer), None) is not None
 
 
 async def _tell_outcomes(runtime: Runtime, ids: list[int]) -> None:

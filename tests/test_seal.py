@@ -355,6 +355,47 @@ def test_a_seal_of_hours_not_over_is_refused_seal_20(run_cli: RunCli, tmp_path: 
         assert len(journal.iter_order()) == 2
 
 
+def test_a_seal_of_a_metric_never_stored_says_so_seal_21(run_cli: RunCli, tmp_path: Path) -> None:
+    """SEAL-21: `healthlog seal --metric` naming a metric no object has (a name mistyped) says
+    on stderr that it marks none, after its outcome, with `--no-wait` too; a seal of a stored
+    metric, or of every metric, says no such line."""
+    data = tmp_path / "data"
+    payload = tmp_path / "day.json"
+    payload.write_bytes(TWO_HOURS)
+    assert run_cli("import", "--data", data, "--aggregation", "minutes", payload).code == 0
+
+    typo = run_cli("seal", "--data", data, "--before", "2024-03-01T01:00:00Z", "--metric", "HR")
+    unwaited = run_cli(
+        "seal",
+        "--data",
+        data,
+        "--before",
+        "2024-03-01T01:00:00Z",
+        "--metric",
+        "hr",
+        "--layer",
+        "records",
+        "--no-wait",
+    )
+    stored = run_cli("seal", "--data", data, "--before", "2024-03-01T01:00:00Z", "--metric", "hr")
+    every = run_cli("seal", "--data", data, "--before", "2024-03-01T01:00:00Z")
+
+    assert typo.code == 0, typo.err
+    assert typo.err.splitlines() == [
+        "journaled the seal of the hours before 2024-03-01T01:00:00Z of metric HR as delivery 2",
+        "delivery 2: parsed",
+        "seal: no object of metric HR is stored, so the seal marks none: names are as"
+        " `healthlog export` prints them (heart_rate, minutes)",
+    ]
+    assert unwaited.code == 0, unwaited.err
+    assert unwaited.err.splitlines()[-1].startswith(
+        "seal: no object of metric hr layer records is stored"
+    )
+    assert [len(run.err.splitlines()) for run in (stored, every)] == [2, 2]
+    with Store(data / "store.sqlite") as store:
+        assert flags(store) == {("hr", 0): True, ("hr", 1): False, ("steps", 0): True}
+
+
 def test_the_stream_carries_the_flag_seal_8(journal: Journal, store: Store, epoch: int) -> None:
     """SEAL-8: the replay stream's page shows a sealed object's state with its flag set."""
     append(journal, delivery(TWO_HOURS))
