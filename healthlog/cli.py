@@ -417,7 +417,7 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
     return 0
 
 
-def _holds_any(store: Store, *, metric: str | None, layer: str | None) -> bool:
+def _holds_any(store: Store | ReplicaReader, *, metric: str | None, layer: str | None) -> bool:
     """Whether ``store`` holds an object of ``metric`` and ``layer`` (None: any)."""
     return next(store.iter_objects(metric=metric, layer=layer), None) is not None
 
@@ -685,6 +685,20 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
                 stored, start_from=args.start_from, start_to=args.start_to, fmt=args.format
             ):
                 out.write(line)
+        if (args.metric or args.layer) and not _holds_any(
+            source, metric=args.metric, layer=args.layer
+        ):
+            # A metric mistyped printed nothing and exited 0, as a range without points does
+            # (CLI-138).
+            scope = " ".join(
+                f"{name} {value}"
+                for name, value in (("metric", args.metric), ("layer", args.layer))
+                if value is not None
+            )
+            _tell(
+                f"export: no object of {scope} is stored: names are as `healthlog export`"
+                " prints them (heart_rate, minutes)"
+            )
     return 0
 
 

@@ -851,6 +851,31 @@ def test_export_of_a_range_that_ends_before_it_starts_exits_2_cli_137(
     assert len(ordered.out.splitlines()) == 1
 
 
+def test_export_of_a_metric_never_stored_says_so_cli_138(cli: Cli, tmp_path: Path) -> None:
+    """CLI-138: `export --metric` or `--layer` naming what no stored object has (a name
+    mistyped) writes nothing, exits 0 and says so in one line on stderr; a stored metric whose
+    range holds no point says nothing, as before."""
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert cli("import", "--aggregation", "minutes", "--data", data, file).code == 0
+    typo = cli("export", "--metric", "HeartRate", "--format", "csv", "--data", data)
+    layer = cli("export", "--metric", HR, "--layer", "records", "--data", data)
+    empty = cli("export", "--metric", HR, "--from", "2025-01-01", "--data", data)
+    assert typo.code == 0
+    assert typo.out == b"metric,layer,start,end,units,point\r\n"
+    assert typo.err.splitlines() == [
+        "export: no object of metric HeartRate is stored: names are as `healthlog export`"
+        " prints them (heart_rate, minutes)"
+    ]
+    assert layer.code == 0
+    assert layer.out == b""
+    assert layer.err.splitlines() == [
+        f"export: no object of metric {HR} layer records is stored: names are as"
+        " `healthlog export` prints them (heart_rate, minutes)"
+    ]
+    assert (empty.code, empty.out, empty.err) == (0, b"", "")
+
+
 def log_records(err: str, own: str) -> list[dict[str, Any]]:
     """The log records of a command's stderr, each a JSON object: every line that does not
     match ``own`` (the command's own lines) must be one."""
