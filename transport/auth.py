@@ -6,9 +6,14 @@ with ``healthlog token`` while the service runs takes effect within that time.
 
 from __future__ import annotations
 
+import logging
+
 import trio
 
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.tokens import Tokens, authenticate
+
+log = logging.getLogger("healthlog.http")
 
 
 class TokenCache:
@@ -20,16 +25,34 @@ class TokenCache:
         self._hashes: dict[bytes, str] = {}
         self._loaded_at = -float("inf")
         self._limiter = trio.CapacityLimiter(1)
+        self._failed = 0
 
     async def authenticate(self, presented: str) -> str | None:
         """The client name for a presented token, or None.
 
-        Within ``refresh_s`` of the last load this takes no lock and no thread.
+        Within ``refresh_s`` of the last load this takes no lock and no thread. A
+        :class:`StorageError` reading the store is raised (the caller answers 503); while the
+        store stays unreadable every request tries it again, and only the first failure is a
+        WARNING, the others DEBUG, and the first read that succeeds again one INFO with their
+        count: a WARNING each let anyone reaching the port flood the log (SERVE-100).
         """
         if self._stale():
             async with self._limiter:
                 if self._stale():
-                    self._hashes = await trio.to_thread.run_sync(self._tokens.hashes)
+                    try:
+                        hashes = await trio.to_thread.run_sync(self._tokens.hashes)
+                    except StorageError as exc:
+                        self._failed += 1
+                        level = logging.WARNING if self._failed == 1 else logging.DEBUG
+                        log.log(level, "the token store could not be read: %s", describe(exc))
+                        raise
+                    if self._failed:
+                        log.info(
+                            "the token store is read again, after %d failed reads",
+                            self._failed,
+                        )
+                        self._failed = 0
+                    self._hashes = hashes
                     self._loaded_at = trio.current_time()
         return authenticate(presented, self._hashes)
 

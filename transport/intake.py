@@ -238,8 +238,8 @@ class IntakeEndpoint:
         presented = presented_token(headers.get("authorization"), headers.get("api-key"))
         try:
             name = None if presented is None else await self._tokens.authenticate(presented)
-        except StorageError as exc:
-            return _tokens_unavailable(exc)
+        except StorageError:
+            return _tokens_unavailable()
         if presented is None or name is None:
             return self._refuse_unauthorized(scope, presented is not None)
         if int(headers.get("content-length") or 0) > self._limit:
@@ -301,8 +301,8 @@ class IntakeEndpoint:
         # it (SERVE-89), as its open streams are ended (STREAM-28).
         try:
             still = await self._tokens.authenticate(presented)
-        except StorageError as exc:
-            return _tokens_unavailable(exc)
+        except StorageError:
+            return _tokens_unavailable()
         if still != name:
             return self._refuse_unauthorized(scope, True)
         digest = None
@@ -434,11 +434,11 @@ def _waits_to_continue(scope: Any) -> bool:
     )
 
 
-def _tokens_unavailable(exc: StorageError) -> _Answer:
+def _tokens_unavailable() -> _Answer:
     """503 with ``Retry-After`` when the token store cannot be read (busy, or failing while
     the token cache reloads): the app sends the delivery again, and nothing is journaled. It
-    was 500, logged by hypercorn at ERROR with its traceback (SERVE-96)."""
-    log.warning("intake: the token store could not be read: %s", describe(exc))
+    was 500, logged by hypercorn at ERROR with its traceback (SERVE-96); the token cache logs
+    the failure, once while it lasts (SERVE-100)."""
     return _answer(503, _error("TOKENS_UNAVAILABLE"), ((b"retry-after", RETRY_AFTER_S),))
 
 

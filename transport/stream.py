@@ -304,10 +304,10 @@ class StreamEndpoint:
             return
         try:
             token = await self._authenticate(scope, query)
-        except StorageError as exc:
+        except StorageError:
             # Ended as a subscription whose store failed, which `follow` retries; it escaped
-            # the endpoint: an HTTP 500 and hypercorn's traceback at ERROR (SERVE-98).
-            log.warning("stream: the token store could not be read: %s", describe(exc))
+            # the endpoint: an HTTP 500 and hypercorn's traceback at ERROR (SERVE-98). The
+            # token cache logs the failure, once while it lasts (SERVE-100).
             store_error = StreamRefused("STORE_ERROR", CLOSE_STORE_ERROR, frame=False)
             await self._serve(scope, receive, send, query, store_error)
             return
