@@ -2387,6 +2387,41 @@ async def test_a_replica_file_linked_to_nothing_is_refused_stream_134(
     assert (tmp_path / "replica" / REPLICA_FILE).is_symlink()
 
 
+async def test_a_replica_wal_that_is_a_symbolic_link_is_named_stream_135(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-135: `healthlog follow` on a replica whose `replica.sqlite-wal` is a symbolic link
+    (planted in a directory others may write in) exits 3 with one line naming the link and
+    where it points, and saying to remove it; the file it points to is left byte for byte as it
+    was, and once the link is removed it follows on. (Before, the line was `database error:
+    unable to open database file (DIR/replica.sqlite)`, naming the replica, which was sound.)"""
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"not a wal")
+    async with serving(tmp_path / "server") as service:
+        await post_small(service, 0, 30)
+        made = await follow_process(run_cli, service, tmp_path)
+        total = await post_small(service, 45)
+        link = tmp_path / "replica" / f"{REPLICA_FILE}-wal"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        refused = await follow_process(run_cli, service, tmp_path)
+        kept = link.is_symlink()
+        link.unlink()
+        again = await follow_process(run_cli, service, tmp_path)
+    assert made.code == 0, made.err
+    replica = tmp_path / "replica" / REPLICA_FILE
+    assert (refused.code, refused.err.splitlines()) == (
+        3,
+        [
+            f"healthlog: database error: unable to open database file: {link} is a symbolic"
+            f" link to {target}, through which SQLite opens no database; remove it ({replica})"
+        ],
+    )
+    assert kept
+    assert target.read_bytes() == b"not a wal"
+    assert (again.code, again.err) == (0, f"follow: replica at seq {total}\n")
+
+
 async def test_export_reads_a_replica_without_writing_it_cli_68(
     tmp_path: Path, run_cli: RunCli
 ) -> None:

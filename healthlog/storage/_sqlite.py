@@ -550,10 +550,14 @@ def opening_failed(error: StorageError, path: str | os.PathLike[str]) -> Storage
 
 def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     """``error``, naming the file that could not be opened (a data directory has several),
-    and saying that the disk is full when a disk error met a full one."""
+    and saying that the disk is full when a disk error met a full one, or naming a ``-wal`` or
+    ``-shm`` beside it that is a symbolic link, which SQLite opens no database with (it said
+    ``unable to open database file`` of the database: STREAM-135)."""
     cause = ""
     if write_refused(error):
         cause = not_permitted(path)
+    if error.code is not None and error.code & 0xFF == _SQLITE_CANTOPEN:
+        cause = _linked_companion(path) or cause
     if _disk_error(error):
         free = free_when_full(Path(path).parent)
         if free is not None:
@@ -563,6 +567,21 @@ def _opening(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     opening.kind = error.kind
     opening.file = os.path.basename(path)
     return opening
+
+
+def _linked_companion(path: str | os.PathLike[str]) -> str:
+    """``: DB-wal is a symbolic link to TARGET, ...; remove it``, as a clause for an error line,
+    when a companion of the database at ``path`` (:data:`COMPANIONS`) is a symbolic link;
+    empty when none is."""
+    for suffix in COMPANIONS:
+        companion = f"{os.fspath(path)}{suffix}"
+        with contextlib.suppress(OSError):
+            target = os.readlink(companion)
+            return (
+                f": {companion} is a symbolic link to {target}, through which SQLite opens no"
+                " database; remove it"
+            )
+    return ""
 
 
 def free_when_full(directory: str | os.PathLike[str]) -> int | None:
