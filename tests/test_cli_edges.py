@@ -1860,6 +1860,40 @@ def test_a_data_directory_on_a_read_only_file_system_is_said_so_cli_91(tmp_path:
         ), stderr
 
 
+def test_a_new_directory_on_a_read_only_file_system_is_said_so_store_103(
+    tmp_path: Path,
+) -> None:
+    """STORE-103: `import --data NEWDIR` and `follow --replica NEWDIR` on a file system mounted
+    read-only (a real tmpfs remounted so) exit 3 with one line naming the directory and saying
+    that its file system is mounted read-only. (Before, each was Python's `healthlog: [Errno
+    30] Read-only file system: 'NEWDIR'`.)"""
+    payload = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        'mount -o remount,ro "$1" || exit 96\n'
+        '"$PY" -m healthlog.cli import --data "$1/new/data" "$2" > /dev/null\n'
+        'echo "import exit $?" >&2\n'
+        '"$PY" -m healthlog.cli follow --url http://127.0.0.1:9 --token hl_x'
+        ' --replica "$1/new/replica" --data "$3" > /dev/null\n'
+        'echo "follow exit $?" >&2\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, tmp_path / "client")
+    read_only = (
+        f"the file system of {point_dir} is mounted read-only (as the kernel remounts one after"
+        " disk errors: see `dmesg`)"
+    )
+    assert stderr.splitlines() == [
+        f"healthlog: no data directory at {point_dir / 'new' / 'data'}: making a new one",
+        f"healthlog: {point_dir / 'new' / 'data'} cannot be made: {read_only}",
+        "import exit 3",
+        f"healthlog: {point_dir / 'new' / 'replica'} cannot be made: {read_only}",
+        "follow exit 3",
+    ], stderr
+
+
 READ_ONLY_COMMANDS = re.escape(
     "of the commands, only export, status and token list read a data directory that cannot be"
     " written"

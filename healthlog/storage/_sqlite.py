@@ -461,14 +461,26 @@ def make_directory(path: str | os.PathLike[str]) -> None:
     the umask (STORE-96): under umask 000 (a container's or a NAS share's) each was 0777, in
     which any account of the machine could remove or replace ``journal.sqlite``,
     ``tokens.sqlite`` or ``signing.key``, or plant a link where a snapshot is written. Those
-    already there are left as they are."""
-    directory = Path(path)
+    already there are left as they are. On a file system mounted read-only that is a
+    :class:`StorageError` naming the directory and saying so (STORE-103), not Python's
+    ``[Errno 30] Read-only file system: 'PATH'``."""
+    try:
+        _make_directories(Path(path))
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        where = Path(exc.filename or path).parent
+        read_only = mounted_read_only(where) or f"the file system of {where} is read-only"
+        raise StorageError(f"{path} cannot be made: {read_only}") from None
+
+
+def _make_directories(directory: Path) -> None:
     try:
         directory.mkdir(mode=DIRECTORY_MODE, exist_ok=True)
     except FileNotFoundError:
         if directory.parent == directory:
             raise
-        make_directory(directory.parent)
+        _make_directories(directory.parent)
         directory.mkdir(mode=DIRECTORY_MODE, exist_ok=True)
 
 
