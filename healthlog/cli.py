@@ -392,11 +392,7 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
         receipt = await runtime.submit(
             NewDelivery(body=seal.encode(), client=SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE)
         )
-        scope = " ".join(
-            f"{name} {value}"
-            for name, value in (("metric", seal.metric), ("layer", seal.layer))
-            if value is not None
-        )
+        scope = _scope(seal.metric, seal.layer)
         _tell(
             f"journaled the seal of the hours before {format_instant(seal.before)}"
             f"{' of ' + scope if scope else ''} as delivery {receipt.delivery_id}"
@@ -415,6 +411,15 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
                 " `healthlog export` prints them (heart_rate, minutes)"
             )
     return 0
+
+
+def _scope(metric: str | None, layer: str | None) -> str:
+    """``metric M layer L`` for those given, as a seal's or an export's lines name them."""
+    return " ".join(
+        f"{name} {value}"
+        for name, value in (("metric", metric), ("layer", layer))
+        if value is not None
+    )
 
 
 def _holds_any(store: Store | ReplicaReader, *, metric: str | None, layer: str | None) -> bool:
@@ -690,14 +695,9 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
         ):
             # A metric mistyped printed nothing and exited 0, as a range without points does
             # (CLI-138).
-            scope = " ".join(
-                f"{name} {value}"
-                for name, value in (("metric", args.metric), ("layer", args.layer))
-                if value is not None
-            )
             _tell(
-                f"export: no object of {scope} is stored: names are as `healthlog export`"
-                " prints them (heart_rate, minutes)"
+                f"export: no object of {_scope(args.metric, args.layer)} is stored: names are"
+                " as `healthlog export` prints them (heart_rate, minutes)"
             )
     return 0
 
