@@ -6,6 +6,7 @@ CLI-49, CLI-51 to CLI-54, CLI-57, CLI-58). Most commands run as a real process."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -2863,20 +2864,52 @@ def test_progress_says_each_count_once_cli_123(run_cli: RunCli, tmp_path: Path) 
         assert len(counts) == len(set(counts)), run.err
 
 
-def _stderr_until(importing: subprocess.Popen[bytes], text: str) -> bytes:
-    """What ``importing`` wrote on stderr until it wrote ``text`` (within ``LIMIT_S``)."""
-    assert importing.stderr is not None
-    fd = importing.stderr.fileno()
-    said = b""
-    deadline = time.monotonic() + LIMIT_S
-    while text.encode() not in said:
-        left = deadline - time.monotonic()
-        assert left > 0, said
-        assert select.select([fd], [], [], left)[0], said
-        chunk = os.read(fd, 65536)
-        assert chunk, said
-        said += chunk
-    return said
+FIRST_OF_A_FIFO_IMPORT = body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=61)))
+"""The body of the file an import reads before its FIFO (:func:`_importing_before_a_fifo`)."""
+
+
+@dataclasses.dataclass
+class _FifoImport:
+    """An ``import --no-wait A FIFO ...`` run that has said A is journaled and waits on FIFO."""
+
+    process: subprocess.Popen[bytes]
+    named: Path
+    fifo: Path
+    said: bytes
+
+    def finish(self) -> bytes:
+        """Everything it wrote on stderr, once it has ended (within ``LIMIT_S``)."""
+        _, rest = self.process.communicate(timeout=LIMIT_S)
+        return self.said + rest
+
+
+@contextlib.contextmanager
+def _importing_before_a_fifo(tmp_path: Path, data: Path, *after: Path) -> Iterator[_FifoImport]:
+    """``import --no-wait A FIFO *after`` into ``data`` (A holding
+    :data:`FIRST_OF_A_FIFO_IMPORT`), once it has said that A is journaled: it then waits on the
+    FIFO, which nothing has written yet. Killed when the block ends."""
+    named = write(tmp_path / "a.json", FIRST_OF_A_FIFO_IMPORT)
+    fifo = tmp_path / "b.fifo"
+    os.mkfifo(fifo)
+    args = ["--no-wait", "--aggregation", "minutes", named, fifo, *after]
+    with subprocess.Popen(
+        healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
+    ) as importing:
+        try:
+            assert importing.stderr is not None
+            fd = importing.stderr.fileno()
+            said = b""
+            deadline = time.monotonic() + LIMIT_S
+            while f"journaled {named} as delivery 1".encode() not in said:
+                left = deadline - time.monotonic()
+                assert left > 0, said
+                assert select.select([fd], [], [], left)[0], said
+                chunk = os.read(fd, 65536)
+                assert chunk, said
+                said += chunk
+            yield _FifoImport(importing, named, fifo, said)
+        finally:
+            importing.kill()
 
 
 def test_import_reads_each_file_when_its_turn_comes_cli_124(tmp_path: Path) -> None:
@@ -2885,24 +2918,14 @@ def test_import_reads_each_file_when_its_turn_comes_cli_124(tmp_path: Path) -> N
     journaled (each was read, and all held, before the first was); both are journaled, in
     argument order."""
     data = tmp_path / "data"
-    first = body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=61)))
+    first = FIRST_OF_A_FIFO_IMPORT
     second = body(metric(HR, BPM, point("2024-02-06 07:01:00 -0800", qty=62)))
-    named = write(tmp_path / "a.json", first)
-    fifo = tmp_path / "b.fifo"
-    os.mkfifo(fifo)
-    args = ["--no-wait", "--aggregation", "minutes", named, fifo]
-    with subprocess.Popen(
-        healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
-    ) as importing:
-        try:
-            said = _stderr_until(importing, f"journaled {named} as delivery 1")
-            fifo.write_bytes(second)
-            _, rest = importing.communicate(timeout=LIMIT_S)
-        finally:
-            importing.kill()
-    assert importing.returncode == 0, said + rest
+    with _importing_before_a_fifo(tmp_path, data) as run:
+        run.fifo.write_bytes(second)
+        said = run.finish()
+    assert run.process.returncode == 0, said
     refused = subprocess.run(
-        healthlog("import", "--data", data, "--no-wait", named, tmp_path),
+        healthlog("import", "--data", data, "--no-wait", run.named, tmp_path),
         capture_output=True,
         check=False,
     )
@@ -3140,23 +3163,12 @@ def test_import_waiting_on_a_fifo_stops_on_sigterm_cli_131(tmp_path: Path) -> No
     Each file is read at its turn in a worker thread (CLI-124), which the signal's cancel
     waited for: the command went on waiting on the FIFO, SIGTERM and Ctrl-C alike."""
     data = tmp_path / "data"
-    first = body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=61)))
-    named = write(tmp_path / "a.json", first)
-    fifo = tmp_path / "b.fifo"
-    os.mkfifo(fifo)
-    args = ["--no-wait", "--aggregation", "minutes", named, fifo]
-    with subprocess.Popen(
-        healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
-    ) as importing:
-        try:
-            said = _stderr_until(importing, f"journaled {named} as delivery 1")
-            importing.send_signal(signal.SIGTERM)
-            _, rest = importing.communicate(timeout=LIMIT_S)
-        finally:
-            importing.kill()
-    assert importing.returncode == 128 + signal.SIGTERM, said + rest
+    with _importing_before_a_fifo(tmp_path, data) as run:
+        run.process.send_signal(signal.SIGTERM)
+        said = run.finish()
+    assert run.process.returncode == 128 + signal.SIGTERM, said
     with DataDir(data).open_journal() as journal:
-        assert [journal.read_body(m.id) for m in journal.iter_order()] == [first]
+        assert [journal.read_body(m.id) for m in journal.iter_order()] == [FIRST_OF_A_FIFO_IMPORT]
 
 
 def test_a_file_gone_at_its_turn_says_what_was_journaled_cli_132(tmp_path: Path) -> None:
@@ -3166,31 +3178,23 @@ def test_a_file_gone_at_its_turn_says_what_was_journaled_cli_132(tmp_path: Path)
     they would be journaled twice); the journal holds those two. Before, the line said only
     `cannot read C: No such file or directory`."""
     data = tmp_path / "data"
-    first = body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=61)))
     second = body(metric(HR, BPM, point("2024-02-06 07:01:00 -0800", qty=62)))
-    named = write(tmp_path / "a.json", first)
-    fifo = tmp_path / "b.fifo"
-    os.mkfifo(fifo)
     gone = write(tmp_path / "c.json", second)
-    args = ["--no-wait", "--aggregation", "minutes", named, fifo, gone]
-    with subprocess.Popen(
-        healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
-    ) as importing:
-        try:
-            said = _stderr_until(importing, f"journaled {named} as delivery 1")
-            gone.unlink()
-            fifo.write_bytes(second)
-            _, rest = importing.communicate(timeout=LIMIT_S)
-        finally:
-            importing.kill()
-    assert importing.returncode == 2, said + rest
-    last = (said + rest).decode().splitlines()[-1]
+    with _importing_before_a_fifo(tmp_path, data, gone) as run:
+        gone.unlink()
+        run.fifo.write_bytes(second)
+        said = run.finish()
+    assert run.process.returncode == 2, said
+    last = said.decode().splitlines()[-1]
     assert last == (
         f"healthlog: cannot read {gone}: No such file or directory; journaled before it:"
-        f" {named} as delivery 1, {fifo} as delivery 2 (do not import those again)"
+        f" {run.named} as delivery 1, {run.fifo} as delivery 2 (do not import those again)"
     )
     with DataDir(data).open_journal() as journal:
-        assert [journal.read_body(m.id) for m in journal.iter_order()] == [first, second]
+        assert [journal.read_body(m.id) for m in journal.iter_order()] == [
+            FIRST_OF_A_FIFO_IMPORT,
+            second,
+        ]
 
 
 JOURNAL_LIMIT = 300 * 1024
