@@ -1,8 +1,9 @@
 """Seals (S9): the user's word that the hours before an instant are final.
 
 A seal is journaled like a delivery, so that it takes its place in journal order and a rebuild
-folds it where the live folder did. It covers every hour that ends at or before ``before``
-(optionally of one metric, one layer); from its place on, an object in a covered hour is
+folds it where the live folder did. It covers every object whose longest period has ended at or
+before ``before`` (optionally of one metric, one layer): an hourly object's hour, a daily total's
+day wherever its user lives (:data:`SPANS`); from its place on, a covered object is
 sealed: the seal marks those already stored, and a later write to a covered hour (an object
 stored or new) is still saved but counted and logged as a sealed write.
 
@@ -23,6 +24,25 @@ from healthlog.timestamps import US_PER_HOUR, TimestampError, format_instant, pa
 SEAL_CLIENT = "cli:seal"
 SEAL_CONTENT_TYPE = "application/vnd.healthlog.seal+json"
 
+_DAY = 24 * US_PER_HOUR
+SPANS = {
+    "days": 25 * US_PER_HOUR,
+    "weeks": 7 * _DAY + US_PER_HOUR,
+    "months": 31 * _DAY + US_PER_HOUR,
+    "years": 366 * _DAY + US_PER_HOUR,
+}
+"""How long after its hour's start the longest period an object of each layer can hold ends
+(every other layer's: :data:`US_PER_HOUR`). The app stamps a daily or longer total at the
+user's local midnight, the UTC hour of which is all the object keeps: a day of 25 h (DST), a
+week of 7 such days, a month of 31 and a year of 366. By the hour alone (before SEAL-22),
+a seal before midnight UTC covered the next day's total east of UTC, still being counted,
+and west of UTC a day hours before it ended."""
+
+
+def span(layer: str) -> int:
+    """The longest period of ``layer`` (:data:`SPANS`)."""
+    return SPANS.get(layer, US_PER_HOUR)
+
 
 class SealError(ValueError):
     """A seal body that cannot be read; the message quotes nothing of it."""
@@ -30,8 +50,8 @@ class SealError(ValueError):
 
 @attrs.frozen
 class Seal:
-    """Hours that end at or before ``before`` (UTC microseconds), of ``metric`` and ``layer``
-    when given."""
+    """The objects whose longest period (:func:`span`) ends at or before ``before`` (UTC
+    microseconds), of ``metric`` and ``layer`` when given."""
 
     before: int
     metric: str | None = None
@@ -39,7 +59,7 @@ class Seal:
 
     def covers(self, key: ObjectKey) -> bool:
         return (
-            key.hour + US_PER_HOUR <= self.before
+            key.hour + span(key.layer) <= self.before
             and (self.metric is None or key.metric == self.metric)
             and (self.layer is None or key.layer == self.layer)
         )

@@ -32,7 +32,7 @@ from healthlog.seals import (
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import run_pass
 from healthlog.storage.rebuild import rebuild_into, reindex, verify
-from healthlog.storage.store import Store
+from healthlog.storage.store import MIGRATIONS, Store
 from healthlog.storage.tokens import TokenError, Tokens, authenticate
 from healthlog.timestamps import US_PER_HOUR
 
@@ -555,3 +555,184 @@ def test_a_partitioned_rebuild_hands_its_workers_one_seal_per_metric_and_layer_s
     for table in ("objects", "outcomes", "seals", "checkpoint"):
         assert one[table] == two[table]
     assert sum(json.loads(row[-2])["sealed_writes"] for row in one["outcomes"]) > 0
+
+
+def instant(text: str) -> int:
+    """The app's ``yyyy-MM-dd HH:mm:ss Z`` stamp as UTC microseconds."""
+    return int(datetime.strptime(text, "%Y-%m-%d %H:%M:%S %z").timestamp()) * 1_000_000
+
+
+def totals(dates: list[str], offset: str, qty: float) -> bytes:
+    """A body of one `step_count` total per date (`yyyy-MM-dd`), stamped at its local midnight
+    at ``offset`` (`+0100`), as the app stamps its `days`, `weeks`, `months` and `years`."""
+    return body({"step_count": [{"date": f"{d} 00:00:00 {offset}", "qty": qty} for d in dates]})
+
+
+def sealed_totals(store: Store, dates: list[str], offset: str) -> dict[str, bool]:
+    """Which of the totals of ``dates`` (stamped at ``offset``) are sealed."""
+    by_hour = {s.key.hour: s.sealed for s in summaries(store).values()}
+    return {d: by_hour[instant(f"{d} 00:00:00 {offset}")] for d in dates}
+
+
+FEBRUARY = ["2024-02-05", "2024-02-06", "2024-02-07"]
+
+
+@pytest.mark.parametrize(
+    ("offset", "sealed"),
+    [("+0100", ["2024-02-05", "2024-02-06"]), ("-0500", ["2024-02-05"]), ("+1000", FEBRUARY[:2])],
+)
+def test_a_seal_covers_a_daily_total_once_its_day_has_ended_seal_22(
+    journal: Journal,
+    store: Store,
+    epoch: int,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    offset: str,
+    sealed: list[str],
+) -> None:
+    """SEAL-22: daily totals stamped at local midnight (+01:00, -05:00, +10:00) and a seal
+    before 2024-02-07T00:00:00Z: it covers a day once the day has ended wherever the user
+    is, its stamp's hour plus 25 h (a DST day) at or before the instant; a recount of every
+    day then counts a sealed write, and a WARNING, for each day covered alone; verify finds
+    nothing, and the rebuilds in one process and in two workers hold the live objects."""
+    append(journal, delivery(totals(FEBRUARY, offset, 100), aggregation="days"))
+    append(journal, sealing(Seal(instant("2024-02-07 00:00:00 +0000"))))
+    run_pass(journal, store, epoch)
+    assert sealed_totals(store, FEBRUARY, offset) == {d: d in sealed for d in FEBRUARY}
+
+    recount = append(journal, delivery(totals(FEBRUARY, offset, 200), aggregation="days"))
+    with caplog.at_level(logging.WARNING, logger="healthlog.fold"):
+        run_pass(journal, store, epoch)
+
+    assert outcome_of(store, recount)[2]["sealed_writes"] == len(sealed)
+    warned = [r for r in caplog.records if "sealed" in r.getMessage()]
+    assert [r.levelno for r in warned] == [logging.WARNING] * len(sealed)
+    assert sealed_totals(store, FEBRUARY, offset) == {d: d in sealed for d in FEBRUARY}
+    store.release_lease("folder", epoch)
+    assert verify(journal, store) == []
+    rebuild_into(journal, tmp_path / "one.sqlite", workers=1)
+    rebuild_into(journal, tmp_path / "two.sqlite", workers=2)
+    one, two = rows(tmp_path / "one.sqlite"), rows(tmp_path / "two.sqlite")
+    for table in ("objects", "outcomes", "seals", "checkpoint"):
+        assert one[table] == two[table]
+    assert one["objects"] == rows(store.path)["objects"]
+
+
+@pytest.mark.parametrize("offset", ["+0100", "-0500", "+1000"])
+def test_a_seal_covers_a_week_or_month_once_it_has_ended_seal_23(
+    journal: Journal, store: Store, epoch: int, offset: str
+) -> None:
+    """SEAL-23: weekly totals (stamped at Monday's local midnight) and monthly ones (the 1st's)
+    are covered once their stamp's hour plus 7 days and 1 h, or 31 days and 1 h, is at or before
+    the seal's instant: a seal before 2024-03-01T00:00:00Z covers the weeks of 29 January and
+    12 February and January, not the week of 26 February nor February (29 days, but a month
+    can have 31); one before 2024-03-03T06:00:00Z covers February too, whatever the offset."""
+    weeks = ["2024-01-29", "2024-02-12", "2024-02-26"]
+    months = ["2024-01-01", "2024-02-01", "2024-03-01"]
+    append(journal, delivery(totals(weeks, offset, 70_000), aggregation="weeks"))
+    append(journal, delivery(totals(months, offset, 300_000), aggregation="months"))
+    march = instant("2024-03-01 00:00:00 +0000")
+    append(journal, sealing(Seal(march, "step_count")))
+    run_pass(journal, store, epoch)
+
+    by_key = {(s.key.layer, s.key.hour): s.sealed for s in summaries(store).values()}
+
+    def flags_of(layer: str, dates: list[str]) -> list[bool]:
+        return [by_key[(layer, instant(f"{d} 00:00:00 {offset}"))] for d in dates]
+
+    assert flags_of("weeks", weeks) == [True, True, False]
+    assert flags_of("months", months) == [True, False, False]
+
+    append(journal, sealing(Seal(instant("2024-03-03 01:00:00 +0000") + 5 * HOUR)))
+    run_pass(journal, store, epoch)
+    by_key = {(s.key.layer, s.key.hour): s.sealed for s in summaries(store).values()}
+    assert flags_of("months", months) == [True, True, False]
+    store.release_lease("folder", epoch)
+    assert verify(journal, store) == []
+
+
+@pytest.mark.parametrize(
+    ("layer", "span"),
+    [
+        ("seconds", HOUR),
+        ("minutes", HOUR),
+        ("hours", HOUR),
+        ("default", HOUR),
+        ("records", HOUR),
+        ("days", 25 * HOUR),
+        ("weeks", (7 * 24 + 1) * HOUR),
+        ("months", (31 * 24 + 1) * HOUR),
+        ("years", (366 * 24 + 1) * HOUR),
+    ],
+)
+def test_a_seal_covers_each_layer_once_its_longest_period_has_ended_seal_24(
+    layer: str, span: int
+) -> None:
+    """SEAL-24: an object of each layer is covered once its hour plus the longest period of
+    its layer has ended (1 h; days 25 h; weeks 7 days 1 h; months 31 days 1 h; years 366 days
+    1 h): at that instant, not a microsecond before; the metric and layer still have to
+    match."""
+    key = ObjectKey("step_count", layer, BASE_US)
+    assert Seal(BASE_US + span).covers(key)
+    assert not Seal(BASE_US + span - 1).covers(key)
+    assert Seal(BASE_US + span, "step_count", layer).covers(key)
+    assert not Seal(BASE_US + span, "hr").covers(key)
+    assert not Seal(BASE_US + span, layer="other").covers(key)
+
+
+def test_a_store_sealed_by_the_hour_alone_is_upgraded_store_104(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """STORE-104: a store folded by the rule before SEAL-22 (a seal covering any object whose
+    hour had ended, and a recount of the day after counted a sealed write), at +01:00, with
+    an object flagged without any seal (SEAL-7): opened, it takes the flag off the total of 7
+    February alone and announces it with one `object.changed` event; verify then finds only
+    the flag no seal gave, and a reindex changes that one object; the sealed write recorded
+    for the recount stays in its outcome until the reindex records the rebuild's counters."""
+    append(journal, delivery(totals(FEBRUARY, "+0100", 100), aggregation="days"))
+    append(journal, delivery(TWO_HOURS))
+    append(journal, sealing(Seal(instant("2024-02-07 00:00:00 +0000"))))
+    recount = append(journal, delivery(totals(FEBRUARY, "+0100", 200), aggregation="days"))
+    run_pass(journal, store, epoch)
+    store.release_lease("folder", epoch)
+    seventh = instant("2024-02-07 00:00:00 +0100")
+    store.close()
+    # What the older healthlog left: every total whose hour had ended sealed, the recount's
+    # write to 7 February counted, and a flag no seal gave; its schema one version older.
+    with closing(sqlite3.connect(store.path)) as conn, conn:
+        conn.execute("UPDATE objects SET sealed = 1 WHERE layer = 'days' OR metric = 'steps'")
+        conn.execute(
+            "UPDATE outcomes SET counters = json_set(counters, '$.sealed_writes', 3)"
+            " WHERE delivery_id = ?",
+            (recount.id,),
+        )
+        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) - 1}")
+    older = rows(store.path)
+
+    with Store(store.path) as upgraded:
+        assert sealed_totals(upgraded, FEBRUARY, "+0100") == {
+            "2024-02-05": True,
+            "2024-02-06": True,
+            "2024-02-07": False,
+        }
+        events = upgraded.events_after(0, 1000)
+        announced = [e.payload for e in events if e.id.startswith("upgrade.")]
+        hashes = {s.key.hour: s.hash for s in summaries(upgraded).values()}
+        assert announced == [
+            {
+                "metric": "step_count",
+                "layer": "days",
+                "hour": "2024-02-06T23:00:00Z",
+                "hash": hashes[seventh].hex(),
+                "points": 1,
+                "delivery_id": None,
+            }
+        ]
+        assert events[-1].tag is not None
+        assert outcome_of(upgraded, recount)[2]["sealed_writes"] == 3
+        differences = verify(journal, upgraded)
+        assert [(d.key.metric, d.live == d.rebuilt) for d in differences] == [("steps", True)]
+        assert reindex(journal, upgraded, "reindex") == 1
+        assert outcome_of(upgraded, recount)[2]["sealed_writes"] == 2
+        assert verify(journal, upgraded) == []
+    assert older["seals"] == rows(store.path)["seals"]

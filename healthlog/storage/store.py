@@ -73,6 +73,18 @@ FUTURE_SKEW_US = 86_400 * 1_000_000
 # reads behind it.
 BRIEF_WAIT_MS = 250
 
+
+def _span(row: str) -> str:
+    """:func:`healthlog.seals.span` of the layer of ``row`` (a table or its alias), in SQL."""
+    cases = " ".join(f"WHEN '{layer}' THEN {us}" for layer, us in seals.SPANS.items())
+    return f"CASE {row}.layer {cases} ELSE {US_PER_HOUR} END"
+
+
+def _in_scope(row: str) -> str:
+    """Whether the seal ``s`` names the metric and layer of ``row``, or leaves them open."""
+    return f"coalesce(s.metric = {row}.metric, 1) AND coalesce(s.layer = {row}.layer, 1)"
+
+
 MIGRATIONS = (
     """
     CREATE TABLE objects (
@@ -201,6 +213,34 @@ MIGRATIONS = (
     DROP TABLE objects;
     ALTER TABLE objects_by_rowid RENAME TO objects;
     CREATE UNIQUE INDEX objects_key ON objects (metric, layer, hour);
+    """,
+    # A seal covers a daily or longer total once its longest period has ended (SEAL-22), no
+    # longer once its hour has: a flag the hour alone gave, which no seal kept gives now, is
+    # taken off as a rebuild would (verify compares flags) and the object announced as a
+    # reindex announces one; a flag no seal gave (SEAL-7) stays for verify to report. Only the
+    # objects key index is read to find them, not every body (STORE-104).
+    f"""
+    CREATE TEMP TABLE unsealed AS
+        SELECT o.rowid AS id, o.metric, o.layer, o.hour, o.hash, o.points FROM objects o
+        WHERE o.sealed = 1 AND o.rowid IN (
+            SELECT k.rowid FROM objects k
+            WHERE k.layer IN ({", ".join(f"'{layer}'" for layer in seals.SPANS)})
+            AND EXISTS (
+                SELECT 1 FROM seals s WHERE k.hour + {US_PER_HOUR} <= s.before AND {_in_scope("k")}
+            )
+            AND NOT EXISTS (
+                SELECT 1 FROM seals s WHERE k.hour + {_span("k")} <= s.before AND {_in_scope("k")}
+            )
+        );
+    UPDATE objects SET sealed = 0 WHERE rowid IN (SELECT id FROM temp.unsealed);
+    INSERT INTO events (id, kind, payload, at, tag)
+        SELECT 'upgrade.seals.' || id, 'object.changed', json_object(
+            'metric', metric, 'layer', layer,
+            'hour', strftime('%Y-%m-%dT%H:%M:%SZ', hour / 1000000, 'unixepoch'),
+            'hash', lower(hex(hash)), 'points', points, 'delivery_id', NULL
+        ), now_us(), lower(hex(randomblob(8)))
+        FROM temp.unsealed ORDER BY metric, layer, hour;
+    DROP TABLE temp.unsealed;
     """,
 )
 # The tag of an event as it is inserted: 64 random bits, as 16 hex digits.
@@ -633,10 +673,10 @@ class Store(_objects.ObjectDatabase):
         """Set ``sealed`` on the stored objects ``seal`` covers (``Seal.covers`` in SQL) that
         lack it; their metric, layer, hour, hash and points."""
         return self._conn.execute(
-            "UPDATE objects SET sealed = 1 WHERE sealed = 0 AND hour + ? <= ?"
+            f"UPDATE objects SET sealed = 1 WHERE sealed = 0 AND hour + {_span('objects')} <= ?"
             " AND coalesce(? = metric, 1) AND coalesce(? = layer, 1)"
             " RETURNING metric, layer, hour, hash, points",
-            (US_PER_HOUR, seal.before, seal.metric, seal.layer),
+            (seal.before, seal.metric, seal.layer),
         ).fetchall()
 
     def fail(self, meta: DeliveryMeta, epoch: int, reason: str, *, live: bool = True) -> FoldReport:
