@@ -180,10 +180,11 @@ def _past_instant(value: str) -> int:
 
 
 def _ended_instant(value: str) -> int:
-    """An instant no later than now, for ``seal --before``: a seal covers the hours that end by
-    then, and one of hours not over yet (a year mistyped, ``date -d tomorrow`` in a nightly job)
-    would mark every later write to them a sealed write, for good: the journal keeps the seal
-    and every rebuild folds it again (SEAL-20)."""
+    """An instant no later than now, for ``seal --before``: a seal covers what ends by then (an
+    hour; a day, week, month or year at its longest: ``seals.SPANS``), and one of hours not
+    over yet (a year mistyped, ``date -d tomorrow`` in a nightly job) would mark every later
+    write to them a sealed write, for good: the journal keeps the seal and every rebuild folds
+    it again (SEAL-20)."""
     instant = _instant(value)
     if instant > clock.now_us():
         raise argparse.ArgumentTypeError(
@@ -394,7 +395,7 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
         )
         scope = _scope(seal.metric, seal.layer)
         _tell(
-            f"journaled the seal of the hours before {format_instant(seal.before)}"
+            f"journaled the seal of what ends by {format_instant(seal.before)}"
             f"{' of ' + scope if scope else ''} as delivery {receipt.delivery_id}"
         )
         if not args.no_wait:
@@ -1009,10 +1010,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = command(
         "seal",
         cmd_seal,
-        "mark the hours before an instant final (late writes warn)",
+        "mark what ended by an instant final (late writes warn)",
         needs_data=True,
     )
-    p.add_argument("--before", type=_ended_instant, required=True, help="seal hours ending by then")
+    p.add_argument(
+        "--before",
+        type=_ended_instant,
+        required=True,
+        help="seal what ends by then (a day as 25 h, a month as 31 days 1 h)",
+    )
     p.add_argument("--metric", default=None, help="only this metric (or record section)")
     p.add_argument("--layer", type=_stored_layer, default=None, help="only this layer")
     p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")

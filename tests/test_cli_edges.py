@@ -160,7 +160,7 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
         "import": (["--aggregation", "minutes", file], f"journaled {file} as delivery 1"),
         "seal": (
             ["--before", "2024-02-06T00:00:00Z"],
-            "journaled the seal of the hours before 2024-02-06T00:00:00Z as delivery 1",
+            "journaled the seal of what ends by 2024-02-06T00:00:00Z as delivery 1",
         ),
     }[command]
     with DataDir(data).open_store() as store:

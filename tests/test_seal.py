@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import sqlite3
+import subprocess
+import sys
 import tempfile
 from contextlib import closing
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -327,12 +331,12 @@ def test_seal_says_its_outcome_once_folded_seal_17(run_cli: RunCli, tmp_path: Pa
 
     assert sealed.code == 0, sealed.err
     assert sealed.err.splitlines() == [
-        "journaled the seal of the hours before 2024-03-01T01:00:00Z as delivery 2",
+        "journaled the seal of what ends by 2024-03-01T01:00:00Z as delivery 2",
         "delivery 2: parsed",
     ]
     assert unwaited.code == 0, unwaited.err
     assert unwaited.err.splitlines() == [
-        "journaled the seal of the hours before 2024-03-01T02:00:00Z as delivery 3"
+        "journaled the seal of what ends by 2024-03-01T02:00:00Z as delivery 3"
     ]
 
 
@@ -382,7 +386,7 @@ def test_a_seal_of_a_metric_never_stored_says_so_seal_21(run_cli: RunCli, tmp_pa
 
     assert typo.code == 0, typo.err
     assert typo.err.splitlines() == [
-        "journaled the seal of the hours before 2024-03-01T01:00:00Z of metric HR as delivery 2",
+        "journaled the seal of what ends by 2024-03-01T01:00:00Z of metric HR as delivery 2",
         "delivery 2: parsed",
         "seal: no object of metric HR is stored, so the seal marks none: names are as"
         " `healthlog export` prints them (heart_rate, minutes)",
@@ -736,3 +740,47 @@ def test_a_store_sealed_by_the_hour_alone_is_upgraded_store_104(
         assert outcome_of(upgraded, recount)[2]["sealed_writes"] == 2
         assert verify(journal, upgraded) == []
     assert older["seals"] == rows(store.path)["seals"]
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# The command of the README's nightly seal, as the service's user on the README's paths.
+NIGHTLY = "sudo -u healthlog /opt/healthlog/.venv/bin/healthlog seal --data /srv/healthlog "
+
+
+def test_the_readme_s_nightly_seal_seals_yesterday_s_total_not_today_s_seal_25(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """SEAL-25: the README's nightly seal, run as it is written (its command and paths put
+    in place of this test's), on daily totals of the last four days stamped at +01:00: it
+    says what it journaled, `journaled the seal of what ends by` the last midnight UTC, and
+    seals every day before that midnight, yesterday's included, and not today's; `verify`
+    exits 0."""
+    (line,) = [line for line in README.read_text().splitlines() if line.startswith(NIGHTLY)]
+    data = tmp_path / "data"
+    today = datetime.now(UTC).date()
+    dates = [(today - timedelta(days=n)).isoformat() for n in (3, 2, 1, 0)]
+    payload = tmp_path / "days.json"
+    payload.write_bytes(totals(dates, "+0100", 4_000))
+    assert run_cli("import", "--data", data, "--aggregation", "days", payload).code == 0
+    command = line.replace(NIGHTLY.split(" seal ")[0], f"{sys.executable} -m healthlog.cli")
+    command = command.replace("/srv/healthlog", os.fspath(data))
+    env = {name: value for name, value in os.environ.items() if name != "HEALTHLOG_DATA"}
+
+    nightly = subprocess.run(
+        ["bash", "-c", command], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+
+    assert nightly.returncode == 0, nightly.stderr
+    found = re.search(
+        r"^journaled the seal of what ends by (\S+)T00:00:00Z as delivery 2$",
+        nightly.stderr,
+        re.MULTILINE,
+    )
+    assert found is not None, nightly.stderr
+    midnight = date.fromisoformat(found[1])
+    assert midnight in (today, today + timedelta(days=1))
+    with Store(data / "store.sqlite") as store:
+        assert sealed_totals(store, dates, "+0100") == {
+            d: date.fromisoformat(d) < midnight for d in dates
+        }
+    assert run_cli("verify", "--data", data).code == 0
