@@ -784,3 +784,43 @@ def test_the_readme_s_nightly_seal_seals_yesterday_s_total_not_today_s_seal_25(
             d: date.fromisoformat(d) < midnight for d in dates
         }
     assert run_cli("verify", "--data", data).code == 0
+
+
+def test_a_total_changes_late_only_once_its_period_has_ended_seal_26(
+    journal: Journal, store: Store, epoch: int
+) -> None:
+    """SEAL-26: a recount of a daily total (stamped at +01:00) received while its day may
+    still be counting is not reported late; one received 26 h after the hour of its stamp is
+    reported 1 h late (a day is counted as 25 h, as a seal counts it); so a monthly total 1 h
+    after 31 days and 1 h."""
+    stamped = instant("2024-02-07 00:00:00 +0100")
+    month = instant("2024-02-01 00:00:00 +0100")
+    during = [
+        append(
+            journal,
+            delivery(
+                totals(["2024-02-07"], "+0100", q), aggregation="days", received_at=stamped + h
+            ),
+        )
+        for q, h in ((100, 2 * HOUR), (200, 24 * HOUR))
+    ]
+    after = append(
+        journal,
+        delivery(
+            totals(["2024-02-07"], "+0100", 300),
+            aggregation="days",
+            received_at=stamped + 26 * HOUR,
+        ),
+    )
+    monthly = append(
+        journal,
+        delivery(
+            totals(["2024-02-01"], "+0100", 9),
+            aggregation="months",
+            received_at=month + (31 * 24 + 2) * HOUR,
+        ),
+    )
+
+    reports = [store.fold(journal, m, epoch) for m in (*during, after, monthly)]
+
+    assert [r.late_s for r in reports] == [(), (), (3600.0,), (3600.0,)]

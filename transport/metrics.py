@@ -103,8 +103,9 @@ class _Snapshot(Collector):
         late = [(str(bound), count) for bound, count in folding.late_buckets]
         yield HistogramMetricFamily(
             "healthlog_late_change_seconds",
-            "How long after its hour ended an object was changed, by the folds of this process"
-            " (objects of hours not yet over are not counted): the horizon for healthlog seal",
+            "How long after its end (its hour's; a daily or longer total's longest period, as a"
+            " seal counts it) an object was changed, by the folds of this process (objects not"
+            " yet ended are not counted): the horizon for healthlog seal",
             buckets=[*late, ("+Inf", folding.late_changes)],
             sum_value=folding.late_sum_s,
         )

@@ -603,7 +603,9 @@ class Store(_objects.ObjectDatabase):
                     self._write_object(written)
                     event = _object_event(written.key, written.hash, written.count, meta.id)
                     self._event(f"{meta.id}.{n}", event)
-                    after = meta.received_at - (written.key.hour + US_PER_HOUR)
+                    # Late once a seal could have covered it (a daily total: 25 h on), so
+                    # that the histogram tells how far back a seal reaches (SEAL-26).
+                    after = meta.received_at - (written.key.hour + seals.span(written.key.layer))
                     if after > 0:
                         late.append(after / 1_000_000)
                 assert fold.outcome is not None
