@@ -824,3 +824,71 @@ def test_a_total_changes_late_only_once_its_period_has_ended_seal_26(
     reports = [store.fold(journal, m, epoch) for m in (*during, after, monthly)]
 
     assert [r.late_s for r in reports] == [(), (), (3600.0,), (3600.0,)]
+
+
+_DAYS = [f"2024-03-{day:02d}" for day in range(25, 32)]
+_TOTAL_SEALS = st.tuples(
+    st.integers(0, len(_DAYS) + 8),
+    st.sampled_from([0, 1, 5, 23]),
+    st.sampled_from([None, "step_count"]),
+    st.sampled_from([None, "days", "weeks"]),
+)
+_TOTALS = st.tuples(
+    st.sampled_from(["days", "weeks"]),
+    st.sampled_from(["+0100", "-0500", "+1000"]),
+    st.lists(st.sampled_from(_DAYS), min_size=1, max_size=3, unique=True),
+    st.integers(1, 3),
+)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.one_of(_TOTAL_SEALS, _TOTALS), min_size=2, max_size=7))
+def test_any_seals_among_any_totals_rebuild_the_same_seal_27(
+    steps: list[tuple[int, int, str | None, str | None] | tuple[str, str, list[str], int]],
+) -> None:
+    """SEAL-27 (property): random daily and weekly totals at +01:00, -05:00 and +10:00, and
+    random seals among them (at or after midnight UTC, of the metric or all, of a layer or
+    all): live, each object is sealed exactly when a journaled seal covers it by its layer's
+    longest period, and none before its day or week is over; `verify` finds nothing; a
+    rebuild in two workers equals one in one, and the live objects."""
+    journaled: list[Seal] = []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Journal(Path(tmp) / "journal.sqlite") as journal,
+        Store(Path(tmp) / "store.sqlite") as store,
+    ):
+        for step in steps:
+            if isinstance(step[0], int):
+                days, hours, metric, layer = step
+                start = instant(f"{_DAYS[0]} 00:00:00 +0000")
+                seal = Seal(start + days * 24 * HOUR + int(hours) * HOUR, metric, layer)
+                journaled.append(seal)
+                append(journal, sealing(seal))
+            else:
+                aggregation, offset, dates, qty = step
+                payload = totals(list(dates), str(offset), int(qty))
+                append(journal, delivery(payload, aggregation=str(aggregation)))
+        epoch = store.acquire_lease("folder", now=BASE_US, ttl=HOUR)
+        assert epoch is not None
+        assert run_pass(journal, store, epoch).reached_end
+        store.release_lease("folder", epoch)
+
+        objects = summaries(store).values()
+        assert [s.sealed for s in objects] == [covered(journaled, s.key) for s in objects]
+        # No total is sealed before its period is over (a day of 24 h, a week of 7 days, at
+        # these fixed offsets), whatever the rule's spans.
+        length = {"days": 24 * HOUR, "weeks": 7 * 24 * HOUR}
+        for s in objects:
+            assert not s.sealed or any(
+                seal.before >= s.key.hour + length[s.key.layer]
+                and seal.metric in (None, s.key.metric)
+                and seal.layer in (None, s.key.layer)
+                for seal in journaled
+            ), s.key
+        assert verify(journal, store) == []
+        rebuild_into(journal, Path(tmp) / "one.sqlite", workers=1)
+        rebuild_into(journal, Path(tmp) / "two.sqlite", workers=2)
+        one, two = rows(Path(tmp) / "one.sqlite"), rows(Path(tmp) / "two.sqlite")
+        for table in ("objects", "outcomes", "seals", "checkpoint"):
+            assert one[table] == two[table]
+        assert one["objects"] == rows(store.path)["objects"]
