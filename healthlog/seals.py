@@ -1,11 +1,11 @@
-"""Seals (S9): the user's word that the hours before an instant are final.
+"""Seals (S9): the user's word that what ended by an instant is final.
 
 A seal is journaled like a delivery, so that it takes its place in journal order and a rebuild
 folds it where the live folder did. It covers every object whose longest period has ended at or
 before ``before`` (optionally of one metric, one layer): an hourly object's hour, a daily total's
 day wherever its user lives (:data:`SPANS`); from its place on, a covered object is
-sealed: the seal marks those already stored, and a later write to a covered hour (an object
-stored or new) is still saved but counted and logged as a sealed write.
+sealed: the seal marks those already stored, and a later write to a covered object (stored or
+new) is still saved but counted and logged as a sealed write.
 
 A journaled seal is told from a delivery by its client and content type together; the client
 name is one that no token can have (token names beginning ``cli:`` are reserved).
