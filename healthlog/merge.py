@@ -6,16 +6,22 @@ The table, for a point arriving at coordinates already stored:
 incoming against stored           result                      counter
 ================================  ==========================  ==================
 same canonical form               stored kept, nothing moves  points_unchanged
+same value, other date offsets    incoming replaces stored    points_unchanged
 more complete                     incoming replaces stored    points_replaced
 less complete                     stored kept                 points_held
 equally complete, different       incoming replaces stored    points_erased
 ================================  ==========================  ==================
 
+"Same value, other date offsets": the canonical forms differ only by dates under
+``OTHER_DATE_KEYS`` that are the same instants in other offsets (equal instant forms,
+MERGE-31). It is no collision, but its bytes are kept as the erased row's are, which is what
+an earlier version kept, so that a store folded by it rebuilds the same.
+
 Within one delivery, points at equal coordinates are first reduced to one: the more
 complete wins, then the greater canonical form, then the greater raw bytes, so the result
-never depends on array order. Every collision between different canonical forms counts
-one overwrite; within a delivery, a coordinate with n distinct forms counts n - 1 and logs
-one warning, whatever the array order.
+never depends on array order. Every collision between different values (different instant
+forms) counts one overwrite; within a delivery, a coordinate with n distinct values counts
+n - 1 and logs one warning, whatever the array order.
 
 Points come as raw bytes and are decoded (canonical form, completeness) only where they meet
 another point: most of a large delivery lands on free coordinates and needs neither.
@@ -39,6 +45,7 @@ from healthlog.points import (
     point_at,
     points_at,
     same_content,
+    same_value,
 )
 
 Coordinates = tuple[int, int]
@@ -138,7 +145,7 @@ def reduce_delivery(
             kept[key] = point
             continue
         if key in forms or not same_content(seen, point):
-            forms.setdefault(key, {seen.canonical}).add(point.canonical)
+            forms.setdefault(key, {seen.instant_form}).add(point.instant_form)
         if _rank(point) > _rank(seen):
             kept[key] = point
     for key in sorted(forms):
@@ -216,6 +223,12 @@ def merge_points(
         if same_content(old, point):
             counters.points_unchanged += 1
             continue
+        if point.completeness == old.completeness and same_value(old, point):
+            # No collision, but the bytes kept are the erased row's (see the table).
+            counters.points_unchanged += 1
+            stored[key] = point.raw
+            changed = True
+            continue
         counters.overwrites += 1
         if point.completeness > old.completeness:
             counters.points_replaced += 1
@@ -272,6 +285,11 @@ def _settle_meetings(
                 point = Point(start, end, new_raws[n], new_count, new_value, None)
                 if same_content(old, point):
                     unchanged += 1
+                    continue
+                if same_value(old, point):
+                    unchanged += 1
+                    stored[key] = new_raws[n]
+                    changed = True
                     continue
             erased += 1
             collision = Collision.ERASED

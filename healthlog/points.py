@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -18,6 +18,14 @@ import orjson
 from healthlog.timestamps import TimestampError, latin_digits, parse_instant
 
 TIMESTAMP_KEYS = frozenset({"date", "start", "end", "startDate", "endDate"})
+OTHER_DATE_KEYS = frozenset({"sleepStart", "sleepEnd", "inBedStart", "inBedEnd", "timestamp"})
+"""Keys under which the app writes dates in the phone's offset besides the timestamps
+(aggregated sleep's, a workout route point's). The canonical form keeps their text as written:
+it decides which bytes a merge keeps, and reading them as instants there would keep other bytes
+than a store folded before holds, which its rebuild (``healthlog verify``) would then show. The
+instant form (:func:`instant_form`) reads them as instants, for whether two points are the same
+value (MERGE-31)."""
+_INSTANT_KEYS = TIMESTAMP_KEYS | OTHER_DATE_KEYS
 
 _decoder = msgspec.json.Decoder()
 _sorted_encoder = msgspec.json.Encoder(order="sorted")
@@ -90,7 +98,7 @@ class Point:
     their raw bytes, their completeness or their plain content (see :func:`same_content`).
     """
 
-    __slots__ = ("_canonical", "_value", "completeness", "end", "raw", "start")
+    __slots__ = ("_canonical", "_instants", "_value", "completeness", "end", "raw", "start")
 
     def __init__(
         self,
@@ -107,6 +115,7 @@ class Point:
         self.completeness = completeness
         self._value = value
         self._canonical = canonical
+        self._instants: bytes | None = None
 
     @property
     def canonical(self) -> bytes:
@@ -114,12 +123,22 @@ class Point:
         ``MAX_NESTING`` levels, so the recursion runs out only on a call stack already near its
         limit, and then raises :class:`PointError`."""
         if self._canonical is None:
-            assert self._value is not None
-            try:
-                self._canonical = canonical_form(self._value)
-            except RecursionError:
-                raise PointError("point is not valid JSON") from None
+            self._canonical = self._form(canonical_form)
         return self._canonical
+
+    @property
+    def instant_form(self) -> bytes:
+        """:func:`instant_form`, computed on first use, as :attr:`canonical` is."""
+        if self._instants is None:
+            self._instants = self._form(instant_form)
+        return self._instants
+
+    def _form(self, form: Callable[[dict[str, Any]], bytes]) -> bytes:
+        assert self._value is not None
+        try:
+            return form(self._value)
+        except RecursionError:
+            raise PointError("point is not valid JSON") from None
 
 
 def instant_of(value: object) -> int:
@@ -393,9 +412,16 @@ def numbers_differ(a: dict[str, Any], b: dict[str, Any]) -> bool:
 _NUMBERS = frozenset({int, float})
 
 
+def same_value(a: Point, b: Point) -> bool:
+    """Whether two points of different canonical forms are the same value all the same: their
+    forms differ only by dates under ``OTHER_DATE_KEYS`` that are the same instants written in
+    other offsets (MERGE-31)."""
+    return a.instant_form == b.instant_form
+
+
 def completeness(value: dict[str, Any]) -> int:
     """Number of significant fields: those left in the canonical form."""
-    return len(_normalise_object(value))
+    return len(_normalise_object(value, TIMESTAMP_KEYS))
 
 
 def canonical_form(value: dict[str, Any]) -> bytes:
@@ -405,7 +431,13 @@ def canonical_form(value: dict[str, Any]) -> bytes:
     precision keep their digits), timestamp fields as their UTC instant in microseconds,
     compact UTF-8 JSON.
     """
-    return _encode(_normalise_object(value))
+    return _encode(_normalise_object(value, TIMESTAMP_KEYS))
+
+
+def instant_form(value: dict[str, Any]) -> bytes:
+    """The canonical form with the string values of ``OTHER_DATE_KEYS`` read as instants too,
+    as those of the timestamp keys are (a text that is no date kept as it is)."""
+    return _encode(_normalise_object(value, _INSTANT_KEYS))
 
 
 def _encode(normal: dict[str, object]) -> bytes:
@@ -439,14 +471,16 @@ def _number_text(value: int | float) -> bytes:
     return b"%.12g" % value if value else b"0"
 
 
-def _normalise_object(value: dict[str, Any]) -> dict[str, object]:
+def _normalise_object(value: dict[str, Any], dates: frozenset[str]) -> dict[str, object]:
+    """``value`` normalised for the canonical form, the string values of the keys ``dates``
+    (at any depth) read as instants where they are dates."""
     out: dict[str, object] = {}
     for key, item in value.items():
         kind = type(item)
         if kind is str:
             if not item:
                 continue
-            if key in TIMESTAMP_KEYS:
+            if key in dates:
                 try:
                     out[key] = instant_of(item)
                 except TimestampError:
@@ -458,23 +492,23 @@ def _normalise_object(value: dict[str, Any]) -> dict[str, object]:
         elif kind is bool:
             out[key] = item
         elif kind is dict:
-            nested = _normalise_object(item)
+            nested = _normalise_object(item, dates)
             if nested:
                 out[key] = nested
         elif kind is list:
-            items = [_normalise_item(i) for i in item]
+            items = [_normalise_item(i, dates) for i in item]
             if items:
                 out[key] = items
     return out
 
 
-def _normalise_item(item: object) -> object:
+def _normalise_item(item: object, dates: frozenset[str]) -> object:
     if isinstance(item, bool) or item is None or isinstance(item, str):
         return item
     if isinstance(item, int | float):
         return _number(item)
     if isinstance(item, dict):
-        return _normalise_object(item)
+        return _normalise_object(item, dates)
     if isinstance(item, list):
-        return [_normalise_item(i) for i in item]
+        return [_normalise_item(i, dates) for i in item]
     return item

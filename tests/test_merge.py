@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import attrs
@@ -324,3 +325,117 @@ def test_meetings_of_decoded_objects_settled_as_point_by_point_merge_26(
         else:
             assert kept[key] == raws[key]
     assert changed == (kept != stored)
+
+
+_BED = datetime(2024, 2, 6, 6, 5, 47, tzinfo=UTC)
+
+
+def _written(moment: datetime, hours: int) -> str:
+    """``moment`` as the app writes it on a phone at UTC+``hours``."""
+    return moment.astimezone(timezone(timedelta(hours=hours))).strftime("%Y-%m-%d %H:%M:%S %z")
+
+
+def _sleep(hours: int, **fields: Any) -> dict[str, Any]:
+    """Aggregated sleep at ``DATE``, every date written at UTC+``hours``: the same instants
+    whatever ``hours``."""
+    wake = _BED + timedelta(hours=7, minutes=25)
+    return {
+        "date": _written(datetime(2024, 2, 6, 15, tzinfo=UTC), hours),
+        "totalSleep": 7.4,
+        "sleepStart": _written(_BED, hours),
+        "sleepEnd": _written(wake, hours),
+        "inBedStart": _written(_BED, hours),
+        "inBedEnd": _written(wake, hours),
+        **fields,
+    }
+
+
+def _workout(hours: int, *, first: str = "id") -> dict[str, Any]:
+    """A workout at ``DATE`` with a route of two points, written at UTC+``hours``, its key
+    ``first`` first."""
+    start = datetime(2024, 2, 6, 15, tzinfo=UTC)
+    fields = {
+        "id": "W1",
+        "name": "Hiking",
+        "start": _written(start, hours),
+        "end": _written(start + timedelta(minutes=5), hours),
+        "route": [
+            {"latitude": 49.2827, "longitude": -123.12, "timestamp": _written(start, hours)},
+            {
+                "latitude": 49.2828,
+                "longitude": -123.12,
+                "timestamp": _written(start + timedelta(seconds=1), hours),
+            },
+        ],
+    }
+    return {first: fields.pop(first), **fields}
+
+
+def _encoded(value: dict[str, Any]) -> Point:
+    return decode_point(json.dumps(value).encode())
+
+
+@pytest.mark.parametrize(
+    ("stored", "incoming"),
+    [
+        (_sleep(-8), _sleep(9)),
+        (_workout(-8), _workout(9)),
+        (_workout(9), _workout(0)),
+    ],
+    ids=["sleep", "route", "route-to-utc"],
+)
+def test_the_same_instants_in_other_offsets_are_the_same_value_merge_31(
+    stored: dict[str, Any], incoming: dict[str, Any]
+) -> None:
+    """MERGE-31: a re-send after the phone changed time zone, the dates under `sleepStart`,
+    `sleepEnd`, `inBedStart`, `inBedEnd` and a route's `timestamp` the same instants in another
+    offset, is the same value: no collision, no overwrite, counted unchanged; its bytes replace
+    the stored ones, as the erased row did before, so a store folded then rebuilds the same."""
+    old, new = _encoded(stored), _encoded(incoming)
+    assert (old.start, old.end) == (new.start, new.end)
+    changed, kept, counters, recorder = merge(old, new)
+    assert (changed, kept) == (True, new.raw)
+    assert counters == Counters(points_unchanged=1)
+    assert recorder.seen == []
+
+
+@pytest.mark.parametrize(
+    ("stored", "incoming", "same"),
+    [
+        ("2024-02-05 22:05:47 -0800", "2024-02-06 15:05:48 +0900", False),
+        ("yesterday", "Yesterday", False),
+        ("yesterday", "yesterday", True),
+    ],
+)
+def test_other_dates_that_differ_or_are_no_dates_compare_as_before_merge_31(
+    stored: str, incoming: str, same: bool
+) -> None:
+    """MERGE-31: another instant under `sleepStart` is another value (erased, with its
+    collision), and so is another text where no date is written, compared as text; the same
+    text is the same value, the other dates being the same instants in another offset."""
+    old = _encoded(_sleep(-8, sleepStart=stored))
+    new = _encoded(_sleep(9, sleepStart=incoming))
+    _, kept, counters, recorder = merge(old, new)
+    assert kept == new.raw
+    if same:
+        assert (counters, recorder.seen) == (Counters(points_unchanged=1), [])
+    else:
+        assert counters == Counters(points_erased=1, overwrites=1)
+        assert recorder.seen == [(KEY, Collision.ERASED)]
+
+
+def test_a_delivery_with_the_same_instants_in_two_offsets_keeps_what_it_kept_merge_32() -> None:
+    """MERGE-32: one delivery holding a workout twice, its route's dates the same instants in
+    two offsets, reduces to one with no collision and no overwrite, in either order; the one
+    kept is the one of the greater canonical form, the dates under `timestamp` compared as
+    written (`2024-02-07 00:00:00 +0900` is greater than `2024-02-06 07:00:00 -0800`), as
+    before, though its raw bytes are the smaller (its keys start `{"end"`)."""
+    later = _encoded(_workout(9, first="end"))
+    earlier = _encoded(_workout(-8))
+    assert later.raw < earlier.raw
+    for order in ([later, earlier], [earlier, later]):
+        counters, recorder = Counters(), Recorder()
+        keys = [(p.start, p.end) for p in order]
+        result = reduce_delivery(keys, [p.raw for p in order], counters, recorder)
+        assert list(result.raws.values()) == [later.raw]
+        assert (counters.overwrites, recorder.seen) == (0, [])

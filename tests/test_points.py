@@ -19,6 +19,7 @@ from healthlog.points import (
     coordinates,
     decode_all,
     decode_point,
+    instant_form,
     nesting,
     point_at,
     same_content,
@@ -266,6 +267,20 @@ def test_canonical_other_dates_stay_as_written() -> None:
     """MERGE-4: a date string under another key, or an unparseable timestamp, is kept as is."""
     value = {"sleepStart": "2024-02-05 22:05:47 -0800", "date": "yesterday"}
     assert canonical_form(value) == b'{"date":"yesterday","sleepStart":"2024-02-05 22:05:47 -0800"}'
+
+
+@pytest.mark.parametrize("key", ["sleepStart", "sleepEnd", "inBedStart", "inBedEnd", "timestamp"])
+def test_the_instant_form_reads_the_other_dates_as_instants_merge_31(key: str) -> None:
+    """MERGE-31: under `sleepStart`, `sleepEnd`, `inBedStart`, `inBedEnd` and `timestamp`, at
+    the top or in a route's points, the same instant in other offsets gives one instant form,
+    while the canonical forms keep the texts; a text that is no date stays a text."""
+    texts = ("2024-02-06 07:00:00 -0800", "2024-02-06 15:00:00 +0000", "2024-02-06 20:30:00 +0530")
+    for shape in ({key: ""}, {"route": [{key: ""}]}):
+        values = [json.loads(json.dumps(shape).replace('""', json.dumps(t))) for t in texts]
+        assert len({instant_form(v) for v in values}) == 1
+        assert len({canonical_form(v) for v in values}) == 3
+        assert b"%d" % FEB_6_15H in instant_form(values[0])
+    assert instant_form({key: "yesterday"}) == canonical_form({key: "yesterday"})
 
 
 def test_canonical_text_is_raw_utf8() -> None:

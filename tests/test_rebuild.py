@@ -17,6 +17,7 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -1712,4 +1713,81 @@ def test_hostile_deliveries_folded_live_equal_their_rebuild_merge_30(
         assert fold_live(journal, store).stopped_because == "empty"
 
         verification = verify_all(journal, store, workers=workers)
+        assert (verification.objects, verification.outcomes) == ([], [])
+
+
+_TRAVEL_START = datetime(2024, 2, 6, 15, tzinfo=UTC)
+
+
+def _travelled(hours: int, *, late_keys: bool = False) -> list[bytes]:
+    """Aggregated sleep and a workout with a route, every date written at UTC+``hours`` (the
+    same instants whatever ``hours``); their first keys `date` and `end`, or, ``late_keys``,
+    `totalSleep` and `id`, which sort after those."""
+
+    def written(moment: datetime) -> str:
+        zone = timezone(timedelta(hours=hours))
+        return moment.astimezone(zone).strftime("%Y-%m-%d %H:%M:%S %z")
+
+    bed, wake = _TRAVEL_START - timedelta(hours=9), _TRAVEL_START - timedelta(hours=2)
+    sleep = {
+        "date": written(_TRAVEL_START),
+        "totalSleep": 7.0,
+        "sleepStart": written(bed),
+        "sleepEnd": written(wake),
+        "inBedStart": written(bed),
+        "inBedEnd": written(wake),
+    }
+    workout = {
+        "end": written(_TRAVEL_START + timedelta(minutes=5)),
+        "id": "W1",
+        "start": written(_TRAVEL_START),
+        "route": [
+            {"latitude": 49.2827, "timestamp": written(_TRAVEL_START + timedelta(seconds=s))}
+            for s in range(2)
+        ],
+    }
+    if late_keys:
+        sleep = {"totalSleep": sleep.pop("totalSleep"), **sleep}
+        workout = {"id": workout.pop("id"), **workout}
+    return [orjson.dumps(sleep), orjson.dumps(workout)]
+
+
+def test_re_sends_in_other_offsets_keep_what_a_store_folded_before_holds_merge_33(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """MERGE-33: a delivery at -0800, its re-send at +0900 (the same instants), then one
+    delivery holding it at +0000 and at +0500, folded live into real SQLite files: no WARN,
+    no overwrite, and each object holds the bytes the rules before MERGE-31 kept (the later
+    delivery's, and within one the greater canonical form with `sleepStart` and `timestamp`
+    as written: the +0500 one, whose raw bytes are the smaller), so that a store those rules
+    folded verifies clean against a rebuild by these; and it does here."""
+    later, smaller = _travelled(5), _travelled(0, late_keys=True)
+    assert all(a < b for a, b in zip(later, smaller, strict=True))
+    with scratch_data() as (tmp, journal, store):
+        for versions in ([_travelled(-8)], [_travelled(9)], [smaller, later]):
+            sleeps, workouts = zip(*versions, strict=True)
+            payload = b'{"data":{"metrics":[{"name":"sleep_analysis","units":"hr","data":[%s]}],'
+            payload += b'"workouts":[%s]}}'
+            append(
+                journal,
+                delivery(payload % (b",".join(sleeps), b",".join(workouts)), aggregation="days"),
+            )
+        caplog.set_level(logging.DEBUG)
+        assert fold_live(journal, store).stopped_because == "empty"
+
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+        with closing(sqlite3.connect(tmp / "store.sqlite")) as conn:
+            kept = sorted(
+                raw
+                for (body,) in conn.execute("SELECT body FROM objects")
+                for raw in objects.decode(bytes(body)).values()
+            )
+            counters = [
+                orjson.loads(row)
+                for (row,) in conn.execute("SELECT counters FROM outcomes ORDER BY delivery_id")
+            ]
+        assert kept == sorted(later)
+        assert [c["overwrites"] for c in counters] == [0, 0, 0]
+        assert [c["points_unchanged"] for c in counters] == [0, 2, 2]
+        verification = verify_all(journal, store, workers=1)
         assert (verification.objects, verification.outcomes) == ([], [])
