@@ -291,6 +291,8 @@ _MARKERS = {
     "清晨": (1, 5, 8),
     "中午": (1, 12, 13),
     "晚上": (1, 19, 24),
+    "ŋdiga": (1, 0, 12),
+    "\u0263etrɔga": (1, 12, 24),
     "နံနက်": (1, 0, 12),
     "မွန်းတည့်": (1, 12, 13),
     "နေ့လယ်": (1, 12, 16),
@@ -324,8 +326,12 @@ _MARKER = (
     rf"|prije{_SPACES}?podne|po{_SPACES}?podne|em|Taparachu|Ebongi|ቅ\.ቀ\.|ድ\.ቀ\.|go\.öň"
     rf"|go\.soň|Zdat{_SPACES}?azal|Ḍeffir{_SPACES}?aza|چ\.ب|چ\.ك|дп|пп|TO|TK|\u0422\u041e|Sub"
     r"|Ngo|Munkyo|Eigulo|kiɛmɛ́ɛm|kisɛ́ndɛ|פֿאַרמיטאָג|נאָכמיטאָג|Àárọ̀|Ọ̀sán|Àárɔ̀|Ɔ̀sán"
-    r"|凌晨|清晨|中午|晚上|နံနက်|မွန်းတည့်|နေ့လယ်|ညနေ|ည)"
+    rf"|ŋdi{_SPACES}?ga|\u0263etrɔ{_SPACES}?ga|凌晨|清晨|中午|晚上|နံနက်|မွန်းတည့်|နေ့လယ်|ညနေ|ည)"
 )
+# Ewe's markers stand before the time with `ga` between (CLDR's `a 'ga' h:mm:ss`), read as one
+# marker; Togo's Ewe also writes `le` after the time (`ŋdi ga 7:57:00 le +1000`, ICU 72's best
+# `hmmssZ` pattern for `ee_TG`), which is read only after such a marker.
+_EWE = frozenset({"ŋdiga", "\u0263etrɔga"})
 
 # Every accepted shape; only reached when the fast path does not match. A 12-hour marker stands
 # after the time or, after the space that follows the date, before it; mainland Chinese writes
@@ -340,6 +346,7 @@ _GENERAL = re.compile(
     r"(?P<hour>[0-9]{1,2}):(?P<minute>[0-9]{2})"
     r"(?::(?P<second>[0-9]{2})(?:\.(?P<fraction>[0-9]{1,9}))?)?"
     rf"(?:{_SPACES}?(?![+-]|Z?\Z)(?P<after>{_MARKER}))?"
+    rf"(?P<le>{_SPACES}(?i:le))?"
     r" ?(?:Z|(?P<sign>[+-])(?P<offset_hours>[0-9]{2}):?(?P<offset_minutes>[0-9]{2}))?)?"
 )
 
@@ -477,6 +484,8 @@ def _parse_general(text: str) -> int:
     if match["hour"] is None:
         return _instant(year, month, day, 0, 0, 0, 0, 0)
     hour = _hour(int(match["hour"]), match["before"], match["after"])
+    if match["le"] is not None and (match["before"] is None or _key(match["before"]) not in _EWE):
+        raise TimestampError("timestamp does not match a supported date/time shape")
     second = match["second"]
     fraction = match["fraction"]
     micro = 0 if fraction is None else int(fraction[:6].ljust(6, "0"))
@@ -511,7 +520,7 @@ def _hour(hour: int, before: str | None, after: str | None) -> int:
     # takes the dotless i (U+0131) and the dotted capital I (U+0130) for `i`; case folding keeps
     # the one and makes the other `i` and U+0307, so such a spelling names no marker of the table
     # and is refused (TIME-40).
-    sides = _MARKERS.get(marker.translate(_NO_SPACES).casefold())
+    sides = _MARKERS.get(_key(marker))
     if sides is None:
         raise TimestampError("timestamp does not match a supported date/time shape")
     first, start, stop = sides
@@ -523,6 +532,12 @@ def _hour(hour: int, before: str | None, after: str | None) -> int:
     if not start <= hour < stop:
         raise TimestampError("timestamp 12-hour clock hour lies outside its day period")
     return hour
+
+
+def _key(marker: str) -> str:
+    """The row of ``_MARKERS`` a marker as matched names, if any: its letters case-folded and
+    any space inside it dropped."""
+    return marker.translate(_NO_SPACES).casefold()
 
 
 def parse_instant(value: object) -> int:

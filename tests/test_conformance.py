@@ -622,3 +622,32 @@ async def test_markers_of_the_other_languages_come_out_once_parse_50(tmp_path: P
     Lao and Yoruba phones on the 12-hour clock write it is ``parsed`` and comes out once each, byte
     for byte, at its UTC start; the same points re-sent on the 24-hour clock are unchanged."""
     await _twelve_hour_points_come_out_once(tmp_path, OTHER_MARKERS)
+
+
+# Heart rate as Ewe phones on the 12-hour clock date it: Ghana's and Togo's, whose `le` follows
+# the time (specs/timestamps.md rule 5).
+EWE_MARKERS = [
+    ("2024-09-21 \u014bdi ga 7:57:00 +0000", "2024-09-21 07:57:00 +0000", "2024-09-21T07:57:00Z"),
+    (
+        "2024-09-21 \u0263etr\u0254 ga 7:58:00 +0000",
+        "2024-09-21 19:58:00 +0000",
+        "2024-09-21T19:58:00Z",
+    ),
+    (
+        "2024-09-21 \u0263etr\u0254 ga 12:05:00 le +0000",
+        "2024-09-21 12:05:00 +0000",
+        "2024-09-21T12:05:00Z",
+    ),
+    (
+        "2024-09-21 \u014bdi ga 12:06:00 le +0000",
+        "2024-09-21 00:06:00 +0000",
+        "2024-09-21T00:06:00Z",
+    ),
+]
+
+
+async def test_ewe_markers_come_out_once_time_42(tmp_path: Path) -> None:
+    """TIME-42: heart rate dated as Ewe phones on the 12-hour clock write it (`ŋdi ga 7:57:00`,
+    Togo's `... 12:05:00 le +0000`) is ``parsed`` and comes out once each, byte for byte, at its
+    UTC start; the same points re-sent on the 24-hour clock are unchanged."""
+    await _twelve_hour_points_come_out_once(tmp_path, EWE_MARKERS)

@@ -1311,15 +1311,88 @@ def test_every_other_marker_equals_the_24_hour_time_time_38(
         "2024-09-21 7:57:00 ip. +1000",
         "2024-09-21 7:57:00\u202fIP. +1000",
         "2024-09-21 7:57:00 ap. +1000",
-        "2024-09-21 \u014bdi ga 7:57:00 +1000",
+        "2024-09-21 7:57:00 ep. +1000",
     ],
 )
 def test_a_marker_that_is_am_and_pm_is_refused_time_39(text: str) -> None:
     """TIME-39: `ip.`, PM in Finnish and AM in Inari Sami, is refused rather than guessed, and so
-    are the Finnish and Inari Sami clocks whose other marker is known (`ap.`) and Ewe's, which
-    writes `ga` between marker and time (`ŋdi ga 7:57:00`)."""
+    are the Finnish and Inari Sami clocks' other markers (`ap.`, `ep.`), which no phone writes
+    in the app's dates: the 12-hour remap drops the marker of both languages."""
     with pytest.raises(TimestampError, match="supported date/time shape"):
         parse_instant(text)
+
+
+EWE = Clock("\u014bdi ga", "\u0263etr\u0254 ga", before=True, gap=" ")
+
+
+def _ewe(local: datetime, zone: str, *, togo: bool = False, gap: str = " ") -> str:
+    """``local`` as an Ewe phone on the 12-hour clock writes it: `ŋdi ga 7:57:00 +1000` (`ee`,
+    `ee_GH`), with `le` before the offset in Togo (`ee_TG`); ``gap`` inside the marker."""
+    text = EWE.write(local, zone).replace(" ga", f"{gap}ga")
+    return text.replace(f" {zone}", f" le {zone}") if togo else text
+
+
+@pytest.mark.parametrize("togo", [False, True])
+@pytest.mark.parametrize("gap", [" ", "\u202f", "\u00a0", ""])
+@pytest.mark.parametrize(("hour", "minute"), [(7, 57), (19, 57), (0, 5), (12, 5)])
+def test_ewe_markers_are_read_time_42(togo: bool, gap: str, hour: int, minute: int) -> None:
+    """TIME-42: Ewe's `ŋdi ga 7:57:00 +1000` and its afternoon marker's, as ICU 72 writes the
+    app's dates for `ee` and `ee_GH` on the 12-hour clock, and `ŋdi ga 7:57:00 le +1000` for
+    `ee_TG`, in either letter case and with any space inside the marker, are read on the 12-hour
+    clock, on the fold's path too."""
+    text = _ewe(SEPT_21.replace(hour=hour, minute=minute), "+1000", togo=togo, gap=gap)
+    instant = expected(2024, 9, 21, hour, minute, offset_minutes=600)
+    assert parse_instant(text) == instant_of(text) == parse_instant(text.upper()) == instant
+
+
+def test_a_delivery_stamped_by_an_ewe_phone_is_parsed_time_42() -> None:
+    """TIME-42: a delivery whose points an Ewe phone stamped is parsed whole, each point at the
+    hour it names (before, it was `partial` or `failed`, the points rejected as unparseable)."""
+    stamps = [
+        "2024-09-21 \u014bdi ga 7:57:00 +1000",
+        "2024-09-21 \u0263etr\u0254 ga 7:57:00 le +1000",
+    ]
+    points = [{"date": stamp, "qty": n} for n, stamp in enumerate(stamps, start=1)]
+    body = {"data": {"metrics": [{"name": "step_count", "units": "count", "data": points}]}}
+    projection = MemoryProjection()
+    _, outcome = fold(json.dumps(body).encode(), projection, aggregation="minutes")
+    assert (outcome.status, outcome.counters.points_new) == ("parsed", 2)
+    hours = sorted(key.hour for key in projection.objects)
+    assert hours == [hour_of(SEPT_21_0757), hour_of(SEPT_21_1957)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2024-09-21 7:57:00 le +1000",
+        "2024-09-21 7:57:00 pm le +1000",
+        "2024-09-21 \uc624\ud6c4 7:57:00 le +1000",
+        "2024-09-21 \u014bdi 7:57:00 +1000",
+        "2024-09-21 ga 7:57:00 +1000",
+        "2024-09-21 \u014bdi ga 7:57:00 le le +1000",
+        "2024-09-21 \u014bdi ga 7:57:00 ga +1000",
+        "2024-09-21 \u014bdi ga 13:57:00 +1000",
+    ],
+)
+def test_what_ewe_phones_do_not_write_is_refused_time_43(text: str) -> None:
+    """TIME-43: `le` after a time without an Ewe marker before it, an Ewe marker without `ga`,
+    `ga` alone or twice, `le` twice, or an hour past 12 with an Ewe marker is refused."""
+    with pytest.raises(TimestampError):
+        parse_instant(text)
+    with pytest.raises(TimestampError):
+        instant_of(text)
+
+
+@given(local=LOCAL_TIMES, offset=OFFSETS, togo=st.booleans())
+def test_every_ewe_time_equals_the_24_hour_time_time_44(
+    local: datetime, offset: int, togo: bool
+) -> None:
+    """TIME-44: any time in years 1900..2200 at any offset within ±14:00, written as an Ewe
+    phone writes it (Togo's `le` or not), is the instant of its 24-hour spelling."""
+    zone = offset_text(offset, colon=False)
+    instant = parse_instant(f"{local:%Y-%m-%d %H:%M:%S} {zone}")
+    text = _ewe(local, zone, togo=togo)
+    assert parse_instant(text) == instant_of(text) == instant
 
 
 @pytest.mark.parametrize(
