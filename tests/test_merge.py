@@ -20,7 +20,14 @@ from healthlog.merge import (
     merge_points,
     reduce_delivery,
 )
-from healthlog.points import Point, canonical_form, completeness, decode_point, point_at
+from healthlog.points import (
+    Point,
+    canonical_form,
+    completeness,
+    decode_point,
+    instant_form,
+    point_at,
+)
 
 DATE = "2024-02-06 07:00:00 -0800"
 AT = decode_point(b'{"date":"%s"}' % DATE.encode()).start
@@ -439,3 +446,57 @@ def test_a_delivery_with_the_same_instants_in_two_offsets_keeps_what_it_kept_mer
         result = reduce_delivery(keys, [p.raw for p in order], counters, recorder)
         assert list(result.raws.values()) == [later.raw]
         assert (counters.overwrites, recorder.seen) == (0, [])
+
+
+_OTHER_DATE = st.one_of(
+    st.tuples(st.integers(0, 1), st.sampled_from([-8, 0, 9])).map(
+        lambda shift_zone: _written(_BED + timedelta(seconds=shift_zone[0]), shift_zone[1])
+    ),
+    st.sampled_from(["", "yesterday", "Yesterday"]),
+)
+_DATES = ["2024-02-06 07:00:00 -0800", "2024-02-06 15:00:00 +0000", "2024-02-07 00:00:00 +0900"]
+_SHAPES = st.fixed_dictionaries(
+    {},
+    optional={
+        "sleepStart": st.none(),
+        "inBedEnd": st.none(),
+        "qty": st.sampled_from([1, 1.0, 2]),
+        "route": st.integers(0, 2),
+    },
+)
+
+
+def _dated(data: st.DataObject, shape: dict[str, Any]) -> Point:
+    """A point of ``shape`` (its keys, its route's length) at ``KEY``, every other date drawn
+    anew: one of two instants in one of three offsets, a text, or nothing."""
+    value: dict[str, Any] = {"date": data.draw(st.sampled_from(_DATES))}
+    for key, kind in shape.items():
+        if key == "route":
+            value[key] = [{"timestamp": data.draw(_OTHER_DATE)} for _ in range(kind)]
+        else:
+            value[key] = data.draw(_OTHER_DATE) if kind is None else kind
+    return _encoded(value)
+
+
+@given(_SHAPES, st.permutations(range(3)), st.data())
+def test_any_other_dates_collide_exactly_where_their_instants_differ_merge_34(
+    shape: dict[str, Any], order: list[int], data: st.DataObject
+) -> None:
+    """MERGE-34: for any two points at the same coordinates whose `sleepStart`, `inBedEnd` and
+    route `timestamp` hold instants in any offsets, other instants, texts or nothing, a merge
+    (decoded or not) keeps the bytes the canonical form and completeness give, as before, and
+    reports a collision and an overwrite exactly where their instant forms differ; a delivery
+    holding three such points keeps the one of the greatest completeness, canonical form and
+    raw bytes, in any order, and counts one overwrite less than it holds instant forms."""
+    points = [_dated(data, shape) for _ in range(3)]
+    old, new = points[:2]
+    _, kept, counters, recorder = merge(old, new)
+    held = old.canonical == new.canonical or new.completeness < old.completeness
+    assert kept == (old.raw if held else new.raw)
+    differ = instant_form(json.loads(old.raw)) != instant_form(json.loads(new.raw))
+    assert counters.overwrites == len(recorder.seen) == int(differ)
+    result, counters, recorder = reduce([points[n] for n in order])
+    best = max(points, key=lambda p: (p.completeness, p.canonical, p.raw))
+    assert result.raws == {KEY: best.raw}
+    assert counters.overwrites == len({p.instant_form for p in points}) - 1
+    assert len(recorder.seen) == (counters.overwrites > 0)
