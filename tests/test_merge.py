@@ -500,3 +500,26 @@ def test_any_other_dates_collide_exactly_where_their_instants_differ_merge_34(
     assert result.raws == {KEY: best.raw}
     assert counters.overwrites == len({p.instant_form for p in points}) - 1
     assert len(recorder.seen) == (counters.overwrites > 0)
+
+
+def _escaped(value: dict[str, Any]) -> Point:
+    """``value`` with the first letter of each key written as a JSON escape."""
+    text = json.dumps(value)
+    for key in value:
+        text = text.replace(f'"{key}"', f'"\\u{ord(key[0]):04x}{key[1:]}"')
+    return decode_point(text.encode())
+
+
+def test_an_other_date_key_spelled_with_an_escape_is_read_too_merge_31() -> None:
+    """MERGE-31: a point and its re-send whose keys are spelled with a JSON escape
+    (`"\\u0073leepStart"`), their dates the same instants in other offsets, are the same value
+    too: what decides is the decoded key, not how the bytes spell it."""
+    old, new = _escaped(_sleep(-8)), _escaped(_sleep(9))
+    assert b"sleepStart" not in old.raw + new.raw
+    changed, kept, counters, recorder = merge(old, new)
+    assert (changed, kept, counters, recorder.seen) == (
+        True,
+        new.raw,
+        Counters(points_unchanged=1),
+        [],
+    )
