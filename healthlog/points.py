@@ -2,7 +2,8 @@
 
 A point is one element of a metric's ``data`` array or one section record. It is kept
 verbatim (``raw``: the compact JSON bytes as they arrived) and compared by its canonical
-form, which is what collisions are decided on, never the raw bytes.
+form, which decides which bytes a merge keeps, and by its instant form, which decides whether
+two points collide (MERGE-31); never by the raw bytes.
 """
 
 from __future__ import annotations
