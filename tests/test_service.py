@@ -2217,6 +2217,30 @@ async def test_points_with_a_repeated_parameter_names_it_serve_93(
     assert len(ignored.content.splitlines()) == 2
 
 
+async def test_points_with_from_not_before_to_is_refused_serve_101(service: Service) -> None:
+    """SERVE-101: `/v1/points` with `from` later than `to` (the two swapped), or the same
+    instant (written alike, or with other offsets), answers 400 `BAD_RANGE` naming `to` and
+    what it accepts, as `healthlog export` exits 2 (CLI-137); `from` before `to` gives the
+    points. (Before, each was 200 with an empty body, as if the range held no points.)"""
+    assert (await service.post(HEART_RATE, MINUTES)).status_code == 200
+    await service.wait_folded()
+    refused = {
+        "error": "BAD_RANGE",
+        "parameter": "to",
+        "accepted": "an instant later than from: the points that start in [from, to)",
+    }
+    for start, end in [
+        ("2024-03-02T00:00:00Z", "2024-03-01T00:00:00Z"),
+        ("2024-03-01T10:00:00Z", "2024-03-01T10:00:00Z"),
+        ("2024-03-01T11:00:00+01:00", "2024-03-01T10:00:00Z"),
+    ]:
+        for fmt in ("jsonl", "csv"):
+            answer = await service.get("/v1/points", **{"from": start, "to": end, "format": fmt})
+            assert (answer.status_code, answer.json()) == (400, refused), (start, end, fmt)
+    kept = await service.get("/v1/points", **{"from": "2024-03-01", "to": "2024-03-02"})
+    assert (kept.status_code, len(kept.content.splitlines())) == (200, 2)
+
+
 def refusals_logged(caplog: pytest.LogCaptureFixture) -> list[str]:
     """The refusal lines logged, each checked to be an INFO of ``healthlog.http``."""
     records = [r for r in caplog.records if r.getMessage().startswith("refused ")]

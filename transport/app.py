@@ -409,6 +409,12 @@ def create_app(
                     "BAD_TIMESTAMP", name, f"an ISO 8601 instant such as {TIMESTAMP_EXAMPLE}"
                 )
         start_from, start_to = instants["from"], instants["to"]
+        if start_from is not None and start_to is not None and start_from >= start_to:
+            # Swapped or equal: nothing starts in [from, to), and it was 200 with an empty body
+            # as if the range held no points, where `healthlog export` exits 2 (SERVE-101).
+            return _bad_parameter(
+                "BAD_RANGE", "to", "an instant later than from: the points that start in [from, to)"
+            )
         pages = _object_pages(
             runtime,
             metric=args.get("metric") or None,
