@@ -757,6 +757,37 @@ async def test_same_key_while_the_first_body_uploads_is_409(service: Service) ->
     assert await journaled(service) == [sha256(HEART_RATE)]
 
 
+async def test_an_idempotency_key_over_255_characters_is_refused_serve_102(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-102: a delivery whose `Idempotency-Key` is longer than 255 characters (256, or
+    60,000 under the 64 KiB header limit) is 400 `IDEMPOTENCY_KEY_TOO_LONG` with the limit,
+    nothing is journaled, one INFO line says why without the key, and
+    `healthlog_intake_refused_total{reason="idempotency_key"}` counts each; a key of 255
+    characters is taken and replays. (Before, any key under the header limit was journaled
+    with the delivery, 64 KiB of it with every one.)"""
+    refused_before = await intake_refused(service)
+    long_keys = ["k" * 256, "Z" * 60_000]
+    with caplog.at_level(logging.DEBUG, "healthlog"):
+        answers = [await service.post(small(1), {"Idempotency-Key": key}) for key in long_keys]
+    for answer in answers:
+        assert answer.status_code == 400
+        assert answer.json() == {"error": "IDEMPOTENCY_KEY_TOO_LONG", "max_characters": 255}
+    assert await journaled(service) == []
+    lines = [r.getMessage() for r in caplog.records if r.levelno > logging.DEBUG]
+    why = "the Idempotency-Key is longer than 255 characters"
+    assert lines == [f"refused 400 POST /v1/deliveries from 127.0.0.1: {why}"] * 2
+    assert all("kkk" not in line and "ZZZ" not in line for line in lines)
+    refused_after = await intake_refused(service)
+    assert (refused_before["idempotency_key"], refused_after["idempotency_key"]) == (0, 2)
+    longest = {"Idempotency-Key": "k" * 255}
+    first = await service.post(small(1), longest)
+    again = await service.post(small(1), longest)
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert await journaled(service) == [sha256(small(1))]
+
+
 # -- a large upload ---------------------------------------------------------------------------
 
 
@@ -1306,9 +1337,10 @@ async def intake_refused(service: Service) -> dict[str, float]:
 
 async def test_uploads_that_were_not_journaled_are_counted_serve_78(tmp_path: Path) -> None:
     """SERVE-78: GIVEN `max_body_mib = 1` and `body_timeout_s = 1` WHEN a delivery is refused
-    401, 413 and 415, one stalls (408), one is left half-way by its client, and one is
-    answered 200 THEN `healthlog_intake_refused_total` counts one of each reason
-    (`unauthorized`, `too_large`, `content_encoding`, `body_timeout`, `client_left`), from 0
+    401, 413, 415 and 400 (an `Idempotency-Key` too long, SERVE-102), one stalls (408), one is
+    left half-way by its client, and one is answered 200 THEN
+    `healthlog_intake_refused_total` counts one of each reason (`unauthorized`, `too_large`,
+    `content_encoding`, `idempotency_key`, `body_timeout`, `client_left`), from 0
     before, and `healthlog_intake_accepted_total` the one journaled."""
     head = b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\nAuthorization: Bearer %s\r\n"
     async with serving(tmp_path / "data", max_body_mib=1, body_timeout_s=1) as service:
@@ -1321,6 +1353,7 @@ async def test_uploads_that_were_not_journaled_are_counted_serve_78(tmp_path: Pa
                 {**service.auth, **CLOSE, "Content-Length": str(2 * MiB)},
             ),
             await service.post(gzip.compress(small(2)), {"Content-Encoding": "gzip"}),
+            await service.post(small(4), {"Idempotency-Key": "k" * 256}),
             await service.post(small(3)),
         ]
         stalled = await trio.open_tcp_stream("127.0.0.1", service.port)
@@ -1337,9 +1370,16 @@ async def test_uploads_that_were_not_journaled_are_counted_serve_78(tmp_path: Pa
         accepted = (await metric_samples(service.client))[
             ("healthlog_intake_accepted_total", frozenset())
         ]
-    assert [answer.status_code for answer in answers] == [401, 413, 415, 200]
+    assert [answer.status_code for answer in answers] == [401, 413, 415, 400, 200]
     assert stalled_answer.startswith(b"HTTP/1.1 408 "), stalled_answer[:100]
-    reasons = {"unauthorized", "too_large", "content_encoding", "body_timeout", "client_left"}
+    reasons = {
+        "unauthorized",
+        "too_large",
+        "content_encoding",
+        "idempotency_key",
+        "body_timeout",
+        "client_left",
+    }
     assert before == dict.fromkeys(reasons, 0)
     assert after == dict.fromkeys(reasons, 1)
     assert accepted == 1

@@ -53,6 +53,17 @@ and its fold failed as "not a JSON object or array", for good: nothing kept said
 it (SERVE-77). Health Auto Export sends its bodies as they are; none is ever inflated here, so
 a gzip bomb costs nothing."""
 _ENCODED_WHY = "the body has a content coding (Content-Encoding); send it as it is"
+MAX_IDEMPOTENCY_KEY = 255
+"""Characters of an ``Idempotency-Key`` taken; a longer one is refused with 400.
+
+The key is journaled with the delivery and kept for good, so a key up to the 64 KiB header
+limit cost 64 KiB with every delivery (SERVE-102). Clients send UUIDs (36 characters) or
+short run names; the IETF draft (draft-ietf-httpapi-idempotency-key-header) sets no limit, and
+255 is Stripe's, the one a client written against a common API already keeps to."""
+_KEY_TOO_LONG_WHY = f"the Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters"
+_KEY_TOO_LONG = orjson.dumps(
+    {"error": "IDEMPOTENCY_KEY_TOO_LONG", "max_characters": MAX_IDEMPOTENCY_KEY}
+)
 
 Headers = Sequence[tuple[bytes, bytes]]
 CLOSE: Headers = ((b"connection", b"close"),)
@@ -157,6 +168,8 @@ class IntakeRefusals:
     """Refused 413: over ``max_body_mib``."""
     content_encoding: int = 0
     """Refused 415: a body with a content coding."""
+    idempotency_key: int = 0
+    """Refused 400: an ``Idempotency-Key`` over ``MAX_IDEMPOTENCY_KEY`` characters."""
     body_timeout: int = 0
     """Refused 408: the body stalled, or came too slowly."""
     client_left: int = 0
@@ -253,6 +266,12 @@ class IntakeEndpoint:
                 ((b"accept-encoding", b"identity"), *CLOSE),
             )
         key = headers.get("idempotency-key") or None
+        if key is not None and len(key) > MAX_IDEMPOTENCY_KEY:
+            self.refused.idempotency_key += 1
+            self._refusals.refused(
+                400, "POST", INTAKE_PATH, client_address(scope), _KEY_TOO_LONG_WHY
+            )
+            return _answer(400, _KEY_TOO_LONG)
         if key is not None:
             if (name, key) in self._in_flight:
                 return _answer(409, _error("IDEMPOTENCY_KEY_IN_FLIGHT"))

@@ -116,7 +116,7 @@ class _Snapshot(Collector):
         )
         intake_refused = CounterMetricFamily(
             "healthlog_intake_refused",
-            "Uploads this process did not journal, by reason: refused (401, 413, 415, 408),"
+            "Uploads this process did not journal, by reason: refused (401, 413, 415, 400, 408),"
             " or the client left before its body was whole",
             labels=["reason"],
         )
