@@ -2427,6 +2427,61 @@ async def test_a_token_typed_into_a_wrong_path_is_not_logged_serve_99(
     assert await service.journal() == []
 
 
+async def websocket_handshake(service: Service, path: str) -> bytes:
+    """The answer to a websocket handshake for ``path`` with the token, up to its JSON body."""
+    handshake = (
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+        f"Authorization: Bearer {service.token}\r\n\r\n"
+    )
+    answer = b""
+    async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+        await conn.send_all(handshake.encode())
+        with trio.fail_after(CLIENT_TIMEOUT_S):
+            while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+                chunk = await conn.receive_some()
+                if not chunk:
+                    break
+                answer += chunk
+    return answer
+
+
+async def test_a_handshake_or_a_post_without_a_route_is_logged_serve_103(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-103: a websocket handshake to a path without a websocket route (`/v1/strem`, a
+    route of the HTTP API, a token typed into the path or the query string), and a delivery
+    posted to a read route (a phone set to `/v1/status`), are each one INFO line as a GET to a
+    wrong path is (SERVE-97): the method (`WS` for a handshake), the path with a token masked,
+    the client's address and where to go; no token, query string, header value or body above
+    DEBUG; the answers are as before, 404 and 405. (Before, neither was logged above DEBUG.)"""
+    token = service.token
+    handshakes = ["/v1/strem?token=hl_planted", "/v1/status", f"/hooks/{token}/v1/stream"]
+    headers = {**service.auth, "automation-name": "Planted ZQX"}
+    with caplog.at_level(logging.DEBUG, "healthlog"):
+        for path in handshakes:
+            answer = await websocket_handshake(service, path)
+            assert answer.startswith(b"HTTP/1.1 404 "), (path, answer)
+        for path in ("/v1/status", "/v1/points", "/v1/status"):
+            posted = await service.client.post(path, content=b'{"planted": 61}', headers=headers)
+            assert posted.status_code == 405, path
+            assert posted.json() == {"error": "METHOD_NOT_ALLOWED"}, path
+    above_debug = [r for r in caplog.records if r.levelno > logging.DEBUG]
+    lines = [r.getMessage() for r in above_debug if r.name == "healthlog.http"]
+    stream = "from 127.0.0.1: the replay stream is WS /v1/stream"
+    deliveries = "from 127.0.0.1: deliveries go to POST /v1/deliveries"
+    assert lines == [
+        f"no route for WS /v1/strem {stream}",
+        f"no route for WS /v1/status {stream}",
+        f"no route for WS /hooks/hl_.../v1/stream {stream}",
+        f"no route for POST /v1/status {deliveries}",
+        f"no route for POST /v1/points {deliveries}",
+    ]
+    for planted in (token[3:], "hl_planted", "Planted", "61"):
+        assert all(planted not in r.getMessage() for r in above_debug), planted
+    assert await service.journal() == []
+
+
 def test_wrong_paths_are_logged_once_a_minute_and_within_a_bucket_serve_97(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

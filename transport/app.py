@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import orjson
 import trio
-from quart import Response, has_request_context, request
+from quart import Response, has_request_context, has_websocket_context, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import InternalServerError, MethodNotAllowed, NotFound
 from werkzeug.routing import WebsocketMismatch
@@ -285,21 +285,32 @@ def create_app(
     wrong_paths = WrongPathLog()
     intake = IntakeEndpoint(runtime, tokens, config, refusals)
 
+    def wrong_handshake() -> None:
+        # A handshake is logged as one for a wrong path is: a follower set to a wrong URL
+        # otherwise left no line above DEBUG (SERVE-103).
+        wrong_paths("WS", websocket.path, websocket.remote_addr, WrongPathLog.STREAM)
+
     @app.errorhandler(NotFound)
     async def not_found(_exc: NotFound) -> Response:
         # Only a path no route serves: a route's own 404 (an id not kept) is answered directly.
         if has_request_context():
             wrong_paths(request.method, request.path, request.remote_addr)
+        elif has_websocket_context():
+            wrong_handshake()
         return _error("NOT_FOUND", 404)
 
     @app.errorhandler(WebsocketMismatch)
     async def websocket_mismatch(_exc: WebsocketMismatch) -> Response:
         # A websocket handshake to a route of the HTTP API: there is no such websocket route
         # (werkzeug's answer was an HTML page with 400).
+        wrong_handshake()
         return _error("NOT_FOUND", 404)
 
     @app.errorhandler(MethodNotAllowed)
     async def method_not_allowed(error: MethodNotAllowed) -> Response:
+        # Logged as a wrong path is: a phone set to post to a read route (`/v1/status`) left
+        # no line above DEBUG (SERVE-103).
+        wrong_paths(request.method, request.path, request.remote_addr)
         # Sorted, as OPTIONS lists them: werkzeug's order was a set's.
         allowed = ", ".join(sorted(error.valid_methods or ()))
         return _error("METHOD_NOT_ALLOWED", 405, {"Allow": allowed})

@@ -134,6 +134,9 @@ class WrongPathLog:
     MAX_METHOD = 16
     MAX_PATHS = 256
     """Paths remembered within ``period_s``; one beyond them is left to the bucket alone."""
+    DELIVERIES = "deliveries go to POST /v1/deliveries"
+    STREAM = "the replay stream is WS /v1/stream"
+    """Where a websocket handshake (logged with the method ``WS``) should have gone."""
 
     def __init__(
         self,
@@ -146,8 +149,11 @@ class WrongPathLog:
         self._clock = clock
         self._paths: dict[tuple[str, str], tuple[float, int]] = {}
 
-    def __call__(self, method: str, path: str, address: str | None) -> None:
-        """Log one request for ``path`` that no route serves (or count it)."""
+    def __call__(
+        self, method: str, path: str, address: str | None, where: str = DELIVERIES
+    ) -> None:
+        """Log one request for ``path`` that no route serves (or count it), saying ``where``
+        such requests go."""
         now = self._clock()
         # As logged: what is remembered of a path is bounded as its line is.
         masked = _TOKEN.sub(f"{TOKEN_PREFIX}...", path)
@@ -163,9 +169,10 @@ class WrongPathLog:
             return
         self._remember(key, now)
         log.info(
-            "no route for %s %s from %s: deliveries go to POST /v1/deliveries%s%s",
+            "no route for %s %s from %s: %s%s%s",
             *key,
             address or "an unknown address",
+            where,
             f"; {unlogged} more requests for it were not logged before this one"
             if unlogged
             else "",
