@@ -2719,6 +2719,64 @@ async def test_a_request_framed_twice_is_refused_and_closed_serve_62(tmp_path: P
         assert await service.journal() == []
 
 
+@pytest.mark.parametrize(
+    ("request_head", "status", "code"),
+    [
+        (b"GARBAGE\r\n\r\n", 400, "MALFORMED_REQUEST"),
+        (b"GET /healthz HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400, "MALFORMED_REQUEST"),
+        (b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Name: 1\r\n\r\n", 400, "MALFORMED_REQUEST"),
+        (
+            b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n",
+            501,
+            "UNSUPPORTED_TRANSFER_ENCODING",
+        ),
+        (
+            b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: " + b"a" * 70_000,
+            431,
+            "HEADERS_TOO_LARGE",
+        ),
+        (
+            b"POST /v1/deliveries HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n2\r\n[]\r\n0\r\n\r\n",
+            400,
+            "MALFORMED_REQUEST",
+        ),
+    ],
+    ids=[
+        "request-line",
+        "header-line",
+        "header-name",
+        "transfer-encoding",
+        "too-large",
+        "framed-twice",
+    ],
+)
+async def test_a_request_hypercorn_cannot_read_is_answered_as_json_serve_104(
+    service: Service, request_head: bytes, status: int, code: str
+) -> None:
+    """SERVE-104: a request h11 cannot read (a malformed request line or header line, a header
+    name with a space, a transfer coding other than chunked, headers still coming past 64 KiB,
+    both framings, SERVE-62) is answered with h11's status and a JSON error, as every other error
+    is, its `Content-Length` that of the body, and the connection closed; the service goes on
+    serving. (Before, hypercorn answered with the status alone and no body.)"""
+    async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+        await conn.send_all(request_head)
+        answer = b""
+        with trio.fail_after(CLIENT_TIMEOUT_S):
+            while chunk := await conn.receive_some():
+                answer += chunk
+    head, _, content = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines)
+    assert status_line.startswith(f"HTTP/1.1 {status} "), answer
+    assert headers["content-type"] == "application/json", answer
+    assert headers["connection"] == "close", answer
+    assert int(headers["content-length"]) == len(content), answer
+    assert json.loads(content) == {"error": code}, answer
+    assert (await service.post(small(1))).status_code == 200
+    assert len(await service.journal()) == 1
+
+
 async def test_blank_lines_before_a_request_are_ignored_serve_50(tmp_path: Path) -> None:
     """SERVE-50: on a kept-alive connection, a delivery whose body is followed by a CRLF (as
     some clients send), then a second delivery, sent after the first answer or with the CRLF

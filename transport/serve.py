@@ -36,6 +36,7 @@ import hypercorn.protocol.ws_stream
 import hypercorn.trio.run
 import hypercorn.trio.task_group
 import hypercorn.trio.tcp_server
+import orjson
 import trio
 import wsproto.events
 from hypercorn.config import Config as HypercornConfig
@@ -224,6 +225,13 @@ hypercorn.trio.tcp_server.TaskGroup = _ClosingTaskGroup  # type: ignore[attr-def
 
 _FRAMINGS = frozenset({b"transfer-encoding", b"content-length"})
 """The two headers that each say where a request's body ends."""
+_PROTOCOL_ERRORS = {
+    431: "HEADERS_TOO_LARGE",
+    501: "UNSUPPORTED_TRANSFER_ENCODING",
+}
+"""The error codes of the statuses h11 gives a request it cannot read (its
+``error_status_hint``), other than 400, ``MALFORMED_REQUEST``; 431 is the app's own code for
+headers over the limit."""
 
 
 class _ClosingConnection(h11.Connection):
@@ -302,6 +310,21 @@ class _ClosingH11Protocol(H11Protocol):
         )
         if isinstance(self.task_group, _ClosingTaskGroup):
             self.task_group.body_wanted = self.want_body
+
+    async def _send_error_response(self, status_code: int) -> None:
+        """hypercorn's answer to a request h11 cannot read (a malformed request line or header,
+        SERVE-62's two framings), with a JSON error as every other answer: it had the status
+        alone, without a body or a type, where a client looks for ``error`` (SERVE-104)."""
+        body = orjson.dumps({"error": _PROTOCOL_ERRORS.get(status_code, "MALFORMED_REQUEST")})
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+            *self.config.response_headers("h11"),
+        ]
+        await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
+        await self._send_h11_event(h11.Data(data=body))
+        await self._send_h11_event(h11.EndOfMessage())
 
     async def want_body(self) -> None:
         """``100 Continue``, if the client waits for one and has no answer yet (h11 forgets
