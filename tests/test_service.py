@@ -2618,6 +2618,52 @@ async def test_a_websocket_handshake_to_an_http_route_is_404_as_json_serve_49(
             assert json.loads(content) == {"error": "NOT_FOUND"}, (path, answer)
 
 
+UPGRADE = "Connection: Upgrade\r\nUpgrade: websocket\r\n"
+WEBSOCKET_KEY = "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+
+
+@pytest.mark.parametrize(
+    ("handshake", "status", "code"),
+    [
+        (UPGRADE, 400, "BAD_HANDSHAKE"),
+        (
+            f"{UPGRADE}Sec-WebSocket-Version: 8\r\n{WEBSOCKET_KEY}",
+            400,
+            "BAD_HANDSHAKE",
+        ),
+        (
+            f"{UPGRADE}Sec-WebSocket-Version: 13\r\n{WEBSOCKET_KEY}X-Padding: {'a' * 66_000}\r\n",
+            403,
+            "HANDSHAKE_REFUSED",
+        ),
+    ],
+    ids=["without-key", "version-8", "headers-too-large"],
+)
+async def test_a_handshake_hypercorn_refuses_is_answered_as_json_and_closed_serve_105(
+    tmp_path: Path, handshake: str, status: int, code: str
+) -> None:
+    """SERVE-105: a websocket handshake that is not one (no `Sec-WebSocket-Key`, or version 8)
+    is answered 400 with a JSON error and its connection closed, with the keep-alive timeout
+    far away; one the service refuses with a close before accepting it (headers over 64 KiB) is
+    403 with a JSON error; a delivery posted next is journaled. (Before, hypercorn answered
+    with the status alone, and after a 400 held the connection open until the client left.)"""
+    async with serving(tmp_path / "data", keep_alive_timeout_s=3600) as service:
+        request = f"GET /v1/stream HTTP/1.1\r\nHost: x\r\n{handshake}\r\n"
+        async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+            await conn.send_all(request.encode())
+            answer = b""
+            with trio.fail_after(CLIENT_TIMEOUT_S):
+                while chunk := await conn.receive_some():
+                    answer += chunk
+        head, _, content = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 %d " % status), answer
+        assert b"content-type: application/json" in head.lower(), answer
+        assert b"content-length: %d" % len(content) in head.lower(), answer
+        assert json.loads(content) == {"error": code}, answer
+        assert (await service.post(small(1))).status_code == 200
+        assert len(await service.journal()) == 1
+
+
 async def test_a_plain_request_for_the_stream_is_told_to_upgrade_serve_82(
     tmp_path: Path,
 ) -> None:

@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,6 +33,7 @@ import h2.exceptions
 import h11
 import hypercorn.protocol
 import hypercorn.protocol.h2
+import hypercorn.protocol.h11
 import hypercorn.protocol.ws_stream
 import hypercorn.trio.run
 import hypercorn.trio.task_group
@@ -42,7 +44,7 @@ import wsproto.events
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.events import Event, Updated
-from hypercorn.protocol.events import Body, Data
+from hypercorn.protocol.events import Body, Data, EndBody, Request, Response, StreamClosed
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
@@ -361,6 +363,51 @@ class _DeclinedDeflate(PerMessageDeflate):
 
 # hypercorn offers the extensions of a websocket handshake from the name its module imported.
 hypercorn.protocol.ws_stream.PerMessageDeflate = _DeclinedDeflate  # type: ignore[attr-defined]
+
+
+_HANDSHAKE_ERRORS = {400: "BAD_HANDSHAKE", 500: "INTERNAL"}
+"""The error codes of hypercorn's own answers to a websocket handshake: 400 for one that is not
+a websocket handshake (no ``Sec-WebSocket-Key``, a version other than 13), 500 for an app that
+ended without answering; another (403, the app's close before accepting) is
+``HANDSHAKE_REFUSED``."""
+
+
+class _AnsweringWSStream(hypercorn.protocol.ws_stream.WSStream):
+    """hypercorn's websocket stream, whose own answer to a handshake has a JSON error, as every
+    other answer has, and whose refusal of a handshake ends the connection.
+
+    hypercorn answered a handshake it could not take (no ``Sec-WebSocket-Key``, version 8)
+    with the status alone, and said ``connection: close`` without ending the stream, so the
+    connection stayed open, past the keep-alive timeout, until the client left: a peer without
+    a token could hold as many file descriptors as it opened connections (SERVE-105)."""
+
+    async def handle(self, event: StreamEvent) -> None:
+        await super().handle(event)
+        if isinstance(event, Request) and self.closed:
+            # Refused before the app was started: nothing else ends the stream.
+            await self.send(StreamClosed(stream_id=self.stream_id))
+
+    async def _send_error_response(self, status_code: int) -> None:
+        body = orjson.dumps({"error": _HANDSHAKE_ERRORS.get(status_code, "HANDSHAKE_REFUSED")})
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await self.send(
+            Response(stream_id=self.stream_id, status_code=status_code, headers=headers)
+        )
+        await self.send(Body(stream_id=self.stream_id, data=body))
+        await self.send(EndBody(stream_id=self.stream_id))
+        await self.config.log.access(
+            self.scope, {"status": status_code, "headers": []}, time.time() - self.start_time
+        )
+
+
+# hypercorn's HTTP/1.1 and HTTP/2 protocols make a websocket's stream from the name their
+# modules imported.
+hypercorn.protocol.h11.WSStream = _AnsweringWSStream  # type: ignore[attr-defined]
+hypercorn.protocol.h2.WSStream = _AnsweringWSStream  # type: ignore[attr-defined]
 
 
 class _CappedWebsocketBuffer(hypercorn.protocol.ws_stream.WebsocketBuffer):
