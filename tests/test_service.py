@@ -2482,6 +2482,34 @@ async def test_a_handshake_or_a_post_without_a_route_is_logged_serve_103(
     assert await service.journal() == []
 
 
+async def test_another_method_on_intake_is_logged_serve_106(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-106: a request to `/v1/deliveries` with another method than POST (a browser
+    opening the URL the app was given, a client sending PUT) is 405 as before, nothing is
+    journaled, and it is one INFO line as a 405 of a read route is (SERVE-103), with no token,
+    header value or body above DEBUG; OPTIONS is answered 204 and not logged. (Before, intake's
+    405 left no line above DEBUG.)"""
+    headers = {**service.auth, "automation-name": "Planted ZQX"}
+    with caplog.at_level(logging.DEBUG, "healthlog"):
+        browsed = await service.client.get("/v1/deliveries?token=hl_planted", headers=headers)
+        put = await service.client.put(
+            "/v1/deliveries", content=b'{"planted": 61}', headers=headers
+        )
+        options = await service.client.options("/v1/deliveries", headers=headers)
+    assert [browsed.status_code, put.status_code, options.status_code] == [405, 405, 204]
+    assert put.json() == {"error": "METHOD_NOT_ALLOWED"}
+    above_debug = [r for r in caplog.records if r.levelno > logging.DEBUG]
+    deliveries = "from 127.0.0.1: deliveries go to POST /v1/deliveries"
+    assert [r.getMessage() for r in above_debug if r.name == "healthlog.http"] == [
+        f"no route for GET /v1/deliveries {deliveries}",
+        f"no route for PUT /v1/deliveries {deliveries}",
+    ]
+    for planted in (service.token[3:], "hl_planted", "Planted", "61"):
+        assert all(planted not in r.getMessage() for r in above_debug), planted
+    assert await service.journal() == []
+
+
 def test_wrong_paths_are_logged_once_a_minute_and_within_a_bucket_serve_97(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -283,7 +283,7 @@ def create_app(
     handshake_refusals = HandshakeRefusals()
     refusals = RefusalLog()
     wrong_paths = WrongPathLog()
-    intake = IntakeEndpoint(runtime, tokens, config, refusals)
+    intake = IntakeEndpoint(runtime, tokens, config, refusals, wrong_paths)
 
     def wrong_handshake() -> None:
         # A handshake is logged as one for a wrong path is: a follower set to a wrong URL

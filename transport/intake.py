@@ -30,7 +30,7 @@ from healthlog.storage.journal import (
 )
 from healthlog.timestamps import format_instant
 from transport.auth import TokenCache, presented_token
-from transport.refusals import RefusalLog, client_address
+from transport.refusals import RefusalLog, WrongPathLog, client_address
 
 log = logging.getLogger("healthlog.http")
 
@@ -185,10 +185,12 @@ class IntakeEndpoint:
         tokens: TokenCache,
         config: ServeConfig,
         refusals: RefusalLog,
+        wrong_paths: WrongPathLog,
     ) -> None:
         self._runtime = runtime
         self._tokens = tokens
         self._refusals = refusals
+        self._wrong_paths = wrong_paths
         self._limit = config.max_body_bytes
         mib = config.max_body_mib
         # The limit is configuration, not a secret: the client is told it (256, not 256.0).
@@ -246,6 +248,9 @@ class IntakeEndpoint:
             # 405 here and an empty text/html page there (SERVE-94).
             return _answer(204, b"", ((b"allow", ALLOW),))
         if scope["method"] != "POST":
+            # Logged as the read routes' 405 is (SERVE-103): a browser opening the URL the app
+            # was given left no line above DEBUG (SERVE-106).
+            self._wrong_paths(scope["method"], INTAKE_PATH, client_address(scope))
             return _answer(405, _error("METHOD_NOT_ALLOWED"), ((b"allow", ALLOW),))
         headers = _headers(scope["headers"])
         presented = presented_token(headers.get("authorization"), headers.get("api-key"))
