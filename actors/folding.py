@@ -21,12 +21,15 @@ import multiprocessing.spawn
 import os
 import signal
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar, TypeVarTuple, Unpack
 
 import attrs
 import trio
 import trio_parallel
 
+from actors import threads
 from actors.journal import GONE
 from healthlog.clock import now_us
 from healthlog.folding import FoldPass, FoldReport, OutcomeClass
@@ -36,6 +39,9 @@ from healthlog.storage.store import WORKER_DIED, Store
 from healthlog.storage.worker import fold_run, ready, retire
 
 log = logging.getLogger("healthlog.folding")
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 DURATION_BOUNDS_S = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0)
 RUN_MAX = 32
@@ -223,16 +229,21 @@ class FoldingActor:
                 epoch = self._epoch
                 if epoch is None:
                     continue
+                threadless = False
                 try:
                     with trio.CancelScope() as scope:
                         self._pass_scope = scope
                         await self._pass(epoch)
+                except threads.NoThread:
+                    # Said once for the process (RUN-70); what was pending stays so, and the
+                    # next pass comes after the backoff, as for a worker that cannot be made.
+                    threadless = True
                 finally:
                     self._pass_scope = None
-                if self._cannot_start:
+                if threadless or self._cannot_start:
                     await trio.sleep(self._backoff_s)
                     self._backoff_s = min(self._backoff_s * 2, self._period_s)
-                    if self._short_of:
+                    if threadless or self._short_of:
                         # What the machine is short of (processes, descriptors) comes back on
                         # its own: try again then, not at the next wake or timer (SERVE-76).
                         with contextlib.suppress(*GONE):
@@ -254,9 +265,7 @@ class FoldingActor:
         try:
             while True:
                 if folding.wants_page:
-                    await trio.to_thread.run_sync(
-                        take_page, selection, folding, limiter=self._limiter
-                    )
+                    await threads.run_sync(take_page, selection, folding, limiter=self._limiter)
                 if folding.next() is None:
                     break
                 started = trio.current_time()
@@ -280,7 +289,7 @@ class FoldingActor:
             # The epoch is lost: wait for the lease actor to report one again rather than fold
             # under it on every wake, each time fenced again after reading a body.
             self._epoch = None
-        written = await trio.to_thread.run_sync(
+        written = await threads.run_sync(
             write_marks, self._journal, self._store, folding, now_us, limiter=self._limiter
         )
         fenced = folding.stopped_because == "fenced"
@@ -306,14 +315,13 @@ class FoldingActor:
         """Reports for a prefix of ``run``, in order: the worker stops after one not DONE."""
         if self._executor is Executor.PROCESS:
             try:
-                reports: list[FoldReport] = await trio_parallel.run_sync(
+                reports = await _in_worker(
                     fold_run,
                     str(self._data_dir),
                     [meta.id for meta in run],
                     epoch,
                     self._budget,
                     self._busy_timeout_ms,
-                    kill_on_cancel=True,
                 )
             except trio_parallel.BrokenWorkerError:
                 return await self._worker_lost(run, epoch)
@@ -328,7 +336,7 @@ class FoldingActor:
             return reports
         [meta] = run
         check = self._budget.checker(meta.bytes)
-        report = await trio.to_thread.run_sync(
+        report = await threads.run_sync(
             lambda: self._store.fold(self._journal, meta, epoch, check_budget=check),
             limiter=self._limiter,
         )
@@ -340,7 +348,7 @@ class FoldingActor:
         deferred (the pass stops there, the next pass folds it again in a new worker) until
         it has lost ``WORKER_DEATHS`` workers, and then recorded ``failed``."""
         self._workers_lost += 1
-        outcomes = await trio.to_thread.run_sync(
+        outcomes = await threads.run_sync(
             lambda: [self._store.outcome(meta.id) for meta in run], limiter=self._limiter
         )
         reports = []
@@ -371,7 +379,7 @@ class FoldingActor:
             meta.id,
             WORKER_DEATHS,
         )
-        return await trio.to_thread.run_sync(
+        return await threads.run_sync(
             self._store.fail, meta, epoch, WORKER_DIED, limiter=self._limiter
         )
 
@@ -395,7 +403,7 @@ class FoldingActor:
         """Why a new fold worker cannot run an empty task, or None if one does."""
         try:
             with trio.fail_after(WORKER_START_S):
-                await trio_parallel.run_sync(ready, kill_on_cancel=True)
+                await _in_worker(ready)
         except trio.TooSlowError:
             return f"a new worker process did not answer within {WORKER_START_S:.0f} s"
         except OSError as exc:
@@ -410,6 +418,18 @@ class FoldingActor:
             log.info("fold workers start again; pending deliveries fold")
         self._cannot_start = False
         self._backoff_s = START_BACKOFF_S
+
+
+async def _in_worker(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
+    """``fn(*args)`` in a fold worker process, killed on cancel, raising
+    :class:`threads.NoThread` when the thread that starts a new worker cannot be started."""
+    try:
+        result: T = await trio_parallel.run_sync(fn, *args, kill_on_cancel=True)
+    except RuntimeError as exc:
+        if not threads.start_refused(exc):
+            raise
+        raise threads.refused() from None
+    return result
 
 
 def _not_made(exc: OSError) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import trio
 
+from actors import threads
 from healthlog import faults
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.journal import IdempotencyCollision, Journal, NewDelivery, Receipt
@@ -109,9 +110,7 @@ class JournalActor:
             return self._journal.append_many(deliveries)
 
         try:
-            results: list[Result] = list(
-                await trio.to_thread.run_sync(append, limiter=self._limiter)
-            )
+            results: list[Result] = list(await threads.run_sync(append, limiter=self._limiter))
         except StorageError as exc:
             self._errors += 1
             return [exc] * len(deliveries)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import attrs
 import trio
 
+from actors import threads
 from healthlog import faults
 from healthlog.clock import now_us
 from healthlog.storage._sqlite import Deferred, StorageError, describe
@@ -97,7 +98,7 @@ class LeaseActor:
             )
 
         try:
-            epoch = await trio.to_thread.run_sync(acquire, limiter=self._limiter)
+            epoch = await threads.run_sync(acquire, limiter=self._limiter)
         except Deferred:
             self._failures += 1
             self._deferred()
@@ -108,7 +109,9 @@ class LeaseActor:
             # SQLite's reason names no value; with the file, it tells an operator what to fix
             # (a store the service's user cannot write, a full disk).
             where = os.path.basename(self._store.path)
-            log.warning("lease renewal failed: %s: %s (%s)", type(exc).__name__, exc, where)
+            # No thread to renew in is said once for the process, not at every renewal (RUN-71).
+            level = logging.DEBUG if isinstance(exc, threads.NoThread) else logging.WARNING
+            log.log(level, "lease renewal failed: %s: %s (%s)", type(exc).__name__, exc, where)
             if self._epoch is not None and trio.current_time() >= self._valid_until:
                 await self._publish(None)
             return
@@ -151,7 +154,7 @@ class LeaseActor:
         if self._epoch is None:
             return
         try:
-            await trio.to_thread.run_sync(
+            await threads.run_sync(
                 self._store.release_lease, self._holder, self._epoch, limiter=self._limiter
             )
         except StorageError as exc:

@@ -18,6 +18,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from actors import threads
 from healthlog import faults
 from healthlog.clock import now_us
 from healthlog.storage._sqlite import StorageError, describe
@@ -87,19 +88,19 @@ class RetentionActor:
             faults.point("retention.prune")
             # A batch per transaction and per turn of the store's thread, so that the -wal
             # stays small and folds, ACKs and reads go on between them (STORE-88).
-            while (pruned := await trio.to_thread.run_sync(prune, limiter=self._limiter)) > 0:
+            while (pruned := await threads.run_sync(prune, limiter=self._limiter)) > 0:
                 self._pruned += pruned
                 if pruned < PRUNE_BATCH:
                     break
         except StorageError as exc:
-            log.warning("event pruning deferred: %s", describe(exc))
+            log.log(_level(exc), "event pruning deferred: %s", describe(exc))
             return
         self._runs += 1
         try:
             remove = functools.partial(self._store.remove_gone_subscribers, older_than_us=cutoff)
-            removed = await trio.to_thread.run_sync(remove, limiter=self._limiter)
+            removed = await threads.run_sync(remove, limiter=self._limiter)
         except StorageError as exc:
-            log.warning("removal of gone subscribers deferred: %s", describe(exc))
+            log.log(_level(exc), "removal of gone subscribers deferred: %s", describe(exc))
             return
         self._removed += removed
         if removed:
@@ -113,7 +114,7 @@ class RetentionActor:
         """Say once, while it lasts, that a reader keeps ``database``'s ``-wal`` from being
         checkpointed, and when it is checkpointed again."""
         try:
-            size = await trio.to_thread.run_sync(database.wal_held_back, limiter=limiter)
+            size = await threads.run_sync(database.wal_held_back, limiter=limiter)
         except StorageError as exc:
             # The folds and the journal say what is wrong with the file; this only looked.
             log.debug("checkpoint of %s not tried: %s", database.path, describe(exc))
@@ -132,3 +133,9 @@ class RetentionActor:
         elif not size and database.path in self._held_back:
             self._held_back.discard(database.path)
             log.info("%s-wal is checkpointed again", database.path)
+
+
+def _level(exc: StorageError) -> int:
+    """How loud a deferral for ``exc`` is: no thread to run in is said once for the process
+    (RUN-71), not at every run; another error, at each."""
+    return logging.DEBUG if isinstance(exc, threads.NoThread) else logging.WARNING

@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 import attrs
 import trio
 
+from actors import threads
 from actors._supervisor import HEALTHY_S, Crashes, supervise
 from actors.folding import Executor, FoldingActor, FoldingStatistics
 from actors.intake import IntakeActor, IntakeStatistics, Submission, submit
@@ -125,11 +126,11 @@ class Runtime:
 
     async def read_store(self, fn: Callable[[Store], T]) -> T:
         """Run ``fn(store)`` in the projection's worker thread (reads, and cursor writes)."""
-        return await trio.to_thread.run_sync(fn, self.store, limiter=self._store_limiter)
+        return await threads.run_sync(fn, self.store, limiter=self._store_limiter)
 
     async def read_journal(self, fn: Callable[[Journal], T]) -> T:
         """Run ``fn(journal)`` in the journal's worker thread (reads: appends go via intake)."""
-        return await trio.to_thread.run_sync(fn, self.journal, limiter=self._journal_limiter)
+        return await threads.run_sync(fn, self.journal, limiter=self._journal_limiter)
 
     async def wait_folded(self, ids: Iterable[int]) -> None:
         """Return once every delivery in ``ids`` has an outcome (folded here or elsewhere)."""

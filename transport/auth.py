@@ -10,6 +10,7 @@ import logging
 
 import trio
 
+from actors import threads
 from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.tokens import Tokens, authenticate
 
@@ -40,10 +41,12 @@ class TokenCache:
             async with self._limiter:
                 if self._stale():
                     try:
-                        hashes = await trio.to_thread.run_sync(self._tokens.hashes)
+                        hashes = await threads.run_sync(self._tokens.hashes)
                     except StorageError as exc:
                         self._failed += 1
-                        level = logging.WARNING if self._failed == 1 else logging.DEBUG
+                        # No thread to read in is said once for the process (RUN-70).
+                        first = self._failed == 1 and not isinstance(exc, threads.NoThread)
+                        level = logging.WARNING if first else logging.DEBUG
                         log.log(level, "the token store could not be read: %s", describe(exc))
                         raise
                     if self._failed:

@@ -16,6 +16,7 @@ import attrs
 import orjson
 import trio
 
+from actors import threads
 from actors.runtime import Runtime
 from healthlog import documents
 from healthlog.config import ServeConfig
@@ -330,10 +331,10 @@ class IntakeEndpoint:
         if still != name:
             return self._refuse_unauthorized(scope, True)
         digest = None
-        if key is not None:
-            # Here rather than in the journal's thread, which journals every delivery.
-            digest = await trio.to_thread.run_sync(_digest, encoded, limiter=self._digests)
         try:
+            if key is not None:
+                # Here rather than in the journal's thread, which journals every delivery.
+                digest = await threads.run_sync(_digest, encoded, limiter=self._digests)
             receipt = await self._runtime.submit(
                 NewDelivery(
                     body=encoded,
@@ -351,7 +352,9 @@ class IntakeEndpoint:
         except IdempotencyCollision:
             return _answer(422, _error("ACTION_ID_COLLISION"))
         except StorageError as exc:
-            log.warning("intake: journal could not commit: %s", describe(exc))
+            # No thread to journal in is said once for the process (RUN-71), not per delivery.
+            level = logging.DEBUG if isinstance(exc, threads.NoThread) else logging.WARNING
+            log.log(level, "intake: journal could not commit: %s", describe(exc))
             return _answer(503, _error("JOURNAL_UNAVAILABLE"), ((b"retry-after", RETRY_AFTER_S),))
         return _answer(200, _receipt(receipt), _replayed(receipt))
 
