@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import errno
+import gc
 import logging
 import multiprocessing
 import multiprocessing.spawn
@@ -241,6 +242,8 @@ class FoldingActor:
                 finally:
                     self._pass_scope = None
                 if threadless or self._cannot_start:
+                    if self._cannot_start and self._short_of:
+                        await _close_unmade()
                     await trio.sleep(self._backoff_s)
                     self._backoff_s = min(self._backoff_s * 2, self._period_s)
                     if threadless or self._short_of:
@@ -418,6 +421,17 @@ class FoldingActor:
             log.info("fold workers start again; pending deliveries fold")
         self._cannot_start = False
         self._backoff_s = START_BACKOFF_S
+
+
+async def _close_unmade() -> None:
+    """Close the descriptors of the fold workers that could not be made. trio-parallel opens a
+    worker's two pipes (4 descriptors) before it makes its process; when that fails they stay
+    in a reference cycle with the error's traceback until the garbage collector runs, which
+    may be long after (40 held after 10 tries under a process limit), and they are what a
+    descriptor shortage is short of (RUN-72). Trio lets go of the error at its next turn; a
+    collection then closes them (some 40 ms, a second or more apart)."""
+    await trio.lowlevel.checkpoint()
+    gc.collect()
 
 
 async def _in_worker(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
