@@ -217,40 +217,54 @@ class FoldingActor:
         with contextlib.suppress(*GONE):
             self._poke.send_nowait(None)
         workers = trio_parallel.cache_scope(init=_start_worker, retire=retire)
-        async with workers, trio.open_nursery() as nursery:
-            nursery.start_soon(self._follow_lease)
+        try:
+            async with workers, trio.open_nursery() as nursery:
+                nursery.start_soon(self._follow_lease)
+                await self._passes_forever()
+        except RuntimeError as exc:
+            if not threads.start_refused(exc):
+                raise
+        # Only a worker cache that could not end gets here: trio-parallel ends its idle workers
+        # in a thread, and none could be started (RUN-73); they end as their pipes close, with
+        # the cache or this process. Its error took the place of what ended the run, as a rule
+        # a cancellation (the service stopping), which this checkpoint raises again.
+        await trio.lowlevel.checkpoint()
+        raise threads.refused()
+
+    async def _passes_forever(self) -> None:
+        """A pass at each wake, timer or lease, until cancelled."""
+        while True:
+            with trio.move_on_after(self._period_s):
+                await self._wake.receive()
             while True:
-                with trio.move_on_after(self._period_s):
-                    await self._wake.receive()
-                while True:
-                    try:
-                        self._wake.receive_nowait()
-                    except trio.WouldBlock:
-                        break
-                epoch = self._epoch
-                if epoch is None:
-                    continue
-                threadless = False
                 try:
-                    with trio.CancelScope() as scope:
-                        self._pass_scope = scope
-                        await self._pass(epoch)
-                except threads.NoThread:
-                    # Said once for the process (RUN-70); what was pending stays so, and the
-                    # next pass comes after the backoff, as for a worker that cannot be made.
-                    threadless = True
-                finally:
-                    self._pass_scope = None
-                if threadless or self._cannot_start:
-                    if self._cannot_start and self._short_of:
-                        await _close_unmade()
-                    await trio.sleep(self._backoff_s)
-                    self._backoff_s = min(self._backoff_s * 2, self._period_s)
-                    if threadless or self._short_of:
-                        # What the machine is short of (processes, descriptors) comes back on
-                        # its own: try again then, not at the next wake or timer (SERVE-76).
-                        with contextlib.suppress(*GONE):
-                            self._poke.send_nowait(None)
+                    self._wake.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            epoch = self._epoch
+            if epoch is None:
+                continue
+            threadless = False
+            try:
+                with trio.CancelScope() as scope:
+                    self._pass_scope = scope
+                    await self._pass(epoch)
+            except threads.NoThread:
+                # Said once for the process (RUN-70); what was pending stays so, and the
+                # next pass comes after the backoff, as for a worker that cannot be made.
+                threadless = True
+            finally:
+                self._pass_scope = None
+            if threadless or self._cannot_start:
+                if self._cannot_start and self._short_of:
+                    await _close_unmade()
+                await trio.sleep(self._backoff_s)
+                self._backoff_s = min(self._backoff_s * 2, self._period_s)
+                if threadless or self._short_of:
+                    # What the machine is short of (processes, descriptors) comes back on
+                    # its own: try again then, not at the next wake or timer (SERVE-76).
+                    with contextlib.suppress(*GONE):
+                        self._poke.send_nowait(None)
 
     async def _follow_lease(self) -> None:
         async for epoch in self._lease_updates:

@@ -143,6 +143,17 @@ def until(condition_met: bool, what: str, log: Path, deadline: float) -> bool:
     return condition_met
 
 
+def limited(
+    prefix: list[str], process: subprocess.Popen[bytes], log: Path, deadline: float
+) -> None:
+    """Once trio has ended the idle threads of ``process`` (its main thread left), lower its
+    soft process limit below what its user has: no thread can be started."""
+    tasks = Path(f"/proc/{process.pid}/task")
+    while not until(len(list(tasks.iterdir())) == 1, "the idle threads' end", log, deadline):
+        pass
+    set_process_limit(prefix, process.pid, 1)
+
+
 def said(log: str) -> list[str]:
     """The records of ``log`` above DEBUG, without their time."""
     return [line.split(" ", 1)[1] for line in log.splitlines() if "level=DEBUG" not in line]
@@ -177,12 +188,7 @@ def test_no_thread_leaves_deliveries_pending_and_intake_answering_503_run_70_run
             httpx.Client(base_url=url, headers=headers, timeout=LIMIT_S) as client,
         ):
             deadline = time.monotonic() + LIMIT_S
-            tasks = Path(f"/proc/{process.pid}/task")
-            while not until(
-                len(list(tasks.iterdir())) == 1, "the idle threads' end", log, deadline
-            ):
-                pass
-            set_process_limit(prefix, process.pid, 1)
+            limited(prefix, process, log, deadline)
             subprocess.run(
                 healthlog(python, prefix, "import", "--no-wait", "--aggregation", "minutes", file),
                 capture_output=True,
@@ -219,3 +225,20 @@ def test_no_thread_leaves_deliveries_pending_and_intake_answering_503_run_70_run
         ]
         assert 'msg="threads start again, after' in log.read_text()
         assert (answered.status_code, status) == (200, "parsed")
+
+
+def test_a_service_stopped_at_the_process_limit_stops_cleanly_run_73() -> None:
+    """RUN-73: a `healthlog serve` stopped (SIGTERM) while no thread can be started exits 0,
+    and nothing crashes on the way out. (Before, its folding actor crashed ending its worker
+    cache, which takes a thread: `actor folding crashed (RuntimeError)`.)"""
+    prefix = as_service_user()
+    with reachable_home("healthlog-run-73-") as home:
+        if prefix:
+            os.chown(home, SERVICE_UID, SERVICE_UID)
+        python = service_interpreter(home / "venv", prefix)
+        with serving(home, python, prefix) as (process, _, log):
+            limited(prefix, process, log, time.monotonic() + LIMIT_S)
+            process.terminate()
+            code = process.wait(timeout=LIMIT_S)
+
+        assert (code, [line for line in said(log.read_text()) if "crashed" in line]) == (0, [])
