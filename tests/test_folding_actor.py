@@ -1115,6 +1115,8 @@ async def test_a_fold_worker_that_cannot_be_made_is_said_once_in_words_run_68(
             await until(lambda: runtime.statistics().folding.passes_by_stop.get("deferred", 0) >= 2)
             release()
             await wait_folded(tmp_path, [receipt.delivery_id], timeout=60)
+            # The worker commits before it answers, and the folder says so once answered.
+            await until(lambda: "fold workers start again" in caplog.text)
         stats = runtime.statistics()
 
     assert stats.crashes == {}
