@@ -2,7 +2,7 @@
 
     python -m tests._proc_runtime DATA_DIR [--holder NAME] [--submit N]
         [--executor thread|process] [--period S] [--ttl S] [--renew S] [--busy-timeout-ms MS]
-        [--stop-at-read N]
+        [--stop-at-read N] [--budget S]
 
 Opens a runtime on DATA_DIR (wake period, lease TTL and renewal in seconds: short by default,
 for tests), journals N small deliveries through its intake, prints ``ready`` on stdout, then
@@ -10,7 +10,8 @@ serves (holds or waits for the fold lease, folds) until SIGTERM or SIGINT, when 
 runtime down, releasing the lease, and exits 0. Nothing else goes to stdout; log records at
 WARNING and above go to stderr. With ``--stop-at-read N`` the process stops itself (SIGSTOP) once
 it has read the body of the N-th delivery it folds, before the fold's transaction: a holder
-frozen in the middle of its pass, under the epoch it folds with, until SIGCONT.
+frozen in the middle of its pass, under the epoch it folds with, until SIGCONT. ``--budget S``
+is the fixed part of each fold's time budget, with nothing added per MiB.
 
 :func:`payload` also builds the bodies that the tests journal themselves.
 """
@@ -33,6 +34,7 @@ from actors.folding import Executor
 from actors.runtime import RuntimeConfig, open_runtime
 from healthlog import faults
 from healthlog.storage.journal import Journal, NewDelivery
+from healthlog.storage.passes import Budget
 from healthlog.storage.store import default_holder
 
 READY = "ready"
@@ -102,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--renew", type=float, default=0.5)
     parser.add_argument("--busy-timeout-ms", type=int, default=5000)
     parser.add_argument("--stop-at-read", type=int, default=None)
+    parser.add_argument("--budget", type=float, default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s"
@@ -114,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lease_renew_s=args.renew,
         executor=Executor(args.executor),
         busy_timeout_ms=args.busy_timeout_ms,
+        budget=Budget() if args.budget is None else Budget(args.budget, 0.0),
     )
     trio.run(serve, config, args.submit, args.stop_at_read)
     return 0

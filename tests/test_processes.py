@@ -750,3 +750,31 @@ def test_a_holder_frozen_inside_its_pass_resumes_fenced_fence_10(
     alpha.stop()
     run = run_cli("verify", "--data", data)
     assert run.code == 0, run.err[-3000:]
+
+
+def test_a_fold_frozen_past_its_budget_is_not_failed_for_it_fold_18(
+    children: Children, data: Path
+) -> None:
+    """FOLD-18: a holder frozen in the middle of a fold (SIGSTOP, as `docker pause` or a
+    cgroup freezer does to the whole service) for longer than the fold's time budget folds the
+    delivery when it resumes: the budget counts the work the fold does, not the time it stood
+    still, and the delivery is not recorded failed over its budget with its points unstored."""
+    budget_s = 0.5
+    alpha = children.runtime(
+        data, "alpha", "--executor", "thread", "--budget", str(budget_s), "--stop-at-read", "1"
+    )
+    [frozen] = journal(data, 1, points=24)
+    wait_stopped(alpha)
+    # Frozen for four budgets of wall time, in which the fold does nothing.
+    time.sleep(4 * budget_s)
+    alpha.proc.send_signal(signal.SIGCONT)
+    final = wait_state(data, "alpha folds", quiescent, watch=[alpha])
+    assert final.pending == []
+    with read_only(DataDir(data).store_path) as store:
+        outcome = store.execute(
+            "SELECT status, reason FROM outcomes WHERE delivery_id = ?", (frozen,)
+        ).fetchone()
+        (objects,) = store.execute("SELECT count(*) FROM objects").fetchone()
+    assert outcome == ("parsed", None)
+    assert objects > 0
+    alpha.stop()
