@@ -769,6 +769,35 @@ async def test_a_lost_lease_cancels_the_pass_in_flight_run_39(
     assert [r for r in logged(caplog, logging.WARNING) if "fold fenced" in r] == []
 
 
+async def test_a_fold_worker_standing_still_past_its_budget_folds_fold_18(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FOLD-18, in a fold worker process: a fold of two hours that stands still at the first
+    hour's object write for twice its budget of wall time (as a worker frozen or waiting for a
+    core does) uses none of the budget meanwhile: the delivery is parsed, both objects stored,
+    not failed over its budget at the second hour's check."""
+    monkeypatch.delenv(SERVE_PID_ENV, raising=False)
+    still = {"fold.object_write": {"hits": [1], "do": "delay", "seconds": 1.0}}
+    monkeypatch.setenv(PLAN_ENV, orjson.dumps(still).decode())
+    hours = body(
+        metric(
+            "step_count",
+            "count",
+            point("2024-02-06 07:00:00 +0000", qty=1),
+            point("2024-02-06 08:00:00 +0000", qty=2),
+        )
+    )
+    delivery = NewDelivery(hours, "phone", "application/json", automation_aggregation="minutes")
+    [delivery_id] = journal_directly(tmp_path, [delivery])
+    half = Budget(base_s=0.5, per_mib_s=0)
+    async with open_runtime(config(tmp_path, executor=Executor.PROCESS, budget=half)):
+        await wait_folded(tmp_path, [delivery_id], timeout=60)
+
+    outcomes = table(DataDir(tmp_path).store_path, "SELECT status, reason FROM outcomes")
+    assert outcomes == [("parsed", None)]
+    assert table(DataDir(tmp_path).store_path, "SELECT count(*) FROM objects") == [(2,)]
+
+
 async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
