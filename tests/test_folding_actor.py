@@ -798,6 +798,41 @@ async def test_a_fold_worker_standing_still_past_its_budget_folds_fold_18(
     assert table(DataDir(tmp_path).store_path, "SELECT count(*) FROM objects") == [(2,)]
 
 
+async def test_waiting_for_folds_reads_only_the_deliveries_waited_for_fold_19(
+    tmp_path: Path,
+) -> None:
+    """FOLD-19: with 20,000 other outcomes stored, a wait for one folded delivery (what
+    `import` and `seal` do until their deliveries fold) takes a handful of SQLite's steps on
+    the store's connection, not one per outcome: it read every outcome id at each poll, 0.4 s
+    at 500,000, twenty times a second."""
+    [delivery_id] = journal_directly(tmp_path, [new_delivery()])
+    store_path = DataDir(tmp_path).store_path
+    Store(store_path).close()
+    others = 20_000
+    with closing(sqlite3.connect(store_path)) as conn, conn:
+        conn.executemany(
+            "INSERT INTO outcomes (delivery_id, received_at, status, counters, epoch)"
+            " VALUES (?, 0, 'parsed', '{}', 0)",
+            ((10**9 + n,) for n in range(others)),
+        )
+    steps = 0
+
+    def step() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    async with open_runtime(config(tmp_path)) as runtime:
+        await wait_folded(tmp_path, [delivery_id])
+        await runtime.read_store(lambda store: store._conn.set_progress_handler(step, 100))
+        try:
+            await runtime.wait_folded([delivery_id])
+        finally:
+            await runtime.read_store(lambda store: store._conn.set_progress_handler(None, 100))
+
+    assert steps < 50, steps
+
+
 async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -958,6 +958,17 @@ class Store(_objects.ObjectDatabase):
         with self._lock:
             return {row[0] for row in self._conn.execute("SELECT delivery_id FROM outcomes")}
 
+    def unfolded(self, delivery_ids: Iterable[int]) -> set[int]:
+        """Those of ``delivery_ids`` without an outcome, each looked up by its key: a wait for
+        a few deliveries reads those, not every outcome (FOLD-19)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT value FROM json_each(?) WHERE NOT EXISTS"
+                " (SELECT 1 FROM outcomes WHERE delivery_id = value)",
+                (orjson.dumps(sorted(set(delivery_ids))).decode(),),
+            )
+            return {int(row[0]) for row in rows}
+
     def folded_view(
         self, agrees: Callable[[tuple[int, int], tuple[int, int]], bool], *, counts: bool = False
     ) -> FoldedView:
