@@ -822,8 +822,11 @@ async def test_waiting_for_folds_reads_only_the_deliveries_waited_for_fold_19(
         steps += 1
         return 0
 
-    async with open_runtime(config(tmp_path)) as runtime:
+    async with open_runtime(config(tmp_path, wake_period_s=3600)) as runtime:
         await wait_folded(tmp_path, [delivery_id])
+        # The pass has written its marks (which read every outcome here, none being in the
+        # journal), and the next is an hour away: only the wait reads meanwhile.
+        await passes_ended(runtime, 1)
         await runtime.read_store(lambda store: store._conn.set_progress_handler(step, 100))
         try:
             await runtime.wait_folded([delivery_id])
