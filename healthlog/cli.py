@@ -9,6 +9,7 @@ import functools
 import logging
 import math
 import os
+import pwd
 import signal
 import stat
 import sys
@@ -18,6 +19,8 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
+
+import attrs
 
 from healthlog import clock, documents, layers
 from healthlog.config import (
@@ -92,6 +95,21 @@ class OutputFailed(Exception):
     """Standard output could not be written (a full disk behind a redirect, say): printed
     without a traceback, exit status 3, as an error of the data directory's is, but naming
     stdout, so that a full disk there is not taken for one under the data directory."""
+
+
+class NotSwitched(Exception):
+    """A command run by root could not run as the data directory's owner (:func:`_as_owner`):
+    printed without a traceback, exit status 3, before anything in the directory is opened."""
+
+
+@attrs.frozen
+class Owner:
+    """The account a command run by root on another account's data directory runs as."""
+
+    name: str
+    uid: int
+    gid: int
+    directory: Path
 
 
 class Stopped(BaseException):
@@ -276,25 +294,29 @@ def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
 
 def cmd_import(args: argparse.Namespace, data: DataDir) -> int:
     for name in args.files:
-        _check_readable(name)
+        _check_readable(name, args.owner)
     _journal_not_lost(data)
     config = _settings(data)
     return _run_terminable(_import, args, data, config)
 
 
-def _check_readable(name: str) -> None:
+def _check_readable(name: str, owner: Owner | None) -> None:
     """Refuse (exit 2, nothing journaled) a file that cannot be opened for reading, or is a
     directory, before any is read: each is read only when its turn comes (CLI-124). Opened
     without blocking, so that a FIFO (``<(command)``) is not waited on here; a named FIFO is
     not opened at all: its writer, waiting for a reader, took that open for its reader, wrote
     into a pipe closed at once, and died of SIGPIPE, while the import then waited on the FIFO
-    for good (CLI-130)."""
+    for good (CLI-130). Run by root as the data directory's ``owner``, a file that account
+    may not read says so (CLI-150)."""
+    refused = "" if owner is None else f" (read as {owner.name}: {_AS_OWNER_READS})"
     try:
         if stat.S_ISFIFO(os.stat(name).st_mode):
             if not os.access(name, os.R_OK):
-                raise CliError(f"cannot read {name}: {os.strerror(errno.EACCES)}")
+                raise CliError(f"cannot read {name}: {os.strerror(errno.EACCES)}{refused}")
             return
         fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)
+    except PermissionError as exc:
+        raise CliError(f"cannot read {name}: {exc.strerror}{refused}") from None
     except OSError as exc:
         raise CliError(f"cannot read {name}: {exc.strerror}") from None
     try:
@@ -303,6 +325,13 @@ def _check_readable(name: str) -> None:
         os.close(fd)
     if directory:
         raise CliError(f"cannot read {name}: {os.strerror(errno.EISDIR)}")
+
+
+_AS_OWNER_READS = (
+    "run by root, import runs as the data directory's owner, and reads as that user, who could"
+    " otherwise have root read for it any file it links there; make the file readable by that"
+    " user, or copy it where that user may read it"
+)
 
 
 def _read_file(name: str) -> bytes:
@@ -475,13 +504,34 @@ def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
         raise CliError(str(exc)) from None
     _journal_not_lost(data)
     setup_logging(config.log_format, config.log_level)
-    _run(_serve, data, config)
+    _say_owner(args.owner)
+    try:
+        _run(_serve, data, config)
+    except BaseException as exc:
+        if args.owner is not None:
+            _say_why_not_listening(exc, args.owner)
+        raise
     # Stopped cleanly. The stopping signal delivered once more (``timeout``, a kill of the
     # process group) must not kill the interpreter on its way out, which restores the default
     # handlers: the exit is 0 whatever arrives now.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
     return 0
+
+
+def _say_why_not_listening(exc: BaseException, owner: Owner) -> None:
+    """Add to ``serve``'s error of a port it may not listen on, run by root as the data
+    directory's owner (CLI-149), why and what to do: ports below 1024 are root's unless the
+    system lets every user listen there."""
+    from transport.serve import CannotListen
+
+    error = _user_error(exc)
+    if isinstance(error, CannotListen) and error.errno == errno.EACCES:
+        error.add_note(
+            f"; run by root, serve runs as {owner.name}, the owner of {owner.directory}, who may"
+            " not listen on a port below 1024 (`sysctl net.ipv4.ip_unprivileged_port_start`):"
+            " choose a port of 1024 or above (a reverse proxy in front of it for 443)"
+        )
 
 
 async def _serve(data: DataDir, config: ServeConfig) -> None:
@@ -1117,6 +1167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.data is None:
         args.data = default_data_dir()
+    # export --replica reads the replica, not the data directory.
+    uses_data = (args.needs_data or args.makes_data) and getattr(args, "replica", None) is None
+    try:
+        # Before the current directory is judged: the owner may not enter root's.
+        args.owner = _as_owner(Path(args.data)) if uses_data else None
+    except NotSwitched as exc:
+        _tell(f"healthlog: {exc}")
+        return 3
     gone = _leave_an_unusable_directory(args)
     if gone is not None:
         _tell(f"healthlog: {gone}")
@@ -1124,8 +1182,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = DataDir(args.data)
     func: Command = args.func
     try:
-        # export --replica reads the replica, not the data directory.
-        uses_data = (args.needs_data or args.makes_data) and getattr(args, "replica", None) is None
         _check_directory(data.path)
         if uses_data:
             _enterable(data.path)
@@ -1134,6 +1190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if func is not cmd_serve:
             # serve's own flags come first: it sets its logging up itself.
             _log_as_configured(data if uses_data else None)
+            _say_owner(args.owner)
         if args.makes_data and not data.path.exists():
             # A mistyped --data would otherwise start a data directory nobody looks in.
             _tell(f"healthlog: no data directory at {data.path}: making a new one")
@@ -1152,6 +1209,82 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes = "".join(getattr(error, "__notes__", ()))
         _tell(f"healthlog: {_naming_its_file(error, data)}{notes}")
         return 2 if isinstance(error, CliError) else 3
+
+
+RUN_BY_ROOT_ENV = "HEALTHLOG_RUN_BY_ROOT"
+"""Set by a command run by root for the process it starts anew as the data directory's owner
+(:func:`_as_owner`), which says so; no other meaning, and removed at once."""
+
+
+def _as_owner(path: Path) -> Owner | None:
+    """Start this command anew as the account that owns the data directory at ``path`` when it
+    runs as root, unless that is root (CLI-146): the user, that user's primary group (the
+    directory's group where the user has no account here), no supplementary group. In the
+    process so started, the Owner it runs as; else None (not root, the directory root's, or not
+    made yet: root makes it, as before).
+
+    That account may write in the directory: it can plant a link at any name a command opens
+    there, racing the command, and root opens what the link names with root's rights (CLI-128,
+    STORE-98 and SERVE-88 each closed one such name; CLI-147 is one more). As that account, the
+    command opens nothing the account could not open itself, and what it makes there is that
+    account's, as when the service makes it. Started anew rather than carried on: this
+    interpreter found its modules with root's rights, and those it imports later (trio, for
+    `import`, `seal` and `serve`) may lie where only root may read (a Python under /root). A
+    :class:`NotSwitched` where the system refuses (a container without CAP_SETUID) or that
+    user may not run this Python: running on as root is what it avoids."""
+    if os.environ.pop(RUN_BY_ROOT_ENV, None) is not None and os.geteuid() != 0:
+        return _account(os.geteuid(), os.getegid(), path)
+    if os.geteuid() != 0:
+        return None
+    try:
+        stats = path.stat()
+    except OSError:
+        return None
+    if stats.st_uid == 0:
+        return None
+    owner = _account(stats.st_uid, stats.st_gid, path)
+    try:
+        os.setgroups([])
+        os.setgid(owner.gid)
+        os.setuid(owner.uid)
+    except OSError as exc:
+        raise NotSwitched(
+            f"{path} is {owner.name}'s, and a command run by root on it runs as that user, which"
+            f" this process may not become ({exc.strerror}); run it as {owner.name} (`sudo -u"
+            f" {owner.name} healthlog ...`, or `setpriv --reuid={owner.uid} --regid={owner.gid}"
+            " --clear-groups healthlog ...`); nothing was opened"
+        ) from None
+    os.environ[RUN_BY_ROOT_ENV] = "1"
+    try:
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    except OSError as exc:
+        raise NotSwitched(
+            f"{path} is {owner.name}'s, and a command run by root on it runs as that user, who"
+            f" may not run {sys.executable} ({exc.strerror}): install healthlog where that user"
+            " may run it, as the service does; nothing was opened"
+        ) from None
+
+
+def _account(uid: int, gid: int, path: Path) -> Owner:
+    """The account ``uid``: its name and primary group, else the number and ``gid``."""
+    try:
+        account = pwd.getpwuid(uid)
+    except KeyError:
+        return Owner(str(uid), uid, gid, path)
+    return Owner(account.pw_name, uid, account.pw_gid, path)
+
+
+def _say_owner(owner: Owner | None) -> None:
+    """The INFO line of a command that runs as the data directory's owner (CLI-146)."""
+    if owner is not None:
+        log.info(
+            "running as user %s (uid %d, gid %d), the owner of %s, not as root: what it makes"
+            " there is that user's, and it opens nothing there with root's rights",
+            owner.name,
+            owner.uid,
+            owner.gid,
+            owner.directory,
+        )
 
 
 def _journal_not_lost(data: DataDir) -> None:

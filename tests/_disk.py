@@ -11,13 +11,16 @@ created by another user is to the service's user: SQLite then opens them read-on
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import resource
 import shutil
 import stat
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -139,3 +142,31 @@ def reachable_home(prefix: str) -> Iterator[Path]:
         home = Path(base)
         home.chmod(0o755)
         yield home
+
+
+@functools.cache
+def python_for_all() -> str:
+    """A Python of this one's version that every user may run, with this one's packages (made
+    once, removed at exit): a command run by root on another account's data directory starts
+    anew as that account (CLI-146), which must be able to run it, as the service's account runs
+    the README's /opt/healthlog; the Python the tests run under may lie under /root (pyenv),
+    which no other account may enter."""
+    home = Path(tempfile.mkdtemp(prefix="healthlog-python-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    home.chmod(0o755)
+    python = python_in(home)
+    subprocess.run(["chmod", "-R", "a+rX", home], check=True)
+    return python
+
+
+def python_in(directory: Path) -> str:
+    """A virtual environment in ``directory`` of the system's Python of this one's version, with
+    this one's packages: its interpreter's path."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    base = shutil.which(version, path="/usr/local/bin:/usr/bin")
+    assert base is not None, f"no {version} every user may run in /usr/local/bin or /usr/bin"
+    subprocess.run([base, "-m", "venv", "--without-pip", directory / "venv"], check=True)
+    (site,) = (directory / "venv" / "lib").glob("python*/site-packages")
+    packages = sysconfig.get_paths()["purelib"]
+    (site / "healthlog-tests.pth").write_text(f"import site; site.addsitedir({packages!r})\n")
+    return os.fspath(directory / "venv" / "bin" / "python")

@@ -36,6 +36,7 @@ from _disk import (
     files_limited_to,
     in_full_file_system,
     on_remounted_read_only,
+    python_for_all,
     reachable_home,
     unwritable,
 )
@@ -1605,14 +1606,13 @@ def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(
                 path.chmod(0o600)
 
 
-def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: RunCli) -> None:
+def test_files_made_as_root_are_the_data_directory_owner_s_store_78() -> None:
     """STORE-78: `import`, `token add` and `status` run as root on the data directory of a
     service that runs as another user make `journal.sqlite`, `store.sqlite`, `tokens.sqlite` and
-    `signing.key` that user's, as SQLite makes a root process's `-wal` and `-shm` files, and so
-    does a snapshot built as root (its directory and file); the service then starts as that
-    user, takes the token and serves a snapshot. (Before, they were root's, mode 0600,
-    and `serve` exited 3: `user nobody may not read and write .../tokens.sqlite (it is
-    root's, mode 0600)`.)"""
+    `signing.key` that user's (they run as that user since CLI-146), and so does a snapshot
+    built as root (its directory and file); the service then starts as that user, takes the
+    token and serves a snapshot. (Before, they were root's, mode 0600, and `serve` exited 3:
+    `user nobody may not read and write .../tokens.sqlite (it is root's, mode 0600)`.)"""
     if os.geteuid() != 0:
         pytest.skip("only root makes files another user owns")
     setpriv = shutil.which("setpriv")
@@ -1625,10 +1625,11 @@ def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: Run
         hr = write(
             home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
         )
-        assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
-        token = run_cli("token", "add", "phone", "--data", data)
-        assert token.code == 0, token.err
-        assert run_cli("status", "--data", data).code == 0
+        as_root = [python_for_all(), "-m", "healthlog.cli"]
+        assert run_status([*as_root, "import", "--aggregation", "minutes", "--data", data, hr])[0]
+        added, token, err = run_status([*as_root, "token", "add", "phone", "--data", data], home)
+        assert added, err
+        assert run_status([*as_root, "status", "--data", data], home)[0]
         made = DataDir(data)
         with made.open_journal() as journal, made.open_store() as store:
             snapshot_files.build(
@@ -1655,7 +1656,7 @@ def test_files_made_as_root_are_the_data_directory_owner_s_store_78(run_cli: Run
                 line = served.stdout.readline().decode()
                 found = re.search(r"healthlog serving on (http://127\.0\.0\.1:\d+) ", line)
                 assert found, line + (served.stderr.read().decode() if served.stderr else "")
-                headers = {"Authorization": f"Bearer {token.out.decode().strip()}"}
+                headers = {"Authorization": f"Bearer {token.strip()}"}
                 with httpx.Client(base_url=found.group(1), timeout=LIMIT_S) as client:
                     assert client.get("/v1/status", headers=headers).status_code == 200
                     listed = client.get("/v1/snapshots", headers=headers)
@@ -3057,63 +3058,59 @@ def test_every_command_s_help_gives_the_data_directory_s_default_cli_121() -> No
         )
 
 
-def test_a_data_directory_the_user_may_not_enter_is_said_so_cli_122(tmp_path: Path) -> None:
+def test_a_data_directory_the_user_may_not_enter_is_said_so_cli_122() -> None:
     """CLI-122: `status`, `export`, `token list`, `token add`, `import` and `serve` run by a user
     who may not enter the data directory (the README's `chmod 700 /srv/healthlog`, run without
-    `sudo -u healthlog`; here root without its override of file permissions, on `nobody`'s
-    directory) exit 3 with one line naming the directory, its owner and mode, and what to do, and
-    make nothing. (Before: `healthlog: [Errno 13] Permission denied:
+    `sudo -u healthlog`; here `daemon`, on `nobody`'s directory: root runs as the directory's
+    owner since CLI-146) exit 3 with one line naming the directory, its owner and mode, and what
+    to do, and make nothing. (Before: `healthlog: [Errno 13] Permission denied:
     '.../journal.sqlite'`, or `.../healthlog.toml` for `import` and `serve`, and nothing else.)"""
     if os.geteuid() != 0:
         pytest.skip("only root makes a directory another user's")
     setpriv = shutil.which("setpriv")
     if setpriv is None:
         pytest.skip("setpriv is missing")
-    hr = write(
-        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
-    )
-    data = tmp_path / "srv"
-    imported = subprocess.run(
-        healthlog("import", "--aggregation", "minutes", "--data", data, hr),
-        capture_output=True,
-        timeout=LIMIT_S,
-        check=False,
-    )
-    assert imported.returncode == 0, imported.stderr
-    for path in [data, *data.rglob("*")]:
-        os.chown(path, 65534, 65534)
-    data.chmod(0o700)
-    left = sorted(path.name for path in data.iterdir())
-    no_override = "-dac_override,-dac_read_search"
-    as_root_without_override = [
-        setpriv,
-        f"--bounding-set={no_override}",
-        f"--inh-caps={no_override}",
-    ]
-    for command in (
-        ["status"],
-        ["export"],
-        ["token", "list"],
-        ["token", "add", "phone"],
-        ["import", "--aggregation", "minutes", hr],
-        ["serve", "--port", "0"],
-    ):
-        done = subprocess.run(
-            [*as_root_without_override, *healthlog(*command, "--data", data)],
-            cwd=tmp_path,
+    with reachable_home("healthlog-cli-122-") as home:
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        data = home / "srv"
+        imported = subprocess.run(
+            healthlog("import", "--aggregation", "minutes", "--data", data, hr),
             capture_output=True,
             timeout=LIMIT_S,
             check=False,
         )
-        assert done.returncode == 3, (command, done.stderr)
-        one_line_error(
-            done.stderr.decode(),
-            f"healthlog: user root may not enter {data} (it is nobody's, mode 0700); run every"
-            f" healthlog command on {data} as the user it belongs to (`sudo -u nobody healthlog"
-            " ...`)",
-        )
-        assert done.stdout == b""
-    assert sorted(path.name for path in data.iterdir()) == left
+        assert imported.returncode == 0, imported.stderr
+        for path in [data, *data.rglob("*")]:
+            os.chown(path, 65534, 65534)
+        data.chmod(0o700)
+        left = sorted(path.name for path in data.iterdir())
+        as_daemon = [setpriv, "--reuid=1", "--regid=1", "--clear-groups"]
+        for command in (
+            ["status"],
+            ["export"],
+            ["token", "list"],
+            ["token", "add", "phone"],
+            ["import", "--aggregation", "minutes", hr],
+            ["serve", "--port", "0"],
+        ):
+            done = subprocess.run(
+                [*as_daemon, *healthlog(*command, "--data", data)],
+                cwd=home,
+                capture_output=True,
+                timeout=LIMIT_S,
+                check=False,
+            )
+            assert done.returncode == 3, (command, done.stderr)
+            one_line_error(
+                done.stderr.decode(),
+                f"healthlog: user daemon may not enter {data} (it is nobody's, mode 0700); run"
+                f" every healthlog command on {data} as the user it belongs to (`sudo -u nobody"
+                " healthlog ...`)",
+            )
+            assert done.stdout == b""
+        assert sorted(path.name for path in data.iterdir()) == left
 
 
 def test_import_reads_a_fifo_whose_writer_waits_cli_130(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from _disk import (
     files_limited_to,
     in_full_file_system,
     on_remounted_read_only,
+    python_for_all,
     reachable_home,
 )
 from _hostile_corpus import corpus
@@ -1314,8 +1315,9 @@ def _parts_given_to(data: Path, uid: int) -> bool:
 
 def test_a_rebuild_killed_as_root_leaves_what_the_service_s_user_removes_cli_108() -> None:
     """CLI-108: `reindex` run as root on the data directory of a service that runs as another
-    user, killed (SIGKILL to its process group) once its workers fold, leaves a scratch
-    directory whose every directory and file is that user's, which a runtime started as that
+    user (which it runs as since CLI-146), killed (SIGKILL to its process group) once its
+    workers fold, leaves a scratch directory whose every directory and file is that user's,
+    which a runtime started as that
     user (`import`) removes, saying so. (Before, it was root's, mode 0700: the service's
     user could neither remove nor enter it, and a second store's room stayed taken, 3.6 MB
     here, without a word.)"""
@@ -1333,7 +1335,7 @@ def test_a_rebuild_killed_as_root_leaves_what_the_service_s_user_removes_cli_108
         small = home / "small.json"
         small.write_bytes(body({"heart_rate": [point(0, 1)]}))
         subprocess.run(["chown", "-R", "65534:65534", data.path, small], check=True)
-        command = [sys.executable, "-m", "healthlog.cli", "reindex", "--data", str(data.path)]
+        command = [python_for_all(), "-m", "healthlog.cli", "reindex", "--data", str(data.path)]
         with subprocess.Popen(command, stderr=subprocess.DEVNULL, start_new_session=True) as run:
             deadline = time.monotonic() + 60
             while not _parts_given_to(data.path, 65534):

@@ -487,6 +487,11 @@ class _StalledStreamsH2Protocol(H2Protocol):
 hypercorn.protocol.H2Protocol = _StalledStreamsH2Protocol  # type: ignore[attr-defined]
 
 
+class CannotListen(OSError):
+    """The listening sockets could not be made: the address it names is in use, does not
+    resolve, or may not be listened on by this user."""
+
+
 class _HypercornConfig(HypercornConfig):
     """hypercorn's configuration, whose TCP listeners bound how long a send may stall."""
 
@@ -539,7 +544,7 @@ class _HypercornConfig(HypercornConfig):
         except OSError as exc:
             # Said as the system says it (exit 3), naming the address that was asked for: a
             # port in use, or a host that does not resolve, would otherwise not say which.
-            raise OSError(
+            raise CannotListen(
                 exc.errno, f"cannot listen on {', '.join(self.bind)}: {exc.strerror or exc}"
             ) from None
         if sys.platform == "linux":

@@ -1,0 +1,298 @@
+"""Commands run by root on a data directory another account owns run as that account
+(CLI-146 to CLI-150): root never opens a file by a name that account may replace."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _cli_bodies import body, metric, point, write
+from _disk import python_for_all, python_in, reachable_home
+
+LIMIT_S = 60.0
+OWNER_UID = 65534
+HR = "heart_rate"
+
+# `python -c PLANTING DATA VICTIM UID ARGS...`: `healthlog ARGS` as root, where, the instant its
+# scratch directory is ready (the fault point `rebuild.scratch`, CLI-128's), the data
+# directory's owner account plants a link to VICTIM at the name of the scratch store, as that
+# account would, racing the command. The link is planted by a child process that runs as
+# that account, UID (it is so already when the command switched).
+PLANTING = """
+import os, sys
+from pathlib import Path
+from healthlog import faults
+from healthlog.cli import main
+from healthlog.storage import rebuild
+
+data, victim, uid = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+
+def plant(_name):
+    (scratch,) = data.glob(rebuild.SCRATCH_PREFIX + "*")
+    child = os.fork()
+    if child == 0:
+        try:
+            if os.geteuid() == 0:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            os.symlink(victim, scratch / rebuild.SCRATCH_STORE)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+
+faults.install(faults.Plan(actions={"rebuild.scratch": faults.Action(frozenset({1}), plant)}))
+sys.exit(main(sys.argv[4:]))
+"""
+
+
+def healthlog(*args: str | os.PathLike[str]) -> list[str]:
+    """``healthlog ARGS`` under a Python the data directory's owner may run (CLI-146)."""
+    return [python_for_all(), "-m", "healthlog.cli", *map(os.fspath, args)]
+
+
+def run(command: list[str], cwd: Path, *, level: str = "info") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env={**env, "HEALTHLOG_LOG_LEVEL": level},
+        cwd=cwd,
+        timeout=LIMIT_S,
+        check=False,
+    )
+
+
+def owners(data: Path) -> dict[str, tuple[int, int]]:
+    """Each path under ``data`` and its owner and group."""
+    return {
+        path.relative_to(data).as_posix(): (path.lstat().st_uid, path.lstat().st_gid)
+        for path in data.rglob("*")
+    }
+
+
+def switched_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "not as root" in line]
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("only root runs a command as another account")
+    with reachable_home("healthlog-run-as-") as directory:
+        yield directory
+
+
+def service_directory(home: Path) -> Path:
+    """A data directory holding a journal and a store, its every file ``nobody``'s."""
+    data = home / "data"
+    hr = write(
+        home / "hr.json", body(metric(HR, "count/min", point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    done = run(healthlog("import", "--aggregation", "minutes", "--data", data, hr), home)
+    assert done.returncode == 0, done.stderr
+    subprocess.run(["chown", "-R", f"{OWNER_UID}:{OWNER_UID}", data], check=True)
+    return data
+
+
+def test_a_link_planted_in_a_root_run_reindex_s_scratch_is_not_written_through_cli_147(
+    home: Path,
+) -> None:
+    """CLI-147: `reindex` run by root on a data directory another account owns, that account
+    planting a link to a root-owned file in a directory only root may write, at the name of the
+    scratch store (`rebuilt.sqlite`) the instant the scratch directory is ready (CLI-128's
+    fault point `rebuild.scratch`): the linked file keeps its bytes and its owner, nothing is
+    made beside it, the command (run as that account: CLI-146) exits 3 with one line, its
+    scratch directory gone, and the next `reindex` succeeds, every file still that account's.
+    (Before, CLI-128 kept the lock file's name, but root's SQLite opened the scratch store
+    through the link: a 77,824-byte store was written into the root-owned file.)"""
+    data = service_directory(home)
+    guarded = home / "root-only"
+    guarded.mkdir(mode=0o755)
+    victim = guarded / "victim"
+    victim.write_bytes(b"")
+    victim.chmod(0o644)
+    done = run(
+        [python_for_all(), "-c", PLANTING, data, victim, str(OWNER_UID), "reindex", "--data", data],
+        home,
+    )
+    assert victim.read_bytes() == b""
+    assert (victim.stat().st_uid, victim.stat().st_gid) == (0, 0)
+    assert sorted(path.name for path in guarded.iterdir()) == ["victim"]
+    assert done.returncode == 3, done.stderr
+    said = [line for line in done.stderr.splitlines() if not line.startswith("time=")]
+    assert len(said) == 1, done.stderr
+    assert said[0].startswith("healthlog: "), done.stderr
+    assert len(switched_lines(done.stderr)) == 1, done.stderr
+    assert list(data.glob(".rebuild-*")) == []
+    again = run(healthlog("reindex", "--data", data), home)
+    assert again.returncode == 0, again.stderr
+    assert {name: ids for name, ids in owners(data).items() if ids[0] != OWNER_UID} == {}
+
+
+def test_a_command_run_by_root_runs_as_the_data_directory_s_owner_cli_146(home: Path) -> None:
+    """CLI-146: `token add`, `import`, `status`, `export` and `verify` run by root on a data
+    directory `nobody` owns each exit 0 and log one INFO line saying they run as that user, and
+    every file they make is `nobody`'s (its primary group's); on a directory root owns nothing is
+    said; on one owned by a uid without an account here the command runs as that uid and the
+    directory's group. (Before, each ran as root, opening every file there with root's rights,
+    and gave what it made to the directory's owner.)"""
+    data = service_directory(home)
+    hr = write(
+        home / "more.json",
+        body(metric(HR, "count/min", point("2024-02-06 08:00:00 -0800", qty=2.5))),
+    )
+    for args in (
+        ("token", "add", "phone"),
+        ("import", "--aggregation", "minutes", hr),
+        ("status",),
+        ("export",),
+        ("verify",),
+    ):
+        done = run(healthlog(*args, "--data", data), home)
+        assert done.returncode == 0, (args, done.stderr)
+        (said,) = switched_lines(done.stderr)
+        assert "level=INFO logger=healthlog.cli" in said, said
+        assert (
+            f"running as user nobody (uid {OWNER_UID}, gid {OWNER_UID}), the owner of {data},"
+            " not as root: what it makes there is that user's, and it opens nothing there with"
+            " root's rights" in said
+        ), said
+    assert {"tokens.sqlite", "signing.key", "journal.sqlite", "store.sqlite"} <= set(owners(data))
+    assert {name: ids for name, ids in owners(data).items() if ids != (OWNER_UID, OWNER_UID)} == {}
+
+    own = home / "root-s"
+    own.mkdir()
+    done = run(healthlog("token", "add", "phone", "--data", own), home)
+    assert done.returncode == 0, done.stderr
+    assert switched_lines(done.stderr) == []
+    assert owners(own)["tokens.sqlite"] == (0, 0)
+
+    taken = {entry.pw_uid for entry in pwd.getpwall()}
+    uid = next(n for n in range(40000, 50000) if n not in taken)
+    unnamed = home / "unnamed"
+    unnamed.mkdir()
+    os.chown(unnamed, uid, uid + 1)
+    done = run(healthlog("token", "add", "phone", "--data", unnamed), home)
+    assert done.returncode == 0, done.stderr
+    assert len(switched_lines(done.stderr)) == 1, done.stderr
+    assert f"running as user {uid} (uid {uid}, gid {uid + 1})" in done.stderr
+    assert owners(unnamed)["tokens.sqlite"] == (uid, uid + 1)
+
+
+def test_a_root_that_may_not_switch_stops_before_opening_anything_cli_148(home: Path) -> None:
+    """CLI-148: `status`, `token add` and `import` run by root without the rights to change its
+    user (CAP_SETUID and CAP_SETGID dropped, as in a container) on a data directory `nobody`
+    owns exit 3 with one line saying whose the directory is, why, and what to do, and make and
+    change nothing there; so does `status` run by root under a Python only root may run."""
+    data = service_directory(home)
+    before = owners(data)
+    sizes = {path.name: path.stat().st_size for path in data.iterdir()}
+    no_switch = "-setuid,-setgid"
+    prefix = ["setpriv", f"--bounding-set={no_switch}", f"--inh-caps={no_switch}"]
+    for args in (("status",), ("token", "add", "phone"), ("import", home / "hr.json")):
+        done = run([*prefix, *healthlog(*args, "--data", data)], home)
+        assert done.returncode == 3, (args, done.stderr)
+        assert done.stderr.splitlines() == [
+            f"healthlog: {data} is nobody's, and a command run by root on it runs as that user,"
+            " which this process may not become (Operation not permitted); run it as nobody"
+            f" (`sudo -u nobody healthlog ...`, or `setpriv --reuid={OWNER_UID}"
+            f" --regid={OWNER_UID} --clear-groups healthlog ...`); nothing was opened"
+        ], done.stderr
+        assert done.stdout == ""
+    assert owners(data) == before
+    assert {path.name: path.stat().st_size for path in data.iterdir()} == sizes
+
+    private = home / "root-only"
+    private.mkdir(mode=0o700)
+    python = python_in(private)
+    done = run([python, "-m", "healthlog.cli", "status", "--data", data], home)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines() == [
+        f"healthlog: {data} is nobody's, and a command run by root on it runs as that user, who"
+        f" may not run {python} (Permission denied): install healthlog where that user may run"
+        " it, as the service does; nothing was opened"
+    ], done.stderr
+    assert owners(data) == before
+
+
+def test_serve_run_by_root_serves_as_the_owner_cli_149(home: Path) -> None:
+    """CLI-149: `serve` run by root on a data directory `nobody` owns serves as `nobody`
+    (its process's user and groups, read from /proc), saying so in one INFO line, and stops
+    cleanly; on a port below the first one every user may listen on it exits 3 with one line
+    naming the port, why, and what to do, and opens nothing in the directory. (Before, it
+    served as root, every file of the directory opened with root's rights.)"""
+    data = service_directory(home)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    with subprocess.Popen(
+        healthlog("serve", "--port", "0", "--data", data),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env, "HEALTHLOG_LOG_LEVEL": "info"},
+        cwd=home,
+        text=True,
+    ) as served:
+        try:
+            assert served.stdout is not None
+            assert "healthlog serving on" in served.stdout.readline()
+            status = Path(f"/proc/{served.pid}/status").read_text().splitlines()
+        finally:
+            served.send_signal(signal.SIGTERM)
+            _, err = served.communicate(timeout=LIMIT_S)
+    assert served.returncode == 0, err
+    ids = {line.split(":")[0]: line.split(":")[1].split() for line in status if ":" in line}
+    assert ids["Uid"] == [str(OWNER_UID)] * 4
+    assert ids["Gid"] == [str(OWNER_UID)] * 4
+    assert ids["Groups"] == []
+    assert len(switched_lines(err)) == 1, err
+    assert {name: uid for name, (uid, _) in owners(data).items() if uid != OWNER_UID} == {}
+
+    first = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    assert first > 0, "every user may listen on every port here: nothing to refuse"
+    before = sorted(path.name for path in data.iterdir())
+    done = run(healthlog("serve", "--port", str(first - 1), "--data", data), home, level="warning")
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines() == [
+        f"healthlog: [Errno 13] cannot listen on 127.0.0.1:{first - 1}: Permission denied; run by"
+        f" root, serve runs as nobody, the owner of {data}, who may not listen on a port below"
+        " 1024 (`sysctl net.ipv4.ip_unprivileged_port_start`): choose a port of 1024 or above"
+        " (a reverse proxy in front of it for 443)"
+    ], done.stderr
+    assert sorted(path.name for path in data.iterdir()) == before
+
+
+def test_import_run_by_root_of_a_file_only_root_may_read_says_why_cli_150(home: Path) -> None:
+    """CLI-150: `import` run by root on a data directory `nobody` owns, of a file in a
+    directory only root may enter, exits 2 with one line naming the file, the user it reads as
+    and why, and what to do, journaling nothing; the file copied where `nobody` may read it is
+    journaled. (Before, root read it: a link `nobody` planted at a name an administrator
+    imports had root read any file of the machine into the journal, which `nobody` reads.)"""
+    data = service_directory(home)
+    private = home / "root-only"
+    private.mkdir(mode=0o700)
+    hr = write(
+        private / "hr.json",
+        body(metric(HR, "count/min", point("2024-02-06 09:00:00 -0800", qty=3.5))),
+    )
+    done = run(healthlog("import", "--data", data, hr), home, level="warning")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"healthlog: cannot read {hr}: Permission denied (read as nobody: run by root, import"
+        " runs as the data directory's owner, and reads as that user, who could otherwise have"
+        " root read for it any file it links there; make the file readable by that user, or"
+        " copy it where that user may read it)"
+    ]
+    status = run(healthlog("status", "--json", "--data", data), home, level="warning")
+    assert '"deliveries":1' in status.stdout.replace(" ", ""), status.stdout
+    copy = home / "hr-copy.json"
+    shutil.copy(hr, copy)
+    copy.chmod(0o644)
+    again = run(healthlog("import", "--data", data, copy), home, level="warning")
+    assert again.returncode == 0, again.stderr
