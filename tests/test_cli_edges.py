@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import grp
 import json
 import os
 import pwd
@@ -1554,6 +1555,46 @@ def test_directories_every_user_may_write_in_are_named_at_start_store_97(
     mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
     assert mended.code == 0, mended.err
     assert "may write in" not in mended.err
+
+
+def test_what_the_group_may_write_is_named_at_start_store_108(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-108: a data directory of mode 0775 and a `journal.sqlite` of mode 0660 are named in
+    one WARNING as a runtime starts on them (`import`), with the journal's `-wal` and `-shm`
+    (SQLite gives them its mode), their group, and `chmod g-w` of each; after that command the
+    next start says nothing of them. A directory every user may write in is STORE-97's alone
+    (STORE-109). (Before, nothing was said: any account of the group could remove or replace
+    the journal and the tokens, or rewrite the journal.)"""
+    data = tmp_path / "data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    data.chmod(0o775)
+    (data / "journal.sqlite").chmod(0o660)
+    group = grp.getgrgid(data.stat().st_gid).gr_name
+    again = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert again.code == 0, again.err
+    warned = [line for line in again.err.splitlines() if "group may write" in line]
+    assert len(warned) == 1, again.err
+    assert "level=WARNING logger=healthlog.datadir" in warned[0]
+    named = [data, *(data / f"journal.sqlite{suffix}" for suffix in ("", "-wal", "-shm"))]
+    listed = ", ".join(
+        f"{path} (mode {0o775 if path == data else 0o660:04o}, group {group})" for path in named
+    )
+    assert f"group may write: {listed}; any" in warned[0], warned[0]
+    assert f"`chmod g-w {' '.join(map(str, named))}`" in warned[0], warned[0]
+    subprocess.run(["chmod", "g-w", data, data / "journal.sqlite"], check=True)
+    mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert mended.code == 0, mended.err
+    assert "group may write" not in mended.err
+    data.chmod(0o777)
+    (data / "journal.sqlite").chmod(0o600)
+    world = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert world.code == 0, world.err
+    assert "group may write" not in world.err
+    assert len([line for line in world.err.splitlines() if "may write in" in line]) == 1
 
 
 def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(

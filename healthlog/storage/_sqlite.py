@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import logging
 import os
 import pwd
@@ -32,6 +33,7 @@ __all__ = [
     "connect_reading",
     "describe",
     "give_to_directory_owner",
+    "group_name",
     "migrate",
     "no_room_for_shm",
     "read_once",
@@ -684,6 +686,14 @@ def user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
+
+
+def group_name(gid: int) -> str:
+    """The name of the group ``gid``, else the number."""
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 def classify(exc: sqlite3.Error) -> StorageError:

@@ -27,6 +27,7 @@ from healthlog.storage._sqlite import (
     StorageError,
     describe,
     give_to_directory_owner,
+    group_name,
     make_directory,
     no_room_for_shm,
     not_permitted,
@@ -112,6 +113,41 @@ class DataDir:
                 " writable by their owner alone",
                 ", ".join(f"{path} (mode {mode:04o})" for path, mode in names),
                 " ".join(str(path) for path, _ in names),
+            )
+        self._warn_if_the_group_may_write()
+
+    def _warn_if_the_group_may_write(self) -> None:
+        """One WARNING naming the data directory, its ``snapshots/`` and healthlog's files here
+        where the accounts of their group may write (STORE-108), with their group and the
+        ``chmod g-w`` that mends them: any of those accounts may remove or replace the journal,
+        the tokens or the signing key, or rewrite the journal. A directory every user may write
+        in is named by :meth:`warn_of_open_modes` alone (STORE-109). Group read is left unsaid
+        (a backup job's, on purpose)."""
+        named = []
+        for path in (self.path, self.snapshot_dir):
+            try:
+                stats = path.stat()
+            except OSError:
+                continue
+            mode = stat.S_IMODE(stats.st_mode)
+            if mode & stat.S_IWGRP and not mode & stat.S_IWOTH:
+                named.append((path, mode, stats.st_gid))
+        for path, mode in self._modes():
+            if mode & stat.S_IWGRP:
+                try:
+                    named.append((path, mode, path.stat().st_gid))
+                except OSError:
+                    continue
+        if named:
+            log.warning(
+                "healthlog's directories and files the accounts of their group may write: %s;"
+                " any of them may remove, replace or rewrite the journal and the tokens;"
+                " `chmod g-w %s` makes them writable by their owner alone",
+                ", ".join(
+                    f"{path} (mode {mode:04o}, group {group_name(gid)})"
+                    for path, mode, gid in named
+                ),
+                " ".join(str(path) for path, _, _ in named),
             )
 
     def warn_if_readable_by_all(self) -> None:
