@@ -1212,8 +1212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 RUN_BY_ROOT_ENV = "HEALTHLOG_RUN_BY_ROOT"
-"""Set by a command run by root for the process it starts anew as the data directory's owner
-(:func:`_as_owner`), which says so; no other meaning, and removed at once."""
+"""Set by a command run by root, to the data directory's absolute path, for the process it
+starts anew as that directory's owner (:func:`_as_owner`), which says so; no other meaning,
+and removed at once."""
 
 
 def _as_owner(path: Path) -> Owner | None:
@@ -1231,9 +1232,11 @@ def _as_owner(path: Path) -> Owner | None:
     interpreter found its modules with root's rights, and those it imports later (trio, for
     `import`, `seal` and `serve`) may lie where only root may read (a Python under /root). A
     :class:`NotSwitched` where the system refuses (a container without CAP_SETUID) or that
-    user may not run this Python: running on as root is what it avoids."""
-    if os.environ.pop(RUN_BY_ROOT_ENV, None) is not None and os.geteuid() != 0:
-        return _account(os.geteuid(), os.getegid(), path)
+    user may not run this Python: running on as root is what it avoids. What it says names the
+    directory by its absolute path, given relative or not."""
+    started_by_root = os.environ.pop(RUN_BY_ROOT_ENV, None)
+    if started_by_root is not None and os.geteuid() != 0:
+        return _account(os.geteuid(), os.getegid(), Path(started_by_root))
     if os.geteuid() != 0:
         return None
     try:
@@ -1242,6 +1245,8 @@ def _as_owner(path: Path) -> Owner | None:
         return None
     if stats.st_uid == 0:
         return None
+    # The current directory is there: the path was found from it.
+    path = path.absolute()
     owner = _account(stats.st_uid, stats.st_gid, path)
     try:
         os.setgroups([])
@@ -1254,7 +1259,7 @@ def _as_owner(path: Path) -> Owner | None:
             f" {owner.name} healthlog ...`, or `setpriv --reuid={owner.uid} --regid={owner.gid}"
             " --clear-groups healthlog ...`); nothing was opened"
         ) from None
-    os.environ[RUN_BY_ROOT_ENV] = "1"
+    os.environ[RUN_BY_ROOT_ENV] = os.fspath(path)
     try:
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
     except OSError as exc:

@@ -139,8 +139,9 @@ def test_a_link_planted_in_a_root_run_reindex_s_scratch_is_not_written_through_c
 
 def test_a_command_run_by_root_runs_as_the_data_directory_s_owner_cli_146(home: Path) -> None:
     """CLI-146: `token add`, `import`, `status`, `export` and `verify` run by root on a data
-    directory `nobody` owns each exit 0 and log one INFO line saying they run as that user, and
-    every file they make is `nobody`'s (its primary group's); on a directory root owns nothing is
+    directory `nobody` owns each exit 0 and log one INFO line saying they run as that user (the
+    directory named by its absolute path, given relative or not), and every file they make is
+    `nobody`'s (its primary group's); on a directory root owns nothing is
     said; on one owned by a uid without an account here the command runs as that uid and the
     directory's group. (Before, each ran as root, opening every file there with root's rights,
     and gave what it made to the directory's owner.)"""
@@ -165,6 +166,10 @@ def test_a_command_run_by_root_runs_as_the_data_directory_s_owner_cli_146(home: 
             " not as root: what it makes there is that user's, and it opens nothing there with"
             " root's rights" in said
         ), said
+    relative = run(healthlog("status", "--data", data.name), home)
+    assert relative.returncode == 0, relative.stderr
+    (said,) = switched_lines(relative.stderr)
+    assert f"the owner of {data}, not as root" in said, said
     assert {"tokens.sqlite", "signing.key", "journal.sqlite", "store.sqlite"} <= set(owners(data))
     assert {name: ids for name, ids in owners(data).items() if ids != (OWNER_UID, OWNER_UID)} == {}
 
