@@ -1169,9 +1169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.data = default_data_dir()
     # export --replica reads the replica, not the data directory.
     uses_data = (args.needs_data or args.makes_data) and getattr(args, "replica", None) is None
+    # The directory the command opens files in: a replica's for `follow` and `export
+    # --replica` (CLI-151), the data directory's for the others that open one.
+    replica: Path | None = getattr(args, "replica", None)
+    opened = Path(args.data) if uses_data else replica
     try:
         # Before the current directory is judged: the owner may not enter root's.
-        args.owner = _as_owner(Path(args.data)) if uses_data else None
+        args.owner = None if opened is None else _as_owner(opened)
     except NotSwitched as exc:
         _tell(f"healthlog: {exc}")
         return 3

@@ -301,3 +301,93 @@ def test_import_run_by_root_of_a_file_only_root_may_read_says_why_cli_150(home: 
     copy.chmod(0o644)
     again = run(healthlog("import", "--data", data, copy), home, level="warning")
     assert again.returncode == 0, again.stderr
+
+
+def test_follow_run_by_root_writes_through_no_link_in_the_owner_s_replica_cli_151(
+    home: Path,
+) -> None:
+    """CLI-151: `follow` run by root on a replica directory another account owns, that account
+    having planted at `replica.sqlite` a link to a root-owned empty file in a directory only
+    root may write, runs as that account (CLI-146's INFO line, the replica directory named):
+    the file keeps its bytes and its owner, nothing is made beside it, and it exits 3 with one
+    line; the link removed, it follows to the head, the replica that account's, and `export
+    --replica` run by root runs as that account too and exports the point. (Before, root's
+    SQLite made a replica in the linked file: 16,384 bytes, and a `-wal` and `-shm` of root's
+    beside it, before it even reached the service.)"""
+    data = home / "served"
+    hr = write(
+        home / "hr.json",
+        body(metric(HR, "count/min", point("2024-02-06 07:00:00 -0800", qty=1.5))),
+    )
+    assert (
+        run(healthlog("import", "--aggregation", "minutes", "--data", data, hr), home).returncode
+        == 0
+    )
+    added = run(healthlog("token", "add", "follower", "--data", data), home, level="warning")
+    assert added.returncode == 0, added.stderr
+    replica = home / "replica"
+    replica.mkdir()
+    os.chown(replica, OWNER_UID, OWNER_UID)
+    guarded = home / "root-only"
+    guarded.mkdir(mode=0o755)
+    victim = guarded / "victim"
+    victim.write_bytes(b"")
+    victim.chmod(0o644)
+    link = replica / "replica.sqlite"
+    as_owner = ["setpriv", f"--reuid={OWNER_UID}", f"--regid={OWNER_UID}", "--clear-groups"]
+    subprocess.run([*as_owner, "ln", "-s", victim, link], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    with subprocess.Popen(
+        healthlog("serve", "--port", "0", "--data", data),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        cwd=home,
+        text=True,
+    ) as served:
+        try:
+            assert served.stdout is not None
+            line = served.stdout.readline()
+            url = line.split()[3]
+            assert url.startswith("http://127.0.0.1:"), line
+            follow = healthlog("follow", "--url", url, "--replica", replica, "--until-caught-up")
+            token = {"HEALTHLOG_TOKEN": added.stdout.strip()}
+            refused = subprocess.run(
+                follow,
+                capture_output=True,
+                text=True,
+                env={**env, **token, "HEALTHLOG_LOG_LEVEL": "info"},
+                cwd=home,
+                timeout=LIMIT_S,
+                check=False,
+            )
+            link.unlink()
+            followed = subprocess.run(
+                follow,
+                capture_output=True,
+                text=True,
+                env={**env, **token},
+                cwd=home,
+                timeout=LIMIT_S,
+                check=False,
+            )
+        finally:
+            served.send_signal(signal.SIGTERM)
+            served.communicate(timeout=LIMIT_S)
+    assert victim.read_bytes() == b""
+    assert (victim.stat().st_uid, victim.stat().st_gid) == (0, 0)
+    assert sorted(path.name for path in guarded.iterdir()) == ["victim"]
+    assert refused.returncode == 3, refused.stderr
+    said = [line for line in refused.stderr.splitlines() if not line.startswith("time=")]
+    assert len(said) == 1, refused.stderr
+    (switched,) = switched_lines(refused.stderr)
+    assert (
+        f"running as user nobody (uid {OWNER_UID}, gid {OWNER_UID}), the owner of {replica},"
+        in switched
+    )
+    assert followed.returncode == 0, followed.stderr
+    assert {name: uid for name, (uid, _) in owners(replica).items() if uid != OWNER_UID} == {}
+    exported = run(healthlog("export", "--replica", replica), home)
+    assert exported.returncode == 0, exported.stderr
+    assert len(switched_lines(exported.stderr)) == 1, exported.stderr
+    assert '"metric":"heart_rate"' in exported.stdout, exported.stdout
