@@ -167,6 +167,20 @@ def python_in(directory: Path) -> str:
     assert base is not None, f"no {version} every user may run in /usr/local/bin or /usr/bin"
     subprocess.run([base, "-m", "venv", "--without-pip", directory / "venv"], check=True)
     (site,) = (directory / "venv" / "lib").glob("python*/site-packages")
-    packages = sysconfig.get_paths()["purelib"]
-    (site / "healthlog-tests.pth").write_text(f"import site; site.addsitedir({packages!r})\n")
+    packages = Path(sysconfig.get_paths()["purelib"])
+    sources = Path(__file__).resolve().parent.parent
+    if not (_reachable_by_all(packages) and _reachable_by_all(sources)):
+        # A clone where other accounts cannot reach (under a 0700 home): a copy they can.
+        shutil.copytree(packages, directory / "packages", symlinks=True)
+        for name in ("healthlog", "actors", "transport"):
+            shutil.copytree(sources / name, directory / "sources" / name, symlinks=True)
+        # Before the packages, whose editable install names the clone.
+        sources, packages = directory / "sources", directory / "packages"
+        (site / "healthlog-sources.pth").write_text(f"{os.fspath(sources)}\n")
+    (site / "healthlog-tests.pth").write_text(f"import site; site.addsitedir({str(packages)!r})\n")
     return os.fspath(directory / "venv" / "bin" / "python")
+
+
+def _reachable_by_all(path: Path) -> bool:
+    """Whether every account may enter ``path`` and each directory above it."""
+    return all(os.stat(part).st_mode & stat.S_IXOTH for part in (path, *path.parents))
