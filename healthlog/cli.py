@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import pwd
+import shlex
 import signal
 import stat
 import sys
@@ -68,7 +69,7 @@ from healthlog.storage.store import (
     Store,
     default_holder,
 )
-from healthlog.storage.tokens import TokenError, Tokens
+from healthlog.storage.tokens import RESERVED_PREFIX, TokenError, Tokens
 from healthlog.timestamps import (
     TIMESTAMP_EXAMPLE,
     TimestampError,
@@ -548,6 +549,19 @@ async def _serve(data: DataDir, config: ServeConfig) -> None:
                     f"no client token yet: create one with `healthlog token add NAME --data"
                     f" {data.path}` and send it as `Authorization: Bearer TOKEN`"
                 )
+            reserved = len(tokens.reserved())
+        if reserved:
+            # Their requests are refused like a mistyped token's: without this line nothing
+            # tells why a phone that sent with one before the upgrade gets 401 now. A count,
+            # never a name (a name is often a device's).
+            log.warning(
+                "%d client token(s) named with the reserved prefix %r (which an older healthlog"
+                " allowed) authenticate nothing, their requests refused 401: `healthlog token"
+                " list --data %s` names them; revoke each and add one under another name",
+                reserved,
+                RESERVED_PREFIX,
+                data.path,
+            )
 
 
 def _announce(line: str) -> None:
@@ -584,6 +598,15 @@ def cmd_token(args: argparse.Namespace, data: DataDir) -> int:
                 with _writing_stdout():
                     for info in tokens.list():
                         print(info.name)
+                # On stderr, so that stdout stays the names alone (CLI-156).
+                for name in tokens.reserved():
+                    print(
+                        f"healthlog: token {name!r} authenticates nothing: names beginning"
+                        f" {RESERVED_PREFIX!r} are reserved (an older healthlog allowed them);"
+                        f" revoke it (`healthlog token revoke {shlex.quote(name)}`) and add"
+                        " one under another name",
+                        file=sys.stderr,
+                    )
         except TokenError as exc:
             raise CliError(str(exc)) from None
     return 0

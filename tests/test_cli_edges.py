@@ -3288,3 +3288,62 @@ def test_a_file_the_journal_has_no_room_for_says_what_was_journaled_cli_133(
     ), said
     with DataDir(data).open_journal() as journal:
         assert [journal.read_body(m.id) for m in journal.iter_order()] == [first]
+
+
+def test_a_token_with_a_reserved_name_from_an_older_healthlog_is_said_so_cli_156_cli_157(
+    tmp_path: Path, cli: Cli
+) -> None:
+    """CLI-156, CLI-157: a token named `cli:...`, as a healthlog before the names were reserved
+    made it (renamed so in its file, as SEAL-4 builds it), authenticates nothing after the
+    upgrade; `token list` says so and how to mend it, and `serve` warns at its start, by count."""
+    data = tmp_path / "data"
+    made = cli("token", "add", "phone", "--data", data)
+    assert made.code == 0, made.err
+    token = made.out.decode().strip()
+    with closing(sqlite3.connect(data / "tokens.sqlite")) as conn, conn:
+        conn.execute("UPDATE tokens SET name = 'cli:phone' WHERE name = 'phone'")
+    assert cli("token", "add", "watch", "--data", data).code == 0
+
+    listed = cli("token", "list", "--data", data)
+    assert listed.code == 0, listed.err
+    assert listed.out == b"cli:phone\nwatch\n"
+    assert listed.err.splitlines() == [
+        "healthlog: token 'cli:phone' authenticates nothing: names beginning 'cli:' are"
+        " reserved (an older healthlog allowed them); revoke it (`healthlog token revoke"
+        " cli:phone`) and add one under another name"
+    ]
+
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    with subprocess.Popen(
+        healthlog("serve", "--port", "0", "--data", data),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as served:
+        try:
+            assert served.stdout is not None
+            line = served.stdout.readline().decode()
+            found = re.search(r"healthlog serving on (http://127\.0\.0\.1:\d+) ", line)
+            assert found, line
+            with httpx.Client(base_url=found.group(1), timeout=LIMIT_S) as client:
+                refused = client.post(
+                    "/v1/deliveries",
+                    content=b'{"data": {"metrics": []}}',
+                    headers={"Authorization": f"Bearer {token}"},
+                )
+            assert refused.status_code == 401
+        finally:
+            served.send_signal(signal.SIGTERM)
+            _, err = served.communicate(timeout=LIMIT_S)
+    assert served.returncode == 0, err
+    warnings = [line for line in err.decode().splitlines() if "level=WARNING" in line]
+    said = [line for line in warnings if "reserved prefix" in line]
+    assert len(said) == 1, err
+    assert "1 client token(s) named with the reserved prefix 'cli:'" in said[0]
+    assert f"`healthlog token list --data {data}`" in said[0]
+    assert "phone" not in "".join(warnings)
+
+    revoked = cli("token", "revoke", "cli:phone", "--data", data)
+    assert revoked.code == 0, revoked.err
+    after = cli("token", "list", "--data", data)
+    assert (after.out, after.err) == (b"watch\n", "")

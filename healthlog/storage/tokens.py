@@ -82,6 +82,16 @@ class Tokens(Database):
             rows = self._conn.execute("SELECT name FROM tokens ORDER BY name").fetchall()
         return [TokenInfo(*row) for row in rows]
 
+    def reserved(self) -> tuple[str, ...]:
+        """The names of the tokens that authenticate nothing: named with the reserved prefix,
+        which an older healthlog allowed (:meth:`hashes`)."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT name FROM tokens WHERE substr(name, 1, ?) = ? ORDER BY name",
+                (len(RESERVED_PREFIX), RESERVED_PREFIX),
+            ).fetchall()
+        return tuple(str(name) for (name,) in rows)
+
     def hashes(self) -> dict[bytes, str]:
         """Every live token hash with its client name; a token with a reserved name (one made
         before names were reserved) authenticates nothing."""
