@@ -32,11 +32,13 @@ import trio_parallel
 
 from actors import threads
 from actors.journal import GONE
+from healthlog import faults
 from healthlog.clock import now_us
 from healthlog.folding import FoldPass, FoldReport, OutcomeClass
+from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Budget, Selection, take_page, write_marks
-from healthlog.storage.store import WORKER_DIED, Store
+from healthlog.storage.store import WORKER_DIED, OutcomeRow, Store
 from healthlog.storage.worker import fold_run, ready, retire
 
 log = logging.getLogger("healthlog.folding")
@@ -367,9 +369,23 @@ class FoldingActor:
         deferred (the pass stops there, the next pass folds it again in a new worker) until
         it has lost ``WORKER_DEATHS`` workers, and then recorded ``failed``."""
         self._workers_lost += 1
-        outcomes = await threads.run_sync(
-            lambda: [self._store.outcome(meta.id) for meta in run], limiter=self._limiter
-        )
+
+        def outcomes_of_run() -> list[OutcomeRow | None]:
+            faults.point("fold.run_lookup")
+            return [self._store.outcome(meta.id) for meta in run]
+
+        try:
+            outcomes = await threads.run_sync(outcomes_of_run, limiter=self._limiter)
+        except StorageError as exc:
+            # Which delivery the worker was folding is unknown: no death is counted, and the
+            # pass stops at the run's first; the next pass skips what the worker committed.
+            log.warning(
+                "delivery %d: its fold worker died and the outcomes of its run cannot be read:"
+                " %s; folding it again",
+                run[0].id,
+                describe(exc),
+            )
+            return [FoldReport(run[0].id, OutcomeClass.DEFERRED, reason=WORKER_DIED)]
         reports = []
         for meta, outcome in zip(run, outcomes, strict=True):
             if outcome is None:

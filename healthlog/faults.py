@@ -20,6 +20,7 @@ POINTS = (
     "journal.append",
     "journal.read_body",
     "fold.select",
+    "fold.run_lookup",
     "fold.begin",
     "fold.object_write",
     "fold.outcome_write",

@@ -866,6 +866,60 @@ async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     assert logged(caplog, logging.ERROR) == []
 
 
+async def test_a_run_whose_metadata_cannot_be_read_is_deferred_not_a_crash_fold_20(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FOLD-20: the fold worker's read of its run's metadata fails (an I/O error at the first hit
+    of ``fold.run_lookup``): the pass ends ``deferred``, the folding actor does not crash, and
+    the next pass folds every delivery in journal order."""
+    monkeypatch.delenv(SERVE_PID_ENV, raising=False)
+    plan = {"fold.run_lookup": {"hits": [1], "do": "ioerror"}}
+    monkeypatch.setenv(PLAN_ENV, orjson.dumps(plan).decode())
+    ids = journal_directly(
+        tmp_path, [new_delivery(n, received_at=HISTORY_US + n) for n in range(2)]
+    )
+    settings = {"executor": Executor.PROCESS, "wake_period_s": 0.2}
+    async with open_runtime(config(tmp_path, **settings)) as runtime:
+        await wait_folded(tmp_path, ids, timeout=60)
+        stats = runtime.statistics()
+        ready = runtime.ready()
+
+    assert folded_in_order(tmp_path) == ids
+    assert (stats.crashes, ready) == ({}, True)
+    assert stats.folding.passes_by_stop.get("deferred") == 1
+
+
+async def test_outcomes_unreadable_after_a_worker_died_defer_the_run_fold_21(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """FOLD-21: a run's worker is killed at its first fold, and the folder's read of the run's
+    outcomes then fails (an I/O error at the service's first hit of ``fold.run_lookup``): the
+    pass ends ``deferred`` with one WARNING, no death is counted against the delivery, the
+    folding actor does not crash, and the next pass folds both deliveries."""
+    monkeypatch.delenv(SERVE_PID_ENV, raising=False)
+    monkeypatch.setenv(PLAN_ENV, kill_worker_at(1))
+    ids = journal_directly(
+        tmp_path, [new_delivery(n, received_at=HISTORY_US + n) for n in range(2)]
+    )
+    unreadable = faults.Action(frozenset({1}), faults.raise_fault(StorageError))
+    settings = {"executor": Executor.PROCESS, "wake_period_s": 0.2}
+    with faults.loaded(faults.Plan({"fold.run_lookup": unreadable})):
+        async with open_runtime(config(tmp_path, **settings)) as runtime:
+            await until(lambda: runtime.statistics().folding.workers_lost >= 1, timeout=60)
+            monkeypatch.delenv(PLAN_ENV)
+            await wait_folded(tmp_path, ids, timeout=60)
+            stats = runtime.statistics()
+            ready = runtime.ready()
+
+    assert folded_in_order(tmp_path) == ids
+    assert (stats.crashes, ready, stats.folding.dying) == ({}, True, 0)
+    assert stats.folding.passes_by_stop.get("deferred") == 1
+    assert logged(caplog, logging.WARNING) == [
+        f"delivery {ids[0]}: its fold worker died and the outcomes of its run cannot be read:"
+        " StorageError; folding it again"
+    ]
+
+
 async def test_a_delivery_that_kills_every_worker_is_failed_and_the_queue_moves_on_run_30(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

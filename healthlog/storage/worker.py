@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Sequence
 
+from healthlog import faults
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, setup_logging
 from healthlog.storage import faultplan
@@ -90,7 +91,16 @@ def fold_run(
     except StorageError as exc:
         log.warning("delivery %d: fold deferred, cannot open: %s", delivery_ids[0], describe(exc))
         return [FoldReport(delivery_ids[0], OutcomeClass.DEFERRED)]
-    metas = journal.get_metas(delivery_ids)
+    try:
+        faults.point("fold.run_lookup")
+        metas = journal.get_metas(delivery_ids)
+    except StorageError as exc:
+        # Raised out of the worker, it crashed the folding actor (FOLD-20): deferred instead,
+        # like a fold that meets a storage error, the pass stops here and the next tries again.
+        log.warning(
+            "delivery %d: fold deferred, run not readable: %s", delivery_ids[0], describe(exc)
+        )
+        return [FoldReport(delivery_ids[0], OutcomeClass.DEFERRED)]
     reports: list[FoldReport] = []
     for position, delivery_id in enumerate(delivery_ids):
         if os.getppid() != _service_pid:
