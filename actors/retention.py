@@ -6,6 +6,11 @@ that are gone are removed: their last ACK is older than ``max_age_s`` and their 
 than the window, so they could only resume from a snapshot; their next ACK stores them again.
 Last, each file's ``-wal`` that a reader of another program keeps from being checkpointed is
 said, once while it lasts (RUN-63).
+
+Its writes wait for the store's write lock only briefly: the store's reads (status, stream pages,
+ACKs, lease renewals) share its connection and would wait behind it for the whole busy timeout
+while another process writes, a fold worker on a large delivery say. A run deferred so is said at
+INFO, and at WARNING once the store has been busy for longer than a retention period (RUN-74).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import trio
 from actors import threads
 from healthlog import faults
 from healthlog.clock import now_us
-from healthlog.storage._sqlite import StorageError, describe
+from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.retention")
@@ -68,6 +73,8 @@ class RetentionActor:
         self._removed = 0
         self._watched = watched
         self._held_back: set[str] = set()
+        # When the runs began to find the store busy, while they do.
+        self._busy_since: float | None = None
 
     def statistics(self) -> RetentionStatistics:
         return RetentionStatistics(self._runs, self._pruned, self._removed)
@@ -82,7 +89,11 @@ class RetentionActor:
     async def _prune(self) -> None:
         cutoff = now_us() - self._max_age_us
         prune = functools.partial(
-            self._store.prune_events, keep=self._keep, older_than_us=cutoff, at_most=PRUNE_BATCH
+            self._store.prune_events,
+            keep=self._keep,
+            older_than_us=cutoff,
+            at_most=PRUNE_BATCH,
+            brief=True,
         )
         try:
             faults.point("retention.prune")
@@ -93,15 +104,18 @@ class RetentionActor:
                 if pruned < PRUNE_BATCH:
                     break
         except StorageError as exc:
-            log.log(_level(exc), "event pruning deferred: %s", describe(exc))
+            self._deferred("event pruning", exc)
             return
         self._runs += 1
         try:
-            remove = functools.partial(self._store.remove_gone_subscribers, older_than_us=cutoff)
+            remove = functools.partial(
+                self._store.remove_gone_subscribers, older_than_us=cutoff, brief=True
+            )
             removed = await threads.run_sync(remove, limiter=self._limiter)
         except StorageError as exc:
-            log.log(_level(exc), "removal of gone subscribers deferred: %s", describe(exc))
+            self._deferred("removal of gone subscribers", exc)
             return
+        self._busy_since = None
         self._removed += removed
         if removed:
             # How many, never their names (a name is often a device's).
@@ -109,6 +123,23 @@ class RetentionActor:
                 "removed %d gone subscriber(s) (last ACK and cursor older than the window)",
                 removed,
             )
+
+    def _deferred(self, what: str, exc: StorageError) -> None:
+        """Say that ``what`` was deferred by ``exc``: a busy store at INFO for a moment (a fold
+        worker's transaction, the common case), at WARNING once it has been busy for longer than
+        a retention period (a writer that does not let go)."""
+        if not isinstance(exc, Deferred):
+            self._busy_since = None
+            log.log(_level(exc), "%s deferred: %s", what, describe(exc))
+            return
+        now = trio.current_time()
+        if self._busy_since is None:
+            self._busy_since = now
+        busy_s = now - self._busy_since
+        if busy_s >= self._period_s:
+            log.warning("%s deferred: the store has been busy for %.0f s", what, busy_s)
+        else:
+            log.info("%s deferred: the store is busy", what)
 
     async def _watch_wal(self, database: Checkpointed, limiter: trio.CapacityLimiter) -> None:
         """Say once, while it lasts, that a reader keeps ``database``'s ``-wal`` from being

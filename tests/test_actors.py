@@ -533,6 +533,52 @@ async def test_a_renewal_that_finds_the_store_busy_holds_no_read_behind_it_run_4
     assert "fold lease lost" not in caplog.text
 
 
+async def test_retention_that_finds_the_store_busy_holds_no_read_behind_it_run_74(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-74: while another connection holds the store's write lock (BEGIN IMMEDIATE, as a fold
+    worker on a large delivery does), each retention run gives up on the lock after a brief wait
+    and is deferred, so a read of the store does not wait behind it for the busy timeout (5 s);
+    a deferral is INFO until the store has been busy for a retention period, then WARNING saying
+    how long; once the lock goes, the next run prunes."""
+    period_s = 0.2
+    settings = {"retention_period_s": period_s, "lease_renew_s": 0.5}
+    with caplog.at_level(logging.INFO, "healthlog.retention"):
+        async with open_runtime(config(tmp_path, **settings)) as runtime:
+            await until(lambda: runtime.statistics().retention.runs >= 1)
+            with closing(
+                sqlite3.connect(DataDir(tmp_path).store_path, isolation_level=None)
+            ) as lock:
+                lock.execute("BEGIN IMMEDIATE")
+                # A retention run is waiting for the lock when the read starts.
+                await trio.sleep(period_s * 1.5)
+                started = time.monotonic()
+                await runtime.read_store(Store.lease)
+                print(f"a store read waited {time.monotonic() - started:.3f} s behind retention")
+                await until(lambda: len(deferrals(caplog)) >= 3, timeout=4.0)
+                lock.execute("ROLLBACK")
+            runs = runtime.statistics().retention.runs
+            await until(lambda: runtime.statistics().retention.runs > runs)
+    said = deferrals(caplog)
+    assert said[0] == (logging.INFO, "event pruning deferred: the store is busy")
+    for level, message in said[1:]:
+        assert level in (logging.INFO, logging.WARNING), message
+        if level == logging.WARNING:
+            assert re.fullmatch(
+                r"event pruning deferred: the store has been busy for \d+ s", message
+            ), message
+    assert not logged(caplog, logging.ERROR)
+
+
+def deferrals(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
+    """What retention said of its deferred runs."""
+    return [
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if r.name == "healthlog.retention" and "deferred" in r.getMessage()
+    ]
+
+
 # -- statistics -----------------------------------------------------------------------------------
 
 

@@ -69,8 +69,8 @@ BODY_CORRUPT = "body does not match its sha256"
 # How far after now an event's stamp may lie and still count as recent when events are pruned.
 FUTURE_SKEW_US = 86_400 * 1_000_000
 # How long a write that is tried again later anyway (a subscriber's ACK, a mark, the runtime's
-# lease renewal) waits for the write lock before it is deferred, rather than hold the store's
-# reads behind it.
+# lease renewal, a retention run) waits for the write lock before it is deferred, rather than
+# hold the store's reads behind it.
 BRIEF_WAIT_MS = 250
 
 
@@ -1232,7 +1232,9 @@ class Store(_objects.ObjectDatabase):
             return int(issued or 0), int(issued or 0)
         return int(oldest) - 1, int(head)
 
-    def prune_events(self, *, keep: int, older_than_us: int, at_most: int | None = None) -> int:
+    def prune_events(
+        self, *, keep: int, older_than_us: int, at_most: int | None = None, brief: bool = False
+    ) -> int:
         """Drop events outside the online window: beyond the newest ``keep`` and older than
         the given instant, and only ever the oldest ones: an event stamped after a clock
         stepped back can look older than one before it, and what is left must stay one run of
@@ -1245,8 +1247,11 @@ class Store(_objects.ObjectDatabase):
         page a transaction frees goes to the ``-wal``, and dropping a reindex's worth of events
         at once (321,000) wrote a 137 MB one. The seq and tag of the last event dropped are kept
         (:data:`PRUNED_MARK`, in the same transaction), so that a subscriber whose cursor is that
-        event's is still checked against it (STREAM-123). Returns how many were dropped."""
-        with self._lock, write_transaction(self._conn):
+        event's is still checked against it (STREAM-123). With ``brief`` it waits for the write
+        lock at most ``BRIEF_WAIT_MS``, then raises :class:`Deferred` (RUN-74). Returns how many
+        were dropped."""
+        waiting = self._waiting_at_most(BRIEF_WAIT_MS) if brief else contextlib.nullcontext()
+        with self._lock, waiting, write_transaction(self._conn):
             last = self._conn.execute(
                 "SELECT seq, tag FROM events WHERE seq <= (SELECT max(seq) FROM events) - ?"
                 " AND seq < coalesce("
@@ -1268,14 +1273,16 @@ class Store(_objects.ObjectDatabase):
             )
             return self._conn.execute("DELETE FROM events WHERE seq <= ?", (last[0],)).rowcount
 
-    def remove_gone_subscribers(self, *, older_than_us: int) -> int:
+    def remove_gone_subscribers(self, *, older_than_us: int, brief: bool = False) -> int:
         """Remove the subscribers that are gone: whose last ACK is older than the given instant
         and whose cursor is older than the online window (:meth:`event_window`), so that they
         could only resume from a snapshot (``CURSOR_TOO_OLD``) anyway. As for events
         (:meth:`prune_events`), an ACK stamped more than ``FUTURE_SKEW_US`` after now (while the
         clock had jumped forward) does not count as recent. A removed subscriber's next ACK
-        stores it again. Returns how many were removed."""
-        with self._lock, write_transaction(self._conn):
+        stores it again. With ``brief``, as for :meth:`prune_events`. Returns how many were
+        removed."""
+        waiting = self._waiting_at_most(BRIEF_WAIT_MS) if brief else contextlib.nullcontext()
+        with self._lock, waiting, write_transaction(self._conn):
             return self._conn.execute(
                 "DELETE FROM subscribers WHERE acked < coalesce("
                 "(SELECT min(seq) - 1 FROM events),"
