@@ -272,20 +272,27 @@ def _run(fn: Callable[..., Awaitable[T]], *args: object) -> T:
 
 
 def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
-    """:func:`_run`, with SIGTERM stopping ``fn`` as Ctrl-C does: it is cancelled, so the
+    """:func:`_run`, with SIGTERM and Ctrl-C (SIGINT) stopping ``fn``: it is cancelled, so the
     runtime it opened closes on the way out (its fold lease released, its fold workers
-    stopped), and the command exits 143 with one line. Left to its default, SIGTERM ended the
-    process at once, and its lease held off the service's folding for a lease term."""
+    stopped), and the command exits 143 or 130 with one line. Left to its default, SIGTERM
+    ended the process at once, and its lease held off the service's folding for a lease term.
+    Ctrl-C left to trio's KeyboardInterrupt broke even a shielded wait, the one for a
+    delivery's commit: journaled, it went unsaid (RUN-75). A SIGINT ignored when the command
+    started (a shell's background job) stays ignored."""
     import trio
 
+    stopping = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        stopping.append(signal.SIGINT)
+
     async def terminable() -> T:
-        async def on_sigterm() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async def on_signal() -> None:
+            with trio.open_signal_receiver(*stopping) as signals:
                 async for signum in signals:
                     raise Stopped(signum)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(on_sigterm)
+            nursery.start_soon(on_signal)
             result = await fn(*args)
             nursery.cancel_scope.cancel()
         return result

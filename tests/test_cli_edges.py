@@ -2929,13 +2929,16 @@ class _FifoImport:
 def _importing_before_a_fifo(tmp_path: Path, data: Path, *after: Path) -> Iterator[_FifoImport]:
     """``import --no-wait A FIFO *after`` into ``data`` (A holding
     :data:`FIRST_OF_A_FIFO_IMPORT`), once it has said that A is journaled: it then waits on the
-    FIFO, which nothing has written yet. Killed when the block ends."""
+    FIFO, which nothing has written yet. Killed when the block ends. SIGINT stops it as a
+    terminal's does, even when the suite runs with SIGINT ignored (a shell's background job)."""
     named = write(tmp_path / "a.json", FIRST_OF_A_FIFO_IMPORT)
     fifo = tmp_path / "b.fifo"
     os.mkfifo(fifo)
     args = ["--no-wait", "--aggregation", "minutes", named, fifo, *after]
     with subprocess.Popen(
-        healthlog("import", "--data", data, *args), stderr=subprocess.PIPE
+        healthlog("import", "--data", data, *args),
+        stderr=subprocess.PIPE,
+        preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL),
     ) as importing:
         try:
             assert importing.stderr is not None
@@ -3207,6 +3210,39 @@ def test_import_waiting_on_a_fifo_stops_on_sigterm_cli_131(tmp_path: Path) -> No
     assert run.process.returncode == 128 + signal.SIGTERM, said
     with DataDir(data).open_journal() as journal:
         assert [journal.read_body(m.id) for m in journal.iter_order()] == [FIRST_OF_A_FIFO_IMPORT]
+
+
+def test_ctrl_c_while_a_delivery_commits_still_says_it_is_journaled_run_75(
+    tmp_path: Path,
+) -> None:
+    """RUN-75: `import A FIFO`, Ctrl-C (SIGINT) while the FIFO's delivery waits for the journal's
+    write lock (held by another connection, so that its commit is in flight): once the lock
+    goes, the delivery is journaled and the command says so (`journaled FIFO as delivery 2`)
+    before `healthlog: interrupted`, exit 130. Before, Ctrl-C broke the shielded wait for the
+    commit (trio's KeyboardInterrupt ignores shields): the delivery was journaled unsaid, and a
+    user who imported the file again had it twice."""
+    data = tmp_path / "data"
+    second = body(metric(HR, BPM, point("2024-02-06 07:01:00 -0800", qty=62)))
+    with _importing_before_a_fifo(tmp_path, data) as run:
+        with closing(sqlite3.connect(DataDir(data).journal_path, isolation_level=None)) as lock:
+            lock.execute("BEGIN IMMEDIATE")
+            run.fifo.write_bytes(second)
+            # The import reads the FIFO and hands the delivery over, whose append then waits
+            # for the lock up to the journal's busy timeout (5 s).
+            time.sleep(1.0)
+            run.process.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            lock.execute("ROLLBACK")
+        said = run.finish().decode()
+    with DataDir(data).open_journal() as journal:
+        assert [journal.read_body(m.id) for m in journal.iter_order()] == [
+            FIRST_OF_A_FIFO_IMPORT,
+            second,
+        ]
+    assert run.process.returncode == 128 + signal.SIGINT, said
+    lines = said.splitlines()
+    assert lines[-1] == "healthlog: interrupted", said
+    assert lines[-2].startswith(f"journaled {run.fifo} as delivery 2 "), said
 
 
 def test_a_file_gone_at_its_turn_says_what_was_journaled_cli_132(tmp_path: Path) -> None:
