@@ -3212,6 +3212,22 @@ def test_import_waiting_on_a_fifo_stops_on_sigterm_cli_131(tmp_path: Path) -> No
         assert [journal.read_body(m.id) for m in journal.iter_order()] == [FIRST_OF_A_FIFO_IMPORT]
 
 
+def _until_closed(pid: int, path: Path) -> None:
+    """Wait until process ``pid`` holds no descriptor of ``path``: it has read it and closed it."""
+    deadline = time.monotonic() + 30
+    fds = Path(f"/proc/{pid}/fd")
+    while any(_names(fd, path) for fd in fds.iterdir()):
+        assert time.monotonic() < deadline, f"{path} still open in process {pid}"
+        time.sleep(0.02)
+
+
+def _names(fd: Path, path: Path) -> bool:
+    try:
+        return os.readlink(fd) == os.fspath(path)
+    except FileNotFoundError:
+        return False
+
+
 def test_ctrl_c_while_a_delivery_commits_still_says_it_is_journaled_run_75(
     tmp_path: Path,
 ) -> None:
@@ -3227,9 +3243,10 @@ def test_ctrl_c_while_a_delivery_commits_still_says_it_is_journaled_run_75(
         with closing(sqlite3.connect(DataDir(data).journal_path, isolation_level=None)) as lock:
             lock.execute("BEGIN IMMEDIATE")
             run.fifo.write_bytes(second)
-            # The import reads the FIFO and hands the delivery over, whose append then waits
-            # for the lock up to the journal's busy timeout (5 s).
-            time.sleep(1.0)
+            # The import reads the FIFO to its end, closes it and hands the delivery over, whose
+            # append then waits for the lock up to the journal's busy timeout (5 s).
+            _until_closed(run.process.pid, run.fifo)
+            time.sleep(0.5)
             run.process.send_signal(signal.SIGINT)
             time.sleep(0.5)
             lock.execute("ROLLBACK")
