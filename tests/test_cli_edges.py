@@ -1560,7 +1560,8 @@ def test_directories_every_user_may_write_in_are_named_at_start_store_97(
 def test_what_the_group_may_write_is_named_at_start_store_108(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
-    """STORE-108: a data directory of mode 0775 and a `journal.sqlite` of mode 0660 are named in
+    """STORE-108: a data directory of mode 0775 and a `journal.sqlite` of mode 0660, of a group
+    another account belongs to, are named in
     one WARNING as a runtime starts on them (`import`), with the journal's `-wal` and `-shm`
     (SQLite gives them its mode), their group, and `chmod g-w` of each; after that command the
     next start says nothing of them. A directory every user may write in is STORE-97's alone
@@ -1573,7 +1574,10 @@ def test_what_the_group_may_write_is_named_at_start_store_108(
     assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
     data.chmod(0o775)
     (data / "journal.sqlite").chmod(0o660)
-    group = grp.getgrgid(data.stat().st_gid).gr_name
+    shared = shared_group(data.stat().st_uid)
+    for path in (data, *data.iterdir()):
+        os.chown(path, -1, shared.gr_gid)
+    group = shared.gr_name
     again = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
     assert again.code == 0, again.err
     warned = [line for line in again.err.splitlines() if "group may write" in line]
@@ -1595,6 +1599,42 @@ def test_what_the_group_may_write_is_named_at_start_store_108(
     assert world.code == 0, world.err
     assert "group may write" not in world.err
     assert len([line for line in world.err.splitlines() if "may write in" in line]) == 1
+
+
+def shared_group(uid: int) -> grp.struct_group:
+    """A group to which an account other than ``uid`` belongs (its primary group, or a member)."""
+    return next(
+        group
+        for group in grp.getgrall()
+        if any(
+            account.pw_uid != uid
+            and (account.pw_gid == group.gr_gid or account.pw_name in group.gr_mem)
+            for account in pwd.getpwall()
+        )
+    )
+
+
+def test_a_group_of_the_owner_alone_is_not_named_store_110(run_cli: RunCli, tmp_path: Path) -> None:
+    """STORE-110: a data directory of mode 0775 and a `journal.sqlite` of mode 0660 whose group
+    no account but their owner belongs to (a user private group, as Debian, Ubuntu and Fedora
+    give each user, whose umask 002 then makes a `mkdir` 0775) are named in no WARNING: no other
+    account may write them. (Before, STORE-108's WARNING named them at every start.)"""
+    data = tmp_path / "data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    owner = pwd.getpwuid(data.stat().st_uid)
+    alone = grp.getgrgid(owner.pw_gid)
+    assert set(alone.gr_mem) <= {owner.pw_name}
+    assert [a.pw_name for a in pwd.getpwall() if a.pw_gid == alone.gr_gid] == [owner.pw_name]
+    for path in (data, *data.iterdir()):
+        os.chown(path, -1, alone.gr_gid)
+    data.chmod(0o775)
+    (data / "journal.sqlite").chmod(0o660)
+    again = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert again.code == 0, again.err
+    assert "group may write" not in again.err, again.err
 
 
 def test_a_data_directory_another_user_owns_is_named_with_what_to_do_cli_90(

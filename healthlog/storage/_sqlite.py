@@ -38,6 +38,7 @@ __all__ = [
     "no_room_for_shm",
     "read_once",
     "reopened",
+    "shared_with_others",
     "user_name",
     "wal_held_back",
     "write_transaction",
@@ -694,6 +695,20 @@ def group_name(gid: int) -> str:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return str(gid)
+
+
+def shared_with_others(gid: int, uid: int) -> bool:
+    """Whether an account other than ``uid`` belongs to the group ``gid``, as its primary group
+    or as a member; a group the system does not know is taken as shared. A user private group
+    (each user's own, as Debian, Ubuntu and Fedora make them, with a umask of 002) is not."""
+    try:
+        members = set(grp.getgrgid(gid).gr_mem)
+    except KeyError:
+        return True
+    return any(
+        account.pw_uid != uid and (account.pw_gid == gid or account.pw_name in members)
+        for account in pwd.getpwall()
+    )
 
 
 def classify(exc: sqlite3.Error) -> StorageError:

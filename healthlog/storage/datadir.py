@@ -31,6 +31,7 @@ from healthlog.storage._sqlite import (
     make_directory,
     no_room_for_shm,
     not_permitted,
+    shared_with_others,
     user_name,
 )
 from healthlog.storage.journal import Journal
@@ -123,7 +124,7 @@ class DataDir:
         the tokens or the signing key, or rewrite the journal. A directory every user may write
         in is named by :meth:`warn_of_open_modes` alone (STORE-109). Group read is left unsaid
         (a backup job's, on purpose)."""
-        named = []
+        writable = []
         for path in (self.path, self.snapshot_dir):
             try:
                 stats = path.stat()
@@ -131,13 +132,20 @@ class DataDir:
                 continue
             mode = stat.S_IMODE(stats.st_mode)
             if mode & stat.S_IWGRP and not mode & stat.S_IWOTH:
-                named.append((path, mode, stats.st_gid))
+                writable.append((path, mode, stats))
         for path, mode in self._modes():
             if mode & stat.S_IWGRP:
                 try:
-                    named.append((path, mode, path.stat().st_gid))
+                    writable.append((path, mode, path.stat()))
                 except OSError:
                     continue
+        # A group of the owner alone gives no other account a write (STORE-110): a user private
+        # group under umask 002 would otherwise be named at every start.
+        named = [
+            (path, mode, stats.st_gid)
+            for path, mode, stats in writable
+            if shared_with_others(stats.st_gid, stats.st_uid)
+        ]
         if named:
             log.warning(
                 "healthlog's directories and files the accounts of their group may write: %s;"
