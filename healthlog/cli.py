@@ -1254,7 +1254,8 @@ and removed at once."""
 def _as_owner(path: Path) -> Owner | None:
     """Start this command anew as the account that owns the data directory at ``path`` when it
     runs as root, unless that is root (CLI-146): the user, that user's primary group (the
-    directory's group where the user has no account here), no supplementary group. In the
+    directory's group where the user has no account here, never root's: CLI-158), no
+    supplementary group. In the
     process so started, the Owner it runs as; else None (not root, the directory root's, or not
     made yet: root makes it, as before).
 
@@ -1282,6 +1283,17 @@ def _as_owner(path: Path) -> Owner | None:
     # The current directory is there: the path was found from it.
     path = path.absolute()
     owner = _account(stats.st_uid, stats.st_gid, path)
+    if owner.gid == 0 and not _has_account(owner.uid):
+        # The directory's group stands in for a uid without an account, and group root is
+        # not that account's to have: a link it planted there would have the command write any
+        # file group root may write (CLI-158).
+        raise NotSwitched(
+            f"{path} is uid {owner.uid}'s, which has no account here, and group root's: a"
+            " command run by root on it runs as that uid, and would take group root with it;"
+            f" give the directory a group of its own (`chgrp -R GROUP {path}`), or run it as"
+            f" that uid (`setpriv --reuid={owner.uid} --regid=GID --clear-groups healthlog"
+            " ...`); nothing was opened"
+        )
     try:
         os.setgroups([])
         os.setgid(owner.gid)
@@ -1311,6 +1323,15 @@ def _account(uid: int, gid: int, path: Path) -> Owner:
     except KeyError:
         return Owner(str(uid), uid, gid, path)
     return Owner(account.pw_name, uid, account.pw_gid, path)
+
+
+def _has_account(uid: int) -> bool:
+    """Whether the passwd database names the user ``uid``."""
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
 
 
 def _say_owner(owner: Owner | None) -> None:

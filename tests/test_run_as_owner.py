@@ -391,3 +391,31 @@ def test_follow_run_by_root_writes_through_no_link_in_the_owner_s_replica_cli_15
     assert exported.returncode == 0, exported.stderr
     assert len(switched_lines(exported.stderr)) == 1, exported.stderr
     assert '"metric":"heart_rate"' in exported.stdout, exported.stdout
+
+
+def test_an_unnamed_owner_of_root_s_group_is_not_given_that_group_cli_158(home: Path) -> None:
+    """CLI-158: `token add` run by root on a data directory owned by a uid without an account
+    here and by group root (a `chown UID` that left the group) exits 3 with one line saying so
+    and what to do, and makes nothing there; the same directory given a group of its own runs
+    as that uid and group (CLI-146). (Before, the command ran as that uid with group root, so
+    that a link the account planted there had it write any file group root may write.)"""
+    taken = {entry.pw_uid for entry in pwd.getpwall()}
+    uid = next(n for n in range(40000, 50000) if n not in taken)
+    data = home / "unnamed"
+    data.mkdir()
+    os.chown(data, uid, 0)
+    done = run(healthlog("token", "add", "phone", "--data", data), home)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines() == [
+        f"healthlog: {data} is uid {uid}'s, which has no account here, and group root's: a"
+        f" command run by root on it runs as that uid, and would take group root with it; give"
+        f" the directory a group of its own (`chgrp -R GROUP {data}`), or run it as that uid"
+        f" (`setpriv --reuid={uid} --regid=GID --clear-groups healthlog ...`); nothing was"
+        " opened"
+    ], done.stderr
+    assert done.stdout == ""
+    assert list(data.iterdir()) == []
+    os.chown(data, uid, uid)
+    done = run(healthlog("token", "add", "phone", "--data", data), home)
+    assert done.returncode == 0, done.stderr
+    assert owners(data)["tokens.sqlite"] == (uid, uid)
