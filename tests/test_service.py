@@ -2851,6 +2851,35 @@ async def test_a_request_hypercorn_cannot_read_is_answered_as_json_serve_104(
     assert len(await service.journal()) == 1
 
 
+async def test_a_head_request_hypercorn_cannot_read_is_answered_without_a_body_serve_107(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-107: a HEAD request h11 cannot read (both framings, SERVE-62) is answered 400 with
+    SERVE-104's headers and no body, as HEAD is, the connection closed, and nothing is logged
+    above INFO. (Before, SERVE-104's answer sent its body after HEAD's head, which h11 refused:
+    each such request logged a WARNING that a connection failed inside hypercorn.)"""
+    with caplog.at_level(logging.INFO):
+        async with await trio.open_tcp_stream("127.0.0.1", service.port) as conn:
+            await conn.send_all(
+                b"HEAD /healthz HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+            )
+            answer = b""
+            with trio.fail_after(CLIENT_TIMEOUT_S):
+                while chunk := await conn.receive_some():
+                    answer += chunk
+        assert (await service.post(small(1))).status_code == 200
+    head, _, content = answer.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines)
+    assert status_line.startswith("HTTP/1.1 400 "), answer
+    assert headers["content-type"] == "application/json", answer
+    assert headers["connection"] == "close", answer
+    assert int(headers["content-length"]) == len(b'{"error":"MALFORMED_REQUEST"}'), answer
+    assert content == b"", answer
+    assert [r.getMessage() for r in caplog.records if r.levelno > logging.INFO] == []
+
+
 async def test_blank_lines_before_a_request_are_ignored_serve_50(tmp_path: Path) -> None:
     """SERVE-50: on a kept-alive connection, a delivery whose body is followed by a CRLF (as
     some clients send), then a second delivery, sent after the first answer or with the CRLF

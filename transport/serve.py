@@ -325,7 +325,11 @@ class _ClosingH11Protocol(H11Protocol):
             *self.config.response_headers("h11"),
         ]
         await self._send_h11_event(h11.Response(status_code=status_code, headers=headers))
-        await self._send_h11_event(h11.Data(data=body))
+        # An answer to HEAD has no body, and h11 refuses one: the connection then failed
+        # inside hypercorn, a WARNING for each such request (SERVE-107). The method is h11's
+        # note of the request it read, kept where the request line was read.
+        if getattr(self.connection, "_request_method", None) != b"HEAD":
+            await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
 
     async def want_body(self) -> None:
