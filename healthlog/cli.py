@@ -1305,9 +1305,10 @@ def _as_owner(path: Path) -> Owner | None:
             f" {owner.name} healthlog ...`, or `setpriv --reuid={owner.uid} --regid={owner.gid}"
             " --clear-groups healthlog ...`); nothing was opened"
         ) from None
-    os.environ[RUN_BY_ROOT_ENV] = os.fspath(path)
+    environment = {name: value for name, value in os.environ.items() if _carried(name)}
+    environment[RUN_BY_ROOT_ENV] = os.fspath(path)
     try:
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
     except OSError as exc:
         raise NotSwitched(
             f"{path} is {owner.name}'s, and a command run by root on it runs as that user, who"
@@ -1323,6 +1324,24 @@ def _account(uid: int, gid: int, path: Path) -> Owner:
     except KeyError:
         return Owner(str(uid), uid, gid, path)
     return Owner(account.pw_name, uid, account.pw_gid, path)
+
+
+CARRIED_ENV = ("PATH", "TERM", "TZ", "LANG", "LANGUAGE", "SSL_CERT_FILE", "SSL_CERT_DIR")
+"""Variables of root's environment a command started anew as the data directory's owner keeps
+(:func:`_as_owner`), besides ``HEALTHLOG_*``, ``LC_*``, ``PYTHON*`` and the proxies that
+``follow`` goes through (CLI-159)."""
+_CARRIED_PREFIXES = ("HEALTHLOG_", "LC_", "PYTHON")
+
+
+def _carried(name: str) -> bool:
+    """Whether root's variable ``name`` is carried into the process started anew as the owner:
+    that account may read the whole environment of it (/proc/PID/environ), and root's holds
+    what a root shell exports, credentials among them (CLI-159)."""
+    return (
+        name in CARRIED_ENV
+        or name.startswith(_CARRIED_PREFIXES)
+        or name.lower() in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+    )
 
 
 def _has_account(uid: int) -> bool:

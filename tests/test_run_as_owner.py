@@ -419,3 +419,33 @@ def test_an_unnamed_owner_of_root_s_group_is_not_given_that_group_cli_158(home: 
     done = run(healthlog("token", "add", "phone", "--data", data), home)
     assert done.returncode == 0, done.stderr
     assert owners(data)["tokens.sqlite"] == (uid, uid)
+
+
+def test_root_s_environment_is_not_carried_to_the_owner_cli_159(home: Path) -> None:
+    """CLI-159: `serve` run by root on a data directory `nobody` owns, with a variable of root's
+    in its environment (`ROOT_SECRET`, as a root shell exports a cloud or database credential),
+    serves as `nobody` with an environment holding healthlog's `HEALTHLOG_*` settings, the
+    locale and `PATH`, and not that variable. (Before, the whole environment was carried into
+    the process started anew as `nobody`, which that account may read in /proc/PID/environ.)"""
+    data = service_directory(home)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    with subprocess.Popen(
+        healthlog("serve", "--port", "0", "--data", data),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env, "HEALTHLOG_LOG_LEVEL": "info", "ROOT_SECRET": "s3cr3t", "LC_TIME": "C"},
+        cwd=home,
+        text=True,
+    ) as served:
+        try:
+            assert served.stdout is not None
+            assert "healthlog serving on" in served.stdout.readline()
+            environ = Path(f"/proc/{served.pid}/environ").read_bytes().split(b"\0")
+        finally:
+            served.send_signal(signal.SIGTERM)
+            _, err = served.communicate(timeout=LIMIT_S)
+    assert served.returncode == 0, err
+    assert len(switched_lines(err)) == 1, err
+    names = {item.partition(b"=")[0].decode() for item in environ if item}
+    assert "ROOT_SECRET" not in names, names
+    assert {"HEALTHLOG_LOG_LEVEL", "LC_TIME", "PATH"} <= names, names
