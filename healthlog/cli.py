@@ -1256,8 +1256,8 @@ def _as_owner(path: Path) -> Owner | None:
     runs as root, unless that is root (CLI-146): the user, that user's primary group (the
     directory's group where the user has no account here, never root's: CLI-158), no
     supplementary group. In the
-    process so started, the Owner it runs as; else None (not root, the directory root's, or not
-    made yet: root makes it, as before).
+    process so started, the Owner it runs as; else None (not root, or the directory root's; one
+    not made yet is judged by the nearest directory that is there, CLI-160).
 
     That account may write in the directory: it can plant a link at any name a command opens
     there, racing the command, and root opens what the link names with root's rights (CLI-128,
@@ -1274,9 +1274,17 @@ def _as_owner(path: Path) -> Owner | None:
         return _account(os.geteuid(), os.getegid(), Path(started_by_root))
     if os.geteuid() != 0:
         return None
-    try:
-        stats = path.stat()
-    except OSError:
+    # A directory not made yet is judged by the nearest one that is there, in which it is made:
+    # that one's owner may make it first, racing the command, and plant links in it (CLI-160).
+    for there in (path, *path.absolute().parents):
+        try:
+            stats = there.stat()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return None
+        break
+    else:
         return None
     if stats.st_uid == 0:
         return None

@@ -449,3 +449,28 @@ def test_root_s_environment_is_not_carried_to_the_owner_cli_159(home: Path) -> N
     names = {item.partition(b"=")[0].decode() for item in environ if item}
     assert "ROOT_SECRET" not in names, names
     assert {"HEALTHLOG_LOG_LEVEL", "LC_TIME", "PATH"} <= names, names
+
+
+def test_a_data_directory_not_made_yet_is_made_by_its_parent_s_owner_cli_160(home: Path) -> None:
+    """CLI-160: `token add` run by root on a data directory not made yet, in a directory `nobody`
+    owns, runs as `nobody` (CLI-146's INFO line, naming the new directory) and makes the
+    directory and its files as `nobody`'s; where the nearest directory that is there is root's
+    (`home` here), it runs as root, as before. (Before, root made it: `nobody`, who may write in
+    the parent, could make it first, racing the command, and plant there the links CLI-146
+    keeps root from opening.)"""
+    parent = home / "service"
+    parent.mkdir()
+    os.chown(parent, OWNER_UID, OWNER_UID)
+    data = parent / "data"
+    done = run(healthlog("token", "add", "phone", "--data", data), home)
+    assert done.returncode == 0, done.stderr
+    (said,) = switched_lines(done.stderr)
+    assert f"running as user nobody (uid {OWNER_UID}, gid {OWNER_UID}), the owner of {data}" in said
+    assert (data.stat().st_uid, data.stat().st_gid) == (OWNER_UID, OWNER_UID)
+    assert owners(data)["tokens.sqlite"] == (OWNER_UID, OWNER_UID)
+
+    own = home / "made" / "data"
+    done = run(healthlog("token", "add", "phone", "--data", own), home)
+    assert done.returncode == 0, done.stderr
+    assert switched_lines(done.stderr) == []
+    assert owners(own)["tokens.sqlite"] == (0, 0)
