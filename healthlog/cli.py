@@ -317,6 +317,8 @@ def _check_readable(name: str, owner: Owner | None) -> None:
     for good (CLI-130). Run by root as the data directory's ``owner``, a file that account
     may not read says so (CLI-150)."""
     refused = "" if owner is None else f" (read as {owner.name}: {_AS_OWNER_READS})"
+    if _given_descriptor(name) is not None:
+        return
     try:
         if stat.S_ISFIFO(os.stat(name).st_mode):
             if not os.access(name, os.R_OK):
@@ -342,8 +344,34 @@ _AS_OWNER_READS = (
 )
 
 
-def _read_file(name: str) -> bytes:
+_DESCRIPTOR_NAMES = ("/dev/fd/", "/proc/self/fd/")
+_STDIN_NAMES = ("/dev/stdin", "/proc/self/fd/0")
+
+
+def _given_descriptor(name: str) -> int | None:
+    """The descriptor this process was given that ``name`` names (``<(command)``'s
+    ``/dev/fd/N``, ``/dev/stdin``) when it may not open the name anew, else None. Run by root
+    as the data directory's owner (CLI-146), the pipe of root's shell is root's, mode 0600,
+    which that user may not open again; what it was given to read it reads (CLI-161)."""
+    if name in _STDIN_NAMES:
+        number = 0
+    elif name.startswith(_DESCRIPTOR_NAMES) and name.rpartition("/")[2].isdigit():
+        number = int(name.rpartition("/")[2])
+    else:
+        return None
     try:
+        os.fstat(number)
+    except OSError:
+        return None
+    return None if os.access(name, os.R_OK) else number
+
+
+def _read_file(name: str) -> bytes:
+    given = _given_descriptor(name)
+    try:
+        if given is not None:
+            with os.fdopen(os.dup(given), "rb") as file:
+                return file.read()
         return Path(name).read_bytes()
     except OSError as exc:
         raise CliError(f"cannot read {name}: {exc.strerror}") from None

@@ -474,3 +474,23 @@ def test_a_data_directory_not_made_yet_is_made_by_its_parent_s_owner_cli_160(hom
     assert done.returncode == 0, done.stderr
     assert switched_lines(done.stderr) == []
     assert owners(own)["tokens.sqlite"] == (0, 0)
+
+
+def test_import_run_by_root_reads_a_process_substitution_cli_161(home: Path) -> None:
+    """CLI-161: `import <(cat FILE)` run by root's shell on a data directory `nobody` owns (the
+    pipe is root's, mode 0600, and `/dev/fd/N` names it) exits 0 and journals the body, read
+    through the descriptor the command was given; `import /dev/stdin` alike. (Before, CLI-130's
+    process substitution was refused there, exit 2, `cannot read /dev/fd/63: Permission denied
+    (read as nobody: ...)`: the command, run as `nobody`, opened the name anew.)"""
+    data = service_directory(home)
+    hr = write(
+        home / "late.json",
+        body(metric(HR, "count/min", point("2024-02-06 09:00:00 -0800", qty=3.5))),
+    )
+    command = " ".join(healthlog("import", "--aggregation", "minutes", "--data", data))
+    done = run(["bash", "-c", f"{command} <(cat {hr})"], home)
+    assert done.returncode == 0, done.stderr
+    assert "journaled /dev/fd/" in done.stderr, done.stderr
+    done = run(["bash", "-c", f"cat {hr} | {command} /dev/stdin"], home)
+    assert done.returncode == 0, done.stderr
+    assert "journaled /dev/stdin" in done.stderr, done.stderr
