@@ -1283,9 +1283,9 @@ def _as_owner(path: Path) -> Owner | None:
     """Start this command anew as the account that owns the data directory at ``path`` when it
     runs as root, unless that is root (CLI-146): the user, that user's primary group (the
     directory's group where the user has no account here, never root's: CLI-158), no
-    supplementary group. In the
-    process so started, the Owner it runs as; else None (not root, or the directory root's; one
-    not made yet is judged by the nearest directory that is there, CLI-160).
+    supplementary group. In the process so started, the Owner it runs as; else None (not root,
+    or the directory root's; one not made yet is judged by the nearest directory that is there,
+    CLI-160).
 
     That account may write in the directory: it can plant a link at any name a command opens
     there, racing the command, and root opens what the link names with root's rights (CLI-128,
