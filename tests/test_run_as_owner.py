@@ -494,3 +494,40 @@ def test_import_run_by_root_reads_a_process_substitution_cli_161(home: Path) -> 
     done = run(["bash", "-c", f"cat {hr} | {command} /dev/stdin"], home)
     assert done.returncode == 0, done.stderr
     assert "journaled /dev/stdin" in done.stderr, done.stderr
+
+
+def test_a_file_root_copied_into_the_owner_s_directory_is_mended_by_the_chown_it_names_cli_166(
+    home: Path,
+) -> None:
+    """CLI-166: a data directory `nobody` owns where root copied the journal and the tokens in
+    (a restore by `cp -a`, the files root's, mode 0600): `reindex` and `token add` run by root,
+    and `status` run as `nobody`, each exit 3 with one line naming the file, root's, and the
+    `chown` that mends it, and never tell to run the command as root (`sudo -u root`), which
+    runs it as the directory's owner again (CLI-146) and meets the same file; once that `chown`
+    is run, `reindex` exits 0. (Before, the line told `sudo -u root healthlog ...` too.)"""
+    data = service_directory(home)
+    added = run(healthlog("token", "add", "phone", "--data", data), home)
+    assert added.returncode == 0, added.stderr
+    for name in ("journal.sqlite", "tokens.sqlite"):
+        os.chown(data / name, 0, 0)
+    for command in (
+        healthlog("reindex", "--data", data),
+        healthlog("token", "add", "tablet", "--data", data),
+        [
+            "setpriv",
+            f"--reuid={OWNER_UID}",
+            f"--regid={OWNER_UID}",
+            "--clear-groups",
+            *healthlog("status", "--data", data),
+        ],
+    ):
+        done = run(command, home)
+        assert done.returncode == 3, (command, done.stderr)
+        said = [line for line in done.stderr.splitlines() if not line.startswith("time=")]
+        assert len(said) == 1, done.stderr
+        assert "(it is root's, mode 0600)" in said[0], said
+        assert f"`chown -R nobody: {data} && chmod -R u+rwX {data}`" in said[0], said
+        assert "sudo -u root" not in said[0], said
+    subprocess.run(["chown", "-R", f"{OWNER_UID}:{OWNER_UID}", data], check=True)
+    mended = run(healthlog("reindex", "--data", data), home)
+    assert mended.returncode == 0, mended.stderr

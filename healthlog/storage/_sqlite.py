@@ -671,14 +671,28 @@ def not_permitted(path: str | os.PathLike[str]) -> str:
         except OSError:
             continue
         user, owner = user_name(os.geteuid()), user_name(stats.st_uid)
+        run_as = (
+            ""
+            if root_s_in_another_s(stats, file.parent)
+            else f" run every healthlog command on {file.parent} as the user it belongs to"
+            f" (`sudo -u {owner} healthlog ...`), or"
+        )
         return (
             f": user {user} may not {what} {candidate} (it is {owner}'s, mode"
-            f" {stat.S_IMODE(stats.st_mode):04o}); run every healthlog command on"
-            f" {file.parent} as the user it belongs to (`sudo -u {owner} healthlog ...`),"
-            f" or make it {user}'s to read and write"
+            f" {stat.S_IMODE(stats.st_mode):04o});{run_as} make it {user}'s to read and write"
             f" (`chown -R {user}: {file.parent} && chmod -R u+rwX {file.parent}`)"
         )
     return ""
+
+
+def root_s_in_another_s(stats: os.stat_result, directory: Path) -> bool:
+    """Whether a file root owns lies in a directory another account owns (root copied it in,
+    or an older healthlog run as root made it): a command run as root there runs as that
+    account (CLI-146) and meets the same file, so only the ``chown`` mends it (CLI-166)."""
+    try:
+        return stats.st_uid == 0 and directory.stat().st_uid != 0
+    except OSError:
+        return False
 
 
 def user_name(uid: int) -> str:

@@ -31,6 +31,7 @@ from healthlog.storage._sqlite import (
     make_directory,
     no_room_for_shm,
     not_permitted,
+    root_s_in_another_s,
     shared_with_others,
     user_name,
 )
@@ -257,9 +258,18 @@ class DataDir:
         could not read, and the service would not start."""
         user = user_name(os.geteuid())
         try:
-            owner = user_name(self.journal_path.stat().st_uid)
+            stats = self.journal_path.stat()
         except OSError:
             owner = "its owner"
+        else:
+            if root_s_in_another_s(stats, self.path):
+                # Root's command runs as the directory's owner (CLI-146): only a chown mends
+                # a journal root copied in (CLI-166).
+                return KeyOutOfReach(
+                    f"no {path} yet, and user {user} may not make it"
+                    f"{not_permitted(self.journal_path)}"
+                )
+            owner = user_name(stats.st_uid)
         return KeyOutOfReach(
             f"no {path} yet, and user {user} may not make it: {self.path} is {owner}'s, whose"
             f" service makes it as it starts (one of {user}'s would stop the service); run it as"
