@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import shutil
@@ -531,3 +532,31 @@ def test_a_file_root_copied_into_the_owner_s_directory_is_mended_by_the_chown_it
     subprocess.run(["chown", "-R", f"{OWNER_UID}:{OWNER_UID}", data], check=True)
     mended = run(healthlog("reindex", "--data", data), home)
     assert mended.returncode == 0, mended.stderr
+
+
+def test_a_data_directory_its_user_may_not_make_is_said_with_the_install_that_makes_it_store_116(
+    home: Path,
+) -> None:
+    """STORE-116: `token add` run as `nobody` with `--data` a new directory in one root owns
+    (`/srv/healthlog` where the service's account was made without `--create-home`) exits 3
+    with one line after the `making a new one` line: the directory, that `nobody` may not make
+    files in the one above it, whose it is and its mode, and the `install -d` that makes it
+    `nobody`'s, which run, the same `token add` exits 0. (Before, the line was Python's
+    `[Errno 13] Permission denied: 'DIR'`, saying nothing of what to do.)"""
+    parent = home / "srv"
+    parent.mkdir(mode=0o755)
+    data = parent / "healthlog"
+    as_nobody = ["setpriv", f"--reuid={OWNER_UID}", f"--regid={OWNER_UID}", "--clear-groups"]
+    done = run([*as_nobody, *healthlog("token", "add", "phone", "--data", data)], home)
+    assert done.returncode == 3, done.stderr
+    group = grp.getgrgid(pwd.getpwuid(OWNER_UID).pw_gid).gr_name
+    assert done.stderr.splitlines() == [
+        f"healthlog: no data directory at {data}: making a new one",
+        f"healthlog: {data} cannot be made: user nobody may not make files in {parent} (it is"
+        f" root's, mode 0755); make it for nobody as root: `sudo install -d -o nobody -g {group}"
+        f" -m 700 {data}`",
+    ], done.stderr
+    assert not data.exists()
+    subprocess.run(["install", "-d", "-o", "nobody", "-g", group, "-m", "700", data], check=True)
+    again = run([*as_nobody, *healthlog("token", "add", "phone", "--data", data)], home)
+    assert again.returncode == 0, again.stderr

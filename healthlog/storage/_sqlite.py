@@ -470,11 +470,35 @@ def make_directory(path: str | os.PathLike[str]) -> None:
     try:
         _make_directories(Path(path))
     except OSError as exc:
+        where = Path(exc.filename or path).parent
+        if exc.errno == errno.EACCES:
+            raise StorageError(f"{path} cannot be made{_not_yours_to_make(path, where)}") from None
         if exc.errno != errno.EROFS:
             raise
-        where = Path(exc.filename or path).parent
         read_only = mounted_read_only(where) or f"the file system of {where} is read-only"
         raise StorageError(f"{path} cannot be made: {read_only}") from None
+
+
+def _not_yours_to_make(path: str | os.PathLike[str], where: Path) -> str:
+    """Why this process's user may not make the directory ``path`` in ``where``, with the
+    ``install -d`` that makes it that user's (STORE-116): a service account made without its
+    home (`useradd --system` alone) met Python's ``[Errno 13] Permission denied: 'DIR'``."""
+    uid = os.geteuid()
+    user = user_name(uid)
+    try:
+        group = group_name(pwd.getpwuid(uid).pw_gid)
+    except KeyError:
+        group = str(os.getegid())
+    try:
+        stats = where.stat()
+    except OSError:
+        whose = ""
+    else:
+        whose = f" (it is {user_name(stats.st_uid)}'s, mode {stat.S_IMODE(stats.st_mode):04o})"
+    return (
+        f": user {user} may not make files in {where}{whose}; make it for {user} as root:"
+        f" `sudo install -d -o {user} -g {group} -m 700 {path}`"
+    )
 
 
 def _make_directories(directory: Path) -> None:
