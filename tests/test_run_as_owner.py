@@ -103,6 +103,21 @@ def service_directory(home: Path) -> Path:
     return data
 
 
+def _refused_untouched(
+    done: subprocess.CompletedProcess[str], victim: Path, guarded: Path
+) -> list[str]:
+    """Assert that the command exited 3 with one line besides log records, and that the
+    root-owned ``victim`` a link pointed at, alone in ``guarded``, kept its empty content and its
+    owner; that line."""
+    assert victim.read_bytes() == b""
+    assert (victim.stat().st_uid, victim.stat().st_gid) == (0, 0)
+    assert sorted(path.name for path in guarded.iterdir()) == ["victim"]
+    assert done.returncode == 3, done.stderr
+    said = [line for line in done.stderr.splitlines() if not line.startswith("time=")]
+    assert len(said) == 1, done.stderr
+    return said
+
+
 def test_a_link_planted_in_a_root_run_reindex_s_scratch_is_not_written_through_cli_147(
     home: Path,
 ) -> None:
@@ -124,12 +139,7 @@ def test_a_link_planted_in_a_root_run_reindex_s_scratch_is_not_written_through_c
         [python_for_all(), "-c", PLANTING, data, victim, str(OWNER_UID), "reindex", "--data", data],
         home,
     )
-    assert victim.read_bytes() == b""
-    assert (victim.stat().st_uid, victim.stat().st_gid) == (0, 0)
-    assert sorted(path.name for path in guarded.iterdir()) == ["victim"]
-    assert done.returncode == 3, done.stderr
-    said = [line for line in done.stderr.splitlines() if not line.startswith("time=")]
-    assert len(said) == 1, done.stderr
+    said = _refused_untouched(done, victim, guarded)
     assert said[0].startswith("healthlog: "), done.stderr
     assert len(switched_lines(done.stderr)) == 1, done.stderr
     assert list(data.glob(".rebuild-*")) == []
@@ -375,12 +385,7 @@ def test_follow_run_by_root_writes_through_no_link_in_the_owner_s_replica_cli_15
         finally:
             served.send_signal(signal.SIGTERM)
             served.communicate(timeout=LIMIT_S)
-    assert victim.read_bytes() == b""
-    assert (victim.stat().st_uid, victim.stat().st_gid) == (0, 0)
-    assert sorted(path.name for path in guarded.iterdir()) == ["victim"]
-    assert refused.returncode == 3, refused.stderr
-    said = [line for line in refused.stderr.splitlines() if not line.startswith("time=")]
-    assert len(said) == 1, refused.stderr
+    _refused_untouched(refused, victim, guarded)
     (switched,) = switched_lines(refused.stderr)
     assert (
         f"running as user nobody (uid {OWNER_UID}, gid {OWNER_UID}), the owner of {replica},"
