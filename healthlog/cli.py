@@ -348,11 +348,13 @@ _DESCRIPTOR_NAMES = ("/dev/fd/", "/proc/self/fd/")
 _STDIN_NAMES = ("/dev/stdin", "/proc/self/fd/0")
 
 
-def _given_descriptor(name: str) -> int | None:
-    """The descriptor this process was given that ``name`` names (``<(command)``'s
+def _given_descriptor(path: str | os.PathLike[str]) -> int | None:
+    """The descriptor this process was given that ``path`` names (``<(command)``'s
     ``/dev/fd/N``, ``/dev/stdin``) when it may not open the name anew, else None. Run by root
     as the data directory's owner (CLI-146), the pipe of root's shell is root's, mode 0600,
-    which that user may not open again; what it was given to read it reads (CLI-161)."""
+    which that user may not open again; what it was given to read it reads (CLI-161). A
+    ``Path`` where the names were made absolute (CLI-118)."""
+    name = os.fspath(path)
     if name in _STDIN_NAMES:
         number = 0
     elif name.startswith(_DESCRIPTOR_NAMES) and name.rpartition("/")[2].isdigit():
@@ -1304,7 +1306,12 @@ def _as_owner(path: Path) -> Owner | None:
         return None
     # A directory not made yet is judged by the nearest one that is there, in which it is made:
     # that one's owner may make it first, racing the command, and plant links in it (CLI-160).
-    for there in (path, *path.absolute().parents):
+    try:
+        above = path.absolute().parents
+    except FileNotFoundError:
+        # A relative path from a current directory deleted: said once main has the paths.
+        return None
+    for there in (path, *above):
         try:
             stats = there.stat()
         except FileNotFoundError:
