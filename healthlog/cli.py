@@ -355,15 +355,19 @@ def _given_descriptor(path: str | os.PathLike[str]) -> int | None:
     which that user may not open again; what it was given to read it reads (CLI-161). A
     ``Path`` where the names were made absolute (CLI-118)."""
     name = os.fspath(path)
+    # ASCII digits alone: `str.isdigit` takes a superscript `²` too, which `int` refuses.
+    tail = name.rpartition("/")[2]
     if name in _STDIN_NAMES:
         number = 0
-    elif name.startswith(_DESCRIPTOR_NAMES) and name.rpartition("/")[2].isdigit():
-        number = int(name.rpartition("/")[2])
+    elif name.startswith(_DESCRIPTOR_NAMES) and tail.isascii() and tail.isdigit():
+        number = int(tail)
     else:
         return None
     try:
         os.fstat(number)
-    except OSError:
+    # A number no descriptor can have (`/dev/fd/99999999999999999999`) names nothing, as a
+    # descriptor not open does: the name is then opened as any other, and said missing (CLI-162).
+    except (OSError, OverflowError):
         return None
     return None if os.access(name, os.R_OK) else number
 

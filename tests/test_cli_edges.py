@@ -3238,6 +3238,27 @@ def test_import_reads_a_fifo_whose_writer_waits_cli_130(tmp_path: Path) -> None:
         assert [journal.read_body(m.id) for m in journal.iter_order()] == [content]
 
 
+@pytest.mark.parametrize("number", ["\u00b2", "9" * 20])
+def test_a_descriptor_name_with_no_descriptor_behind_it_is_said_cli_162(
+    run_cli: RunCli, tmp_path: Path, number: str
+) -> None:
+    """CLI-162: `import /dev/fd/N` or `/proc/self/fd/N` whose N is no descriptor number (a
+    superscript digit, a number too large for one) exits 2 with one line, `cannot read NAME: No
+    such file or directory`, and journals nothing. (Before, CLI-161's reading of a given
+    descriptor took N as a number: a traceback, exit 1, `ValueError: invalid literal for int()`
+    or `OverflowError: Python int too large to convert to C int`.)"""
+    data = tmp_path / "data"
+    first = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert run_cli("import", "--no-wait", "--data", data, first).code == 0
+    for prefix in ("/dev/fd/", "/proc/self/fd/"):
+        name = f"{prefix}{number}"
+        run = run_cli("import", "--no-wait", "--data", data, name)
+        assert run.code == 2, run.err
+        one_line_error(run.err, f"healthlog: cannot read {name}: No such file or directory")
+    with DataDir(data).open_journal() as journal:
+        assert len(list(journal.iter_order())) == 1
+
+
 def test_import_waiting_on_a_fifo_stops_on_sigterm_cli_131(tmp_path: Path) -> None:
     """CLI-131: `import A FIFO` whose FIFO no program writes yet, once it has said that A is
     journaled (it then waits on the FIFO), stops on SIGTERM: exit 143, the first delivery kept.
