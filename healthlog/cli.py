@@ -1373,10 +1373,22 @@ def _account(uid: int, gid: int, path: Path) -> Owner:
     return Owner(account.pw_name, uid, account.pw_gid, path)
 
 
-CARRIED_ENV = ("PATH", "TERM", "TZ", "LANG", "LANGUAGE", "SSL_CERT_FILE", "SSL_CERT_DIR")
+CARRIED_ENV = (
+    "PATH",
+    "TERM",
+    "TZ",
+    "LANG",
+    "LANGUAGE",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "TMPDIR",
+    "TEMP",
+    "TMP",
+)
 """Variables of root's environment a command started anew as the data directory's owner keeps
 (:func:`_as_owner`), besides ``HEALTHLOG_*``, ``LC_*``, ``PYTHON*`` and the proxies that
-``follow`` goes through (CLI-159)."""
+``follow`` goes through (CLI-159); the temporary directory among them, where ``verify``
+rebuilds when it may not write the data directory (CLI-163)."""
 _CARRIED_PREFIXES = ("HEALTHLOG_", "LC_", "PYTHON")
 
 

@@ -457,6 +457,40 @@ def test_root_s_environment_is_not_carried_to_the_owner_cli_159(home: Path) -> N
     assert {"HEALTHLOG_LOG_LEVEL", "LC_TIME", "PATH"} <= names, names
 
 
+def test_verify_run_by_root_rebuilds_in_the_temporary_directory_it_was_given_cli_163(
+    home: Path,
+) -> None:
+    """CLI-163: `verify` run by root with `TMPDIR` set, on a data directory `nobody` owns and may
+    not write in (mode 0500, as a copy on read-only media), runs as `nobody` and rebuilds in a
+    scratch directory in that `TMPDIR` (README: `TMPDIR`, else `/tmp`), exit 0; `TMP` and `TEMP`,
+    which Python takes when `TMPDIR` is unset, are carried alike. (Before, CLI-159's environment
+    filter dropped `TMPDIR`: it rebuilt in `/tmp`, which can lack the room for a second store.)"""
+    data = service_directory(home)
+    data.chmod(0o500)
+    scratch = home / "big"
+    scratch.mkdir()
+    scratch.chmod(0o1777)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    for variable in ("TMPDIR", "TMP", "TEMP"):
+        done = subprocess.run(
+            healthlog("verify", "--data", data),
+            capture_output=True,
+            text=True,
+            env={
+                **{k: v for k, v in env.items() if k not in ("TMPDIR", "TMP", "TEMP")},
+                variable: os.fspath(scratch),
+            },
+            cwd=home,
+            timeout=LIMIT_S,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert f"rebuilding into a scratch directory in {scratch} instead" in done.stderr, (
+            variable,
+            done.stderr,
+        )
+
+
 def test_a_data_directory_not_made_yet_is_made_by_its_parent_s_owner_cli_160(home: Path) -> None:
     """CLI-160: `token add` run by root on a data directory not made yet, in a directory `nobody`
     owns, runs as `nobody` (CLI-146's INFO line, naming the new directory) and makes the
