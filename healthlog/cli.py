@@ -1334,13 +1334,7 @@ def _as_owner(path: Path) -> Owner | None:
         # The directory's group stands in for a uid without an account, and group root is
         # not that account's to have: a link it planted there would have the command write any
         # file group root may write (CLI-158).
-        raise NotSwitched(
-            f"{path} is uid {owner.uid}'s, which has no account here, and group root's: a"
-            " command run by root on it runs as that uid, and would take group root with it;"
-            f" give the directory a group of its own (`chgrp -R GROUP {path}`), or run it as"
-            f" that uid (`setpriv --reuid={owner.uid} --regid=GID --clear-groups healthlog"
-            " ...`); nothing was opened"
-        )
+        raise NotSwitched(_no_group_of_its_own(owner.uid, path, there.absolute()))
     try:
         os.setgroups([])
         os.setgid(owner.gid)
@@ -1400,6 +1394,27 @@ def _carried(name: str) -> bool:
         name in CARRIED_ENV
         or name.startswith(_CARRIED_PREFIXES)
         or name.lower() in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+    )
+
+
+def _no_group_of_its_own(uid: int, path: Path, there: Path) -> str:
+    """Why a command run by root on ``path``, of which ``there`` is the nearest directory that
+    is there, does not run as ``uid``, which has no account here, with group root (CLI-158).
+    Where ``path`` is not made yet, the ``chgrp`` is of ``there`` alone: ``chgrp -R`` of a path
+    not made fails, and ``there`` may hold other programs' files (CLI-164)."""
+    setpriv = f"`setpriv --reuid={uid} --regid=GID --clear-groups healthlog ...`"
+    if there == path:
+        return (
+            f"{path} is uid {uid}'s, which has no account here, and group root's: a command run"
+            " by root on it runs as that uid, and would take group root with it; give the"
+            f" directory a group of its own (`chgrp -R GROUP {path}`), or run it as that uid"
+            f" ({setpriv}); nothing was opened"
+        )
+    return (
+        f"{there} is uid {uid}'s, which has no account here, and group root's: a command run by"
+        f" root on {path} runs as that uid, and would take group root with it; give that"
+        f" directory a group of its own (`chgrp GROUP {there}`), or run it as that uid"
+        f" ({setpriv}); nothing was opened"
     )
 
 

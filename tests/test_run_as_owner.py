@@ -427,6 +427,38 @@ def test_an_unnamed_owner_of_root_s_group_is_not_given_that_group_cli_158(home: 
     assert owners(data)["tokens.sqlite"] == (uid, uid)
 
 
+def test_a_data_directory_not_made_yet_in_an_unnamed_owner_s_directory_names_that_one_cli_164(
+    home: Path,
+) -> None:
+    """CLI-164: `token add` run by root on a data directory not made yet, in a directory of a uid
+    without an account here and of group root, exits 3 with CLI-158's line naming the directory
+    that is there, and the `chgrp` of that one alone (`chgrp GROUP PARENT`, not `-R`: it may hold
+    other programs' files), and makes nothing; after that `chgrp`, it runs as that uid and makes
+    the data directory. (Before, the line said the data directory not made yet was the uid's and
+    told `chgrp -R GROUP DATA`, which fails: `No such file or directory`.)"""
+    taken = {entry.pw_uid for entry in pwd.getpwall()}
+    uid = next(n for n in range(40000, 50000) if n not in taken)
+    parent = home / "volumes"
+    parent.mkdir()
+    os.chown(parent, uid, 0)
+    data = parent / "data"
+    done = run(healthlog("token", "add", "phone", "--data", data), home)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines() == [
+        f"healthlog: {parent} is uid {uid}'s, which has no account here, and group root's: a"
+        f" command run by root on {data} runs as that uid, and would take group root with it;"
+        f" give that directory a group of its own (`chgrp GROUP {parent}`), or run it as that"
+        f" uid (`setpriv --reuid={uid} --regid=GID --clear-groups healthlog ...`); nothing was"
+        " opened"
+    ], done.stderr
+    assert list(parent.iterdir()) == []
+    done = subprocess.run(["chgrp", str(uid), parent], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    done = run(healthlog("token", "add", "phone", "--data", data), home)
+    assert done.returncode == 0, done.stderr
+    assert owners(data)["tokens.sqlite"] == (uid, uid)
+
+
 def test_root_s_environment_is_not_carried_to_the_owner_cli_159(home: Path) -> None:
     """CLI-159: `serve` run by root on a data directory `nobody` owns, with a variable of root's
     in its environment (`ROOT_SECRET`, as a root shell exports a cloud or database credential),
