@@ -1308,14 +1308,15 @@ def _as_owner(path: Path) -> Owner | None:
         return _account(os.geteuid(), os.getegid(), Path(started_by_root))
     if os.geteuid() != 0:
         return None
+    try:
+        absolute = path.absolute()
+    except FileNotFoundError:
+        # The current directory was deleted: a relative path names nothing, which the command
+        # says next (CLI-119).
+        return None
     # A directory not made yet is judged by the nearest one that is there, in which it is made:
     # that one's owner may make it first, racing the command, and plant links in it (CLI-160).
-    try:
-        above = path.absolute().parents
-    except FileNotFoundError:
-        # A relative path from a current directory deleted: said once main has the paths.
-        return None
-    for there in (path, *above):
+    for there in (path, *absolute.parents):
         try:
             stats = there.stat()
         except FileNotFoundError:
@@ -1327,8 +1328,7 @@ def _as_owner(path: Path) -> Owner | None:
         return None
     if stats.st_uid == 0:
         return None
-    # The current directory is there: the path was found from it.
-    path = path.absolute()
+    path = absolute
     owner = _account(stats.st_uid, stats.st_gid, path)
     if owner.gid == 0 and not _has_account(owner.uid):
         # The directory's group stands in for a uid without an account, and group root is
