@@ -103,6 +103,12 @@ def service_directory(home: Path) -> Path:
     return data
 
 
+def _unnamed_uid() -> int:
+    """A uid that no account of this machine has."""
+    taken = {entry.pw_uid for entry in pwd.getpwall()}
+    return next(n for n in range(40000, 50000) if n not in taken)
+
+
 def _refused_untouched(
     done: subprocess.CompletedProcess[str], victim: Path, guarded: Path
 ) -> list[str]:
@@ -191,8 +197,7 @@ def test_a_command_run_by_root_runs_as_the_data_directory_s_owner_cli_146(home: 
     assert switched_lines(done.stderr) == []
     assert owners(own)["tokens.sqlite"] == (0, 0)
 
-    taken = {entry.pw_uid for entry in pwd.getpwall()}
-    uid = next(n for n in range(40000, 50000) if n not in taken)
+    uid = _unnamed_uid()
     unnamed = home / "unnamed"
     unnamed.mkdir()
     os.chown(unnamed, uid, uid + 1)
@@ -405,8 +410,7 @@ def test_an_unnamed_owner_of_root_s_group_is_not_given_that_group_cli_158(home: 
     and what to do, and makes nothing there; the same directory given a group of its own runs
     as that uid and group (CLI-146). (Before, the command ran as that uid with group root, so
     that a link the account planted there had it write any file group root may write.)"""
-    taken = {entry.pw_uid for entry in pwd.getpwall()}
-    uid = next(n for n in range(40000, 50000) if n not in taken)
+    uid = _unnamed_uid()
     data = home / "unnamed"
     data.mkdir()
     os.chown(data, uid, 0)
@@ -436,8 +440,7 @@ def test_a_data_directory_not_made_yet_in_an_unnamed_owner_s_directory_names_tha
     other programs' files), and makes nothing; after that `chgrp`, it runs as that uid and makes
     the data directory. (Before, the line said the data directory not made yet was the uid's and
     told `chgrp -R GROUP DATA`, which fails: `No such file or directory`.)"""
-    taken = {entry.pw_uid for entry in pwd.getpwall()}
-    uid = next(n for n in range(40000, 50000) if n not in taken)
+    uid = _unnamed_uid()
     parent = home / "volumes"
     parent.mkdir()
     os.chown(parent, uid, 0)
