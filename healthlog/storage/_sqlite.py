@@ -738,15 +738,17 @@ def group_name(gid: int) -> str:
 def shared_with_others(gid: int, uid: int) -> bool:
     """Whether an account other than ``uid`` belongs to the group ``gid``, as its primary group
     or as a member; a group the system does not know is taken as shared. A user private group
-    (each user's own, as Debian, Ubuntu and Fedora make them, with a umask of 002) is not."""
+    (each user's own, as Debian, Ubuntu and Fedora make them, with a umask of 002) is not. A
+    member is told by the group's own list, which a directory service (LDAP, SSSD) gives whole
+    where it does not list every account."""
     try:
-        members = set(grp.getgrgid(gid).gr_mem)
+        members = grp.getgrgid(gid).gr_mem
     except KeyError:
         return True
-    return any(
-        account.pw_uid != uid and (account.pw_gid == gid or account.pw_name in members)
-        for account in pwd.getpwall()
-    )
+    owner = user_name(uid)
+    if any(member != owner for member in members):
+        return True
+    return any(account.pw_uid != uid and account.pw_gid == gid for account in pwd.getpwall())
 
 
 def classify(exc: sqlite3.Error) -> StorageError:
