@@ -13,7 +13,7 @@ import tempfile
 from contextlib import closing
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _bodies import BASE_US, append, body, delivery, point, rows
@@ -469,12 +469,21 @@ def test_any_seals_among_any_deliveries_rebuild_the_same_seal_10(
         assert run_pass(journal, store, epoch).reached_end
         store.release_lease("folder", epoch)
 
-        assert verify(journal, store) == []
-        rebuild_into(journal, Path(tmp) / "one.sqlite", workers=1)
-        rebuild_into(journal, Path(tmp) / "two.sqlite", workers=2)
-        one, two = rows(Path(tmp) / "one.sqlite"), rows(Path(tmp) / "two.sqlite")
-        for table in ("objects", "outcomes", "seals", "checkpoint"):
-            assert one[table] == two[table]
+        _rebuilds_agree(journal, store, Path(tmp))
+
+
+def _rebuilds_agree(
+    journal: Journal, store: Store, scratch: Path
+) -> dict[str, list[tuple[Any, ...]]]:
+    """Assert that ``verify`` finds the live store equal to a rebuild and that rebuilds into
+    ``scratch`` by one worker and by two agree table by table; the rows of the first."""
+    assert verify(journal, store) == []
+    rebuild_into(journal, scratch / "one.sqlite", workers=1)
+    rebuild_into(journal, scratch / "two.sqlite", workers=2)
+    one, two = rows(scratch / "one.sqlite"), rows(scratch / "two.sqlite")
+    for table in ("objects", "outcomes", "seals", "checkpoint"):
+        assert one[table] == two[table]
+    return one
 
 
 def test_a_fold_reads_one_seal_per_metric_and_layer_seal_18(
@@ -885,10 +894,5 @@ def test_any_seals_among_any_totals_rebuild_the_same_seal_27(
                 and seal.layer in (None, s.key.layer)
                 for seal in journaled
             ), s.key
-        assert verify(journal, store) == []
-        rebuild_into(journal, Path(tmp) / "one.sqlite", workers=1)
-        rebuild_into(journal, Path(tmp) / "two.sqlite", workers=2)
-        one, two = rows(Path(tmp) / "one.sqlite"), rows(Path(tmp) / "two.sqlite")
-        for table in ("objects", "outcomes", "seals", "checkpoint"):
-            assert one[table] == two[table]
+        one = _rebuilds_agree(journal, store, Path(tmp))
         assert one["objects"] == rows(store.path)["objects"]
