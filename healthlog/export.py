@@ -47,7 +47,7 @@ def object_lines(
     does not decode raises :class:`objects.ObjectCorrupt` naming the object."""
     line = _jsonl if fmt == "jsonl" else _csv
     try:
-        points = objects.decode(obj.body)
+        points = objects.entries(obj.body)
     except objects.ObjectCorrupt as exc:
         key = obj.key
         where = f"{key.metric} {key.layer} {format_instant(key.hour)}"
@@ -55,7 +55,7 @@ def object_lines(
             f"{exc} ({where}); `healthlog verify` lists such objects, `healthlog reindex`"
             " rebuilds them"
         ) from None
-    for (start, end), raw in sorted(points.items()):
+    for start, end, raw in points:
         if start_from is not None and start < start_from:
             continue
         if start_to is not None and start >= start_to:

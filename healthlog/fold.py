@@ -19,13 +19,13 @@ import attrs
 from healthlog import hae, layers, objects
 from healthlog.merge import (
     Collision,
-    Coordinates,
     Counters,
     Incoming,
     merge_points,
     reduce_delivery,
 )
 from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.points import Coordinates, named_at
 from healthlog.timestamps import format_instant, hour_of
 
 log = logging.getLogger("healthlog.fold")
@@ -221,8 +221,14 @@ class DeliveryFold:
 
         self._count_rejected(series)
         self._counters.points += series.accepted
+        named = _named(metric, layer)
         for hour, keys, raws in series.hours():
             self._check_budget()
+            if named is not None:
+                keys = [
+                    named_at(key[0], key[1], raw, named)
+                    for key, raw in zip(keys, raws, strict=True)
+                ]
             incoming = reduce_delivery(keys, raws, self._counters, on_collision)
             written = self._fold_object(ObjectKey(metric, layer, hour), units, incoming)
             if written is not None:
@@ -240,7 +246,9 @@ class DeliveryFold:
             points: dict[Coordinates, bytes] = {}
             created_by, object_units = self._info.id, units
         else:
-            points = objects.decode(stored.body, compressed=not self._plain)
+            points = objects.decode(
+                stored.body, compressed=not self._plain, named=_named(key.metric, key.layer)
+            )
             created_by, sealed = stored.created_by, sealed or stored.sealed
             object_units = stored.units if stored.units is not None else units
             if units is not None and units != object_units:
@@ -289,6 +297,11 @@ class DeliveryFold:
             layer=self._layer,
             counters=self._counters,
         )
+
+
+def _named(metric: str, layer: str) -> str | None:
+    """The field that tells the records of one moment apart in this object, if any (MERGE-35)."""
+    return hae.RECORD_NAMES.get(metric) if layer == layers.RECORDS else None
 
 
 def _reason(failure: str | None, rejections: Counter[str]) -> str | None:

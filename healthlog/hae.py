@@ -22,6 +22,7 @@ import msgspec
 from healthlog import layers
 from healthlog.points import (
     MAX_NESTING,
+    Coordinates,
     PointError,
     body_nesting,
     coordinates,
@@ -42,6 +43,11 @@ RECORD_SECTIONS = frozenset(
         "heartRateNotifications",
     }
 )
+RECORD_NAMES = {"symptoms": "name", "cycleTracking": "name", "medications": "displayText"}
+"""The field naming what a record of a section records, in the sections where one moment holds
+several records: the Health app logs a cycle day's symptoms over that whole day, so they share
+their start and end, and the doses of a schedule logged at once share their time. Such records
+are told apart by it, not reduced to one (MERGE-35)."""
 UTF8_BOM = b"\xef\xbb\xbf"
 # A body of more than ``DENSE_MIN_BYTES`` holding more JSON values than one per
 # ``MIN_BYTES_PER_VALUE`` bytes (counted by its commas and opening brackets) is not read. Its
@@ -271,7 +277,7 @@ class Series:
             )
 
 
-def _keys(run: array[int], first: int, ends: dict[int, int]) -> list[tuple[int, int]]:
+def _keys(run: array[int], first: int, ends: dict[int, int]) -> list[Coordinates]:
     """Coordinates of the points ``first, first + 1, ...`` whose starts are ``run``."""
     if not ends:
         return list(zip(run, run, strict=True))
@@ -285,7 +291,7 @@ class Hour(NamedTuple):
     """
 
     hour: int
-    keys: list[tuple[int, int]]
+    keys: list[Coordinates]
     raws: list[bytes]
 
 

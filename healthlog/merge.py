@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 
 from healthlog.points import (
+    Coordinates,
     Point,
     all_same_content,
     decode_all,
@@ -47,8 +48,6 @@ from healthlog.points import (
     same_content,
     same_value,
 )
-
-Coordinates = tuple[int, int]
 
 
 class Collision(Enum):
@@ -139,7 +138,7 @@ def reduce_delivery(
     for i, key in enumerate(keys):
         if key not in shared:
             continue
-        point = point_at(raws[i], *key)
+        point = point_at(raws[i], key[0], key[1])
         seen = kept.get(key)
         if seen is None:
             kept[key] = point
@@ -280,7 +279,7 @@ def _settle_meetings(
             # As same_content decides it: the raw bytes differ (else they would not meet) and
             # so does a number, or the points are compared as same_content compares them.
             if not numbers_differ(old_value, new_value):
-                start, end = key
+                start, end = key[0], key[1]
                 old = Point(start, end, old_raws[n], old_count, old_value, None)
                 point = Point(start, end, new_raws[n], new_count, new_value, None)
                 if same_content(old, point):

@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from healthlog.merge import Coordinates
+from healthlog.points import Coordinates, named_at
 
 GZIP_LEVEL = 6
 
@@ -62,7 +62,7 @@ def encode(
     """Encode points into an object body, sorted by (start, end); with ``compressed`` off the
     body is left plain (a partitioned rebuild's scratch files, see :func:`compress`)."""
     ordered = sorted(points.items())
-    plain = b"".join([b"%d\t%d\t%s\n" % (s, e, raw) for (s, e), raw in ordered])
+    plain = b"".join([b"%d\t%d\t%s\n" % (at[0], at[1], raw) for at, raw in ordered])
     return HourlyObject(
         key=key,
         units=units,
@@ -107,19 +107,41 @@ def holds(body: bytes, plain: bytes) -> bool:
         return False
 
 
-def decode(body: bytes, *, compressed: bool = True) -> dict[Coordinates, bytes]:
-    """Points of an object body keyed by coordinates (a plain one with ``compressed`` off)."""
-    plain = decompress(body) if compressed else body
+def decode(
+    body: bytes, *, compressed: bool = True, named: str | None = None
+) -> dict[Coordinates, bytes]:
+    """Points of an object body keyed by coordinates (a plain one with ``compressed`` off),
+    each with the string under ``named`` where it has one (``points.named_at``)."""
+    points: dict[Coordinates, bytes] = {}
     try:
-        points: dict[Coordinates, bytes] = {}
-        for line in plain.split(b"\n")[:-1]:
+        for line in _lines(body, compressed):
             start, end, raw = line.split(b"\t", 2)
-            points[(int(start), int(end))] = raw
+            if named is None:
+                points[(int(start), int(end))] = raw
+            else:
+                points[named_at(int(start), int(end), raw, named)] = raw
     except ValueError as exc:
         raise ObjectCorrupt(f"object body cannot be decoded: {type(exc).__name__}") from None
-    if not points:
-        raise ObjectCorrupt("object body holds no point")
     return points
+
+
+def entries(body: bytes) -> list[tuple[int, int, bytes]]:
+    """The points of a stored object body as they are stored, in order: start, end and bytes."""
+    try:
+        return [
+            (int(start), int(end), raw)
+            for start, end, raw in (line.split(b"\t", 2) for line in _lines(body, True))
+        ]
+    except ValueError as exc:
+        raise ObjectCorrupt(f"object body cannot be decoded: {type(exc).__name__}") from None
+
+
+def _lines(body: bytes, compressed: bool) -> list[bytes]:
+    plain = decompress(body) if compressed else body
+    lines = plain.split(b"\n")[:-1]
+    if not lines:
+        raise ObjectCorrupt("object body holds no point")
+    return lines
 
 
 def to_wire(obj: HourlyObject) -> dict[str, Any]:

@@ -29,6 +29,10 @@ instant form (:func:`instant_form`) reads them as instants, for whether two poin
 value (MERGE-31)."""
 _INSTANT_KEYS = TIMESTAMP_KEYS | OTHER_DATE_KEYS
 
+Coordinates = tuple[int, int] | tuple[int, int, str]
+"""Where a point is: its start and end; a record of a section that names what it records
+(:func:`named_at`) has its name as well."""
+
 _decoder = msgspec.json.Decoder()
 _sorted_encoder = msgspec.json.Encoder(order="sorted")
 _NESTED = frozenset({dict, list})
@@ -299,7 +303,7 @@ def point_at(raw: bytes, start: int, end: int) -> Point:
 
 
 def points_at(
-    raws: list[bytes], keys: list[tuple[int, int]], values: list[Any] | None = None
+    raws: list[bytes], keys: list[Coordinates], values: list[Any] | None = None
 ) -> list[Point]:
     """:func:`point_at` of many points, decoded together as one array (:func:`decode_all`),
     or from their ``values`` so decoded already; if they do not decode so, each is decoded
@@ -307,13 +311,27 @@ def points_at(
     if values is None:
         values = decode_all(raws)
     if values is None:
-        return [point_at(raw, *key) for raw, key in zip(raws, keys, strict=True)]
+        return [point_at(raw, key[0], key[1]) for raw, key in zip(raws, keys, strict=True)]
     points = []
-    for value, raw, (start, end) in zip(values, raws, keys, strict=True):
+    for value, raw, key in zip(values, raws, keys, strict=True):
         if type(value) is not dict:
             raise PointError(f"point is a JSON {type(value).__name__}, not an object")
-        points.append(_lazy_point(value, start, end, raw))
+        points.append(_lazy_point(value, key[0], key[1], raw))
     return points
+
+
+def named_at(start: int, end: int, raw: bytes, field: str | None) -> Coordinates:
+    """The coordinates of a point, with the string under ``field`` when it has one that is not
+    empty: records of a section where one moment holds several (the symptoms of a cycle day,
+    which all span that day; the doses of a schedule logged at once) are told apart by what they
+    record, and are the same record again wherever it is re-sent (MERGE-35)."""
+    if field is None:
+        return start, end
+    try:
+        name = point_object(raw).get(field)
+    except PointError:
+        return start, end
+    return (start, end, name) if type(name) is str and name else (start, end)
 
 
 def decode_all(raws: list[bytes]) -> list[Any] | None:

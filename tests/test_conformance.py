@@ -651,3 +651,64 @@ async def test_ewe_markers_come_out_once_time_42(tmp_path: Path) -> None:
     Togo's `... 12:05:00 le +0000`) is ``parsed`` and comes out once each, byte for byte, at its
     UTC start; the same points re-sent on the 24-hour clock are unchanged."""
     await _twelve_hour_points_come_out_once(tmp_path, EWE_MARKERS)
+
+
+# Records of one moment, as the Health app logs them: cycle-day symptoms span the whole day, so
+# every symptom of a day shares its start and end; a schedule's doses logged at once share their
+# time.
+DAY_START, DAY_END = "2024-02-06 00:00:00 -0800", "2024-02-07 00:00:00 -0800"
+DOSE = "2024-02-06 08:00:00 -0800"
+SYMPTOMS = [
+    b'{"start":"%s","end":"%s","name":"%s","severity":"Mild","source":"Health"}'
+    % (DAY_START.encode(), DAY_END.encode(), name)
+    for name in (b"Abdominal Cramps", b"Bloating", b"Headache")
+]
+DOSES = [
+    b'{"start":"%s","end":"%s","displayText":"%s","status":"Taken","dosage":1}'
+    % (DOSE.encode(), DOSE.encode(), name)
+    for name in (b"Lisinopril 10 mg", b"Metformin 500 mg")
+]
+
+
+async def test_records_of_one_moment_are_each_kept_merge_35(tmp_path: Path) -> None:
+    """MERGE-35: symptoms of one cycle day and doses of medications taken at once share their
+    start and end; each is kept and comes out once, byte for byte. A re-send in another key
+    order and offset changes nothing; one whose severity changed replaces that symptom alone."""
+    body = envelope({"symptoms": SYMPTOMS, "medications": DOSES}, [])
+    async with serving(tmp_path / "data") as service:
+        first = await post_folded(service, body, {})
+        assert (first["status"], changed_counters(first)) == (
+            "parsed",
+            {"points_new": 5, "objects_written": 2},
+        )
+        stored = await points(service)
+        assert [json.loads(found)["point"] for found in stored] == [
+            json.loads(raw) for raw in DOSES + SYMPTOMS
+        ]
+        assert {json.loads(found)["end"] for found in stored[2:]} == {"2024-02-07T08:00:00Z"}
+
+        again = [
+            json.dumps(
+                {**dict(reversed(json.loads(raw).items())), "start": start, "end": end}
+            ).encode()
+            for raw, start, end in [
+                (raw, "2024-02-06 08:00:00 +0000", "2024-02-07 08:00:00 +0000") for raw in SYMPTOMS
+            ]
+        ]
+        resent = await post_folded(service, envelope({"symptoms": again}, []), {})
+        assert (resent["status"], changed_counters(resent)) == ("parsed", {"points_unchanged": 3})
+        assert await points(service) == stored
+
+        worse = SYMPTOMS[1].replace(b'"Mild"', b'"Severe"')
+        changed = await post_folded(service, envelope({"symptoms": [worse]}, []), {})
+        assert changed_counters(changed) == {
+            "points_erased": 1,
+            "overwrites": 1,
+            "objects_written": 1,
+        }
+        after = await points(service)
+        assert [json.loads(found)["point"]["severity"] for found in after[2:]] == [
+            "Mild",
+            "Severe",
+            "Mild",
+        ]

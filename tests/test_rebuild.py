@@ -1793,3 +1793,40 @@ def test_re_sends_in_other_offsets_keep_what_a_store_folded_before_holds_merge_3
         assert [c["points_unchanged"] for c in counters] == [0, 2, 2]
         verification = verify_all(journal, store, workers=1)
         assert (verification.objects, verification.outcomes) == ([], [])
+
+
+def test_records_of_one_moment_fold_live_as_a_rebuild_does_merge_35() -> None:
+    """MERGE-35: three symptoms of one cycle day and two doses taken at once, then the day's
+    symptoms again with one severity changed, folded live into real SQLite files: each record is
+    kept, the changed one replaced alone, and rebuilds by one worker and by two find no object
+    and no outcome differing."""
+    day = b'"start":"2024-02-06 00:00:00 -0800","end":"2024-02-07 00:00:00 -0800"'
+    dose = b'"start":"2024-02-06 08:00:00 -0800","end":"2024-02-06 08:00:00 -0800"'
+    symptoms = [
+        b'{%s,"name":"%s","severity":"Mild"}' % (day, name) for name in (b"Bloating", b"Headache")
+    ]
+    doses = [b'{%s,"displayText":"%s","dosage":1}' % (dose, name) for name in (b"A", b"B")]
+    first = b'{"data":{"symptoms":[%s],"medications":[%s]}}' % (
+        b",".join([*symptoms, b'{%s,"name":"Acne","severity":"Mild"}' % day]),
+        b",".join(doses),
+    )
+    changed = symptoms[1].replace(b"Mild", b"Severe")
+    with scratch_data() as (tmp, journal, store):
+        append(journal, delivery(first))
+        append(journal, delivery(b'{"symptoms":[%s]}' % changed))
+        assert fold_live(journal, store).stopped_because == "empty"
+
+        with closing(sqlite3.connect(tmp / "store.sqlite")) as conn:
+            kept = {
+                metric: [
+                    line.split(b"\t", 2)[2] for line in gzip.decompress(bytes(body)).splitlines()
+                ]
+                for metric, body in conn.execute("SELECT metric, body FROM objects")
+            }
+        assert kept == {
+            "medications": doses,
+            "symptoms": [b'{%s,"name":"Acne","severity":"Mild"}' % day, symptoms[0], changed],
+        }
+        for workers in (1, 2):
+            verification = verify_all(journal, store, workers=workers)
+            assert (verification.objects, verification.outcomes) == ([], [])
