@@ -113,8 +113,9 @@ def decode(
     """Points of an object body keyed by coordinates (a plain one with ``compressed`` off),
     each with the string under ``named`` where it has one (``points.named_at``)."""
     points: dict[Coordinates, bytes] = {}
+    lines = _lines(body, compressed)
     try:
-        for line in _lines(body, compressed):
+        for line in lines:
             start, end, raw = line.split(b"\t", 2)
             if named is None:
                 points[(int(start), int(end))] = raw
@@ -127,10 +128,11 @@ def decode(
 
 def entries(body: bytes) -> list[tuple[int, int, bytes]]:
     """The points of a stored object body as they are stored, in order: start, end and bytes."""
+    lines = _lines(body, True)
     try:
         return [
             (int(start), int(end), raw)
-            for start, end, raw in (line.split(b"\t", 2) for line in _lines(body, True))
+            for start, end, raw in (line.split(b"\t", 2) for line in lines)
         ]
     except ValueError as exc:
         raise ObjectCorrupt(f"object body cannot be decoded: {type(exc).__name__}") from None
