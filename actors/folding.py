@@ -77,14 +77,15 @@ budget counts its CPU time, which waiting for a core does not use up: FOLD-18.)"
 
 
 def _start_worker() -> None:
-    """In each fold worker process: nicer than the service, and deaf to SIGINT and SIGTERM.
-    A service manager stopping the service (systemd's default) or a terminal's Ctrl-C signals
-    the whole process group; the service then stops its workers itself (a cancelled fold
-    kills its worker, an idle one ends with the worker cache), where a worker dying of the
-    signal first was a lost worker, logged as the folding actor's crash."""
+    """In each fold worker process: nicer than the service, and deaf to SIGINT, SIGTERM and
+    SIGHUP. A service manager stopping the service (systemd's default), a terminal's Ctrl-C or
+    its hangup (a shell signals its jobs as it exits) signals the whole process group; the
+    service then stops its workers itself (a cancelled fold kills its worker, an idle one ends
+    with the worker cache), where a worker dying of the signal first was a lost worker, logged
+    as the folding actor's crash."""
     os.nice(WORKER_NICENESS)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 class Executor(enum.Enum):

@@ -33,6 +33,7 @@ from healthlog.config import (
 )
 from healthlog.export import FORMATS, export_lines
 from healthlog.fold import FAILED, PARTIAL
+from healthlog.hangup import hangup
 from healthlog.logs import LEVELS, setup_logging
 from healthlog.objects import ObjectCorrupt
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
@@ -125,11 +126,13 @@ class Stopped(BaseException):
 class Progress:
     """Progress on stderr: a rewritten line on a terminal, else at most a line a second.
 
-    It is also where a long command stops on SIGTERM or SIGINT (:meth:`stopping`): the signal
-    is noted and :class:`Stopped` raised at the next report, so ``finally`` blocks (a lease
-    release) run. Raising from the signal handler itself could interrupt the main thread inside
-    a lock that the rebuild's worker-pool thread needs next (the logging lock, say), and the
-    pool's shutdown would then wait forever. A second signal stops at once.
+    It is also where a long command stops on SIGTERM, SIGINT or SIGHUP (:meth:`stopping`; a
+    hangup, unless ignored as the command started: ``hangup``): the signal is noted and
+    :class:`Stopped` raised at the next report, so ``finally`` blocks (a lease release, the
+    removal of a rebuild's scratch store) run. Raising from the signal handler itself could
+    interrupt the main thread inside a lock that the rebuild's worker-pool thread needs next
+    (the logging lock, say), and the pool's shutdown would then wait forever. A second signal
+    stops at once.
     """
 
     def __init__(self, what: str) -> None:
@@ -143,10 +146,10 @@ class Progress:
 
     @contextlib.contextmanager
     def stopping(self) -> Iterator[None]:
-        """Stop at the next report on SIGTERM or SIGINT while the block runs."""
+        """Stop at the next report on SIGTERM, SIGINT or SIGHUP while the block runs."""
         previous = {
             signum: signal.signal(signum, self._request_stop)
-            for signum in (signal.SIGTERM, signal.SIGINT)
+            for signum in (signal.SIGTERM, signal.SIGINT, *hangup())
         }
         try:
             yield
@@ -272,16 +275,17 @@ def _run(fn: Callable[..., Awaitable[T]], *args: object) -> T:
 
 
 def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
-    """:func:`_run`, with SIGTERM and Ctrl-C (SIGINT) stopping ``fn``: it is cancelled, so the
-    runtime it opened closes on the way out (its fold lease released, its fold workers
-    stopped), and the command exits 143 or 130 with one line. Left to its default, SIGTERM
+    """:func:`_run`, with SIGTERM, Ctrl-C (SIGINT) and a hangup (SIGHUP: its terminal closed)
+    stopping ``fn``: it is cancelled, so the runtime it opened closes on the way out (its fold
+    lease released, its fold workers stopped), and the command exits 143, 130 or 129 with one
+    line. Left to its default, SIGTERM
     ended the process at once, and its lease held off the service's folding for a lease term.
     Ctrl-C left to trio's KeyboardInterrupt broke even a shielded wait, the one for a
     delivery's commit: journaled, it went unsaid (RUN-75). A SIGINT ignored when the command
-    started (a shell's background job) stays ignored."""
+    started (a shell's background job) stays ignored, as does a SIGHUP (``nohup``)."""
     import trio
 
-    stopping = [signal.SIGTERM]
+    stopping = [signal.SIGTERM, *hangup()]
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         stopping.append(signal.SIGINT)
 
@@ -554,9 +558,9 @@ def cmd_serve(args: argparse.Namespace, data: DataDir) -> int:
             _say_why_not_listening(exc, args.owner)
         raise
     # Stopped cleanly. The stopping signal delivered once more (``timeout``, a kill of the
-    # process group) must not kill the interpreter on its way out, which restores the default
-    # handlers: the exit is 0 whatever arrives now.
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    # process group, a shell hanging up its jobs) must not kill the interpreter on its way out,
+    # which restores the default handlers: the exit is 0 whatever arrives now.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     return 0
 
@@ -727,20 +731,25 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
         raise CliError(str(exc)) from None
     except NotAReplica as exc:
         raise CliError(f"{args.replica / REPLICA_FILE} {exc}") from None
-    print(f"follow: replica at seq {cursor}", file=sys.stderr)
+    # Dropped when stderr cannot be written: a terminal that hung up stopped the follower, which
+    # exited 3 as if its replica could not be written (CLI-168).
+    _tell(f"follow: replica at seq {cursor}")
     return 0
 
 
 async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
-    """``run``, until it returns or SIGINT or SIGTERM stops it (cancelled: a follower's replica
-    is consistent after every event). What ``run`` raises is raised as it is, not in a group."""
+    """``run``, until it returns or SIGINT, SIGTERM or SIGHUP (a hangup, unless ignored as the
+    command started) stops it (cancelled: a follower's replica is consistent after every event,
+    and it acknowledges what it holds as it stops). What ``run`` raises is raised as it is, not
+    in a group."""
     import trio
 
     failure: Exception | None = None
+    stopping = (signal.SIGINT, signal.SIGTERM, *hangup())
     async with trio.open_nursery() as nursery:
 
         async def stop_on_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with trio.open_signal_receiver(*stopping) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
 
@@ -1584,9 +1593,9 @@ def _quiet_stdout() -> None:
 
 def _stopped_by_signal(exc: BaseException) -> int | None:
     """The exit status of a command that ``exc`` says was stopped by a signal: Ctrl-C
-    (SIGINT, also from inside a trio nursery), SIGINT or SIGTERM noted by :class:`Progress`,
-    or SIGTERM to ``import`` or ``seal`` (:func:`_run_terminable`); None for any other
-    exception."""
+    (SIGINT, also from inside a trio nursery), SIGINT, SIGTERM or SIGHUP noted by
+    :class:`Progress`, or SIGTERM or SIGHUP to ``import`` or ``seal`` (:func:`_run_terminable`);
+    None for any other exception."""
     if isinstance(exc, Stopped):
         return 128 + exc.signum
     if isinstance(exc, BaseExceptionGroup):

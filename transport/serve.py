@@ -62,6 +62,7 @@ from wsproto.extensions import PerMessageDeflate
 
 from actors.runtime import configured, open_runtime
 from healthlog.config import ServeConfig
+from healthlog.hangup import hangup
 from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
 from transport.app import MAX_HEADER_BYTES, RESPONSE_TIMEOUT_S, create_app
@@ -592,7 +593,7 @@ async def serve(
         os.environ[faultplan.SERVE_PID_ENV] = str(os.getpid())
     # The signals are watched until the runtime has stopped too, not only while HTTP is served.
     async with trio.open_nursery() as watching:
-        watching.start_soon(_on_signals, stop)
+        watching.start_soon(_on_signals, stop, config.graceful_timeout_s)
         await _serve(data, config, stop, response_timeout_s, task_status)
         watching.cancel_scope.cancel()
 
@@ -655,27 +656,31 @@ async def _serve(
         listening.close_unused()
 
 
-async def _on_signals(stop: trio.Event) -> None:
-    """Stop at the first SIGINT or SIGTERM. One more within ``REPEATED_SIGNAL_S`` is the same
-    stop delivered twice (``timeout`` signals the service and then its process group; a kill of
-    the group reaches it beside its parent's) and changes nothing; a later one is someone
-    insisting, and stops at once, as a second Ctrl-C does (``healthlog: interrupted``, 130).
+async def _on_signals(stop: trio.Event, graceful_timeout_s: float) -> None:
+    """Stop at the first SIGINT, SIGTERM or SIGHUP (a hangup: the terminal or SSH session the
+    service was started from closed, unless it runs under ``nohup``; RUN-76), saying so. One
+    more within ``REPEATED_SIGNAL_S`` is the same stop delivered twice (``timeout`` signals the
+    service and then its process group; a kill of the group reaches it beside its parent's; a
+    shell hanging up signals its jobs as the terminal does) and changes nothing; a later one is
+    someone insisting, and stops at once, as a second Ctrl-C does (``healthlog: interrupted``,
+    130).
 
-    Once a signal has stopped the service, both stay ignored when the watch ends: the process
-    is on its way out, and the same stop once more (queued in the receiver as it closed, which
-    delivers it again, or just after) raised KeyboardInterrupt (130) through trio's handler, or
-    with the default one killed the process (-15), after a clean stop (RUN-58). So the receiver
-    is opened with both ignored, which it puts back as it closes; stopped otherwise (the
-    ``shutdown`` event), the handlers from before are put back."""
-    stopping = (signal.SIGINT, signal.SIGTERM)
+    Once a signal has stopped the service, they all stay ignored when the watch ends: the
+    process is on its way out, and the same stop once more (queued in the receiver as it closed,
+    which delivers it again, or just after) raised KeyboardInterrupt (130) through trio's
+    handler, or with the default one killed the process (-15), after a clean stop (RUN-58). So
+    the receiver is opened with them ignored, which it puts back as it closes; stopped otherwise
+    (the ``shutdown`` event), the handlers from before are put back."""
+    stopping = (signal.SIGINT, signal.SIGTERM, *hangup())
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stopping}
     first: float | None = None
     try:
         with trio.open_signal_receiver(*stopping) as signals:
-            async for _ in signals:
+            async for signum in signals:
                 now = trio.current_time()
                 if first is None:
                     first = now
+                    _say_stopping(signal.Signals(signum), graceful_timeout_s)
                     stop.set()
                 elif now - first > REPEATED_SIGNAL_S:
                     raise KeyboardInterrupt
@@ -683,3 +688,22 @@ async def _on_signals(stop: trio.Event) -> None:
         if first is None:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+
+
+def _say_stopping(signum: signal.Signals, graceful_timeout_s: float) -> None:
+    """The line that says why the service stops: without it a log ended the same whether the
+    service was stopped or killed. A hangup is said at WARNING with what keeps the service
+    running past its terminal: an SSH logout stopped it, which its user seldom means (RUN-76)."""
+    if signum == signal.SIGHUP:
+        log.warning(
+            "stopping on SIGHUP: the terminal or SSH session it was started from has closed;"
+            " uploads in flight may finish within %g s. To keep it serving after a logout, run"
+            " it under systemd or with nohup (README)",
+            graceful_timeout_s,
+        )
+    else:
+        log.info(
+            "stopping on %s: uploads in flight may finish within %g s",
+            signum.name,
+            graceful_timeout_s,
+        )

@@ -300,14 +300,14 @@ def _context() -> multiprocessing.context.BaseContext:
 
 
 def _worker_started(parent: int) -> None:
-    """In each worker process: SIGINT and SIGTERM are left to the rebuilding process (a
-    terminal's Ctrl-C, or a service manager's stop, reaches the whole group; the rebuilding
-    process stops at its next report and shuts the pool down, where a worker dying at once
-    would break the pool and turn the stop into a failure), and the worker exits once
+    """In each worker process: SIGINT, SIGTERM and SIGHUP are left to the rebuilding process
+    (a terminal's Ctrl-C or hangup, or a service manager's stop, reaches the whole group; the
+    rebuilding process stops at its next report and shuts the pool down, where a worker dying
+    at once would break the pool and turn the stop into a failure), and the worker exits once
     ``parent`` is gone (a rebuild killed with SIGKILL would otherwise leave it waiting
     forever)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     watch = threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True)
     watch.start()
 

@@ -1,0 +1,22 @@
+"""A hangup (SIGHUP) stops a long-running command as SIGTERM does.
+
+It is what a command gets when the terminal or SSH session it runs in closes: started in the
+foreground, or as a job with ``&``, it is signalled by the shell on its way out. Left to its
+default, SIGHUP ended the process at once: ``serve`` cut the uploads in flight and left the fold
+lease held, so that the service started again folded nothing for the lease's term (15 s);
+``reindex`` and ``verify`` left their scratch store behind, ``import`` and ``seal`` the lease
+(RUN-76, CLI-167). There is nothing for a hangup to reload: every setting is read at start.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+def hangup() -> tuple[signal.Signals, ...]:
+    """SIGHUP, to stop on as on SIGTERM, unless it was ignored as the command started
+    (``nohup``, ``setsid -f``, a ``trap '' HUP``): a command meant to outlive its terminal
+    does (RUN-77). Asked before the command sets a handler of its own."""
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        return ()
+    return (signal.SIGHUP,)

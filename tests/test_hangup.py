@@ -1,0 +1,342 @@
+"""The long-running commands as a NAS owner runs them from an SSH session (specs/runtime.md,
+RUN-76 to RUN-79; specs/cli.md, CLI-167 to CLI-170): the session closes under them (a hangup,
+SIGHUP), they run under ``nohup``, they are stopped by a signal to them alone, their stderr's
+reader is gone.
+
+The session is a real interactive ``bash`` on a pseudo-terminal of the test's: closing the
+terminal's side the test holds is what an SSH logout, or a dropped connection, does to it."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from _baseline import severe_lines
+from _cli_bodies import body, metric, point, write
+from _service_helpers import CLIENT_TIMEOUT_S, Drip, post_stream, serving
+from _stream_helpers import acked, post_small, until_cursor
+
+from healthlog.storage.datadir import DataDir
+from healthlog.storage.rebuild import SCRATCH_PREFIX
+from healthlog.storage.replica import REPLICA_FILE, Replica
+
+LIMIT_S = 60.0
+POLL_S = 0.05
+URL_LINE = re.compile(rb"healthlog serving on (http://\S+) ")
+
+
+def healthlog(*args: str | os.PathLike[str]) -> list[str]:
+    return [sys.executable, "-m", "healthlog.cli", *map(os.fspath, args)]
+
+
+def environment() -> dict[str, str]:
+    """This environment without ``HEALTHLOG_*`` settings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+
+
+def add_token(data: Path) -> dict[str, str]:
+    """The headers of a client token made in ``data`` with ``token add``."""
+    made = subprocess.run(
+        healthlog("token", "add", "phone", "--data", data),
+        env=environment(),
+        capture_output=True,
+        check=True,
+    )
+    return {"Authorization": f"Bearer {made.stdout.decode().strip()}"}
+
+
+def children(pid: int) -> set[int]:
+    try:
+        return {
+            int(child)
+            for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()
+        }
+    except FileNotFoundError:
+        return set()
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def lease_holder(data: DataDir) -> str | None:
+    with data.open_store() as store:
+        return store.lease().holder
+
+
+def _controlling_terminal() -> None:
+    """In the shell's process, after ``setsid``: its stdin, the terminal, becomes the new
+    session's controlling terminal, and SIGHUP is a hangup's, as a login shell starts with
+    (whatever this test runs under: ``nohup`` would have it ignored)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def ssh_session(env: dict[str, str]) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """An interactive bash on a pseudo-terminal, as an SSH login gives one: the terminal's
+    other side (closing it is the hangup) and the shell. Anything left of it is killed."""
+    bash = shutil.which("bash")
+    assert bash is not None, "bash is needed to play an SSH session"
+    master, slave = os.openpty()
+    try:
+        shell = subprocess.Popen(
+            [bash, "--norc", "--noprofile", "-i"],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_controlling_terminal,
+        )
+    finally:
+        os.close(slave)
+    try:
+        yield master, shell
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(master)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait()
+
+
+def type_line(master: int, line: str) -> None:
+    os.write(master, line.encode() + b"\n")
+
+
+def read_until(master: int, pattern: re.Pattern[bytes]) -> re.Match[bytes]:
+    """Read the terminal until ``pattern`` shows."""
+    seen = b""
+    deadline = time.monotonic() + LIMIT_S
+    while (found := pattern.search(seen)) is None:
+        assert time.monotonic() < deadline, seen.decode(errors="replace")
+        seen += os.read(master, 4096)
+    return found
+
+
+def wait_gone(pids: set[int]) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"still running: {pids}"
+        time.sleep(POLL_S)
+
+
+async def folded(client: httpx.AsyncClient, auth: dict[str, str]) -> None:
+    """Post one delivery and wait until the service has folded it (a fold worker then runs)."""
+    delivery = body(metric("heart_rate", "count/min", point("2024-03-01 10:00:00 +0000", qty=61)))
+    headers = {**auth, "automation-aggregation": "minutes"}
+    posted = await client.post("/v1/deliveries", content=delivery, headers=headers)
+    assert posted.status_code == 200
+    delivery_id = posted.json()["delivery_id"]
+    with trio.fail_after(LIMIT_S):
+        while (await client.get(f"/v1/deliveries/{delivery_id}", headers=auth)).json()[
+            "status"
+        ] == "pending":
+            await trio.sleep(POLL_S)
+
+
+async def test_serve_stops_gracefully_when_its_ssh_session_closes_run_76(tmp_path: Path) -> None:
+    """RUN-76: `healthlog serve 2>LOG`, run in the foreground of an interactive shell on a
+    terminal, its fold worker running and an upload in flight, when the terminal hangs up (the
+    SSH session closes): the service stops as on SIGTERM. The upload is answered 200, LOG says
+    `stopping on SIGHUP` and nothing at ERROR, the fold lease is released and no fold worker is
+    left. (Before, SIGHUP ended it at once: the upload's connection was cut, the lease stayed
+    held, and a restart folded nothing for the lease's term, 15 s.)"""
+    data = tmp_path / "data"
+    log = tmp_path / "serve.log"
+    auth = add_token(data)
+    serve = shlex.join(healthlog("serve", "--data", data, "--port", "0"))
+    gate = trio.Event()
+    held = Drip([b'{"data": ', b"{}}"], gate=gate)
+    answers: list[Any] = []
+    with ssh_session(environment()) as (master, shell):
+        type_line(master, f"{serve} 2>{shlex.quote(str(log))}")
+        url = read_until(master, URL_LINE).group(1).decode()
+        (service,) = children(shell.pid)
+        async with httpx.AsyncClient(base_url=url, timeout=CLIENT_TIMEOUT_S) as client:
+            await folded(client, auth)
+            workers = children(service) - {service}
+            assert workers, "no fold worker runs"
+
+            async def upload() -> None:
+                try:
+                    answers.append((await post_stream(client, held, auth)).status_code)
+                except httpx.TransportError as exc:
+                    answers.append(type(exc).__name__)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(upload)
+                await held.held.wait()
+                os.close(master)
+                await trio.sleep(0.5)
+                gate.set()
+        await trio.to_thread.run_sync(wait_gone, {service, *workers})
+    said = log.read_text()
+    assert answers == [200], said[-3000:]
+    assert "stopping on SIGHUP" in said, said[-3000:]
+    assert severe_lines(said) == []
+    assert lease_holder(DataDir(data)) is None
+
+
+async def test_serve_under_nohup_outlives_its_ssh_session_run_77(tmp_path: Path) -> None:
+    """RUN-77: `nohup healthlog serve >OUT 2>LOG &`, run from an interactive shell on a terminal,
+    when the terminal hangs up: SIGHUP, ignored as it started, stays ignored, and the service
+    serves on (`/healthz` 200, a delivery journaled) until it is stopped with SIGTERM."""
+    data = tmp_path / "data"
+    out, log = tmp_path / "serve.out", tmp_path / "serve.log"
+    auth = add_token(data)
+    serve = shlex.join(["nohup", *healthlog("serve", "--data", data, "--port", "0")])
+    with ssh_session(environment()) as (master, shell):
+        type_line(master, f"{serve} >{shlex.quote(str(out))} 2>{shlex.quote(str(log))} &")
+        deadline = time.monotonic() + LIMIT_S
+        while (found := URL_LINE.search(out.read_bytes() if out.exists() else b"")) is None:
+            assert time.monotonic() < deadline, "the service did not start"
+            time.sleep(POLL_S)
+        (service,) = children(shell.pid)
+        os.close(master)
+        await trio.to_thread.run_sync(wait_gone, {shell.pid})
+    try:
+        async with httpx.AsyncClient(
+            base_url=found.group(1).decode(), timeout=CLIENT_TIMEOUT_S
+        ) as client:
+            assert (await client.get("/healthz")).status_code == 200
+            await folded(client, auth)
+    finally:
+        os.kill(service, signal.SIGTERM)
+        await trio.to_thread.run_sync(wait_gone, {service})
+    said = log.read_text()
+    assert "stopping on SIGTERM" in said, said[-3000:]
+    assert "SIGHUP" not in said
+
+
+def _first_fold_held(data: DataDir) -> bool:
+    return lease_holder(data) is not None
+
+
+def _rebuilding(data: DataDir) -> bool:
+    return any(data.path.glob(f"{SCRATCH_PREFIX}*"))
+
+
+@pytest.mark.parametrize(
+    ("command", "fault", "underway"),
+    [
+        ("reindex", "rebuild.scratch", _rebuilding),
+        ("verify", "rebuild.scratch", _rebuilding),
+        ("import", "fold.begin", _first_fold_held),
+    ],
+)
+def test_a_hangup_stops_a_long_command_as_sigterm_does_cli_167(
+    tmp_path: Path, command: str, fault: str, underway: Any
+) -> None:
+    """CLI-167: `reindex`, `verify` (held in their rebuild by a delay at the fault point
+    `rebuild.scratch`) and `import` (its fold held at `fold.begin`) get SIGHUP, as from the
+    terminal they run in closing: each stops as on SIGTERM, exit 129 and the last line
+    `healthlog: interrupted`, its fold lease released, its scratch store removed, and no worker
+    process left. (Before, each died of the signal at once: the lease stayed held for its term,
+    and a rebuild's scratch directory, a second store's size, stayed beside the store.)"""
+    data = DataDir(tmp_path / "data")
+    file = write(
+        tmp_path / "a.json",
+        body(metric("heart_rate", "count/min", point("2024-02-06 07:00:00 -0800"))),
+    )
+    subprocess.run(
+        healthlog("import", "--aggregation", "minutes", "--data", data.path, file),
+        env=environment(),
+        capture_output=True,
+        check=True,
+    )
+    plan = {fault: {"hits": [1], "do": "delay", "seconds": 3}}
+    args = {"import": ["--aggregation", "minutes", file]}.get(command, [])
+    env = {**environment(), "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    with subprocess.Popen(
+        healthlog(command, "--data", data.path, *args),
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=functools.partial(signal.signal, signal.SIGHUP, signal.SIG_DFL),
+    ) as running:
+        workers: set[int] = set()
+        deadline = time.monotonic() + LIMIT_S
+        while not underway(data):
+            assert running.poll() is None, running.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, f"{command} never got under way"
+            workers |= children(running.pid)
+            time.sleep(0.01)
+        workers |= children(running.pid)
+        running.send_signal(signal.SIGHUP)
+        _, err = running.communicate(timeout=LIMIT_S)
+    said = err.decode()
+    assert running.returncode == 128 + signal.SIGHUP, said[-3000:]
+    assert said.splitlines()[-1] == "healthlog: interrupted"
+    assert "Traceback" not in said
+    assert lease_holder(data) is None
+    assert not _rebuilding(data)
+    wait_gone(workers)
+
+
+async def test_follow_whose_terminal_hangs_up_stops_cleanly_cli_168(tmp_path: Path) -> None:
+    """CLI-168: `healthlog follow --subscriber backup` with its stdout and stderr on a terminal,
+    following a service live: the terminal hangs up and the follower gets SIGHUP (as the shell
+    it ran in signals its jobs). It stops as on SIGTERM: exit 0 after its last ACK, which the
+    service stores for `backup` at the replica's cursor; its last line, which the closed
+    terminal cannot take, is dropped. (Before, SIGHUP ended it at once, exit -1; and stopped by
+    SIGTERM with its terminal gone, it exited 3, its last line's write failing, as if its
+    replica could not be written.)"""
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0, 5)
+        directory = tmp_path / "replica"
+        master, slave = os.openpty()
+        command = [
+            *healthlog("follow", "--url", service.url, "--replica", directory),
+            *("--subscriber", "backup"),
+        ]
+        try:
+            process = await trio.lowlevel.open_process(
+                command,
+                env={**environment(), "HEALTHLOG_TOKEN": service.token},
+                stdin=subprocess.DEVNULL,
+                stdout=slave,
+                stderr=slave,
+                preexec_fn=functools.partial(signal.signal, signal.SIGHUP, signal.SIG_DFL),
+            )
+        finally:
+            os.close(slave)
+        try:
+            with trio.fail_after(LIMIT_S):
+                while not (directory / REPLICA_FILE).exists():
+                    await trio.sleep(POLL_S)
+                with Replica(directory) as reading:
+                    await until_cursor(reading, total)
+            os.close(master)
+            process.send_signal(signal.SIGHUP)
+            with trio.fail_after(LIMIT_S):
+                await process.wait()
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(master)
+            if process.returncode is None:
+                process.kill()
+        assert process.returncode == 0
+        await acked(service, "backup", total)
