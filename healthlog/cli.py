@@ -767,8 +767,15 @@ def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
     from transport.chaos import run_chaos
 
     logging.getLogger("healthlog").setLevel(logging.ERROR)
-    summary = _run(run_chaos, args.seed, args.runs, args.minutes, None)
-    print(summary.table())
+    # Stopped by a signal, the harness stops the services it started first (CLI-169).
+    summary = _run_terminable(run_chaos, args.seed, args.runs, args.minutes, None)
+    # The exit status says whether every invariant held, whether or not the table was read
+    # (CLI-170), as verify's says whether objects differ.
+    try:
+        with _writing_stdout():
+            print(summary.table())
+    except BrokenPipeError:
+        _quiet_stdout()
     return 0 if summary.ok else 1
 
 
@@ -1594,8 +1601,8 @@ def _quiet_stdout() -> None:
 def _stopped_by_signal(exc: BaseException) -> int | None:
     """The exit status of a command that ``exc`` says was stopped by a signal: Ctrl-C
     (SIGINT, also from inside a trio nursery), SIGINT, SIGTERM or SIGHUP noted by
-    :class:`Progress`, or SIGTERM or SIGHUP to ``import`` or ``seal`` (:func:`_run_terminable`);
-    None for any other exception."""
+    :class:`Progress`, or SIGTERM or SIGHUP to ``import``, ``seal`` or ``chaos``
+    (:func:`_run_terminable`); None for any other exception."""
     if isinstance(exc, Stopped):
         return 128 + exc.signum
     if isinstance(exc, BaseExceptionGroup):

@@ -340,3 +340,137 @@ async def test_follow_whose_terminal_hangs_up_stops_cleanly_cli_168(tmp_path: Pa
                 process.kill()
         assert process.returncode == 0
         await acked(service, "backup", total)
+
+
+def descendants(pid: int) -> set[int]:
+    found = children(pid)
+    for child in list(found):
+        found |= descendants(child)
+    return found
+
+
+def serving_child(pid: int) -> bool:
+    """Whether a `healthlog serve` runs under ``pid``."""
+    for child in descendants(pid):
+        with contextlib.suppress(FileNotFoundError):
+            if b"\0serve\0" in Path(f"/proc/{child}/cmdline").read_bytes():
+                return True
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_chaos_stopped_by_a_signal_stops_its_services_cli_169(tmp_path: Path, signum: int) -> None:
+    """CLI-169: `healthlog chaos`, a `healthlog serve` of its running, gets SIGTERM (a `kill`
+    of its process alone, a CI runner's timeout) or SIGHUP (its terminal closed): it exits 143
+    or 129 with `healthlog: interrupted`, having stopped every process it started, and its
+    temporary directory is removed. (Before, it died at once, exit -15 or -1: its `serve`, with
+    its fold worker, went on running for good, holding a port and a data directory in the
+    temporary directory, which stayed.)"""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    with subprocess.Popen(
+        healthlog("chaos", "--runs", "3"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**environment(), "TMPDIR": str(temporary)},
+        preexec_fn=functools.partial(signal.signal, signal.SIGHUP, signal.SIG_DFL),
+    ) as chaos:
+        started: set[int] = set()
+        try:
+            deadline = time.monotonic() + LIMIT_S
+            while not serving_child(chaos.pid):
+                assert chaos.poll() is None, chaos.communicate()[1].decode()[-3000:]
+                assert time.monotonic() < deadline, "chaos started no service"
+                time.sleep(POLL_S)
+            started = descendants(chaos.pid)
+            chaos.send_signal(signum)
+            _, err = chaos.communicate(timeout=LIMIT_S)
+            wait_gone(started)
+        finally:
+            for pid in started:
+                with contextlib.suppress(ProcessLookupError):
+                    if alive(pid):
+                        os.kill(pid, signal.SIGKILL)
+    said = err.decode()
+    assert chaos.returncode == 128 + signum, said[-3000:]
+    assert said.splitlines()[-1] == "healthlog: interrupted"
+    assert list(temporary.iterdir()) == []
+
+
+def test_chaos_whose_stderr_reader_is_gone_runs_every_run_cli_170(tmp_path: Path) -> None:
+    """CLI-170: `healthlog chaos --runs 2` whose stderr's reader is gone (`2>&1 | head -1`, a
+    log collector that died) runs both runs and prints its table, ending `chaos: runs 2, ...`,
+    with the exit status of its invariants; its progress lines are dropped. (Before, the first
+    progress line's BrokenPipeError ended it after one run: no table, and exit 0, which says
+    every invariant held.)"""
+    reading, writing = os.pipe()
+    os.close(reading)
+    try:
+        ran = subprocess.run(
+            healthlog("chaos", "--runs", "2"),
+            stdout=subprocess.PIPE,
+            stderr=writing,
+            env=environment(),
+            timeout=20 * LIMIT_S,
+        )
+    finally:
+        os.close(writing)
+    last = (ran.stdout.decode().splitlines() or [""])[-1]
+    assert last.startswith("chaos: runs 2, "), ran.stdout.decode()[-3000:]
+    assert ran.returncode == (0 if " lost 0, mismatched 0" in last else 1)
+
+
+def start_serve(data: Path, env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`healthlog serve` on a free port, its stderr into ``log``: the process and its URL."""
+    with open(log, "wb") as err:
+        process = subprocess.Popen(
+            healthlog("serve", "--data", data, "--port", "0"),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=env,
+        )
+    assert process.stdout is not None
+    found = URL_LINE.search(process.stdout.readline())
+    assert found is not None, log.read_text()[-3000:]
+    return process, found.group(1).decode()
+
+
+def wait_ready(url: str) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while httpx.get(f"{url}/readyz").status_code != 200:
+        assert time.monotonic() < deadline, "never ready"
+        time.sleep(POLL_S)
+
+
+def test_a_restart_after_a_kill_says_it_waits_for_the_dead_holders_lease_run_78(
+    tmp_path: Path,
+) -> None:
+    """RUN-78: `healthlog serve` (lease term 12 s, renewed every 2 s) killed with SIGKILL,
+    then started again at once: until the dead process's lease expires the new service is not
+    ready, and it says why in one INFO line, `fold lease held by HOLDER for N s more: folding
+    waits until it releases the lease or the lease expires (...)`, N at most the term; then it
+    holds the lease at epoch 2 and is ready. (Before, it said nothing for those seconds, 15.7 s
+    at the default term.)"""
+    data = tmp_path / "data"
+    env = {**environment(), "HEALTHLOG_LEASE_TTL_S": "12", "HEALTHLOG_LEASE_RENEW_S": "2"}
+    first, url = start_serve(data, env, tmp_path / "first.log")
+    with first:
+        try:
+            wait_ready(url)
+            holder = lease_holder(DataDir(data))
+            assert holder is not None
+        finally:
+            first.kill()
+    again, url = start_serve(data, env, tmp_path / "again.log")
+    with again:
+        try:
+            wait_ready(url)
+        finally:
+            again.send_signal(signal.SIGTERM)
+    said = (tmp_path / "again.log").read_text()
+    waits = re.findall(
+        rf"fold lease held by {re.escape(holder)} for (\d+) s more: folding waits", said
+    )
+    assert len(waits) == 1, said[-3000:]
+    assert int(waits[0]) <= 12
+    assert said.index("folding waits") < said.index("fold lease held at epoch 2")

@@ -68,6 +68,9 @@ KILL_POINTS = (*FOLD_POINTS, "fold.after_commit", "journal.append")
 # The share of runs that also seal the first hours of their window (specs/seal.md).
 SEALED_SHARE = 1 / 3
 START_TIMEOUT_S = 30.0
+# The service's graceful timeout (2 s, below) and the 10 s a commit in flight has after it, and
+# as much again.
+STOP_TIMEOUT_S = 24.0
 QUIET_TIMEOUT_S = 60.0
 POST_ATTEMPTS = 8
 UPLOAD_CHUNK = 256 * 1024
@@ -144,9 +147,18 @@ class _Service:
         return self.process.poll() is None
 
     async def stop(self) -> None:
+        """SIGTERM, and wait for the service to end, also when the harness is stopped (a
+        signal cancels the run): left to itself, the service served on for good, its data
+        directory in a temporary directory nobody removed (CLI-169). One that has not ended
+        within ``STOP_TIMEOUT_S`` is killed."""
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
-        await trio.to_thread.run_sync(self.process.wait)
+        with trio.CancelScope(shield=True):
+            try:
+                await trio.to_thread.run_sync(self.process.wait, STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                await trio.to_thread.run_sync(self.process.wait)
         assert self.process.stdout is not None
         self.process.stdout.close()
         self._log.close()
@@ -677,7 +689,10 @@ async def run_chaos(seed: int, runs: int, minutes: float | None, keep: Path | No
                 break
             run = Run(seed * 100_000 + n, Path(tmp))
             results.append(await run.execute())
-            print(_progress(results[-1]), file=sys.stderr, flush=True)
+            # Dropped when stderr cannot be written (its reader gone, `2>&1 | head -1`): the
+            # write's BrokenPipeError ended the harness after one run, exit 0 (CLI-170).
+            with contextlib.suppress(OSError):
+                print(_progress(results[-1]), file=sys.stderr, flush=True)
     return Summary(results)
 
 
