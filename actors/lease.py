@@ -66,6 +66,8 @@ class LeaseActor:
         self._valid_until = 0.0
         # When the renewals began to find the store busy, while they do.
         self._busy_since: float | None = None
+        # The other holder last said to hold the lease (_say_held_elsewhere).
+        self._told_holder: str | None = None
         self._acquisitions = 0
         self._renewals = 0
         self._losses = 0
@@ -118,7 +120,30 @@ class LeaseActor:
         self._busy_since = None
         if epoch is not None:
             self._valid_until = trio.current_time() + self._ttl_us / 1e6 - self._renew_s
+        elif self._epoch is None:
+            await self._say_held_elsewhere()
         await self._publish(epoch)
+
+    async def _say_held_elsewhere(self) -> None:
+        """Say once for each other holder that it holds the lease, and until when: a service
+        started again after it was killed (SIGKILL, the out-of-memory killer, a power cut) found
+        the lease of its dead self held, and was not ready, folding nothing, for the lease's
+        term (15 s) without a word (RUN-78)."""
+        try:
+            lease = await threads.run_sync(self._store.lease, limiter=self._limiter)
+        except StorageError:
+            return
+        if lease.holder is None or lease.holder == self._told_holder:
+            return
+        self._told_holder = lease.holder
+        left_s = max(0.0, (lease.expires_at - self._clock()) / 1e6)
+        log.info(
+            "fold lease held by %s for %.0f s more: folding waits until it releases the lease"
+            " or the lease expires (a process that was killed, by SIGKILL, the out-of-memory"
+            " killer or a power cut, does not release it)",
+            lease.holder,
+            left_s,
+        )
 
     def _deferred(self) -> None:
         """Say that a renewal found the store busy: at INFO for a moment (a fold worker's
