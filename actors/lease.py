@@ -66,8 +66,11 @@ class LeaseActor:
         self._valid_until = 0.0
         # When the renewals began to find the store busy, while they do.
         self._busy_since: float | None = None
-        # The other holder last said to hold the lease (_say_held_elsewhere).
+        # The other holder last said to hold the lease (_held_elsewhere).
         self._told_holder: str | None = None
+        # How long after this renewal the next one comes: sooner while another holder's lease
+        # expires before then (_held_elsewhere).
+        self._next_try_s = renew_s
         self._acquisitions = 0
         self._renewals = 0
         self._losses = 0
@@ -87,12 +90,14 @@ class LeaseActor:
         try:
             while True:
                 await self._renew()
-                await trio.sleep(self._renew_s)
+                await trio.sleep(self._next_try_s)
         finally:
             with trio.CancelScope(shield=True):
                 await self._release()
 
     async def _renew(self) -> None:
+        self._next_try_s = self._renew_s
+
         def acquire() -> int | None:
             faults.point("lease.renew")
             return self._store.acquire_lease(
@@ -121,22 +126,25 @@ class LeaseActor:
         if epoch is not None:
             self._valid_until = trio.current_time() + self._ttl_us / 1e6 - self._renew_s
         elif self._epoch is None:
-            await self._say_held_elsewhere()
+            await self._held_elsewhere()
         await self._publish(epoch)
 
-    async def _say_held_elsewhere(self) -> None:
-        """Say once for each other holder that it holds the lease, and until when: a service
-        started again after it was killed (SIGKILL, the out-of-memory killer, a power cut) found
-        the lease of its dead self held, and was not ready, folding nothing, for the lease's
-        term (15 s) without a word (RUN-78)."""
+    async def _held_elsewhere(self) -> None:
+        """Another holder's lease keeps this actor from folding: try again as it expires when
+        that comes before the next renewal, and say once for each holder that it holds the
+        lease, and until when. A service started again after it was killed (SIGKILL, the
+        out-of-memory killer, a power cut) found the lease of its dead self held, and was not
+        ready, folding nothing, for the lease's term (15 s) without a word (RUN-78), and up to
+        a renewal period (5 s) after it expired (RUN-79)."""
         try:
             lease = await threads.run_sync(self._store.lease, limiter=self._limiter)
         except StorageError:
             return
+        left_s = max(0.0, (lease.expires_at - self._clock()) / 1e6)
+        self._next_try_s = min(self._renew_s, left_s)
         if lease.holder is None or lease.holder == self._told_holder:
             return
         self._told_holder = lease.holder
-        left_s = max(0.0, (lease.expires_at - self._clock()) / 1e6)
         log.info(
             "fold lease held by %s for %.0f s more: folding waits until it releases the lease"
             " or the lease expires (a process that was killed, by SIGKILL, the out-of-memory"

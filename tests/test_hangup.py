@@ -28,11 +28,13 @@ from typing import Any
 import httpx
 import pytest
 import trio
+import trio.testing
 from _baseline import severe_lines
 from _cli_bodies import body, metric, point, write
 from _service_helpers import CLIENT_TIMEOUT_S, Drip, post_stream, serving
 from _stream_helpers import acked, post_small, until_cursor
 
+from actors.lease import LeaseActor
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.rebuild import SCRATCH_PREFIX
 from healthlog.storage.replica import REPLICA_FILE, Replica
@@ -474,3 +476,33 @@ def test_a_restart_after_a_kill_says_it_waits_for_the_dead_holders_lease_run_78(
     assert len(waits) == 1, said[-3000:]
     assert int(waits[0]) <= 12
     assert said.index("folding waits") < said.index("fold lease held at epoch 2")
+
+
+async def test_a_lease_left_by_a_dead_holder_is_taken_as_it_expires_run_79(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """RUN-79: a lease actor (term 15 s, renewed every 5 s) started while another holder's lease,
+    left by a process that was killed, has 7 s to run: it takes the lease at epoch 2 as that
+    lease expires, 7 s on, not at the first renewal after that, 10 s on. (Before, the try came
+    only with the next renewal: a service started again after a kill folded nothing for up to
+    5 s more.)"""
+    start_us = 1_000_000_000_000
+    with DataDir(tmp_path).open_store() as store:
+        assert store.acquire_lease("dead", now=start_us - 8_000_000, ttl=15_000_000) == 1
+        limiter = trio.CapacityLimiter(1)
+        send, receive = trio.open_memory_channel[int | None](0)
+        actor = LeaseActor(
+            store,
+            limiter,
+            "again",
+            send,
+            ttl_s=15,
+            renew_s=5,
+            clock=lambda: start_us + int(autojump_clock.current_time() * 1_000_000),
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(actor.run)
+            assert await receive.receive() == 2
+            taken_at = trio.current_time()
+            nursery.cancel_scope.cancel()
+    assert taken_at == pytest.approx(7.0, abs=0.01)
