@@ -1,5 +1,5 @@
 """The long-running commands as a NAS owner runs them from an SSH session (specs/runtime.md,
-RUN-76 to RUN-78; specs/cli.md, CLI-167 to CLI-170): the session closes under them (a hangup,
+RUN-76 to RUN-79; specs/cli.md, CLI-167 to CLI-170): the session closes under them (a hangup,
 SIGHUP), they run under ``nohup``, they are stopped by a signal to them alone, their stderr's
 reader is gone, they are killed and started again.
 
