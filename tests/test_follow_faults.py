@@ -23,6 +23,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -37,9 +38,11 @@ from _service_helpers import POLL_S, Service, serving
 from _stream_helpers import (
     FRAME_LIMIT_S,
     HEAD_END,
+    HOURS,
     SECONDS,
     TOKEN_REFUSED,
     event_tag,
+    fold_metrics,
     following_process,
     hourly,
     listen,
@@ -64,7 +67,11 @@ from wsproto.events import (
 )
 
 import transport.follow
+from healthlog import snapshots
+from healthlog.documents import Manifest, converter
+from healthlog.storage import snapshot_files
 from healthlog.storage._sqlite import WAL_SIZE_LIMIT, StorageError
+from healthlog.storage.datadir import DataDir
 from healthlog.storage.replica import REPLICA_FILE, Replica
 from transport.follow import Endpoints, Follower, FollowError, follow
 
@@ -209,13 +216,19 @@ async def test_a_connection_gone_silent_is_given_up_stream_71(
     service answers, and the connection stays. WHEN every byte of it stops passing both ways
     (a server without power, a NAT that dropped it: no FIN, no reset) THEN the follower gives
     it up once as long again has passed without an answer, reconnects and gets the events it
-    missed meanwhile. (Before, it waited on that connection for good.)"""
+    missed meanwhile. (Before, it waited on that connection for good.) The freeze stops the
+    follower's kept-alive HTTP connection too, used again for its next status request, which
+    it gives up after its request timeout (STREAM-136), shortened here as the keepalive is."""
     keepalive_s = 0.3
     with Replica(tmp_path / "replica") as replica:
         async with serving(tmp_path / "server") as service, faking(service.port) as fake:
             before = await post_small(service, 0, 60)
             follower = Follower(
-                Endpoints.parse(fake.url()), service.token, replica, keepalive_s=keepalive_s
+                Endpoints.parse(fake.url()),
+                service.token,
+                replica,
+                keepalive_s=keepalive_s,
+                request_timeout_s=2.0,
             )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(follower.run)
@@ -1039,3 +1052,80 @@ async def test_a_download_left_by_a_killed_follower_is_removed_at_once_stream_10
         with Replica(directory) as replica:
             assert replica.binding().cursor == total
             assert await replica_export(replica) == await server_export(service)
+
+
+def pruned_offline(path: Path) -> tuple[Manifest, bytes, dict[bytes, bytes | Answer]]:
+    """A data directory at ``path`` with 500 hourly objects whose events were pruned to the
+    last one, made without a service, so that a test on a MockClock can serve it from a fake
+    front: the snapshot's manifest and file content, and the front's answers for the status,
+    the snapshot key and the manifest."""
+    data = DataDir(path)
+    fold_metrics(data, 1)
+    key = data.signing_key()
+    with data.open_journal() as journal, data.open_store() as store:
+        store.prune_events(keep=1, older_than_us=time.time_ns() // 1000 + 1)
+        manifest = snapshot_files.build(data.snapshot_dir, journal, store, key, "/v1/snapshots")
+        oldest, _ = store.event_window()
+    [file] = data.snapshot_dir.glob(f"snapshot-*-{manifest.seq}.*")
+    public_key = snapshots.public_key_text(key)
+    stream = {
+        "id": manifest.stream,
+        "instance": manifest.instance,
+        "head": manifest.seq,
+        "oldest_cursor": oldest,
+        "public_key": public_key,
+    }
+    answers: dict[bytes, bytes | Answer] = {
+        b"/v1/status": json_answer({"stream": stream}),
+        b"/v1/snapshots/key": json_answer({"public_key": public_key}),
+        b"/v1/snapshots": json_answer(converter.unstructure(manifest)),
+    }
+    return manifest, file.read_bytes(), answers
+
+
+async def paused(answer: bytes, after: int, pause_s: float, client: trio.abc.Stream) -> None:
+    """``answer`` (a whole HTTP answer), its first ``after`` bytes, then nothing for
+    ``pause_s`` seconds, then the rest."""
+    await client.send_all(answer[:after])
+    await trio.sleep(pause_s)
+    await client.send_all(answer[after:])
+
+
+async def test_answers_that_pause_within_their_bounds_are_waited_for_stream_136(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-136: GIVEN a fresh replica of a service whose window was pruned WHEN the status
+    answer comes 10 s after its request (a NAS's disk spinning up) and the snapshot file's
+    answer stops for 20 s after its first bytes (a mobile link's handover), both within the
+    follower's bounds (30 s for a status, 256 KiB a minute for a download) THEN each is asked
+    once, the snapshot is restored and the replica holds the server's objects, with no lost
+    connection logged. (Before, the HTTP client's own read timeout of 5 s gave up both: the
+    download was asked again and again, 6 times in 55 s against a real `serve` behind a front
+    pausing 6 s, and never restored.)"""
+    # The clock jumps only once nothing has run for 0.5 s: the front answers in the same run.
+    autojump_clock.autojump_threshold = 0.5
+    manifest, content, answers = pruned_offline(tmp_path / "server")
+    path = urllib.parse.urlsplit(manifest.url).path.encode()
+    status = answers[b"/v1/status"]
+    assert isinstance(status, bytes)
+    file_answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+        len(content),
+        content,
+    )
+    answers[b"/v1/status"] = functools.partial(paused, status, 0, 10.0)
+    answers[path] = functools.partial(paused, file_answer, 1000, 20.0)
+    async with faking(answers=answers) as fake:
+        with (
+            Replica(tmp_path / "replica") as replica,
+            caplog.at_level(logging.INFO, "healthlog.follow"),
+        ):
+            follower = Follower(
+                Endpoints.parse(fake.url()), "hl_token", replica, until_caught_up=True
+            )
+            with trio.move_on_after(300):
+                await follower.run()
+            assert await cursor_of(replica) == manifest.seq
+            stored = await trio.to_thread.run_sync(lambda: len(list(replica.iter_objects())))
+    assert "connection lost" not in caplog.text
+    assert (fake.paths.count(b"/v1/status"), fake.paths.count(path)) == (1, 1)
+    assert stored == HOURS

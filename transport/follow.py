@@ -312,10 +312,14 @@ class Follower:
     async def _run(self) -> None:
         context = ssl.create_default_context() if self.ssl_context is None else self.ssl_context
         self._met = (await trio.to_thread.run_sync(self.replica.binding)).instance is not None
+        # No timeout of the HTTP client's own (5 s without a byte by default): every request
+        # is bounded by ours, ``request_timeout_s`` in all or the snapshot download's pace,
+        # which a disk spinning up or a link's handover pausing an answer for 5 s keeps.
         async with httpx.AsyncClient(
             base_url=self.endpoints.http,
             headers={"Authorization": f"Bearer {self.token}"},
             verify=context,
+            timeout=None,
         ) as http:
             while True:
                 done = False
