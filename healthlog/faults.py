@@ -38,6 +38,7 @@ POINTS = (
     "snapshot.write",
     "follow.download",
     "follow.restore",
+    "follow.restore_object",
     "schema.migrate",
     "tokens.read",
 )

@@ -2154,6 +2154,36 @@ async def test_a_link_planted_at_the_download_name_is_not_written_stream_130(
 RESTORE_PEAK_BYTES = 1_000_000
 
 
+async def test_a_stop_during_a_restore_ends_it_at_once_stream_137(tmp_path: Path) -> None:
+    """STREAM-137: GIVEN a follower whose cursor fell out of the window, restoring the service's
+    snapshot of 12 objects WHEN it is stopped (cancelled, as SIGINT and SIGTERM stop `follow`)
+    while the restore writes the fifth object THEN the restore reads no object more and is
+    rolled back: the replica exports what it did before, at its cursor, and no download file is
+    left. (Before, the stop waited for the restore to write every object: against a real
+    `serve` of 100,000 objects, `follow` got SIGTERM as the restore began and exited 4.97 s
+    later, the whole snapshot restored; a NAS restoring years of objects held its stop past a
+    service manager's stop timeout.)"""
+    directory = tmp_path / "replica"
+    with Replica(directory) as replica:
+        async with serving(tmp_path / "server") as service:
+            await fall_behind(service, replica)
+            before = (replica.binding().cursor, await replica_export(replica))
+            with trio.CancelScope() as stop:
+
+                def stopping(_: str) -> None:
+                    trio.from_thread.run_sync(stop.cancel)
+
+                plan = faults.Plan()
+                plan.actions["follow.restore_object"] = faults.Action(frozenset({5}), stopping)
+                with faults.loaded(plan), trio.fail_after(FRAME_LIMIT_S):
+                    await follow(service.url, service.token, replica, until_caught_up=True)
+            assert stop.cancelled_caught
+            assert plan.hits["follow.restore_object"] == 5
+            assert (replica.binding().cursor, await replica_export(replica)) == before
+            assert (await service.status())["stream"]["head"] > before[0]
+        assert list(directory.glob("snapshot-*")) == []
+
+
 async def test_a_restore_holds_one_object_at_a_time_stream_59(tmp_path: Path) -> None:
     """STREAM-59: a fresh replica restoring the snapshot of a server of 1,000 objects and one
     of a server of 4,000 takes about the same peak of Python memory (traced in this process,
