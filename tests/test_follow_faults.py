@@ -1129,3 +1129,51 @@ async def test_answers_that_pause_within_their_bounds_are_waited_for_stream_136(
     assert "connection lost" not in caplog.text
     assert (fake.paths.count(b"/v1/status"), fake.paths.count(path)) == (1, 1)
     assert stored == HOURS
+
+
+async def test_a_download_its_disk_refuses_stops_the_follower_stream_138(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, run_cli: RunCli
+) -> None:
+    """STREAM-138: GIVEN a fresh replica of a service whose window was pruned, on a disk that
+    refuses to take the snapshot's 180 KB download though its free space is more (a quota, a
+    file size limit: here 128 KiB, EFBIG) WHEN the follower downloads it THEN it stops with
+    the replica's StorageError naming the directory and the system's reason, having fetched the
+    snapshot once, no download file left, and `healthlog follow` exits 3 with that one line.
+    (Before, the write's OSError was taken for a lost connection: the snapshot was fetched
+    again after each backoff, for good, 7 times in 33 s and every 30 s after, 20 MB each
+    against a real `serve` under `ulimit -f 20000`, with one WARNING calling it a connection
+    lost.)"""
+    autojump_clock.autojump_threshold = 0.5
+    manifest, content, answers = pruned_offline(tmp_path / "server")
+    path = urllib.parse.urlsplit(manifest.url).path.encode()
+    answers[path] = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+        len(content),
+        content,
+    )
+    limit = 128 * 2**10
+    assert len(content) > limit
+    directory = tmp_path / "replica"
+    says = f"the snapshot cannot be downloaded into {directory}: File too large"
+    async with faking(answers=answers) as fake:
+        with Replica(directory) as replica:
+            follower = Follower(Endpoints.parse(fake.url()), "hl_token", replica)
+            with (
+                trio.move_on_after(300),
+                files_limited_to(limit),
+                pytest.raises(StorageError) as stopped,
+            ):
+                await follower.run()
+            assert fake.paths.count(path) == 1
+            assert str(stopped.value) == says
+            assert await cursor_of(replica) == 0
+        assert list(directory.glob("snapshot-*")) == []
+        with files_limited_to(limit):
+            run = await trio.to_thread.run_sync(
+                functools.partial(
+                    run_cli,
+                    *("follow", "--url", fake.url(), "--token", "hl_token"),
+                    *("--replica", directory),
+                )
+            )
+    assert (run.code, run.err.splitlines()) == (3, [f"healthlog: {says}"])
+    assert fake.paths.count(path) == 2

@@ -737,10 +737,12 @@ class Follower:
         binding = await trio.to_thread.run_sync(self.replica.binding)
         assert binding.instance is not None
         assert binding.public_key is not None
-        with self.replica.snapshot_file() as file:
-            faults.point("follow.download")
-            room = await trio.to_thread.run_sync(self.replica.room, self.snapshot_reserve_bytes)
-            digest = await _download(http, manifest.url, file, room, self.snapshot_window_s)
+        with contextlib.ExitStack() as held:
+            with _download_disk(os.path.dirname(self.replica.path)):
+                file = held.enter_context(self.replica.snapshot_file())
+                faults.point("follow.download")
+                room = await trio.to_thread.run_sync(self.replica.room, self.snapshot_reserve_bytes)
+                digest = await _download(http, manifest.url, file, room, self.snapshot_window_s)
             try:
                 snapshots.check(
                     manifest,
@@ -781,6 +783,21 @@ def _stoppable(objects: Iterator[_T]) -> Iterator[_T]:
         faults.point("follow.restore_object")
         trio.from_thread.check_cancelled()
         yield obj
+
+
+@contextlib.contextmanager
+def _download_disk(directory: str) -> Iterator[None]:
+    """Where the snapshot's download file is made and written: an OSError there is the replica's
+    disk refusing it (full, a quota, a file size limit), which no reconnect mends, so it stops
+    ``follow`` as the replica's StorageError (exit 3), naming the directory. Taken for a lost
+    connection, it had the whole snapshot fetched again after each backoff, for good
+    (STREAM-138)."""
+    try:
+        yield
+    except OSError as exc:
+        raise StorageError(
+            f"the snapshot cannot be downloaded into {directory}: {exc.strerror or exc}"
+        ) from None
 
 
 async def _download(
@@ -843,7 +860,11 @@ async def _download_paced(
                 await _abandon(response, chunks)
                 raise FollowError(too_large)
             digest.update(chunk)
-            await out.write(chunk)
+            try:
+                await out.write(chunk)
+            except OSError:
+                await _abandon(response, chunks)
+                raise
             if written - paced >= SNAPSHOT_PACE_BYTES:
                 paced = written
                 window.deadline = trio.current_time() + window_s
