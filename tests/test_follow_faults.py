@@ -1177,3 +1177,76 @@ async def test_a_download_its_disk_refuses_stops_the_follower_stream_138(
             )
     assert (run.code, run.err.splitlines()) == (3, [f"healthlog: {says}"])
     assert fake.paths.count(path) == 2
+
+
+LIMITED = (
+    b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 5\r\ncontent-length: 0\r\n"
+    b"connection: close\r\n\r\n"
+)
+"""A front's rate limit (Traefik's RateLimit, Caddy's rate_limit): come back in 5 s."""
+
+
+async def test_a_front_s_rate_limit_is_waited_out_stream_139(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-139: GIVEN a front with a rate limit in front of a service whose window was
+    pruned WHEN it answers 429 Too Many Requests with `Retry-After: 5` to a fresh follower's
+    first status request and to its first snapshot download THEN the follower asks each again
+    no sooner than 5 s later, as it does after a 503, restores the snapshot and catches up;
+    WHEN, the replica restored, it answers its first stream upgrade so THEN the upgrade is
+    asked again no sooner than 5 s later. (Before, the first 429 stopped `follow` for good,
+    exit 2, `healthlog: /v1/status answered 429`, against a real `serve` behind such a
+    front.)"""
+    autojump_clock.autojump_threshold = 0.5
+    manifest, content, answers = pruned_offline(tmp_path / "server")
+    path = urllib.parse.urlsplit(manifest.url).path.encode()
+    file_answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+        len(content),
+        content,
+    )
+    asked: dict[bytes, list[float]] = {}
+
+    def limited_once(path: bytes, then: Answer) -> Answer:
+        async def answer(client: trio.abc.Stream) -> None:
+            asked.setdefault(path, []).append(trio.current_time())
+            if len(asked[path]) == 1:
+                await client.send_all(LIMITED)
+            else:
+                await then(client)
+
+        return answer
+
+    def sending(answer: bytes) -> Answer:
+        async def send(client: trio.abc.Stream) -> None:
+            await client.send_all(answer)
+
+        return send
+
+    status = answers[b"/v1/status"]
+    assert isinstance(status, bytes)
+    answers[b"/v1/status"] = limited_once(b"/v1/status", sending(status))
+    answers[path] = limited_once(path, sending(file_answer))
+    with (
+        Replica(tmp_path / "replica") as replica,
+        caplog.at_level(logging.INFO, "healthlog.follow"),
+    ):
+        async with faking(answers=answers) as fake:
+            follower = Follower(
+                Endpoints.parse(fake.url()), "hl_token", replica, until_caught_up=True
+            )
+            with trio.fail_after(300):
+                await follower.run()
+            assert await cursor_of(replica) == manifest.seq
+            with trio.CancelScope() as upgraded:
+
+                async def stop(_: trio.abc.Stream) -> None:
+                    upgraded.cancel()
+
+                answers[b"/v1/stream"] = limited_once(b"/v1/stream", stop)
+                with trio.fail_after(300):
+                    await Follower(Endpoints.parse(fake.url()), "hl_token", replica).run()
+    assert sorted(asked) == sorted([b"/v1/status", path, b"/v1/stream"])
+    for times in asked.values():
+        assert times[1] - times[0] >= 5
+    retried = "follow: retrying in 5.0 s, as the server asks (Retry-After: 5 s)"
+    assert caplog.text.count(retried) == 3

@@ -43,6 +43,7 @@ import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import UTC, datetime
+from http import HTTPStatus
 from typing import Any, BinaryIO, TypeVar
 
 import attrs
@@ -180,9 +181,17 @@ def retry_after_s(value: str | None, now: datetime) -> float | None:
     return max(0.0, (when - now).total_seconds())
 
 
+def _retried(status: int) -> bool:
+    """Whether an answer of ``status`` is a lost connection, retried after the backoff or its
+    ``Retry-After``: a 5xx (a server restarting, a proxy in front of one), or 429 Too Many
+    Requests, a front's rate limit (Traefik's RateLimit, Caddy's rate_limit), which a burst of
+    reconnects meets. Any other refusal stops ``follow`` for good; a 429 did (STREAM-139)."""
+    return status >= 500 or status == HTTPStatus.TOO_MANY_REQUESTS
+
+
 def _asked_wait(headers: httpx.Headers) -> float | None:
-    """What the ``Retry-After`` of a 5xx answer asks (a full stream, a snapshot the service
-    cannot build, a front's own 503)."""
+    """What the ``Retry-After`` of a 5xx or 429 answer asks (a full stream, a snapshot the
+    service cannot build, a front's own 503 or rate limit)."""
     return retry_after_s(headers.get("retry-after"), datetime.now(UTC))
 
 
@@ -645,14 +654,15 @@ class Follower:
 
     async def _get_json(self, http: httpx.AsyncClient, path: str) -> Any:
         """The JSON answer of ``path``; a 5xx (a restarting server, or a proxy in front of one)
-        is a lost connection, 401, any other refusal and a 200 that is not JSON (a front's page)
-        are for good. An answer that takes longer than ``request_timeout_s`` in all is a lost
-        connection; one larger than ``MAX_JSON_BYTES`` is not healthlog's."""
+        and a front's 429 are a lost connection, 401, any other refusal and a 200 that is not
+        JSON (a front's page) are for good. An answer that takes longer than
+        ``request_timeout_s`` in all is a lost connection; one larger than ``MAX_JSON_BYTES`` is
+        not healthlog's."""
         with trio.move_on_after(self.request_timeout_s) as timer:
             async with http.stream("GET", path) as response:
                 if response.status_code == 401:
                     raise FollowError(TOKEN_REFUSED)
-                if response.status_code >= 500:
+                if _retried(response.status_code):
                     raise ConnectionLost(
                         f"{path} answered {response.status_code}", _asked_wait(response.headers)
                     )
@@ -834,9 +844,10 @@ async def _download_paced(
     ``window`` to ``window_s`` from then."""
     digest = hashlib.sha256()
     async with http.stream("GET", url) as response:
-        # A fresh reference, from a new connection, cures both: the server removed the file this
-        # one named (404), or it is restarting, possibly behind a proxy (5xx).
-        if response.status_code == 404 or response.status_code >= 500:
+        # A fresh reference, from a new connection, cures these: the server removed the file
+        # this one named (404), or it is restarting, possibly behind a proxy (5xx), or a front's
+        # rate limit (429).
+        if response.status_code == 404 or _retried(response.status_code):
             raise ConnectionLost(
                 f"snapshot fetch answered {response.status_code}", _asked_wait(response.headers)
             )
@@ -1007,12 +1018,13 @@ class StreamSocket:
                 self._accepted = True
             elif isinstance(event, RejectConnection):
                 # As for the HTTP requests: a 5xx (a restarting server, or a proxy in front of
-                # one) is a lost connection; 401 and any other refusal are for good.
+                # one) and a front's 429 are a lost connection; 401 and any other refusal are
+                # for good.
                 if event.status_code == 401:
                     raise FollowError(TOKEN_REFUSED)
                 if event.status_code == 426:
                     raise FollowError(UPGRADE_LOST)
-                if event.status_code < 500:
+                if not _retried(event.status_code):
                     raise FollowError(f"the server refused the stream ({event.status_code})")
                 raise ConnectionLost(
                     f"the server refused the stream ({event.status_code})",
