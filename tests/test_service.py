@@ -1096,6 +1096,56 @@ async def test_points_come_in_chunks_of_many_objects_serve_55(service: Service) 
     assert max(map(len, chunks)) < app_module.POINTS_CHUNK_BYTES + longest_line
 
 
+async def _points_read(service: Service, **params: str) -> tuple[int, bytes, bool]:
+    """The status of a `/v1/points` answer, the bytes received, and whether it was cut short
+    (the connection closed before the body's end)."""
+    async with service.client.stream(
+        "GET", "/v1/points", params=params, headers=service.auth
+    ) as answer:
+        received = b""
+        try:
+            async for chunk in answer.aiter_raw():
+                received += chunk
+        except httpx.RemoteProtocolError:
+            return answer.status_code, received, True
+        return answer.status_code, received, False
+
+
+async def test_points_reaching_a_damaged_object_name_it_serve_108(
+    service: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-108: `/v1/points` reaching an object whose body does not decode logs one ERROR
+    naming the object and the remedy, as `healthlog export` says it (CLI-34): asked for that
+    object alone it answers 500 `OBJECT_CORRUPT`; asked for more than a chunk of lines before
+    it, the answer (200, already under way) holds every line before the object and is cut
+    short there, so that no client takes it for whole. (Before, both were 200 and cut, and the
+    service's only record was hypercorn's `Error in ASGI Framework`, naming nothing.)"""
+    first = datetime(2024, 2, 1, tzinfo=UTC)
+    stamps = [(first + timedelta(hours=h)).strftime("%Y-%m-%d %H:%M:%S +0000") for h in range(600)]
+    sent = body(
+        metric("heart_rate", "count/min", *(point(stamp, qty=61) for stamp in stamps)),
+        metric("step_count", "count", point(stamps[0], qty=7)),
+    )
+    assert (await service.post(sent, MINUTES)).status_code == 200
+    await service.wait_folded()
+    before = await export(service.data, {"metric": "heart_rate"}, "jsonl")
+    assert len(before) > app_module.POINTS_CHUNK_BYTES
+    with closing(sqlite3.connect(service.data.store_path)) as conn, conn:
+        conn.execute("UPDATE objects SET body = x'00112233' WHERE metric = 'step_count'")
+    with caplog.at_level(logging.INFO):
+        alone = await _points_read(service, metric="step_count")
+        whole = await _points_read(service)
+    assert alone == (500, b'{"error":"OBJECT_CORRUPT"}', False)
+    assert whole == (200, before, True)
+    named = (
+        "GET /v1/points stopped: object body cannot be decoded: BadGzipFile (step_count minutes"
+        " 2024-02-01T00:00:00Z); `healthlog verify` lists such objects, `healthlog reindex`"
+        " rebuilds them"
+    )
+    errors = [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [("healthlog.http", named)] * 2
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ from actors.runtime import Runtime
 from healthlog import documents, layers
 from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
-from healthlog.objects import HourlyObject
+from healthlog.objects import HourlyObject, ObjectCorrupt
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import OBJECTS_PAGE, Store
@@ -101,6 +101,21 @@ def _streamed(response: Response) -> Response:
     return response
 
 
+class _Damaged(Exception):
+    """`/v1/points` reached an object whose body does not decode (``cause``, naming it);
+    ``gathered`` holds the lines of the objects before it not sent yet."""
+
+    def __init__(self, cause: ObjectCorrupt, gathered: bytes) -> None:
+        super().__init__(str(cause))
+        self.gathered = gathered
+
+
+class _PointsCut(Exception):
+    """A `/v1/points` answer under way ended at a damaged object, its cause logged: the
+    connection closes without the body's last chunk, so that no client takes what it received
+    for the whole answer (as a plain end would let it)."""
+
+
 class _TokensUnavailable(Exception):
     """The token store could not be read to check a request's token: 503 with
     ``Retry-After``, as intake answers it; it was 500 ``INTERNAL`` and an ERROR (SERVE-98).
@@ -165,7 +180,12 @@ class HealthlogApp:
         elif scope["type"] == "websocket" and scope["path"] == STREAM_PATH:
             await self.stream(scope, receive, send)
         elif scope["type"] == "http":
-            await self.http(scope, receive, _finishing(send, self.finish_limit_s))
+            try:
+                await self.http(scope, receive, _finishing(send, self.finish_limit_s))
+            except* _PointsCut:
+                # Logged where it was cut; hypercorn closes the connection mid-body, where
+                # letting it through was its ERROR `Error in ASGI Framework`, naming nothing.
+                pass
         else:
             await self.http(scope, receive, send)
 
@@ -433,30 +453,29 @@ def create_app(
             hour_from=None if start_from is None else hour_of(start_from),
             hour_to=None if start_to is None else hour_of(start_to),
         )
+        chunks = _point_chunks(pages, fmt=fmt, start_from=start_from, start_to=start_to)
+        # The first chunk is made before the status is sent: a damaged object in it (every
+        # object of a small answer) is a 500 the client reads as such, not a 200 cut short.
+        try:
+            first = await anext(chunks, b"")
+        except _Damaged as exc:
+            log.error("GET /v1/points stopped: %s", exc)
+            return _error("OBJECT_CORRUPT", 500)
 
         async def lines() -> AsyncIterator[bytes]:
-            for line in header(fmt):
-                yield line
-            # Lines gathered into chunks of POINTS_CHUNK_BYTES: hypercorn sends each chunk as
-            # a write of its own, and a line at a time a wide range took eight times the
-            # CLI's export (272 s against 33 s for 2.5 years).
-            chunk: list[bytes] = []
-            size = 0
-            # Closed here however the response ends: a client gone half-way (or a stream reset,
-            # SERVE-64) left it to the garbage collector, unfinished.
-            async with contextlib.aclosing(pages):
-                async for page in pages:
-                    for obj in page:
-                        for line in object_lines(
-                            obj, start_from=start_from, start_to=start_to, fmt=fmt
-                        ):
-                            chunk.append(line)
-                            size += len(line)
-                            if size >= POINTS_CHUNK_BYTES:
-                                yield b"".join(chunk)
-                                chunk, size = [], 0
-            if chunk:
-                yield b"".join(chunk)
+            async with contextlib.aclosing(chunks):
+                if first:
+                    yield first
+                try:
+                    async for chunk in chunks:
+                        yield chunk
+                except _Damaged as exc:
+                    # The lines before the object, then the cut (as `export` writes them and
+                    # exits 3, CLI-34).
+                    if exc.gathered:
+                        yield exc.gathered
+                    log.error("GET /v1/points stopped: %s", exc)
+                    raise _PointsCut from None
 
         return _streamed(Response(lines(), content_type=POINTS_TYPES[fmt]))
 
@@ -526,6 +545,40 @@ def create_app(
         stream,
         config.stream_send_timeout_s,
     )
+
+
+async def _point_chunks(
+    pages: AsyncGenerator[list[HourlyObject], None],
+    *,
+    fmt: str,
+    start_from: int | None,
+    start_to: int | None,
+) -> AsyncGenerator[bytes, None]:
+    """The lines of `/v1/points` (the CSV header first) gathered into chunks of
+    ``POINTS_CHUNK_BYTES``: hypercorn sends each chunk as a write of its own, and a line at a
+    time a wide range took eight times the CLI's export (272 s against 33 s for 2.5 years). An
+    object whose body does not decode raises :class:`_Damaged` with the lines gathered before
+    it."""
+    chunk = list(header(fmt))
+    size = sum(map(len, chunk))
+    # Closed here however the response ends: a client gone half-way (or a stream reset,
+    # SERVE-64) left it to the garbage collector, unfinished.
+    async with contextlib.aclosing(pages):
+        async for page in pages:
+            for obj in page:
+                try:
+                    for line in object_lines(
+                        obj, start_from=start_from, start_to=start_to, fmt=fmt
+                    ):
+                        chunk.append(line)
+                        size += len(line)
+                        if size >= POINTS_CHUNK_BYTES:
+                            yield b"".join(chunk)
+                            chunk, size = [], 0
+                except ObjectCorrupt as exc:
+                    raise _Damaged(exc, b"".join(chunk)) from None
+    if chunk:
+        yield b"".join(chunk)
 
 
 async def _object_pages(runtime: Runtime, **where: Any) -> AsyncGenerator[list[HourlyObject], None]:
