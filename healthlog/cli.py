@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
@@ -177,6 +177,29 @@ class Progress:
         # Dropped when stderr cannot be written, as :func:`_tell`'s lines are (CLI-94).
         with contextlib.suppress(OSError):
             print(f"{prefix}{self._what}: {done}/{total}", end=end, file=sys.stderr, flush=True)
+
+
+class _Once(argparse.Action):
+    """An option of one value that refuses a second. argparse keeps the last one given:
+    `export --metric heart_rate --metric step_count` wrote step_count's points alone and exited
+    0 (CLI-177), where `/v1/points` refuses a repeated parameter (SERVE-93). Which options were
+    given is kept in the namespace being parsed, so a parser parses many argument lists alike."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        given: set[str] = vars(namespace).setdefault("_given_once", set())
+        if self.dest in given:
+            raise argparse.ArgumentError(
+                self,
+                f"given twice; it takes one value: run {parser.prog.split()[-1]} once for each",
+            )
+        given.add(self.dest)
+        setattr(namespace, self.dest, values)
 
 
 def _instant(value: str) -> int:
@@ -1154,12 +1177,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-wait", action="store_true", help="do not wait for the fold")
 
     p = command("export", cmd_export, "write stored points to stdout", needs_data=True)
-    p.add_argument("--metric", default=None)
-    p.add_argument("--layer", type=_stored_layer, default=None)
-    p.add_argument("--from", dest="start_from", type=_instant, default=None)
-    p.add_argument("--to", dest="start_to", type=_instant, default=None)
-    p.add_argument("--format", choices=FORMATS, default="jsonl")
-    p.add_argument("--replica", type=Path, default=None, help="read a follow replica instead")
+    p.add_argument("--metric", action=_Once, default=None)
+    p.add_argument("--layer", action=_Once, type=_stored_layer, default=None)
+    p.add_argument("--from", action=_Once, dest="start_from", type=_instant, default=None)
+    p.add_argument("--to", action=_Once, dest="start_to", type=_instant, default=None)
+    p.add_argument("--format", action=_Once, choices=FORMATS, default="jsonl")
+    p.add_argument(
+        "--replica", action=_Once, type=Path, default=None, help="read a follow replica instead"
+    )
 
     p = command("follow", cmd_follow, "keep a local replica of every object, from the stream")
     p.add_argument("--url", required=True, help="http://host:8787 or ws://host:8787/v1/stream")

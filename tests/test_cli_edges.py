@@ -879,6 +879,56 @@ def test_export_of_a_metric_never_stored_says_so_cli_138(cli: Cli, tmp_path: Pat
     assert (empty.code, empty.out, empty.err) == (0, b"", "")
 
 
+def test_export_given_an_option_twice_exits_2_cli_177(cli: Cli, tmp_path: Path) -> None:
+    """CLI-177: `export` given `--metric`, `--layer`, `--from`, `--to`, `--format` or
+    `--replica` twice exits 2 naming the option and writes nothing, as `/v1/points` refuses a
+    repeated parameter (SERVE-93); each once exports. (Before, the last one given counted:
+    `--metric heart_rate --metric step_count` wrote step_count's points alone and exited 0.)"""
+    data = tmp_path / "data"
+    sent = body(
+        metric(HR, BPM, point("2024-02-06 07:00:00 -0800")),
+        metric("step_count", "count", point("2024-02-06 07:00:00 -0800", qty=12)),
+    )
+    assert (
+        cli(
+            "import", "--aggregation", "minutes", "--data", data, write(tmp_path / "a.json", sent)
+        ).code
+        == 0
+    )
+    twice = {
+        "--metric": [HR, "step_count"],
+        "--layer": ["minutes", "minutes"],
+        "--from": ["2024-02-01", "2024-02-06"],
+        "--to": ["2024-03-01", "2024-02-07"],
+        "--format": ["csv", "jsonl"],
+        "--replica": [tmp_path / "r1", tmp_path / "r2"],
+    }
+    for option, (first, second) in twice.items():
+        run = cli("export", option, first, option, second, "--data", data)
+        assert (run.code, run.out) == (2, b""), option
+        assert run.err.splitlines()[-1] == (
+            f"healthlog export: error: argument {option}: given twice; it takes one value:"
+            " run export once for each"
+        ), option
+    once = cli(
+        "export",
+        "--metric",
+        HR,
+        "--layer",
+        "minutes",
+        "--from",
+        "2024-02-01",
+        "--to",
+        "2024-03-01",
+        "--format",
+        "jsonl",
+        "--data",
+        data,
+    )
+    assert once.code == 0
+    assert [json.loads(line)["metric"] for line in once.out.splitlines()] == [HR]
+
+
 def log_records(err: str, own: str) -> list[dict[str, Any]]:
     """The log records of a command's stderr, each a JSON object: every line that does not
     match ``own`` (the command's own lines) must be one."""
