@@ -17,6 +17,13 @@ from healthlog.timestamps import format_instant
 
 FORMATS = ("jsonl", "csv")
 CSV_HEADER = b"metric,layer,start,end,units,point\r\n"
+# What mends an object whose body does not decode, said with it: a data directory's rebuilds
+# from the journal; a follow replica has no journal, and `verify` or `reindex` run on it only
+# say there is no healthlog data there (CLI-178).
+STORE_REMEDY = "`healthlog verify` lists such objects, `healthlog reindex` rebuilds them"
+REPLICA_REMEDY = (
+    "the replica's copy of it: `healthlog follow` into an empty directory copies every object again"
+)
 
 
 def export_lines(
@@ -25,11 +32,14 @@ def export_lines(
     start_from: int | None = None,
     start_to: int | None = None,
     fmt: str = "jsonl",
+    remedy: str = STORE_REMEDY,
 ) -> Iterator[bytes]:
     """Lines for every point whose start lies in ``[start_from, start_to)``."""
     yield from header(fmt)
     for obj in stored:
-        yield from object_lines(obj, start_from=start_from, start_to=start_to, fmt=fmt)
+        yield from object_lines(
+            obj, start_from=start_from, start_to=start_to, fmt=fmt, remedy=remedy
+        )
 
 
 def header(fmt: str) -> Iterator[bytes]:
@@ -41,20 +51,22 @@ def header(fmt: str) -> Iterator[bytes]:
 
 
 def object_lines(
-    obj: HourlyObject, *, start_from: int | None, start_to: int | None, fmt: str
+    obj: HourlyObject,
+    *,
+    start_from: int | None,
+    start_to: int | None,
+    fmt: str,
+    remedy: str = STORE_REMEDY,
 ) -> Iterator[bytes]:
     """The lines of one object's points in the window, sorted by start and end; a body that
-    does not decode raises :class:`objects.ObjectCorrupt` naming the object."""
+    does not decode raises :class:`objects.ObjectCorrupt` naming the object and ``remedy``."""
     line = _jsonl if fmt == "jsonl" else _csv
     try:
         points = objects.entries(obj.body)
     except objects.ObjectCorrupt as exc:
         key = obj.key
         where = f"{key.metric} {key.layer} {format_instant(key.hour)}"
-        raise objects.ObjectCorrupt(
-            f"{exc} ({where}); `healthlog verify` lists such objects, `healthlog reindex`"
-            " rebuilds them"
-        ) from None
+        raise objects.ObjectCorrupt(f"{exc} ({where}); {remedy}") from None
     for start, end, raw in points:
         if start_from is not None and start < start_from:
             continue

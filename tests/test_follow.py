@@ -2454,6 +2454,37 @@ async def test_a_replica_wal_that_is_a_symbolic_link_is_named_stream_135(
     assert (again.code, again.err) == (0, f"follow: replica at seq {total}\n")
 
 
+async def test_export_of_a_damaged_replica_object_says_to_follow_anew_cli_178(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-178: `export --replica` reaching an object whose body does not decode in the replica
+    exits 3 after the lines of the objects before it, with one line naming the object and the
+    replica's remedy, a `follow` into an empty directory, which then exports what the server
+    does. (Before, the line said `healthlog verify` lists such objects and `healthlog reindex`
+    rebuilds them: commands of a data directory, which a replica is not; run on it, each exits
+    2 with `no healthlog data`.)"""
+    async with serving(tmp_path / "server") as service:
+        await post_small(service, 0, 60, 120)
+        assert (await follow_process(run_cli, service, tmp_path)).code == 0
+        server = (await cli(run_cli, "export", "--data", service.data.path)).out
+        replica = tmp_path / "replica"
+        with closing(sqlite3.connect(replica / REPLICA_FILE)) as conn, conn:
+            [hour] = conn.execute(
+                "SELECT hour FROM objects ORDER BY hour LIMIT 1 OFFSET 1"
+            ).fetchone()
+            conn.execute("UPDATE objects SET body = x'00112233' WHERE hour = ?", (hour,))
+        damaged = await cli(run_cli, "export", "--replica", replica)
+        assert (damaged.code, damaged.out) == (3, server.splitlines(keepends=True)[0])
+        assert damaged.err.splitlines() == [
+            "healthlog: object body cannot be decoded: BadGzipFile (step_count minutes"
+            f" {format_instant(hour)}); the replica's copy of it: `healthlog follow` into an"
+            " empty directory copies every object again"
+        ]
+        (tmp_path / "replica").rename(tmp_path / "damaged")
+        assert (await follow_process(run_cli, service, tmp_path)).code == 0
+    assert (await cli(run_cli, "export", "--replica", replica)).out == server
+
+
 async def test_export_reads_a_replica_without_writing_it_cli_68(
     tmp_path: Path, run_cli: RunCli
 ) -> None:
