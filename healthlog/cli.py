@@ -62,6 +62,7 @@ from healthlog.storage.status import (
     NO_PASS_YET,
     collect_status,
     list_deliveries,
+    reindex_advice,
 )
 from healthlog.storage.store import (
     OUT_OF_MEMORY,
@@ -919,6 +920,7 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
         verification = verify_all(journal, store, progress=progress, elsewhere=elsewhere)
         unfolded = counted(journal, store).pending
         given_up = Counter(store.given_up().values())
+        advised = store.reindex_advised()
     for reason, why in _GIVEN_UP_WHY.items():
         if given_up[reason]:
             _tell(
@@ -957,6 +959,8 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
             " upgrade: folded under a rule that has changed since; otherwise changed outside"
             " healthlog); `healthlog reindex` rebuilds them from the journal"
         )
+    if advised:
+        _tell(f"verify: {reindex_advice(advised, data.path)}")
     _tell(f"verify: {len(differences)} objects differ")
     return 1 if differences else 0
 
@@ -1043,7 +1047,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         if args.json:
             sys.stdout.buffer.write(documents.dumps(status) + b"\n")
         else:
-            print(_status_text(status))
+            print(_status_text(status, data.path))
     free = free_when_full(data.path)
     if status.deliveries.pending and free is not None:
         # The service's folder knows why its last pass stopped (STORE-66), but on a full disk
@@ -1057,7 +1061,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
     return 0
 
 
-def _status_text(status: documents.Status) -> str:
+def _status_text(status: documents.Status, path: Path) -> str:
     d, lag = status.deliveries, status.lag
     pending_text = (
         "nothing pending"
@@ -1081,6 +1085,8 @@ def _status_text(status: documents.Status) -> str:
             for name, seq in status.subscribers.items()
         ),
     ]
+    if status.reindex_advised:
+        lines.append(f"advice      {reindex_advice(status.reindex_advised, path)}")
     return "\n".join(lines)
 
 

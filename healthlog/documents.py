@@ -64,6 +64,9 @@ class Status:
     subscribers_last_ack: dict[str, str]
     """When each subscriber's last ACK was stored: one silent for ``stream_window_days`` whose
     cursor is older than the window is removed (STORE-89)."""
+    reindex_advised: list[str]
+    """Why ``healthlog reindex`` is advised (codes of ``store.REINDEX_REASONS``; empty: it is
+    not): the store holds objects an older healthlog folded otherwise (CLI-183)."""
 
 
 @attrs.frozen

@@ -17,9 +17,11 @@ from typing import Any
 
 import orjson
 
+from healthlog import objects
+from healthlog.objects import ObjectKey
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import Selection
-from healthlog.storage.store import Store
+from healthlog.storage.store import MIGRATIONS, Store
 
 BASE_US = 1_709_251_200_000_000
 NOW = BASE_US
@@ -91,3 +93,40 @@ def pending(journal: Journal, store: Store) -> list[DeliveryMeta]:
     while selection.more:
         held += selection.page()
     return held
+
+
+# Records of one moment (MERGE-35): three symptoms of one cycle day, which all span that day,
+# and two doses of medications taken at once.
+_DAY = b'"start":"2024-02-06 00:00:00 -0800","end":"2024-02-07 00:00:00 -0800"'
+_DOSE = b'"start":"2024-02-06 08:00:00 -0800","end":"2024-02-06 08:00:00 -0800"'
+ONE_MOMENT_RECORDS = b'{"data":{"symptoms":[%s],"medications":[%s]}}' % (
+    b",".join(
+        b'{%s,"name":"%s","severity":"Mild"}' % (_DAY, name)
+        for name in (b"Acne", b"Bloating", b"Headache")
+    ),
+    b",".join(
+        b'{%s,"displayText":"%s","dosage":1}' % (_DOSE, name)
+        for name in (b"Lisinopril 10 mg", b"Metformin 500 mg")
+    ),
+)
+
+
+def fold_as_before_merge_35(path: str | os.PathLike[str]) -> None:
+    """Leave the store at ``path`` as a healthlog before MERGE-35 left it: of the symptoms,
+    medication doses and cycle-tracking entries sharing a start and end in an object, one kept
+    (the last in the body, as the older fold kept the greatest by canonical form), and its schema
+    one version older than this healthlog's."""
+    with closing(sqlite3.connect(path)) as conn, conn:
+        found = conn.execute(
+            "SELECT rowid, metric, layer, hour, units, created_by, body FROM objects"
+            " WHERE layer = 'records' AND metric IN ('symptoms', 'medications', 'cycleTracking')"
+        ).fetchall()
+        for rowid, metric, layer, hour, units, created_by, stored in found:
+            kept = {(start, end): raw for start, end, raw in objects.entries(stored)}
+            older = objects.encode(ObjectKey(metric, layer, hour), units, dict(kept), created_by)
+            conn.execute(
+                "UPDATE objects SET body = ?, hash = ?, first = ?, last = ?, points = ?"
+                " WHERE rowid = ?",
+                (older.body, older.hash, older.first, older.last, older.count, rowid),
+            )
+        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) - 1}")

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import httpx
 import pytest
+from _bodies import ONE_MOMENT_RECORDS, fold_as_before_merge_35
 from _cli_bodies import body, metric, point, write
 from _disk import (
     KILLED_HOLDER,
@@ -3511,3 +3512,81 @@ def test_a_token_with_a_reserved_name_from_an_older_healthlog_is_said_so_cli_156
     assert revoked.code == 0, revoked.err
     after = cli("token", "list", "--data", data)
     assert (after.out, after.err) == (b"watch\n", "")
+
+
+def _served_warnings(data: Path) -> list[str]:
+    """The WARNING lines of `healthlog serve` on ``data`` from its start to a SIGTERM once it
+    says where it serves."""
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    with subprocess.Popen(
+        healthlog("serve", "--port", "0", "--data", data),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as served:
+        try:
+            assert served.stdout is not None
+            line = served.stdout.readline().decode()
+            assert line.startswith("healthlog serving on http://127.0.0.1:"), line
+        finally:
+            served.send_signal(signal.SIGTERM)
+            _, err = served.communicate(timeout=LIMIT_S)
+    assert served.returncode == 0, err
+    return [line for line in err.decode().splitlines() if "level=WARNING" in line]
+
+
+def test_a_store_folded_before_merge_35_says_to_reindex_cli_182_cli_183_cli_184_merge_36(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-182, CLI-183, CLI-184, MERGE-36: a data directory an older healthlog folded three
+    symptoms of one day and two doses taken at once into (one of each kept), upgraded: `serve`
+    logs one WARNING at its start with why and `healthlog reindex --data DIR`, naming no record;
+    `status` shows it in a line of its own and `--json` as `reindex_advised`, its other keys
+    kept; `verify` exits 1 naming the two objects, and says it. After `reindex` the five
+    records export, and none of the three says it any more."""
+    data = tmp_path / "data"
+    records = tmp_path / "records.json"
+    records.write_bytes(ONE_MOMENT_RECORDS)
+    imported = run_cli("import", "--data", data, records)
+    assert imported.code == 0, imported.err
+    fold_as_before_merge_35(data / "store.sqlite")
+    advice = (
+        "a reindex is advised: an older healthlog kept one of the symptoms, medication doses or"
+        " cycle-tracking entries that share a start and end, and the journal alone holds the"
+        f" others (MERGE-35); `healthlog reindex --data {data}` rebuilds the objects from the"
+        " journal (safe while serve runs)"
+    )
+
+    warnings = _served_warnings(data)
+    said = [line for line in warnings if "reindex" in line]
+    assert len(said) == 1, warnings
+    assert said[0].endswith(f' msg="{advice}"'), said
+    for told in (b"Acne", b"Bloating", b"Headache", b"Lisinopril", b"Metformin", b"Mild"):
+        assert told.decode() not in "".join(warnings)
+
+    status = run_cli("status", "--data", data)
+    assert status.code == 0, status.err
+    assert status.out.decode().splitlines()[-1] == f"advice      {advice}"
+    document = json.loads(run_cli("status", "--json", "--data", data).out)
+    assert document["reindex_advised"] == ["records_of_one_moment"]
+    assert {"journal", "deliveries", "lag", "lease", "first_pass_completed", "subscribers"} <= set(
+        document
+    )
+
+    verified = run_cli("verify", "--data", data)
+    assert verified.code == 1, verified.err
+    assert sorted(line.split(b"\t")[1] for line in verified.lines()) == [
+        b"medications",
+        b"symptoms",
+    ]
+    assert f"verify: {advice}" in verified.err.splitlines(), verified.err
+    assert len(run_cli("export", "--data", data).lines()) == 2
+
+    reindexed = run_cli("reindex", "--data", data)
+    assert reindexed.code == 0, reindexed.err
+    assert len(run_cli("export", "--data", data).lines()) == 5
+    assert "advice" not in run_cli("status", "--data", data).out.decode()
+    assert json.loads(run_cli("status", "--json", "--data", data).out)["reindex_advised"] == []
+    clean = run_cli("verify", "--data", data)
+    assert (clean.code, "advised" in clean.err) == (0, False), clean.err
+    assert not [line for line in _served_warnings(data) if "reindex" in line]

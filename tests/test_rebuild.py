@@ -26,7 +26,18 @@ import attrs
 import orjson
 import pytest
 import trio
-from _bodies import BASE_US, NOW, TTL, append, body, delivery, point, rows
+from _bodies import (
+    BASE_US,
+    NOW,
+    ONE_MOMENT_RECORDS,
+    TTL,
+    append,
+    body,
+    delivery,
+    fold_as_before_merge_35,
+    point,
+    rows,
+)
 from _bodies import stamp as minute_stamp
 from _disk import (
     DISK_ERROR,
@@ -1830,3 +1841,71 @@ def test_records_of_one_moment_fold_live_as_a_rebuild_does_merge_35() -> None:
         for workers in (1, 2):
             verification = verify_all(journal, store, workers=workers)
             assert (verification.objects, verification.outcomes) == ([], [])
+
+
+def test_a_store_folded_before_merge_35_advises_a_reindex_until_one_runs_store_127_store_129(
+    journal: Journal, tmp_path: Path
+) -> None:
+    """STORE-127, STORE-129: a store an older healthlog folded three symptoms of one day and two
+    doses taken at once into (one of each kept, its schema one version older), opened by this
+    one: the migration marks it, `reindex_advised` is `records_of_one_moment`, and changes no
+    object, outcome or event; verify finds the two objects and leaves the mark; the reindex
+    brings the five records back and takes the mark away, and it stays away when reopened."""
+    path = tmp_path / "store.sqlite"
+    append(journal, delivery(ONE_MOMENT_RECORDS))
+    append(journal, delivery(body({"steps": [point(1, 10)]})))
+    with Store(path) as store:
+        assert fold_live(journal, store).stopped_because == "empty"
+    fold_as_before_merge_35(path)
+    older = rows(path)
+
+    with Store(path) as store:
+        assert {s.key.metric: s.points for s in summaries(store).values()} == {
+            "medications": 1,
+            "symptoms": 1,
+            "steps": 1,
+        }
+        assert store.reindex_advised() == ["records_of_one_moment"]
+        upgraded = rows(path)
+        assert {name: upgraded[name] for name in older if name != "marks"} == {
+            name: older[name] for name in older if name != "marks"
+        }
+        assert [key for key, _ in upgraded["marks"] if (key, _) not in older["marks"]] == [
+            "reindex_advised"
+        ]
+        differences = verify_all(journal, store, workers=1).objects
+        assert sorted(d.key.metric for d in differences) == ["medications", "symptoms"]
+        assert store.reindex_advised() == ["records_of_one_moment"]
+        assert reindex(journal, store, "reindex", workers=1) == 2
+        assert store.reindex_advised() == []
+        assert verify_all(journal, store, workers=1).objects == []
+        assert {s.key.metric: s.points for s in summaries(store).values()} == {
+            "medications": 2,
+            "symptoms": 3,
+            "steps": 1,
+        }
+    with Store(path) as store:
+        assert store.reindex_advised() == []
+
+
+def test_a_store_without_records_of_one_moment_is_never_advised_a_reindex_store_128(
+    journal: Journal, tmp_path: Path
+) -> None:
+    """STORE-128: a store of the older schema holding no object of symptoms, medications or
+    cycle-tracking entries (steps alone) gets no mark when it is opened; nor does a store this
+    healthlog made new, whatever it folds since, those records included."""
+    append(journal, delivery(body({"steps": [point(1, 10)]})))
+    older = tmp_path / "older.sqlite"
+    with Store(older) as store:
+        assert fold_live(journal, store).stopped_because == "empty"
+    fold_as_before_merge_35(older)
+    with Store(older) as store:
+        assert store.reindex_advised() == []
+        assert "reindex_advised" not in dict(rows(older)["marks"])
+
+    append(journal, delivery(ONE_MOMENT_RECORDS))
+    with Store(tmp_path / "new.sqlite") as store:
+        assert fold_live(journal, store).stopped_because == "empty"
+        assert store.reindex_advised() == []
+    with Store(tmp_path / "new.sqlite") as store:
+        assert store.reindex_advised() == []

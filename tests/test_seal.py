@@ -588,6 +588,8 @@ def sealed_totals(store: Store, dates: list[str], offset: str) -> dict[str, bool
 
 
 FEBRUARY = ["2024-02-05", "2024-02-06", "2024-02-07"]
+# The schema version before the store's migration to the seals' rule (STORE-104).
+BEFORE_SEALS_RULE = next(v for v, script in enumerate(MIGRATIONS) if "temp.unsealed" in script)
 
 
 @pytest.mark.parametrize(
@@ -711,7 +713,7 @@ def test_a_store_sealed_by_the_hour_alone_is_upgraded_store_104(
     seventh = instant("2024-02-07 00:00:00 +0100")
     store.close()
     # What the older healthlog left: every total whose hour had ended sealed, the recount's
-    # write to 7 February counted, and a flag no seal gave; its schema one version older.
+    # write to 7 February counted, and a flag no seal gave; its schema the one before that rule.
     with closing(sqlite3.connect(store.path)) as conn, conn:
         conn.execute("UPDATE objects SET sealed = 1 WHERE layer = 'days' OR metric = 'steps'")
         conn.execute(
@@ -719,7 +721,7 @@ def test_a_store_sealed_by_the_hour_alone_is_upgraded_store_104(
             " WHERE delivery_id = ?",
             (recount.id,),
         )
-        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) - 1}")
+        conn.execute(f"PRAGMA user_version = {BEFORE_SEALS_RULE}")
     older = rows(store.path)
 
     with Store(store.path) as upgraded:

@@ -65,6 +65,8 @@ from healthlog.config import ServeConfig
 from healthlog.hangup import hangup
 from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.status import reindex_advice
+from healthlog.storage.store import Store
 from transport.app import MAX_HEADER_BYTES, RESPONSE_TIMEOUT_S, create_app
 from transport.auth import TokenCache
 from transport.refusals import FaultLog
@@ -633,6 +635,12 @@ async def _serve(
                 open_runtime(configured(data.path, config)) as runtime,
                 trio.open_nursery() as nursery,
             ):
+                advised = await runtime.read_store(Store.reindex_advised)
+                if advised:
+                    # After an upgrade whose migration found objects folded otherwise: the
+                    # README's upgrade section alone said so, and a store missing records
+                    # served on without a word (CLI-182).
+                    log.warning("%s", reindex_advice(advised, data.path))
                 snapshots = SnapshotService(runtime, data.snapshot_dir, data.signing_key())
                 app = create_app(
                     runtime,

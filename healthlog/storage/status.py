@@ -3,7 +3,8 @@ deliveries whose fold failed (or rejected part of them)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import os
+from collections.abc import Collection, Sequence
 
 from healthlog import clock
 from healthlog.documents import (
@@ -18,7 +19,7 @@ from healthlog.documents import (
 )
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted, waited_s
-from healthlog.storage.store import LISTED_OUTCOMES, Store
+from healthlog.storage.store import LISTED_OUTCOMES, REINDEX_REASONS, Store
 from healthlog.timestamps import format_instant
 
 # The statuses a delivery list may ask for, in the order the list document names them: a
@@ -39,7 +40,8 @@ def collect_status(
     *,
     stopped_because: str | None = None,
 ) -> Status:
-    """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors.
+    """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors,
+    and why a reindex is advised, if it is.
 
     Why the last pass stopped is the lag mark's, unless ``stopped_because`` (the folder of
     this process knows why its last pass ended, which the mark could not record: STORE-66).
@@ -79,6 +81,18 @@ def collect_status(
             public_key=public_key,
         ),
         subscribers_last_ack={name: format_instant(at) for name, (_, at) in acks.items()},
+        reindex_advised=store.reindex_advised(),
+    )
+
+
+def reindex_advice(codes: Sequence[str], data: str | os.PathLike[str]) -> str:
+    """What ``serve``, ``status`` and ``verify`` say while a reindex is advised (``codes`` of
+    ``REINDEX_REASONS``, a code this healthlog does not know as it is): why, and the command,
+    with the data directory ``data``. It names sections, never a record's name or value."""
+    why = "; ".join(REINDEX_REASONS.get(code, code) for code in codes)
+    return (
+        f"a reindex is advised: {why}; `healthlog reindex --data {os.fspath(data)}` rebuilds"
+        " the objects from the journal (safe while serve runs)"
     )
 
 

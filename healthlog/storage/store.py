@@ -85,6 +85,18 @@ def _in_scope(row: str) -> str:
     return f"coalesce(s.metric = {row}.metric, 1) AND coalesce(s.layer = {row}.layer, 1)"
 
 
+# The mark of why a reindex is advised: a list of codes of ``REINDEX_REASONS``, set by a
+# migration where the store holds what an older fold made otherwise than this one does; a
+# reindex's swap takes it away. A store folded by this healthlog from the start never has it.
+REINDEX_MARK = "reindex_advised"
+RECORDS_OF_ONE_MOMENT = "records_of_one_moment"
+REINDEX_REASONS = {
+    RECORDS_OF_ONE_MOMENT: "an older healthlog kept one of the symptoms, medication doses or"
+    " cycle-tracking entries that share a start and end, and the journal alone holds the others"
+    " (MERGE-35)",
+}
+
+
 MIGRATIONS = (
     """
     CREATE TABLE objects (
@@ -241,6 +253,22 @@ MIGRATIONS = (
         ), now_us(), lower(hex(randomblob(8)))
         FROM temp.unsealed ORDER BY metric, layer, hour;
     DROP TABLE temp.unsealed;
+    """,
+    # Records of one moment are each kept since MERGE-35: an older healthlog kept one of the
+    # symptoms, doses or cycle-tracking entries sharing a start and end, the others in the
+    # journal alone, and which objects lost one only a rebuild tells. A store holding any
+    # object of those sections is marked, so that ``serve``, ``status`` and ``verify`` advise
+    # the reindex that brings them back, rather than a README section alone; one holding none
+    # has lost nothing (STORE-127). The names are those the older fold stored, written out:
+    # the step stays what it was whatever sections are told apart later. Only the objects key
+    # index is read.
+    f"""
+    INSERT INTO marks (key, value)
+        SELECT '{REINDEX_MARK}', json_array('{RECORDS_OF_ONE_MOMENT}')
+        WHERE EXISTS (
+            SELECT 1 FROM objects WHERE layer = 'records'
+            AND metric IN ('symptoms', 'medications', 'cycleTracking')
+        );
     """,
 )
 # The tag of an event as it is inserted: 64 random bits, as 16 hex digits.
@@ -846,6 +874,7 @@ class Store(_objects.ObjectDatabase):
         body under the same hash too: a follower's replica copies the row; a vanished object
         reports zero points) and a ``delivery.folded`` event for every delivery only the
         rebuild folded or whose status it changed; returns the number of objects changed.
+        The advice of a reindex (``REINDEX_MARK``) goes with the objects it was about.
         """
         with self._lock:
             self._conn.execute("ATTACH DATABASE ? AS rebuilt", (os.fspath(rebuilt),))
@@ -885,6 +914,8 @@ class Store(_objects.ObjectDatabase):
                         " JOIN rebuilt.objects n USING (metric, layer, hour)"
                         " WHERE k.hash IS NOT NULL"
                     )
+                    # The objects are a rebuild's now, folded by this healthlog's rules.
+                    self._conn.execute("DELETE FROM main.marks WHERE key = ?", (REINDEX_MARK,))
                     self._conn.execute("DELETE FROM main.seals")
                     self._conn.execute("INSERT INTO main.seals SELECT * FROM rebuilt.seals")
                     self._conn.execute("DELETE FROM main.outcomes")
@@ -1113,6 +1144,11 @@ class Store(_objects.ObjectDatabase):
         with self._lock:
             row = self._conn.execute("SELECT value FROM marks WHERE key = ?", (key,)).fetchone()
         return None if row is None else orjson.loads(row[0])
+
+    def reindex_advised(self) -> list[str]:
+        """Why a reindex is advised (codes of ``REINDEX_REASONS``): empty unless a migration
+        found objects an older healthlog folded otherwise, and no reindex has run since."""
+        return [str(code) for code in self.mark(REINDEX_MARK) or []]
 
     def set_mark(self, key: str, value: Any) -> None:
         """Write a mark, waiting at most ``BRIEF_WAIT_MS`` for the write lock (:class:`Deferred`
