@@ -3590,3 +3590,32 @@ def test_a_store_folded_before_merge_35_says_to_reindex_cli_182_cli_183_cli_184_
     clean = run_cli("verify", "--data", data)
     assert (clean.code, "advised" in clean.err) == (0, False), clean.err
     assert not [line for line in _served_warnings(data) if "reindex" in line]
+
+
+def test_verify_says_a_reindex_would_change_no_object_where_none_differs_cli_184(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-184: a data directory of the older schema whose symptoms never shared a moment (one
+    symptom a day), so that the older fold lost none, is advised a reindex all the same (which
+    objects lost one only a rebuild tells); `verify` exits 0 and says the reindex would change
+    no object and only take the advice away, rather than advise it after `0 objects differ`."""
+    data = tmp_path / "data"
+    records = tmp_path / "records.json"
+    records.write_bytes(
+        b'{"data":{"symptoms":[{"start":"2024-02-06 00:00:00 -0800","end":"2024-02-07 00:00:00'
+        b' -0800","name":"Headache","severity":"Mild"}]}}'
+    )
+    imported = run_cli("import", "--data", data, records)
+    assert imported.code == 0, imported.err
+    fold_as_before_merge_35(data / "store.sqlite")
+
+    verified = run_cli("verify", "--data", data)
+
+    assert verified.code == 0, verified.err
+    said = [line for line in verified.err.splitlines() if "advised" in line]
+    assert len(said) == 1, verified.err
+    assert said[0].startswith("verify: a reindex is advised: "), said
+    assert said[0].endswith(
+        "; this verify found no object differing: the reindex would change none and only take"
+        " this advice away"
+    ), said
