@@ -2093,6 +2093,27 @@ async def test_an_idle_h2c_connection_is_closed_after_a_delivery_serve_47(tmp_pa
         assert await journaled(service) == [sha256(b"{}")]
 
 
+async def test_an_h2c_connection_that_asks_nothing_is_closed_stream_151(tmp_path: Path) -> None:
+    """STREAM-151: an h2c connection that sends the preface (with its SETTINGS, as a client
+    opening a connection ahead of its requests does) and then nothing is closed after
+    ``keep_alive_timeout_s``, as an HTTP/1.1 connection that sends nothing is. hypercorn
+    stopped the keep-alive timer when it read the preface as a request and never started it
+    again for a connection that had no stream yet: each such connection held its socket, a
+    file descriptor, until its client left, for good with one that vanished without a FIN."""
+    async with serving(tmp_path / "data", keep_alive_timeout_s=1) as service:
+        silent = await trio.open_tcp_stream("127.0.0.1", service.port)
+        preface = await trio.open_tcp_stream("127.0.0.1", service.port)
+        await preface.send_all(H2_PREFACE + h2_frame(4, 0, 0, b""))
+        closed = []
+        for name, tcp in (("HTTP/1.1", silent), ("h2c", preface)):
+            async with tcp:
+                with trio.move_on_after(IDLE_CLOSE_LIMIT_S):
+                    while await tcp.receive_some(2**16):
+                        pass
+                    closed.append(name)
+        assert closed == ["HTTP/1.1", "h2c"]
+
+
 async def test_connections_a_peer_left_are_let_go_serve_38(tmp_path: Path) -> None:
     """SERVE-38: h2c peers that set their flow control window to zero, ask for /healthz and
     leave, and HTTP/1.1 peers that connect and close (half of them after a request), hold no

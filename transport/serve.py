@@ -335,6 +335,18 @@ class _ClosingH11Protocol(H11Protocol):
             await self._send_h11_event(h11.Data(data=body))
         await self._send_h11_event(h11.EndOfMessage())
 
+    async def _check_protocol(self, event: h11.Request) -> None:
+        """hypercorn's switch to HTTP/2, which starts the keep-alive timer again when the
+        client opened with HTTP/2's preface (prior knowledge): hypercorn stopped the timer as
+        it read that preface as a request, and HTTP/2 starts it only when a stream ends, so a
+        connection that sent the preface and no request was never closed, its socket held
+        until the client left (STREAM-151). Its first request stops the timer again."""
+        try:
+            await super()._check_protocol(event)
+        except hypercorn.protocol.h11.H2ProtocolAssumedError:
+            await self.send(Updated(idle=True))
+            raise
+
     async def want_body(self) -> None:
         """``100 Continue``, if the client waits for one and has no answer yet (h11 forgets
         the wait once an answer starts, or the body does)."""
