@@ -50,6 +50,9 @@ class RetentionStatistics:
     pruned: int
     removed: int
     """Subscribers removed as gone."""
+    held_back: frozenset[str]
+    """The files whose ``-wal`` a reader kept from being checkpointed at the last look (RUN-63),
+    until a look finds it checkpointed again: ``healthlog_wal_held_back`` of ``/metrics``."""
 
 
 class RetentionActor:
@@ -77,7 +80,9 @@ class RetentionActor:
         self._busy_since: float | None = None
 
     def statistics(self) -> RetentionStatistics:
-        return RetentionStatistics(self._runs, self._pruned, self._removed)
+        return RetentionStatistics(
+            self._runs, self._pruned, self._removed, frozenset(self._held_back)
+        )
 
     async def run(self) -> None:
         while True:

@@ -6,12 +6,14 @@ test's own trio run (``tests/_service_helpers.py``), through ``httpx`` or a raw 
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gzip
 import hashlib
 import json
 import logging
 import os
+import random
 import re
 import resource
 import socket
@@ -27,6 +29,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import attrs
 import h2.config
 import h2.connection
 import h2.errors
@@ -57,14 +60,16 @@ from trio_websocket import ConnectionClosed
 from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
 
+from actors.runtime import configured
 from healthlog import faults
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.logs import Throttle
-from healthlog.storage._sqlite import Deferred
+from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import NewDelivery
 from healthlog.timestamps import format_instant, parse_instant
 from transport import app as app_module
+from transport import serve as serve_module
 from transport.intake import INTAKE_PATH as INTAKE
 from transport.refusals import Bucket, RefusalLog, WrongPathLog
 
@@ -1501,6 +1506,53 @@ async def test_metrics_count_failed_journal_commits_and_show_the_process_serve_4
     for name in ("process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds_total"):
         assert after[(name, frozenset())] > 0, name
     assert any(name == "python_info" for name, _ in after)
+
+
+RETENTION_PERIOD_S = 0.05
+
+
+async def test_metrics_say_a_wal_a_reader_keeps_from_being_checkpointed_run_86(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RUN-86: ``/metrics`` gives the size of each database's -wal and whether a reader keeps it
+    from being checkpointed: while another program holds a read transaction open on
+    journal.sqlite and deliveries take its -wal past WAL_SIZE_LIMIT, the journal's is held
+    back (1) and over the limit, the store's not (0); once the reader ends it is 0 again. Only
+    a log line said so: a Prometheus user saw nothing of a -wal growing without bound."""
+    monkeypatch.setattr(
+        serve_module,
+        "configured",
+        lambda *args, **kwargs: attrs.evolve(
+            configured(*args, **kwargs), retention_period_s=RETENTION_PERIOD_S
+        ),
+    )
+    noise = random.Random(86)
+
+    def held(samples: dict[tuple[str, frozenset[Any]], float], database: str) -> float | None:
+        return samples.get(("healthlog_wal_held_back", labelled(database=database)))
+
+    async with serving(tmp_path / "data") as service:
+        path = service.data.journal_path
+        assert (await service.post(b"{}")).status_code == 200
+        samples = await metric_samples(service.client)
+        assert (held(samples, "journal.sqlite"), held(samples, "store.sqlite")) == (0, 0)
+        with closing(sqlite3.connect(path, isolation_level=None)) as reader:
+            reader.execute("BEGIN")
+            reader.execute("SELECT count(*) FROM deliveries").fetchone()
+            while os.stat(f"{path}-wal").st_size <= WAL_SIZE_LIMIT:
+                # Incompressible: each adds its size to the -wal.
+                body = base64.b64encode(noise.randbytes(2**20))
+                assert (await service.post(body)).status_code == 200
+            with trio.fail_after(FOLD_LIMIT_S):
+                while held(samples := await metric_samples(service.client), "journal.sqlite") != 1:
+                    await trio.sleep(POLL_S)
+            wal = samples[("healthlog_wal_bytes", labelled(database="journal.sqlite"))]
+            assert wal > WAL_SIZE_LIMIT
+            assert held(samples, "store.sqlite") == 0
+            reader.execute("COMMIT")
+        with trio.fail_after(FOLD_LIMIT_S):
+            while held(await metric_samples(service.client), "journal.sqlite") != 0:
+                await trio.sleep(POLL_S)
 
 
 async def test_a_pass_whose_mark_the_disk_refuses_is_still_said_store_66(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 
 import attrs
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from actors.runtime import Runtime, RuntimeStatistics
 from healthlog.documents import Status
+from healthlog.storage._sqlite import wal_size
 from healthlog.storage.journal import Journal
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
@@ -39,6 +41,8 @@ class _Snapshot(Collector):
     stream_connections: int
     stream_refused: HandshakeRefusals
     intake_refused: IntakeRefusals
+    wal_bytes: dict[str, int]
+    """The size of each database's ``-wal``, by the database's path."""
 
     def collect(self) -> Iterator[Metric]:
         deliveries = GaugeMetricFamily(
@@ -138,10 +142,30 @@ class _Snapshot(Collector):
             "Actors that crashed and have not run well since",
             value=len(self.statistics.down),
         )
+        # By the file's name, never its directory's path.
+        wal = GaugeMetricFamily(
+            "healthlog_wal_bytes",
+            "Size of each database's -wal file (cut back to 16 MiB after a checkpoint past it)",
+            labels=["database"],
+        )
+        held = GaugeMetricFamily(
+            "healthlog_wal_held_back",
+            "1 while a read transaction kept open on the database (by another program, a long"
+            " verify or snapshot build) keeps its -wal from being checkpointed, so that every"
+            " write adds to it; as the last retention pass found it",
+            labels=["database"],
+        )
+        held_back = self.statistics.retention.held_back
+        for path, size in self.wal_bytes.items():
+            wal.add_metric([os.path.basename(path)], size)
+            held.add_metric([os.path.basename(path)], int(path in held_back))
+        yield wal
+        yield held
 
 
-def _read(journal: Journal, store: Store) -> tuple[Status, dict[str, int]]:
-    return collect_status(journal, store), store.counter_totals(COUNTERS)
+def _read(journal: Journal, store: Store) -> tuple[Status, dict[str, int], dict[str, int]]:
+    wal_bytes = {database.path: wal_size(database.path) for database in (journal, store)}
+    return collect_status(journal, store), store.counter_totals(COUNTERS), wal_bytes
 
 
 async def render_metrics(
@@ -154,7 +178,7 @@ async def render_metrics(
     with the serving process's own figures (``process_*``: RSS, open files, CPU), Python's
     version (``python_info``), the ``stream_connections`` it serves now and the stream
     connections it refused at the handshake, and the uploads it did not journal."""
-    status, totals = await runtime.read_store(functools.partial(_read, runtime.journal))
+    status, totals, wal_bytes = await runtime.read_store(functools.partial(_read, runtime.journal))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(
         _Snapshot(
@@ -164,6 +188,7 @@ async def render_metrics(
             stream_connections,
             stream_refused,
             intake_refused,
+            wal_bytes,
         )
     )
     ProcessCollector(registry=registry)

@@ -324,6 +324,12 @@ def _size(path: str) -> int:
         return 0
 
 
+def wal_size(path: str) -> int:
+    """The size of the ``-wal`` of the file at ``path``, 0 when there is none: a look at the
+    file alone, which takes no lock (``/metrics`` looks while a fold writes)."""
+    return _size(path + "-wal")
+
+
 def wal_held_back(conn: sqlite3.Connection, path: str) -> int:
     """The size of the ``-wal`` of the file at ``path`` (``conn``'s) where a reader keeps it
     from being checkpointed (RUN-63): a passive checkpoint (which waits for nobody) leaves
