@@ -2166,6 +2166,53 @@ async def test_an_h2c_connection_that_asks_nothing_is_closed_stream_151(tmp_path
         assert closed == ["HTTP/1.1", "h2c"]
 
 
+def served_sockets(port: int) -> list[socket.socket]:
+    """Copies of the sockets this process accepted on ``port`` (its connections' server ends)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(fd)))
+            try:
+                tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
+                if tcp and sock.type == socket.SOCK_STREAM and sock.getsockname()[1] == port:
+                    sock.getpeername()
+                    found.append(sock)
+                    continue
+            except OSError:
+                pass
+            sock.close()
+    return found
+
+
+async def test_a_connection_whose_peer_vanished_is_probed_stream_152(tmp_path: Path) -> None:
+    """STREAM-152: every accepted connection, a subscriber waiting for events as an idle
+    HTTP one, probes its peer with TCP keepalive after ``stream_send_timeout_s`` of silence and
+    as often after, so that ``TCP_USER_TIMEOUT`` drops one whose peer vanished without a FIN: a
+    subscriber waiting on a quiet service sends nothing, and such a ghost held its slot until
+    the next event (measured in a network namespace, its loopback down for 100 s: the third
+    subscriber of `stream_max_subscribers = 2` was still refused 503)."""
+    async with serving(tmp_path / "data", stream_send_timeout_s=7) as service:
+        idle = await trio.open_tcp_stream("127.0.0.1", service.port)
+        async with subscribe(service), idle:
+            served = served_sockets(service.port)
+            probes = [
+                (
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0,
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                    sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+                )
+                for sock in served
+            ]
+            for sock in served:
+                sock.close()
+    # The subscriber's, the idle one's, and any the test's client keeps alive.
+    assert len(probes) >= 2
+    assert set(probes) == {(True, 7, 7, 7000)}
+
+
 async def test_connections_a_peer_left_are_let_go_serve_38(tmp_path: Path) -> None:
     """SERVE-38: h2c peers that set their flow control window to zero, ask for /healthz and
     leave, and HTTP/1.1 peers that connect and close (half of them after a request), hold no

@@ -78,6 +78,9 @@ log = logging.getLogger("healthlog.http")
 # How soon after the stopping signal another one is the same signal delivered twice.
 REPEATED_SIGNAL_S = 1.0
 
+KEEPALIVE_MAX_S = 32_767
+"""The longest ``TCP_KEEPIDLE`` and ``TCP_KEEPINTVL`` Linux takes (``MAX_TCP_KEEPIDLE``)."""
+
 COMMIT_GRACE_S = 10.0
 """After the graceful timeout, the time a delivery already handed to the journal has to be
 committed and answered: the journal's busy timeout (5 s) and as much again."""
@@ -557,6 +560,16 @@ class _HypercornConfig(HypercornConfig):
         as closed, and the app is told the client disconnected (STREAM-13). The timeout counts
         only while data waits for the peer: an idle connection, a slow reader that keeps
         taking data, or a client sending an upload are not affected.
+
+        So that a peer gone without a word (a laptop asleep, a phone off the network: its FIN
+        or RST never comes) does not hold an idle connection for good, accepted sockets also
+        inherit TCP keepalive, its first probe after ``stalled_send_s`` of silence and the
+        next as far apart: a probe is data waiting for the peer, so the same
+        ``TCP_USER_TIMEOUT`` drops the connection once it goes unanswered. A replay stream
+        subscriber waiting for events sends nothing, and one whose peer had vanished held its
+        slot (of ``stream_max_subscribers``) until the next event: on a quiet night, followers
+        that reconnected after their network came back were refused 503 for good (STREAM-152).
+        A peer that is there answers the probes in its kernel, unseen by the app.
         """
         try:
             sockets = super().create_sockets()
@@ -568,9 +581,14 @@ class _HypercornConfig(HypercornConfig):
             ) from None
         if sys.platform == "linux":
             user_timeout_ms = max(1, round(self.stalled_send_s * 1000))
+            # Whole seconds, at least one; the kernel takes at most 32,767.
+            probe_s = min(KEEPALIVE_MAX_S, max(1, round(self.stalled_send_s)))
             for sock in sockets.insecure_sockets:
                 if sock.family in (socket.AF_INET, socket.AF_INET6):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, probe_s)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, probe_s)
         return sockets
 
 
