@@ -306,7 +306,14 @@ def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
     ended the process at once, and its lease held off the service's folding for a lease term.
     Ctrl-C left to trio's KeyboardInterrupt broke even a shielded wait, the one for a
     delivery's commit: journaled, it went unsaid (RUN-75). A SIGINT ignored when the command
-    started (a shell's background job) stays ignored, as does a SIGHUP (``nohup``)."""
+    started (a shell's background job) stays ignored, as does a SIGHUP (``nohup``).
+
+    The signal receiver is opened with them ignored, which it puts back as it closes, and they
+    stay ignored once a signal has stopped ``fn``: the same stop once more while the runtime
+    closes (a terminal's hangup signals the foreground job twice, the shell's and the kernel's,
+    0.2 ms apart; ``timeout`` signals the command and then its group) found the default action
+    back and killed the command, its lease held for its term (CLI-193). Otherwise the handlers
+    from before are put back."""
     import trio
 
     stopping = [signal.SIGTERM, *hangup()]
@@ -325,7 +332,11 @@ def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
             nursery.cancel_scope.cancel()
         return result
 
-    return trio.run(terminable)
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stopping}
+    result = trio.run(terminable)
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+    return result
 
 
 def cmd_import(args: argparse.Namespace, data: DataDir) -> int:

@@ -506,3 +506,56 @@ async def test_a_lease_left_by_a_dead_holder_is_taken_as_it_expires_run_79(
             taken_at = trio.current_time()
             nursery.cancel_scope.cancel()
     assert taken_at == pytest.approx(7.0, abs=0.01)
+
+
+def _catches(pid: int, signum: int) -> bool | None:
+    """Whether ``pid`` has a handler of its own for ``signum`` (None once it has ended)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return None
+    (caught,) = (line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM])
+def test_a_stop_signalled_again_as_import_stops_is_the_same_stop_cli_193(
+    tmp_path: Path, signum: int
+) -> None:
+    """CLI-193: `import` (its fold held at `fold.begin`) gets the stopping signal, and once more
+    as it stops, after it has stopped watching for it (the terminal's hangup signals the
+    foreground job twice, measured 0.2 ms apart: the shell's and the kernel's as the shell
+    exits; `timeout` signals the command and then its group): it still stops as on the first,
+    exit 128 + the signal and `healthlog: interrupted`, its fold lease released. (Before, the
+    second found the default action back and killed it: exit -1 and the lease held for its
+    term, in 1 of 2 real hangups.)"""
+    data = DataDir(tmp_path / "data")
+    file = write(
+        tmp_path / "a.json",
+        body(metric("heart_rate", "count/min", point("2024-02-06 07:00:00 -0800"))),
+    )
+    plan = {"fold.begin": {"hits": [1], "do": "delay", "seconds": 3}}
+    env = {**environment(), "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    with subprocess.Popen(
+        healthlog("import", "--aggregation", "minutes", "--data", data.path, file),
+        stderr=subprocess.PIPE,
+        env=env,
+        preexec_fn=functools.partial(signal.signal, signal.SIGHUP, signal.SIG_DFL),
+    ) as running:
+        deadline = time.monotonic() + LIMIT_S
+        while not (data.store_path.exists() and _first_fold_held(data)):
+            assert running.poll() is None, running.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "import never got under way"
+            time.sleep(0.01)
+        running.send_signal(signum)
+        # Once the first signal is taken, the command no longer catches it: the second comes.
+        while (catches := _catches(running.pid, signum)) is True:
+            assert time.monotonic() < deadline, "the signal is caught for good"
+        assert catches is not None, "import ended before the second signal could come"
+        running.send_signal(signum)
+        _, err = running.communicate(timeout=LIMIT_S)
+    said = err.decode()
+    assert running.returncode == 128 + signum, said[-3000:]
+    assert said.splitlines()[-1] == "healthlog: interrupted"
+    assert "Traceback" not in said
+    assert lease_holder(data) is None
