@@ -879,6 +879,33 @@ def test_each_fold_logs_its_counters_without_values_merge_28(
     assert len(_fold_summaries(caplog, logging.DEBUG)) == 1
 
 
+def test_a_failed_or_partial_fold_says_why_in_its_line_run_96(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-96: the INFO line of a failed or partial fold ends with its recorded reason, which
+    names what was wrong and quotes no value; a parsed fold's line has none."""
+    bad_date = {"date": "31/02/2024 noon", "qty": 73.5}
+    partial = append(journal, delivery(body({"hr": [point(1, 61.25), bad_date]})))
+    broken = append(journal, delivery(b"{not json at all"))
+    parsed = append(journal, delivery(body({"hr": [point(2, 62)]})))
+    caplog.set_level(logging.INFO, "healthlog")
+
+    for meta in (partial, broken, parsed):
+        assert fold(journal, store, meta, epoch).outcome_class is OutcomeClass.DONE
+
+    summaries = _fold_summaries(caplog, logging.INFO)
+    assert summaries[0].endswith(
+        " erased=0 reason=point rejected: unparseable date: timestamp does not match a"
+        " supported date/time shape (x1)"
+    ), summaries[0]
+    assert summaries[1].endswith(
+        " erased=0 reason=undecodable body: body is not a JSON object or array"
+    ), summaries[1]
+    assert summaries[2].endswith(" erased=0"), summaries[2]
+    for value in ("61.25", "73.5", "31/02", "noon", "not json"):
+        assert value not in "\n".join(summaries)
+
+
 def test_a_fold_failed_over_its_budget_is_logged_merge_28(
     journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
 ) -> None:

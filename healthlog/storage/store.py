@@ -418,12 +418,14 @@ def automation_of(meta: DeliveryMeta) -> str | None:
 
 def _log_folded(delivery_id: int, outcome: Outcome, *, live: bool) -> None:
     """Log a committed fold's status and counters (S11: counters and ids, never a value), at
-    INFO for the live folder and at DEBUG for a rebuild, which would only repeat it."""
+    INFO for the live folder and at DEBUG for a rebuild, which would only repeat it. A failed
+    or partial fold's line ends with its reason, so the log says why without a lookup of the
+    delivery: a reason names what was wrong, never a value (PARSE-33)."""
     counters = outcome.counters
     log.log(
         logging.INFO if live else logging.DEBUG,
         "delivery %d folded: status=%s metrics=%d sections=%d points=%d rejected=%d objects=%d"
-        " overwrites=%d held=%d erased=%d",
+        " overwrites=%d held=%d erased=%d%s",
         delivery_id,
         outcome.status,
         counters.metrics,
@@ -434,6 +436,7 @@ def _log_folded(delivery_id: int, outcome: Outcome, *, live: bool) -> None:
         counters.overwrites,
         counters.points_held,
         counters.points_erased,
+        f" reason={outcome.reason}" if outcome.reason else "",
     )
 
 
