@@ -61,7 +61,7 @@ from wsproto import ConnectionType, WSConnection
 from wsproto.events import CloseConnection, Request, TextMessage
 
 from actors.runtime import configured
-from healthlog import faults
+from healthlog import clock, faults
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.logs import Throttle
 from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred
@@ -952,6 +952,37 @@ async def test_metrics_after_holding_erasing_and_failing(service: Service) -> No
     assert value("healthlog_late_change_seconds_count") == 2
     assert value("healthlog_late_change_seconds_bucket", le="2592000.0") == 0
     assert value("healthlog_late_change_seconds_bucket", le="+Inf") == 2
+
+
+async def test_first_pass_gauge_and_status_are_this_process_s_as_readyz_is_serve_118(
+    tmp_path: Path,
+) -> None:
+    """SERVE-118: a data directory a service had folded (its store marked: a pass reached the
+    end of the queue) served again while another process holds the fold lease for an hour:
+    `/readyz` is 503, and `healthlog_first_pass_completed` of `/metrics` is 0 and
+    `first_pass_completed` of `GET /v1/status` false, as this process has folded nothing; once
+    the holder releases the lease and the service folds, all three say so. (Before, both said 1
+    and true from the store's mark of the earlier process while `/readyz` said 503.)"""
+    data = tmp_path / "data"
+    async with serving(data) as service:
+        await service.wait_folded()
+    with DataDir(data).open_store() as store:
+        assert store.acquire_lease("other:1:x", now=clock.now_us(), ttl=3_600_000_000) == 2
+    with DataDir(data).open_tokens() as tokens:
+        tokens.revoke(TOKEN_NAME)
+
+    async with serving(data) as service:
+        assert (await service.client.get("/readyz")).status_code == 503
+        samples = await metric_samples(service.client)
+        assert samples["healthlog_first_pass_completed", labelled()] == 0
+        assert (await service.status())["first_pass_completed"] is False
+
+        with DataDir(data).open_store() as store:
+            store.release_lease("other:1:x", 2)
+        await service.wait_folded()
+        assert (await service.client.get("/readyz")).status_code == 200
+        samples = await metric_samples(service.client)
+        assert samples["healthlog_first_pass_completed", labelled()] == 1
 
 
 # -- read side ------------------------------------------------------------------------------

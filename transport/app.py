@@ -381,12 +381,14 @@ def create_app(
     async def get_status() -> Response:
         if await client() is None:
             return unauthorized()
+        folding = runtime.statistics().folding
         status = await runtime.read_store(
             functools.partial(
                 collect_status,
                 runtime.journal,
                 public_key=snapshots.public_key,
-                stopped_because=runtime.statistics().folding.unrecorded_stop,
+                stopped_because=folding.unrecorded_stop,
+                first_pass_completed=folding.first_pass_completed,
             )
         )
         return _json(status)

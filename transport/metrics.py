@@ -69,7 +69,7 @@ class _Snapshot(Collector):
         )
         yield GaugeMetricFamily(
             "healthlog_first_pass_completed",
-            "1 once a folding pass reached the end of the queue",
+            "1 once a folding pass of this process reached the end of the queue (/readyz)",
             value=int(self.status.first_pass_completed),
         )
         yield GaugeMetricFamily(
@@ -163,9 +163,12 @@ class _Snapshot(Collector):
         yield held
 
 
-def _read(journal: Journal, store: Store) -> tuple[Status, dict[str, int], dict[str, int]]:
+def _read(
+    journal: Journal, store: Store, first_pass_completed: bool
+) -> tuple[Status, dict[str, int], dict[str, int]]:
+    status = collect_status(journal, store, first_pass_completed=first_pass_completed)
     wal_bytes = {database.path: wal_size(database.path) for database in (journal, store)}
-    return collect_status(journal, store), store.counter_totals(COUNTERS), wal_bytes
+    return status, store.counter_totals(COUNTERS), wal_bytes
 
 
 async def render_metrics(
@@ -178,12 +181,19 @@ async def render_metrics(
     with the serving process's own figures (``process_*``: RSS, open files, CPU), Python's
     version (``python_info``), the ``stream_connections`` it serves now and the stream
     connections it refused at the handshake, and the uploads it did not journal."""
-    status, totals, wal_bytes = await runtime.read_store(functools.partial(_read, runtime.journal))
+    statistics = runtime.statistics()
+    status, totals, wal_bytes = await runtime.read_store(
+        functools.partial(
+            _read,
+            runtime.journal,
+            first_pass_completed=statistics.folding.first_pass_completed,
+        )
+    )
     registry = CollectorRegistry(auto_describe=False)
     registry.register(
         _Snapshot(
             status,
-            runtime.statistics(),
+            statistics,
             totals,
             stream_connections,
             stream_refused,

@@ -39,12 +39,16 @@ def collect_status(
     public_key: str | None = None,
     *,
     stopped_because: str | None = None,
+    first_pass_completed: bool | None = None,
 ) -> Status:
     """Journal size, deliveries by status, lag, lease, first-pass flag, subscriber cursors,
     and why a reindex is advised, if it is.
 
     Why the last pass stopped is the lag mark's, unless ``stopped_because`` (the folder of
     this process knows why its last pass ended, which the mark could not record: STORE-66).
+    The first-pass flag is the store's mark (some process once folded to the end of the
+    queue), unless ``first_pass_completed``: a service says whether its own folder has, as its
+    ``/readyz`` does, since the mark of a process before it says nothing of this one (SERVE-118).
 
     The deliveries by status, pending included, come from one snapshot of the store, so each
     journaled delivery is counted once; the journal's figures are read with the pending ones,
@@ -71,7 +75,11 @@ def collect_status(
             stopped_because=stopped_because or str(mark.get("stopped_because", NO_PASS_YET)),
         ),
         lease=LeaseInfo(lease.holder, lease.epoch),
-        first_pass_completed=bool(store.mark(FIRST_PASS_MARK)),
+        first_pass_completed=(
+            bool(store.mark(FIRST_PASS_MARK))
+            if first_pass_completed is None
+            else first_pass_completed
+        ),
         subscribers={name: acked for name, (acked, _) in acks.items()},
         stream=StreamInfo(
             id=store.stream_id(),
