@@ -985,6 +985,39 @@ async def test_first_pass_gauge_and_status_are_this_process_s_as_readyz_is_serve
         assert samples["healthlog_first_pass_completed", labelled()] == 1
 
 
+async def test_metrics_say_how_far_the_furthest_subscriber_is_behind_serve_119(
+    service: Service,
+) -> None:
+    """SERVE-119: `/metrics` has the stream's head (`healthlog_stream_head`, the newest event's
+    seq, as `status` says it) and how many events the subscriber furthest behind has not
+    acknowledged (`healthlog_subscriber_lag_events`, 0 without a subscriber), whose name is no
+    label: a follower (a backup replica) that stopped shows as a lag that grows with each
+    delivery of changes. (Before, only how many subscribers there were and how many were
+    connected: a replica that stopped, 6 events behind, looked like one that synced by cron.)"""
+    first = body(metric("heart_rate", "count/min", point("2024-03-01 10:00:00 +0000", qty=60)))
+    assert (await service.post(first, AUTOMATION)).status_code == 200
+    await service.wait_folded()
+    samples = await metric_samples(service.client)
+    assert samples["healthlog_subscriber_lag_events", labelled()] == 0
+    async with subscribe(service, 0, subscriber="nas") as ws:
+        [event] = await receive(ws, 1)
+        await send_ack(ws, event["seq"])
+        await acked(service, "nas", event["seq"])
+    later = body(
+        metric("heart_rate", "count/min", point("2024-03-01 11:00:00 +0000", qty=61)),
+        metric("step_count", "count", point("2024-03-01 12:00:00 +0000", qty=9)),
+    )
+    assert (await service.post(later, AUTOMATION)).status_code == 200
+    status = await service.wait_folded()
+    samples = await metric_samples(service.client)
+
+    assert samples["healthlog_stream_head", labelled()] == status["stream"]["head"]
+    behind = status["stream"]["head"] - event["seq"]
+    assert behind >= 2
+    assert samples["healthlog_subscriber_lag_events", labelled()] == behind
+    assert not any("nas" in str(labels) for _, labels in samples)
+
+
 # -- read side ------------------------------------------------------------------------------
 
 POINTS_FILTERS: list[dict[str, str]] = [

@@ -77,6 +77,17 @@ class _Snapshot(Collector):
             "Named replay subscribers with a stored cursor",
             value=len(self.status.subscribers),
         )
+        head = self.status.stream.head
+        yield GaugeMetricFamily(
+            "healthlog_stream_head", "Seq of the newest change event of the stream", value=head
+        )
+        # The furthest behind, not one series per subscriber: a subscriber's name is the
+        # client's to choose, and a label of it would make a series of every name ever sent.
+        yield GaugeMetricFamily(
+            "healthlog_subscriber_lag_events",
+            "Events the named subscriber furthest behind has not acknowledged (0 without one)",
+            value=max([0, *(head - acked for acked in self.status.subscribers.values())]),
+        )
         yield GaugeMetricFamily(
             "healthlog_stream_connections",
             "Replay stream subscribers this process serves now (at most stream_max_subscribers)",
