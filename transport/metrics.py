@@ -25,7 +25,7 @@ from actors.runtime import Runtime, RuntimeStatistics
 from healthlog.documents import Status
 from healthlog.storage._sqlite import wal_size
 from healthlog.storage.journal import Journal
-from healthlog.storage.status import collect_status
+from healthlog.storage.status import collect_status, database_sizes
 from healthlog.storage.store import Store
 from transport.intake import IntakeRefusals
 from transport.stream import HandshakeRefusals
@@ -38,6 +38,7 @@ class _Snapshot(Collector):
     status: Status
     statistics: RuntimeStatistics
     totals: dict[str, int]
+    sizes: dict[str, int]
     stream_connections: int
     stream_refused: HandshakeRefusals
     intake_refused: IntakeRefusals
@@ -54,6 +55,14 @@ class _Snapshot(Collector):
         yield GaugeMetricFamily(
             "healthlog_journal_bytes", "Raw bytes journaled", value=self.status.journal.bytes
         )
+        sizes = GaugeMetricFamily(
+            "healthlog_database_bytes",
+            "Size of each database of the data directory and of its -wal, on disk",
+            labels=["file"],
+        )
+        for name, size in self.sizes.items():
+            sizes.add_metric([name], size)
+        yield sizes
         yield GaugeMetricFamily(
             "healthlog_pending_deliveries",
             "Deliveries journaled but not folded",
@@ -176,10 +185,10 @@ class _Snapshot(Collector):
 
 def _read(
     journal: Journal, store: Store, first_pass_completed: bool
-) -> tuple[Status, dict[str, int], dict[str, int]]:
+) -> tuple[Status, dict[str, int], dict[str, int], dict[str, int]]:
     status = collect_status(journal, store, first_pass_completed=first_pass_completed)
     wal_bytes = {database.path: wal_size(database.path) for database in (journal, store)}
-    return status, store.counter_totals(COUNTERS), wal_bytes
+    return status, store.counter_totals(COUNTERS), database_sizes(journal, store), wal_bytes
 
 
 async def render_metrics(
@@ -193,7 +202,7 @@ async def render_metrics(
     version (``python_info``), the ``stream_connections`` it serves now and the stream
     connections it refused at the handshake, and the uploads it did not journal."""
     statistics = runtime.statistics()
-    status, totals, wal_bytes = await runtime.read_store(
+    status, totals, sizes, wal_bytes = await runtime.read_store(
         functools.partial(
             _read,
             runtime.journal,
@@ -206,6 +215,7 @@ async def render_metrics(
             status,
             statistics,
             totals,
+            sizes,
             stream_connections,
             stream_refused,
             intake_refused,

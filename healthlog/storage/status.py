@@ -17,6 +17,7 @@ from healthlog.documents import (
     Status,
     StreamInfo,
 )
+from healthlog.storage._sqlite import _size
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted, waited_s
 from healthlog.storage.store import LISTED_OUTCOMES, REINDEX_REASONS, Store
@@ -91,6 +92,17 @@ def collect_status(
         subscribers_last_ack={name: format_instant(at) for name, (_, at) in acks.items()},
         reindex_advised=store.reindex_advised(),
     )
+
+
+def database_sizes(journal: Journal, store: Store) -> dict[str, int]:
+    """The size of each database of the data directory and of its ``-wal``, by file name, 0
+    for one not there: a ``-wal`` that a reader keeps from being checkpointed grows with every
+    write (RUN-63), and the journal is never pruned, so these are what a disk alert watches."""
+    return {
+        os.path.basename(path) + suffix: _size(path + suffix)
+        for path in (journal.path, store.path)
+        for suffix in ("", "-wal")
+    }
 
 
 def reindex_advice(codes: Sequence[str], data: str | os.PathLike[str]) -> str:
