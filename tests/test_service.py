@@ -64,6 +64,7 @@ from actors.runtime import configured
 from healthlog import clock, faults
 from healthlog.config import ConfigError, ServeConfig, load_serve_config
 from healthlog.logs import Throttle
+from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
 from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import NewDelivery
@@ -1057,6 +1058,33 @@ async def test_metrics_give_the_databases_sizes_a_held_wal_included_serve_120(
 
     # Held, the -wal only grows (a lease renewal may add to it after the scrape).
     assert before["store.sqlite-wal"] < after["store.sqlite-wal"] <= wal
+
+
+async def test_metrics_count_writes_to_sealed_objects_and_unit_mismatches_serve_121(
+    service: Service,
+) -> None:
+    """SERVE-121: after a seal of 1 March 2024, a delivery that changes a sealed hour of it in
+    other units than the stored ones counts 1 in `healthlog_points_total{counter=
+    "sealed_writes"}` and 1 in `{counter="unit_mismatches"}`, as the store's totals do. (Before,
+    neither was in `/metrics`: a nightly seal's late writes and a phone's changed units showed
+    as WARNING lines alone, though the store kept their totals.)"""
+    first = body(metric("heart_rate", "count/min", point("2024-03-01 10:00:00 +0000", qty=60)))
+    assert (await service.post(first, AUTOMATION)).status_code == 200
+    await service.wait_folded()
+    samples = await metric_samples(service.client)
+    assert samples["healthlog_points_total", labelled(counter="sealed_writes")] == 0
+    assert samples["healthlog_points_total", labelled(counter="unit_mismatches")] == 0
+    seal = Seal(parse_instant("2024-03-02T00:00:00Z"))
+    with service.data.open_journal() as journal:
+        journal.append(NewDelivery(seal.encode(), SEAL_CLIENT, content_type=SEAL_CONTENT_TYPE))
+    await service.wait_folded()
+    late = body(metric("heart_rate", "bpm", point("2024-03-01 10:05:00 +0000", qty=61)))
+    assert (await service.post(late, AUTOMATION)).status_code == 200
+    await service.wait_folded()
+
+    samples = await metric_samples(service.client)
+    assert samples["healthlog_points_total", labelled(counter="sealed_writes")] == 1
+    assert samples["healthlog_points_total", labelled(counter="unit_mismatches")] == 1
 
 
 # -- read side ------------------------------------------------------------------------------

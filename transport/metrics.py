@@ -30,7 +30,17 @@ from healthlog.storage.store import Store
 from transport.intake import IntakeRefusals
 from transport.stream import HandshakeRefusals
 
-COUNTERS = ("points_held", "points_erased", "overwrites", "points_rejected")
+# The fold counters a user watches: what re-sends overwrote or kept, what was rejected, and
+# what reached an object a seal had made final or came in other units than the stored ones,
+# both of which a fold otherwise says in a WARNING line alone.
+COUNTERS = (
+    "points_held",
+    "points_erased",
+    "overwrites",
+    "points_rejected",
+    "sealed_writes",
+    "unit_mismatches",
+)
 
 
 @attrs.frozen(eq=False)
