@@ -177,6 +177,17 @@ class LeaseActor:
         if epoch is None:
             self._losses += 1
             log.warning("fold lease lost (epoch %s)", self._epoch)
+        elif self._epoch is not None:
+            # Another process forced the lease and gave it back between two renewals (a
+            # reindex shorter than a renewal period): the folder was fenced meanwhile, and a
+            # jump of the epoch alone would not say why.
+            self._acquisitions += 1
+            log.info(
+                "fold lease held at epoch %d: another process (a reindex, say) held it since"
+                " epoch %d",
+                epoch,
+                self._epoch,
+            )
         else:
             self._acquisitions += 1
             log.info("fold lease held at epoch %d", epoch)

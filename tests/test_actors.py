@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 from _disk import unwritable
 from _runtime_helpers import (
     EVERY_HIT,
@@ -41,6 +42,7 @@ from _runtime_helpers import (
 )
 
 from actors._supervisor import Crashes, supervise
+from actors.lease import LeaseActor
 from actors.runtime import Runtime, open_runtime
 from healthlog import faults
 from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred, StorageError
@@ -416,6 +418,39 @@ async def test_the_lease_is_held_renewed_yielded_retaken_and_released_run_8_run_
         assert (await runtime.read_store(Store.checkpoint))[1:] == (receipt.delivery_id, 3)
 
     assert lease_row(tmp_path) == (None, 3)
+
+
+async def test_a_lease_taken_and_given_back_between_renewals_is_said_run_97(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-97: a lease actor (renewed every 5 s) holding epoch 1 whose lease another process
+    forces and releases between two renewals (a short `healthlog reindex`) takes it at epoch 3
+    at its next renewal and says in that INFO line that another process held it since epoch 1.
+    (Before, the line was `fold lease held at epoch 3` alone, after `held at epoch 1` with no
+    line between: the jump said nothing of why.)"""
+    start_us = 1_000_000_000_000
+
+    def now() -> int:
+        return start_us + int(autojump_clock.current_time() * 1_000_000)
+
+    caplog.set_level(logging.INFO, "healthlog.lease")
+    with DataDir(tmp_path).open_store() as store, Store(DataDir(tmp_path).store_path) as other:
+        send, receive = trio.open_memory_channel[int | None](0)
+        actor = LeaseActor(
+            store, trio.CapacityLimiter(1), "serve", send, ttl_s=15, renew_s=5, clock=now
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(actor.run)
+            assert await receive.receive() == 1
+            assert other.acquire_lease("reindex", now=now(), ttl=15_000_000, force=True) == 2
+            other.release_lease("reindex", 2)
+            assert await receive.receive() == 3
+            nursery.cancel_scope.cancel()
+
+    assert logged(caplog, logging.INFO) == [
+        "fold lease held at epoch 1",
+        "fold lease held at epoch 3: another process (a reindex, say) held it since epoch 1",
+    ]
 
 
 async def test_a_failed_renewal_says_why_and_where_run_33(
