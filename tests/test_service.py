@@ -1679,7 +1679,7 @@ async def test_metrics_say_a_wal_a_reader_keeps_from_being_checkpointed_run_86(
             with trio.fail_after(FOLD_LIMIT_S):
                 while held(samples := await metric_samples(service.client), "journal.sqlite") != 1:
                     await trio.sleep(POLL_S)
-            wal = samples[("healthlog_wal_bytes", labelled(database="journal.sqlite"))]
+            wal = samples[("healthlog_database_bytes", labelled(file="journal.sqlite-wal"))]
             assert wal > WAL_SIZE_LIMIT
             assert held(samples, "store.sqlite") == 0
             reader.execute("COMMIT")

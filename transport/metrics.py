@@ -23,7 +23,6 @@ from prometheus_client.registry import Collector
 
 from actors.runtime import Runtime, RuntimeStatistics
 from healthlog.documents import Status
-from healthlog.storage._sqlite import wal_size
 from healthlog.storage.journal import Journal
 from healthlog.storage.status import collect_status, database_sizes
 from healthlog.storage.store import Store
@@ -49,11 +48,12 @@ class _Snapshot(Collector):
     statistics: RuntimeStatistics
     totals: dict[str, int]
     sizes: dict[str, int]
+    """The size of each database and of its ``-wal``, by file name (``database_sizes``)."""
+    databases: tuple[str, ...]
+    """The path of each database, by which retention says the ``-wal`` files it finds held."""
     stream_connections: int
     stream_refused: HandshakeRefusals
     intake_refused: IntakeRefusals
-    wal_bytes: dict[str, int]
-    """The size of each database's ``-wal``, by the database's path."""
 
     def collect(self) -> Iterator[Metric]:
         deliveries = GaugeMetricFamily(
@@ -73,6 +73,19 @@ class _Snapshot(Collector):
         for name, size in self.sizes.items():
             sizes.add_metric([name], size)
         yield sizes
+        held = GaugeMetricFamily(
+            "healthlog_wal_held_back",
+            "1 while a read transaction kept open on the database (by another program, a long"
+            " verify or snapshot build) keeps its -wal from being checkpointed, so that every"
+            " write adds to it; as the last retention pass found it",
+            labels=["database"],
+        )
+        for path in self.databases:
+            # By the file's name, never its directory's path.
+            held.add_metric(
+                [os.path.basename(path)], int(path in self.statistics.retention.held_back)
+            )
+        yield held
         yield GaugeMetricFamily(
             "healthlog_pending_deliveries",
             "Deliveries journaled but not folded",
@@ -172,33 +185,13 @@ class _Snapshot(Collector):
             "Actors that crashed and have not run well since",
             value=len(self.statistics.down),
         )
-        # By the file's name, never its directory's path.
-        wal = GaugeMetricFamily(
-            "healthlog_wal_bytes",
-            "Size of each database's -wal file (cut back to 16 MiB after a checkpoint past it)",
-            labels=["database"],
-        )
-        held = GaugeMetricFamily(
-            "healthlog_wal_held_back",
-            "1 while a read transaction kept open on the database (by another program, a long"
-            " verify or snapshot build) keeps its -wal from being checkpointed, so that every"
-            " write adds to it; as the last retention pass found it",
-            labels=["database"],
-        )
-        held_back = self.statistics.retention.held_back
-        for path, size in self.wal_bytes.items():
-            wal.add_metric([os.path.basename(path)], size)
-            held.add_metric([os.path.basename(path)], int(path in held_back))
-        yield wal
-        yield held
 
 
 def _read(
     journal: Journal, store: Store, first_pass_completed: bool
-) -> tuple[Status, dict[str, int], dict[str, int], dict[str, int]]:
+) -> tuple[Status, dict[str, int], dict[str, int]]:
     status = collect_status(journal, store, first_pass_completed=first_pass_completed)
-    wal_bytes = {database.path: wal_size(database.path) for database in (journal, store)}
-    return status, store.counter_totals(COUNTERS), database_sizes(journal, store), wal_bytes
+    return status, store.counter_totals(COUNTERS), database_sizes(journal, store)
 
 
 async def render_metrics(
@@ -212,7 +205,7 @@ async def render_metrics(
     version (``python_info``), the ``stream_connections`` it serves now and the stream
     connections it refused at the handshake, and the uploads it did not journal."""
     statistics = runtime.statistics()
-    status, totals, sizes, wal_bytes = await runtime.read_store(
+    status, totals, sizes = await runtime.read_store(
         functools.partial(
             _read,
             runtime.journal,
@@ -226,10 +219,10 @@ async def render_metrics(
             statistics,
             totals,
             sizes,
+            (runtime.journal.path, runtime.store.path),
             stream_connections,
             stream_refused,
             intake_refused,
-            wal_bytes,
         )
     )
     ProcessCollector(registry=registry)

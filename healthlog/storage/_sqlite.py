@@ -32,6 +32,7 @@ __all__ = [
     "connect",
     "connect_reading",
     "describe",
+    "file_size",
     "give_to_directory_owner",
     "group_name",
     "migrate",
@@ -253,12 +254,12 @@ def connect_reading(
         # SQLite would open it read-only without a word and make the two files (as root, it
         # gives them to the file's owner). With no -wal, or an empty one, every change is in
         # the file, which is read alone, making nothing (CLI-115).
-        if _size(name + "-wal"):
+        if file_size(name + "-wal"):
             raise _would_leave_files(Path(name))
         return read_once(connect(path, readonly=True, create=False, immutable=True))
     if (
         os.path.exists(name)
-        and not _size(name + "-wal")
+        and not file_size(name + "-wal")
         and no_room_for_shm(os.path.dirname(name) or ".")
     ):
         # On a full disk SQLite fails to size the -shm file a WAL reader needs where there is
@@ -277,7 +278,7 @@ def connect_reading(
         where = _where_no_shm_is_made(name)
         if os.path.exists(name + "-shm") or where is None:
             raise refused from None
-        if _size(name + "-wal"):
+        if file_size(name + "-wal"):
             raise _wal_without_shm(refused, Path(name), where) from None
     try:
         return read_once(connect(path, readonly=True, create=False, immutable=True))
@@ -316,18 +317,13 @@ def _on_read_only_media(path: str) -> bool:
     return False
 
 
-def _size(path: str) -> int:
-    """The size of the file at ``path``, 0 when there is none."""
+def file_size(path: str) -> int:
+    """The size of the file at ``path``, 0 when there is none: a look at the file alone, which
+    takes no lock (``/metrics`` looks while a fold writes)."""
     try:
         return os.stat(path).st_size
     except FileNotFoundError:
         return 0
-
-
-def wal_size(path: str) -> int:
-    """The size of the ``-wal`` of the file at ``path``, 0 when there is none: a look at the
-    file alone, which takes no lock (``/metrics`` looks while a fold writes)."""
-    return _size(path + "-wal")
 
 
 def wal_held_back(conn: sqlite3.Connection, path: str) -> int:
@@ -339,7 +335,7 @@ def wal_held_back(conn: sqlite3.Connection, path: str) -> int:
     _, frames, done = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
     if frames <= done:
         return 0
-    size = _size(path + "-wal")
+    size = file_size(path + "-wal")
     return size if size > WAL_SIZE_LIMIT else 0
 
 

@@ -17,7 +17,7 @@ from healthlog.documents import (
     Status,
     StreamInfo,
 )
-from healthlog.storage._sqlite import _size
+from healthlog.storage._sqlite import file_size
 from healthlog.storage.journal import Journal
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, counted, waited_s
 from healthlog.storage.store import LISTED_OUTCOMES, REINDEX_REASONS, Store
@@ -99,7 +99,7 @@ def database_sizes(journal: Journal, store: Store) -> dict[str, int]:
     for one not there: a ``-wal`` that a reader keeps from being checkpointed grows with every
     write (RUN-63), and the journal is never pruned, so these are what a disk alert watches."""
     return {
-        os.path.basename(path) + suffix: _size(path + suffix)
+        os.path.basename(path) + suffix: file_size(path + suffix)
         for path in (journal.path, store.path)
         for suffix in ("", "-wal")
     }
