@@ -155,8 +155,8 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
 ) -> None:
     """CLI-26, CLI-46: while another process holds the fold lease, `import` (or `seal`) says
     after the line that names the journaled delivery that it waits for the running service's
-    next pass; Ctrl-C (SIGINT) then: exit 130, one line saying so, and no traceback; the
-    delivery stays journaled."""
+    next pass; Ctrl-C (SIGINT) then: exit 130, one line saying so (after `import`'s line that
+    the delivery stays journaled, CLI-186), and no traceback; the delivery stays journaled."""
     data = tmp_path / "data"
     file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
     args, journaled = {
@@ -187,6 +187,15 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
     assert lines[1:] == [
         f"{command}: waiting for the running service, which holds the fold lease, to fold at its"
         " next pass (within its wake_period_s, 60 s unless set; --no-wait does not wait)",
+        *(
+            [
+                "import: stopped; the file journaled (delivery 1) stays journaled and folds at"
+                " the next pass of serve or of another import: do not import it again, which"
+                " would journal it twice"
+            ]
+            if command == "import"
+            else []
+        ),
         "healthlog: interrupted",
     ]
     with DataDir(data).open_journal() as journal:
@@ -3345,10 +3354,10 @@ def test_ctrl_c_while_a_delivery_commits_still_says_it_is_journaled_run_75(
 ) -> None:
     """RUN-75: `import A FIFO`, Ctrl-C (SIGINT) while the FIFO's delivery waits for the journal's
     write lock (held by another connection, so that its commit is in flight): once the lock
-    goes, the delivery is journaled and the command says so (`journaled FIFO as delivery 2`)
-    before `healthlog: interrupted`, exit 130. Before, Ctrl-C broke the shielded wait for the
-    commit (trio's KeyboardInterrupt ignores shields): the delivery was journaled unsaid, and a
-    user who imported the file again had it twice."""
+    goes, the delivery is journaled and the command says so (`journaled FIFO as delivery 2`),
+    then that both stay journaled (CLI-186), before `healthlog: interrupted`, exit 130. Before,
+    Ctrl-C broke the shielded wait for the commit (trio's KeyboardInterrupt ignores shields):
+    the delivery was journaled unsaid, and a user who imported the file again had it twice."""
     data = tmp_path / "data"
     second = body(metric(HR, BPM, point("2024-02-06 07:01:00 -0800", qty=62)))
     with _importing_before_a_fifo(tmp_path, data) as run:
@@ -3371,7 +3380,8 @@ def test_ctrl_c_while_a_delivery_commits_still_says_it_is_journaled_run_75(
     assert run.process.returncode == 128 + signal.SIGINT, said
     lines = said.splitlines()
     assert lines[-1] == "healthlog: interrupted", said
-    assert lines[-2].startswith(f"journaled {run.fifo} as delivery 2 "), said
+    assert lines[-2].startswith("import: stopped; the 2 files journaled (deliveries 1 to 2)"), said
+    assert lines[-3].startswith(f"journaled {run.fifo} as delivery 2 "), said
 
 
 def test_a_file_gone_at_its_turn_says_what_was_journaled_cli_132(tmp_path: Path) -> None:
@@ -3667,3 +3677,43 @@ def test_import_holds_the_compressed_body_not_the_raw_one_twice_cli_185(tmp_path
     assert peak - floor < len(raw), (peak - floor) / len(raw)
     with DataDir(tmp_path / "data").open_journal() as journal:
         assert journal.read_body(1) == raw
+
+
+def test_an_import_stopped_says_what_it_journaled_stays_and_not_to_import_it_again_cli_186(
+    tmp_path: Path,
+) -> None:
+    """CLI-186: `import A B` stopped by SIGTERM while it waits for the fold (another process
+    holds the lease) says, before `healthlog: interrupted`, that the 2 files journaled
+    (deliveries 1 to 2) stay journaled, who folds them, and not to import them again; `import
+    A FIFO C` stopped while it waits on the FIFO says that A (delivery 1) stays and that the
+    FIFO and the 1 file after it were not journaled. (Before, only `healthlog: interrupted`:
+    the same command run again journaled every file twice.)"""
+    data = tmp_path / "data"
+    first = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    second = write(tmp_path / "b.json", body(metric(HR, BPM, point("2024-02-06 07:01:00 -0800"))))
+    with DataDir(data).open_store() as store:
+        assert store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+    with subprocess.Popen(
+        healthlog("import", "--data", data, first, second), stderr=subprocess.PIPE
+    ) as importing:
+        said, err = signalled_after(
+            importing, signal.SIGTERM, lambda said: said[-1].startswith("import: waiting")
+        )
+    assert importing.returncode == 128 + signal.SIGTERM
+    lines = [line for line in said + err.splitlines() if not LOG_RECORD.match(line)]
+    assert lines[-2:] == [
+        "import: stopped; the 2 files journaled (deliveries 1 to 2) stay journaled and fold at"
+        " the next pass of serve or of another import: do not import them again, which would"
+        " journal them twice",
+        "healthlog: interrupted",
+    ]
+    fifo_data = tmp_path / "fifo-data"
+    with _importing_before_a_fifo(tmp_path, fifo_data, second) as run:
+        run.process.send_signal(signal.SIGTERM)
+        stopped = run.finish().decode().splitlines()
+    assert stopped[-2:] == [
+        "import: stopped; the file journaled (delivery 1) stays journaled and folds at the next"
+        " pass of serve or of another import: do not import it again, which would journal it"
+        f" twice; not journaled: {run.fifo} and the 1 file after it",
+        "healthlog: interrupted",
+    ]
