@@ -3717,3 +3717,28 @@ def test_an_import_stopped_says_what_it_journaled_stays_and_not_to_import_it_aga
         f" twice; not journaled: {run.fifo} and the 1 file after it",
         "healthlog: interrupted",
     ]
+
+
+def test_import_says_each_outcome_once_it_is_folded_cli_187(tmp_path: Path) -> None:
+    """CLI-187: `import A B`, whose second fold is held (a delay of 120 s at the fault point
+    `fold.begin`), says `delivery 1: parsed` while the second still folds; SIGTERM then stops
+    it, the second not said. (Before, every outcome was said together once the last was
+    folded: six files of three years of minute-level points, 105 s without a line after the
+    last was journaled.)"""
+    data = tmp_path / "data"
+    first = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    second = write(tmp_path / "b.json", body(metric(HR, BPM, point("2024-02-06 07:01:00 -0800"))))
+    plan = {"fold.begin": {"hits": [2], "do": "delay", "seconds": 120}}
+    env = {**os.environ, "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    with subprocess.Popen(
+        healthlog("import", "--data", data, "--aggregation", "minutes", first, second),
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as importing:
+        said, err = signalled_after(
+            importing, signal.SIGTERM, lambda said: said[-1] == "delivery 1: parsed"
+        )
+    assert importing.returncode == 143, err
+    assert "delivery 2:" not in "\n".join(said) + err
+    with DataDir(data).open_store() as store:
+        assert store.outcome(2) is None
