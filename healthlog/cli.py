@@ -33,10 +33,11 @@ from healthlog.config import (
 )
 from healthlog.export import FORMATS, REPLICA_REMEDY, STORE_REMEDY, export_lines
 from healthlog.fold import FAILED, PARTIAL
-from healthlog.hangup import hangup
+from healthlog.hangup import REPEATED_SIGNAL_S, hangup
 from healthlog.logs import LEVELS, setup_logging
 from healthlog.objects import ObjectCorrupt
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
+from healthlog.storage import faultplan
 from healthlog.storage._sqlite import (
     StorageError,
     free_when_full,
@@ -132,8 +133,10 @@ class Progress:
     :class:`Stopped` raised at the next report, so ``finally`` blocks (a lease release, the
     removal of a rebuild's scratch store) run. Raising from the signal handler itself could
     interrupt the main thread inside a lock that the rebuild's worker-pool thread needs next
-    (the logging lock, say), and the pool's shutdown would then wait forever. A second signal
-    stops at once.
+    (the logging lock, say), and the pool's shutdown would then wait forever. One more within
+    ``REPEATED_SIGNAL_S`` is the same stop delivered twice (a terminal's hangup, ``timeout``)
+    and changes nothing: taken for a second Ctrl-C, it raised from the handler wherever the
+    rebuild stood (CLI-194). A later one is someone insisting, and stops at once (CLI-195).
     """
 
     def __init__(self, what: str) -> None:
@@ -144,24 +147,32 @@ class Progress:
         # partition it settles, and `reindex: N/N` came six times over (CLI-123).
         self._shown: tuple[int, int] | None = None
         self._signal: int | None = None
+        self._signalled_at = 0.0
 
     @contextlib.contextmanager
     def stopping(self) -> Iterator[None]:
-        """Stop at the next report on SIGTERM, SIGINT or SIGHUP while the block runs."""
+        """Stop at the next report on SIGTERM, SIGINT or SIGHUP while the block runs. Once a
+        signal has stopped it they stay ignored: the command is on its way out, and the same
+        stop once more found the default action put back and killed it, exit -1 (CLI-194)."""
         previous = {
             signum: signal.signal(signum, self._request_stop)
             for signum in (signal.SIGTERM, signal.SIGINT, *hangup())
         }
         try:
             yield
+        except Stopped:
+            previous = dict.fromkeys(previous, signal.SIG_IGN)
+            raise
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
     def _request_stop(self, signum: int, frame: object) -> None:
-        if self._signal is not None:
+        now = time.monotonic()
+        if self._signal is None:
+            self._signal, self._signalled_at = signum, now
+        elif now - self._signalled_at > REPEATED_SIGNAL_S:
             raise Stopped(signum)
-        self._signal = signum
 
     def __call__(self, done: int, total: int) -> None:
         if self._signal is not None:
@@ -928,8 +939,16 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
     return 0
 
 
+def _rebuild_fault_plan() -> None:
+    """Load a fault plan from the environment, as ``serve`` does: a rebuild's fault points
+    (``rebuild.scratch``) are hit in this process, not in a fold worker, and a plan given to
+    `reindex` or `verify` held nothing (CLI-194)."""
+    faultplan.load_environment()
+
+
 def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     _journal_not_lost(data)
+    _rebuild_fault_plan()
     progress = Progress("reindex")
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         check_before_folding(journal, store)
@@ -975,6 +994,7 @@ def cmd_verify(args: argparse.Namespace, data: DataDir) -> int:
     _journal_to_read(data)
     _store_to_read(data, "verify")
     elsewhere = _scratch_elsewhere(data)
+    _rebuild_fault_plan()
     progress = Progress("verify")
     # Read as export reads them: opened to write, verify left -wal and -shm files of a user
     # who may not write them beside a stopped service's databases (STORE-84).

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import signal
 
+# How soon after the stopping signal another one is the same signal delivered twice: a
+# terminal's hangup signals the foreground job twice, 0.2 ms apart (the shell's to its jobs and
+# the kernel's as the shell exits); ``timeout`` signals the command and then its group.
+REPEATED_SIGNAL_S = 1.0
+
 
 def hangup() -> tuple[signal.Signals, ...]:
     """SIGHUP, to stop on as on SIGTERM, unless it was ignored as the command started

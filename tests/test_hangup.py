@@ -559,3 +559,90 @@ def test_a_stop_signalled_again_as_import_stops_is_the_same_stop_cli_193(
     assert said.splitlines()[-1] == "healthlog: interrupted"
     assert "Traceback" not in said
     assert lease_holder(data) is None
+
+
+def _to_rebuild(tmp_path: Path, command: str) -> tuple[DataDir, list[str]]:
+    """A data directory with one delivery folded, and ``command`` (`reindex` or `verify`) to
+    run there."""
+    data = DataDir(tmp_path / "data")
+    file = write(
+        tmp_path / "a.json",
+        body(metric("heart_rate", "count/min", point("2024-02-06 07:00:00 -0800"))),
+    )
+    subprocess.run(
+        healthlog("import", "--aggregation", "minutes", "--data", data.path, file),
+        env=environment(),
+        capture_output=True,
+        check=True,
+    )
+    return data, healthlog(command, "--data", data.path)
+
+
+def _rebuild_held(seconds: float) -> dict[str, str]:
+    """The environment of a rebuild held for ``seconds`` at the fault point `rebuild.scratch`."""
+    plan = {"rebuild.scratch": {"hits": [1], "do": "delay", "seconds": seconds}}
+    return {**environment(), "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+
+
+@pytest.mark.parametrize("command", ["reindex", "verify"])
+def test_a_hangup_signalled_twice_stops_a_rebuild_once_cli_194(
+    tmp_path: Path, command: str
+) -> None:
+    """CLI-194: `reindex` and `verify` (held in their rebuild at `rebuild.scratch`) get SIGHUP
+    twice back to back, as a terminal's hangup delivers it (the shell's and the kernel's, 0.2 ms
+    apart), and once more after they have stopped watching for it, as they stop: each stops as
+    on one signal, at its next report, exit 129 with `healthlog: interrupted`, the lease
+    released and the scratch directory removed. (Before, the second was taken for a second
+    Ctrl-C and raised from the signal handler, wherever the rebuild stood, inside a lock its
+    worker pool's shutdown needs next as well; and the last found the default action put back
+    and killed the command, exit -1.)"""
+    data, command_line = _to_rebuild(tmp_path, command)
+    with subprocess.Popen(
+        command_line,
+        stderr=subprocess.PIPE,
+        env=_rebuild_held(3),
+        preexec_fn=functools.partial(signal.signal, signal.SIGHUP, signal.SIG_DFL),
+    ) as running:
+        deadline = time.monotonic() + LIMIT_S
+        while not _rebuilding(data):
+            assert running.poll() is None, running.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, f"{command} never got under way"
+            time.sleep(0.01)
+        os.kill(running.pid, signal.SIGHUP)
+        os.kill(running.pid, signal.SIGHUP)
+        while (catches := _catches(running.pid, signal.SIGHUP)) is True:
+            assert time.monotonic() < deadline, "the signal is caught for good"
+        assert catches is not None, f"{command} ended before the last signal could come"
+        running.send_signal(signal.SIGHUP)
+        _, err = running.communicate(timeout=LIMIT_S)
+    said = err.decode()
+    assert running.returncode == 128 + signal.SIGHUP, said[-3000:]
+    assert said.splitlines()[-1] == "healthlog: interrupted"
+    assert "Traceback" not in said
+    assert lease_holder(data) is None
+    assert not _rebuilding(data)
+
+
+def test_a_second_ctrl_c_seconds_later_stops_a_rebuild_at_once_cli_195(tmp_path: Path) -> None:
+    """CLI-195: `reindex` held in its rebuild for a minute (at `rebuild.scratch`) gets Ctrl-C
+    (SIGINT) and, 1.5 s later, Ctrl-C again: someone insisting, not the first delivered twice,
+    so it stops at once, without waiting for its next report: exit 130 with `healthlog:
+    interrupted`, the lease released and the scratch directory removed."""
+    data, command_line = _to_rebuild(tmp_path, "reindex")
+    with subprocess.Popen(command_line, stderr=subprocess.PIPE, env=_rebuild_held(60)) as running:
+        deadline = time.monotonic() + LIMIT_S
+        while not _rebuilding(data):
+            assert running.poll() is None, running.communicate()[1].decode()[-3000:]
+            assert time.monotonic() < deadline, "reindex never got under way"
+            time.sleep(0.01)
+        running.send_signal(signal.SIGINT)
+        time.sleep(1.5)
+        assert running.poll() is None, "the first Ctrl-C stopped the rebuild inside its delay"
+        running.send_signal(signal.SIGINT)
+        _, err = running.communicate(timeout=30)
+    said = err.decode()
+    assert running.returncode == 128 + signal.SIGINT, said[-3000:]
+    assert said.splitlines()[-1] == "healthlog: interrupted"
+    assert "Traceback" not in said
+    assert lease_holder(data) is None
+    assert not _rebuilding(data)

@@ -62,7 +62,7 @@ from wsproto.extensions import PerMessageDeflate
 
 from actors.runtime import configured, open_runtime
 from healthlog.config import ServeConfig
-from healthlog.hangup import hangup
+from healthlog.hangup import REPEATED_SIGNAL_S, hangup
 from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.status import reindex_advice
@@ -74,9 +74,6 @@ from transport.snapshots import SnapshotService
 from transport.stream import MAX_CLIENT_MESSAGE_BYTES
 
 log = logging.getLogger("healthlog.http")
-
-# How soon after the stopping signal another one is the same signal delivered twice.
-REPEATED_SIGNAL_S = 1.0
 
 KEEPALIVE_MAX_S = 32_767
 """The longest ``TCP_KEEPIDLE`` and ``TCP_KEEPINTVL`` Linux takes (``MAX_TCP_KEEPIDLE``)."""
