@@ -843,16 +843,28 @@ async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
     """``run``, until it returns or SIGINT, SIGTERM or SIGHUP (a hangup, unless ignored as the
     command started) stops it (cancelled: a follower's replica is consistent after every event,
     and it acknowledges what it holds as it stops). What ``run`` raises is raised as it is, not
-    in a group."""
+    in a group.
+
+    The signal receiver is opened with them ignored, which it puts back as it closes, and they
+    stay ignored once a signal has stopped ``run``: the same stop once more as the follower
+    sends its last ACK (a terminal's hangup signals it twice, ``timeout`` the command and then
+    its group) found the default action back and killed it, exit -1 and the ACK unsent
+    (CLI-196). The stop waits for the last ACK ``LAST_ACK_S`` at most (and for a batch being
+    written to the replica), so there is no second Ctrl-C to heed. Otherwise the handlers from
+    before are put back."""
     import trio
 
     failure: Exception | None = None
     stopping = (signal.SIGINT, signal.SIGTERM, *hangup())
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stopping}
+    stopped = False
     async with trio.open_nursery() as nursery:
 
         async def stop_on_signals() -> None:
+            nonlocal stopped
             with trio.open_signal_receiver(*stopping) as signals:
                 async for _ in signals:
+                    stopped = True
                     nursery.cancel_scope.cancel()
 
         nursery.start_soon(stop_on_signals)
@@ -861,6 +873,9 @@ async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
         except Exception as exc:
             failure = exc
         nursery.cancel_scope.cancel()
+    if not stopped:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if failure is not None:
         raise failure
 

@@ -646,3 +646,50 @@ def test_a_second_ctrl_c_seconds_later_stops_a_rebuild_at_once_cli_195(tmp_path:
     assert "Traceback" not in said
     assert lease_holder(data) is None
     assert not _rebuilding(data)
+
+
+async def test_follow_signalled_again_as_it_stops_stops_once_cli_196(tmp_path: Path) -> None:
+    """CLI-196: `healthlog follow --subscriber backup`, following a service live, gets SIGHUP
+    twice back to back, as a terminal's hangup delivers it, and once more after it has stopped
+    watching for it, as it sends its last ACK: it stops as on one signal, exit 0 with `follow:
+    replica at seq N`, the service holding `backup` at the replica's cursor. (Before, the last
+    found the default action put back and killed it, exit -1, its last ACK unsent.)"""
+    async with serving(tmp_path / "server") as service:
+        total = await post_small(service, 0, 5)
+        directory = tmp_path / "replica"
+        command = [
+            *healthlog("follow", "--url", service.url, "--replica", directory),
+            *("--subscriber", "backup"),
+        ]
+        process = await trio.lowlevel.open_process(
+            command,
+            env={**environment(), "HEALTHLOG_TOKEN": service.token},
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=functools.partial(signal.signal, signal.SIGHUP, signal.SIG_DFL),
+        )
+        try:
+            with trio.fail_after(LIMIT_S):
+                while not (directory / REPLICA_FILE).exists():
+                    await trio.sleep(POLL_S)
+                with Replica(directory) as reading:
+                    await until_cursor(reading, total)
+            os.kill(process.pid, signal.SIGHUP)
+            os.kill(process.pid, signal.SIGHUP)
+            deadline = time.monotonic() + LIMIT_S
+            while (catches := _catches(process.pid, signal.SIGHUP)) is True:
+                assert time.monotonic() < deadline, "the signal is caught for good"
+            assert catches is not None, "follow ended before the last signal could come"
+            os.kill(process.pid, signal.SIGHUP)
+            assert process.stderr is not None
+            with trio.fail_after(LIMIT_S):
+                said = b""
+                while chunk := await process.stderr.receive_some():
+                    said += chunk
+                await process.wait()
+        finally:
+            if process.returncode is None:
+                process.kill()
+        assert process.returncode == 0, said.decode()[-3000:]
+        assert said.decode().splitlines()[-1] == f"follow: replica at seq {total}"
+        await acked(service, "backup", total)
