@@ -234,6 +234,28 @@ async def test_serve_under_nohup_outlives_its_ssh_session_run_77(tmp_path: Path)
     assert "SIGHUP" not in said
 
 
+def _one_folded(tmp_path: Path) -> tuple[DataDir, Path]:
+    """A data directory with one delivery imported and folded, and the file it came from."""
+    data = DataDir(tmp_path / "data")
+    file = write(
+        tmp_path / "a.json",
+        body(metric("heart_rate", "count/min", point("2024-02-06 07:00:00 -0800"))),
+    )
+    subprocess.run(
+        healthlog("import", "--aggregation", "minutes", "--data", data.path, file),
+        env=environment(),
+        capture_output=True,
+        check=True,
+    )
+    return data, file
+
+
+def _held_at(fault: str, seconds: float) -> dict[str, str]:
+    """The environment of a command held for ``seconds`` at ``fault``'s first hit."""
+    plan = {fault: {"hits": [1], "do": "delay", "seconds": seconds}}
+    return {**environment(), "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+
+
 def _first_fold_held(data: DataDir) -> bool:
     return lease_holder(data) is not None
 
@@ -259,24 +281,12 @@ def test_a_hangup_stops_a_long_command_as_sigterm_does_cli_167(
     `healthlog: interrupted`, its fold lease released, its scratch store removed, and no worker
     process left. (Before, each died of the signal at once: the lease stayed held for its term,
     and a rebuild's scratch directory, a second store's size, stayed beside the store.)"""
-    data = DataDir(tmp_path / "data")
-    file = write(
-        tmp_path / "a.json",
-        body(metric("heart_rate", "count/min", point("2024-02-06 07:00:00 -0800"))),
-    )
-    subprocess.run(
-        healthlog("import", "--aggregation", "minutes", "--data", data.path, file),
-        env=environment(),
-        capture_output=True,
-        check=True,
-    )
-    plan = {fault: {"hits": [1], "do": "delay", "seconds": 3}}
+    data, file = _one_folded(tmp_path)
     args = {"import": ["--aggregation", "minutes", file]}.get(command, [])
-    env = {**environment(), "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
     with subprocess.Popen(
         healthlog(command, "--data", data.path, *args),
         stderr=subprocess.PIPE,
-        env=env,
+        env=_held_at(fault, 3),
         preexec_fn=functools.partial(signal.signal, signal.SIGHUP, signal.SIG_DFL),
     ) as running:
         workers: set[int] = set()
@@ -564,24 +574,13 @@ def test_a_stop_signalled_again_as_import_stops_is_the_same_stop_cli_193(
 def _to_rebuild(tmp_path: Path, command: str) -> tuple[DataDir, list[str]]:
     """A data directory with one delivery folded, and ``command`` (`reindex` or `verify`) to
     run there."""
-    data = DataDir(tmp_path / "data")
-    file = write(
-        tmp_path / "a.json",
-        body(metric("heart_rate", "count/min", point("2024-02-06 07:00:00 -0800"))),
-    )
-    subprocess.run(
-        healthlog("import", "--aggregation", "minutes", "--data", data.path, file),
-        env=environment(),
-        capture_output=True,
-        check=True,
-    )
+    data, _ = _one_folded(tmp_path)
     return data, healthlog(command, "--data", data.path)
 
 
 def _rebuild_held(seconds: float) -> dict[str, str]:
     """The environment of a rebuild held for ``seconds`` at the fault point `rebuild.scratch`."""
-    plan = {"rebuild.scratch": {"hits": [1], "do": "delay", "seconds": seconds}}
-    return {**environment(), "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    return _held_at("rebuild.scratch", seconds)
 
 
 @pytest.mark.parametrize("command", ["reindex", "verify"])
