@@ -234,6 +234,16 @@ async def test_serve_under_nohup_outlives_its_ssh_session_run_77(tmp_path: Path)
     assert "SIGHUP" not in said
 
 
+def _interrupted(returncode: int | None, err: bytes, signum: int, data: DataDir) -> None:
+    """Asserts that a command stopped by ``signum`` exited ``128 + signum``, its last line
+    `healthlog: interrupted`, with no traceback and its fold lease released."""
+    said = err.decode()
+    assert returncode == 128 + signum, said[-3000:]
+    assert said.splitlines()[-1] == "healthlog: interrupted"
+    assert "Traceback" not in said
+    assert lease_holder(data) is None
+
+
 def _one_folded(tmp_path: Path) -> tuple[DataDir, Path]:
     """A data directory with one delivery imported and folded, and the file it came from."""
     data = DataDir(tmp_path / "data")
@@ -299,11 +309,7 @@ def test_a_hangup_stops_a_long_command_as_sigterm_does_cli_167(
         workers |= children(running.pid)
         running.send_signal(signal.SIGHUP)
         _, err = running.communicate(timeout=LIMIT_S)
-    said = err.decode()
-    assert running.returncode == 128 + signal.SIGHUP, said[-3000:]
-    assert said.splitlines()[-1] == "healthlog: interrupted"
-    assert "Traceback" not in said
-    assert lease_holder(data) is None
+    _interrupted(running.returncode, err, signal.SIGHUP, data)
     assert not _rebuilding(data)
     wait_gone(workers)
 
@@ -564,11 +570,7 @@ def test_a_stop_signalled_again_as_import_stops_is_the_same_stop_cli_193(
         assert catches is not None, "import ended before the second signal could come"
         running.send_signal(signum)
         _, err = running.communicate(timeout=LIMIT_S)
-    said = err.decode()
-    assert running.returncode == 128 + signum, said[-3000:]
-    assert said.splitlines()[-1] == "healthlog: interrupted"
-    assert "Traceback" not in said
-    assert lease_holder(data) is None
+    _interrupted(running.returncode, err, signum, data)
 
 
 def _to_rebuild(tmp_path: Path, command: str) -> tuple[DataDir, list[str]]:
@@ -614,11 +616,7 @@ def test_a_hangup_signalled_twice_stops_a_rebuild_once_cli_194(
         assert catches is not None, f"{command} ended before the last signal could come"
         running.send_signal(signal.SIGHUP)
         _, err = running.communicate(timeout=LIMIT_S)
-    said = err.decode()
-    assert running.returncode == 128 + signal.SIGHUP, said[-3000:]
-    assert said.splitlines()[-1] == "healthlog: interrupted"
-    assert "Traceback" not in said
-    assert lease_holder(data) is None
+    _interrupted(running.returncode, err, signal.SIGHUP, data)
     assert not _rebuilding(data)
 
 
@@ -639,11 +637,7 @@ def test_a_second_ctrl_c_seconds_later_stops_a_rebuild_at_once_cli_195(tmp_path:
         assert running.poll() is None, "the first Ctrl-C stopped the rebuild inside its delay"
         running.send_signal(signal.SIGINT)
         _, err = running.communicate(timeout=30)
-    said = err.decode()
-    assert running.returncode == 128 + signal.SIGINT, said[-3000:]
-    assert said.splitlines()[-1] == "healthlog: interrupted"
-    assert "Traceback" not in said
-    assert lease_holder(data) is None
+    _interrupted(running.returncode, err, signal.SIGINT, data)
     assert not _rebuilding(data)
 
 
