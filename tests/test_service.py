@@ -1423,6 +1423,49 @@ async def test_a_body_dripping_a_byte_at_a_time_is_cut_off_serve_74(tmp_path: Pa
         assert await journaled(service) == [sha256(content)]
 
 
+async def test_a_body_cut_off_by_its_timeout_is_logged_with_why_serve_135(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SERVE-135: GIVEN `body_timeout_s = 1` WHEN a client announces 1,000 bytes, sends 10 and
+    stalls, and another drips a byte every 0.2 s THEN each gets 408 `BODY_TIMEOUT` and one INFO
+    line says so, with the address, what came of the announced bytes and why: the first that
+    nothing came for 1 s (`body_timeout_s`), the second that its body came slower than 1 KiB/s;
+    no line holds the token or a byte of the body. (Before, a phone whose upload a slow link or
+    a pause cut off left nothing in the log, at any level.)"""
+    async with serving(tmp_path / "data", body_timeout_s=1) as service:
+        head = (
+            b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\n"
+            b"Authorization: Bearer %s\r\nContent-Length: 1000\r\n\r\n" % service.token.encode()
+        )
+        with caplog.at_level(logging.INFO, logger="healthlog.http"):
+            stalled = await trio.open_tcp_stream("127.0.0.1", service.port)
+            async with stalled:
+                await stalled.send_all(head + b'{"data":{"')
+                stalled_answer = await read_until_closed(stalled)
+            slow = await trio.open_tcp_stream("127.0.0.1", service.port)
+            async with slow:
+                await slow.send_all(head)
+                slow_answer, dripped = await drip_until_answered(slow)
+        assert stalled_answer.startswith(b"HTTP/1.1 408 "), stalled_answer[:100]
+        assert slow_answer.startswith(b"HTTP/1.1 408 "), slow_answer[:100]
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+        assert lines[0] == (
+            "refused 408 POST /v1/deliveries from 127.0.0.1: the body stalled: nothing came for "
+            "1 s (body_timeout_s), after 10 of 1,000 bytes"
+        ), lines
+        # The drip's last byte may be sent as the server cuts it off, and never read.
+        slow_line = re.fullmatch(
+            r"refused 408 POST /v1/deliveries from 127\.0\.0\.1: the body came slower than "
+            r"1 KiB/s on average after body_timeout_s \(1 s\): ([0-9]+) of 1,000 bytes",
+            lines[1],
+        )
+        assert slow_line is not None, lines
+        assert dripped - 1 <= int(slow_line[1]) <= dripped
+        assert len(lines) == 2, lines
+        assert not any(service.token in line or '{"data"' in line for line in lines)
+        assert await service.journal() == []
+
+
 async def read_until_closed(stream: trio.SocketStream) -> bytes:
     """What the server sends until it closes, or what came within ``STALL_LIMIT_S``."""
     answer = b""

@@ -106,7 +106,10 @@ class _Body:
         self._receive = receive
         self._idle_s = idle_s
         self._started = trio.current_time()
-        self._received = 0
+        self.received = 0
+        """Bytes of the body that came."""
+        self.stalled = False
+        """The body was cut off because nothing came for ``idle_s`` (not for its slow pace)."""
         self.unread = True
         """No body message has been asked for: a client waiting for ``100 Continue`` has not
         been told to send its body (``transport.serve``)."""
@@ -121,17 +124,19 @@ class _Body:
         received: a byte every few seconds never let ``idle_s`` pass without one, and held
         the connection, its task and its descriptor for as long as the client liked
         (SERVE-74)."""
-        owed = self._started + self._idle_s + self._received / MIN_BODY_RATE
+        owed = self._started + self._idle_s + self.received / MIN_BODY_RATE
+        idle_until = trio.current_time() + self._idle_s
         self.unread = False
-        with trio.move_on_at(min(owed, trio.current_time() + self._idle_s)):
+        with trio.move_on_at(min(owed, idle_until)):
             message: dict[str, Any] = await self._receive()
             if message["type"] == "http.disconnect":
                 self.done = self.gone = True
                 raise _Disconnected
             self.done = not message.get("more_body", False)
-            self._received += len(message.get("body", b""))
+            self.received += len(message.get("body", b""))
             return message
         self.done = True
+        self.stalled = idle_until <= owed
         raise _Refused(408, "BODY_TIMEOUT")
 
     async def drain(self, limit: int) -> None:
@@ -313,6 +318,8 @@ class IntakeEndpoint:
             if refused.status == 413:
                 return self._refuse_too_large(scope)
             self.refused.body_timeout += 1
+            why = _timeout_why(body, headers.get("content-length"), self._idle_s)
+            self._refusals.refused(refused.status, "POST", INTAKE_PATH, client_address(scope), why)
             return _answer(refused.status, _error(refused.code), CLOSE)
         except _Disconnected:
             self.refused.client_left += 1
@@ -447,6 +454,21 @@ def _encoded(raw: Headers) -> bool:
         for name, value in raw
         if name.lower() == b"content-encoding"
         for coding in value.decode("latin-1").split(",")
+    )
+
+
+def _timeout_why(body: _Body, announced: str | None, idle_s: float) -> str:
+    """Why a body was cut off (408), in words, with how much of it came and the setting to
+    raise: a phone whose upload a slow link or a long pause cut off left nothing in the log
+    (SERVE-135), where a 413 or a 401 says why."""
+    came = f"{body.received:,}" + ("" if announced is None else f" of {int(announced):,}")
+    if body.stalled:
+        return (
+            f"the body stalled: nothing came for {idle_s:g} s (body_timeout_s), after {came} bytes"
+        )
+    return (
+        f"the body came slower than {MIN_BODY_RATE // 1024} KiB/s on average after"
+        f" body_timeout_s ({idle_s:g} s): {came} bytes"
     )
 
 
