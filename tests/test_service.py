@@ -1466,6 +1466,73 @@ async def test_a_body_cut_off_by_its_timeout_is_logged_with_why_serve_135(
         assert await service.journal() == []
 
 
+KEEP_ALIVE_S = 0.1
+IDLE_EDGE_TRIES = 80
+"""Connections whose second request is sent as their keep-alive timeout runs out."""
+
+
+async def answer_of(stream: trio.SocketStream) -> bytes | None:
+    """One whole answer read from ``stream`` (its head and a body of ``content-length``), or
+    None when the connection closed or was reset first."""
+    got = b""
+    with trio.fail_after(STALL_LIMIT_S):
+        while True:
+            head, crlf, rest = got.partition(b"\r\n\r\n")
+            length = re.search(rb"\r\ncontent-length: *([0-9]+)", head, re.IGNORECASE)
+            if crlf and length and len(rest) >= int(length[1]):
+                return got
+            try:
+                chunk = await stream.receive_some()
+            except trio.BrokenResourceError:
+                return None
+            if not chunk:
+                return None
+            got += chunk
+
+
+async def test_a_request_meeting_the_keep_alive_timeout_is_answered_or_not_journaled_serve_136(
+    tmp_path: Path,
+) -> None:
+    """SERVE-136: GIVEN `keep_alive_timeout_s = 0.1` WHEN 80 clients each send a delivery, and a
+    second on the same connection as its keep-alive timeout runs out (from 6 ms before it to
+    6 ms after), as a reverse proxy reuses a pooled connection THEN every second delivery
+    journaled was answered 200 on its connection, and those sent before the timer's end were.
+    (Before, the timer's close went ahead once it had begun, though the request had come and
+    was journaled meanwhile: through Caddy, with `keep_alive_timeout_s = 1` and deliveries every
+    0.97 to 1.01 s, 9 of 200 were answered 502, 5 of those 9 journaled all the same.)"""
+    async with serving(tmp_path / "data", keep_alive_timeout_s=KEEP_ALIVE_S) as service:
+        answered: list[str] = []
+        unanswered: list[str] = []
+        for n in range(IDLE_EDGE_TRIES):
+            first, second = small(2 * n), small(2 * n + 1)
+            stream = await trio.open_tcp_stream("127.0.0.1", service.port)
+            async with stream:
+                for content in (first, second):
+                    await stream.send_all(
+                        b"POST /v1/deliveries HTTP/1.1\r\nHost: healthlog\r\n"
+                        b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n%s"
+                        % (service.token.encode(), len(content), content)
+                    )
+                    answer = await answer_of(stream)
+                    if content is first:
+                        assert answer is not None
+                        assert answer.startswith(b"HTTP/1.1 200 ")
+                        offset = 0.006 * (2 * n / (IDLE_EDGE_TRIES - 1) - 1)
+                        await trio.sleep(KEEP_ALIVE_S + offset)
+                    elif answer is not None and answer.startswith(b"HTTP/1.1 200 "):
+                        answered.append(sha256(content))
+                    else:
+                        unanswered.append(sha256(content))
+        journal = set(await journaled(service))
+        assert journal.isdisjoint(unanswered), (
+            len(answered),
+            len(unanswered),
+            len(journal.intersection(unanswered)),
+        )
+        # The tries reach from before the timer's end, where every delivery is answered.
+        assert answered, len(unanswered)
+
+
 async def read_until_closed(stream: trio.SocketStream) -> bytes:
     """What the server sends until it closes, or what came within ``STALL_LIMIT_S``."""
     answer = b""
