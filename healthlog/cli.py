@@ -53,7 +53,9 @@ from healthlog.storage.rebuild import (
     Difference,
     OutcomeDifference,
     RebuildError,
+    ReindexRunning,
     reindex,
+    reindex_holder,
     verify_all,
 )
 from healthlog.storage.replica import REPLICA_FILE, NotAReplica, Replica, ReplicaReader
@@ -70,7 +72,6 @@ from healthlog.storage.store import (
     OVER_BUDGET,
     WORKER_DIED,
     Store,
-    default_holder,
 )
 from healthlog.storage.tokens import RESERVED_PREFIX, TokenError, Tokens
 from healthlog.timestamps import (
@@ -174,9 +175,14 @@ class Progress:
         elif now - self._signalled_at > REPEATED_SIGNAL_S:
             raise Stopped(signum)
 
-    def __call__(self, done: int, total: int) -> None:
+    def check(self) -> None:
+        """Raise :class:`Stopped` if a signal came: where the command waits with no progress
+        to report (a reindex waiting for the store's write lock)."""
         if self._signal is not None:
             raise Stopped(self._signal)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.check()
         now = time.monotonic()
         if (done, total) == self._shown:
             return
@@ -961,13 +967,37 @@ def _rebuild_fault_plan() -> None:
     faultplan.load_environment()
 
 
+WAIT_SAID_S = 1.0
+"""How long `reindex` waits for the store's write lock before it says so: a lease renewal or
+an ACK holds it for milliseconds, the service's fold of a large delivery for seconds."""
+
+
 def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     _journal_not_lost(data)
     _rebuild_fault_plan()
     progress = Progress("reindex")
+    said = False
+
+    def waiting(seconds: float) -> None:
+        # It exited 3 `database busy` once SQLite's busy timeout (5 s) had passed (FENCE-30).
+        nonlocal said
+        progress.check()
+        if seconds >= WAIT_SAID_S and not said:
+            said = True
+            _tell(
+                f"reindex: waiting for the write lock of {STORE_FILE}, which another process"
+                " holds: the service folding a large delivery (for up to its fold budget), or a"
+                " program keeping a write open (close it); Ctrl-C stops"
+            )
+
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         check_before_folding(journal, store)
-        changed = reindex(journal, store, f"reindex:{default_holder()}", progress=progress)
+        try:
+            changed = reindex(journal, store, reindex_holder(), progress=progress, waiting=waiting)
+        except ReindexRunning as exc:
+            # A second reindex took the lease by force, and the first, its rebuild thrown
+            # away, exited 3 at its swap (FENCE-31).
+            raise CliError(str(exc)) from None
     _tell(f"reindex: done, {changed} objects changed")
     return 0
 

@@ -425,6 +425,81 @@ def test_a_reindex_stopped_with_sigterm_releases_the_lease_fence_5(
 # -- a busy store ---------------------------------------------------------------------------
 
 
+def test_a_reindex_waits_for_a_store_another_process_writes_fence_30(
+    children: Children, run_cli: RunCli, data: Path
+) -> None:
+    """FENCE-30: another process holds the store's write lock, as the service's fold of a
+    large delivery does for seconds: `healthlog reindex` run meanwhile says it waits for it,
+    rather than exit 3 `database busy` once SQLite's busy timeout (5 s) has passed, and once
+    the lock is released it rebuilds, swaps in and exits 0; `verify` exits 0."""
+    order = journal(data, 3, points=24)
+    locker = children.locker(DataDir(data).store_path)
+    reindex = children.cli("reindex", "--data", data)
+    deadline = time.monotonic() + WAIT_S
+    while "reindex: waiting for the write lock of store.sqlite" not in reindex.stderr():
+        code = reindex.proc.poll()
+        assert code is None, f"reindex exited {code} with the store locked:\n{reindex.stderr()}"
+        assert time.monotonic() < deadline, "reindex never said it waits"
+        time.sleep(POLL_S)
+    assert state(data).epochs == {}, "folded while another process held the write lock"
+
+    locker.release()
+    assert reindex.finish() == 0, reindex.stderr()[-3000:]
+    final = state(data)
+    assert sorted(final.epochs) == sorted(order)
+    assert final.holder is None
+    run = run_cli("verify", "--data", data)
+    assert run.code == 0, run.err[-3000:]
+
+
+def test_a_second_reindex_leaves_the_running_one_its_lease_fence_31(
+    children: Children, run_cli: RunCli, data: Path
+) -> None:
+    """FENCE-31: `healthlog reindex` while another reindex holds the lease (a second terminal,
+    a cron job) exits 2 with one line naming it and changes nothing; the running one goes on
+    and swaps in, exit 0. Before, the second took the lease by force and the first, minutes of
+    rebuilding lost, exited 3 `the fold lease was lost during the reindex`."""
+    journal(data, 30)
+    first = children.cli("reindex", "--data", data)
+    held = wait_state(data, "the first reindex holds the lease", reindexing, watch=[first])
+    # Stopped where it stands: however fast it rebuilds, it holds the lease meanwhile.
+    first.proc.send_signal(signal.SIGSTOP)
+    try:
+        second = run_cli("reindex", "--data", data)
+        during = state(data)
+    finally:
+        first.proc.send_signal(signal.SIGCONT)
+    assert second.code == 2, second.err
+    assert f"another reindex holds the fold lease ({held.holder}" in second.err
+    assert (during.holder, during.epoch) == (held.holder, held.epoch)
+
+    assert first.finish() == 0, first.stderr()[-3000:]
+    final = state(data)
+    assert sorted(final.epochs) == sorted(final.order)
+    assert set(final.epochs.values()) == {held.epoch}
+    run = run_cli("verify", "--data", data)
+    assert run.code == 0, run.err[-3000:]
+
+
+def test_a_reindex_takes_over_at_once_from_one_that_was_killed_fence_32(
+    children: Children, run_cli: RunCli, data: Path
+) -> None:
+    """FENCE-32: a reindex killed with SIGKILL leaves its five-minute lease; a reindex run on
+    the same machine after it finds its process gone and takes the lease over at once, at the
+    next epoch, and exits 0 (FENCE-31 leaves only a running reindex its lease)."""
+    journal(data, 30)
+    killed = children.cli("reindex", "--data", data)
+    held = wait_state(data, "the reindex holds the lease", reindexing, watch=[killed])
+    killed.crash()
+    assert state(data).holder == held.holder, "a SIGKILL releases nothing"
+
+    run = run_cli("reindex", "--data", data)
+    assert run.code == 0, run.err[-3000:]
+    final = state(data)
+    assert final.holder is None
+    assert set(final.epochs.values()) == {held.epoch + 1}
+
+
 def test_deliveries_journaled_while_another_process_locks_the_store_fold_after_fence_6(
     children: Children, run_cli: RunCli, data: Path, tmp_path: Path
 ) -> None:

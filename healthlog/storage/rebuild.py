@@ -15,9 +15,10 @@ import fcntl
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from healthlog.storage._sqlite import (
 )
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
-from healthlog.storage.store import Store
+from healthlog.storage.store import Store, default_holder
 
 log = logging.getLogger("healthlog.rebuild")
 
@@ -93,6 +94,47 @@ class RebuildError(Exception):
 
 class RebuildUnwritten(RebuildError):
     """A rebuild whose writes into its scratch store failed (a full disk, a failing one)."""
+
+
+class ReindexRunning(RebuildError):
+    """Another reindex holds the fold lease and may still be running (FENCE-31): taken from
+    it by force, its rebuild (a minute for years of data) was thrown away at its swap."""
+
+    def __init__(self, holder: str, expires_at: int) -> None:
+        left = max(0, expires_at - clock.now_us()) / 1e6
+        super().__init__(
+            f"another reindex holds the fold lease ({holder}, {left:.0f} s more unless it"
+            " renews it): it rebuilds this same journal and swaps it in; nothing was changed"
+        )
+
+
+REINDEX_PREFIX = "reindex:"
+
+
+def reindex_holder() -> str:
+    """The lease holder name of a reindex run by this process: ``reindex:HOST:PID:RANDOM``."""
+    return REINDEX_PREFIX + default_holder()
+
+
+def running_reindex(holder: str) -> bool:
+    """Whether ``holder`` names a reindex that may still be running: one of a process of this
+    machine that is there, or one of another machine (a data directory shared over the
+    network), whose process cannot be looked at from here. A reindex killed (SIGKILL, the
+    out-of-memory killer) is not: its lease is taken over at once (FENCE-32), not after its
+    five minutes."""
+    if not holder.startswith(REINDEX_PREFIX):
+        return False
+    host, _, rest = holder.removeprefix(REINDEX_PREFIX).partition(":")
+    pid = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @attrs.frozen
@@ -396,6 +438,32 @@ def _differences(rebuilt: Path, live: Path, store: Store) -> Iterator[Difference
         conn.close()
 
 
+def _take_over(store: Store, holder: str, waiting: Callable[[float], None] | None) -> int:
+    """The lease, taken by force at the next epoch from anyone but a running reindex."""
+    began = time.monotonic()
+    while True:
+        try:
+            epoch = store.acquire_lease(
+                holder,
+                now=clock.now_us(),
+                ttl=LEASE_TTL_US,
+                force=True,
+                brief=waiting is not None,
+                spare=running_reindex,
+            )
+        except Deferred:
+            if waiting is None:
+                raise
+            waiting(time.monotonic() - began)
+            continue
+        if epoch is not None:
+            return epoch
+        lease = store.lease()
+        # Released since (it swapped in): take it now.
+        if lease.holder is not None and running_reindex(lease.holder):
+            raise ReindexRunning(lease.holder, lease.expires_at)
+
+
 def reindex(
     journal: Journal,
     store: Store,
@@ -403,15 +471,21 @@ def reindex(
     *,
     progress: Progress | None = None,
     workers: int | None = None,
+    waiting: Callable[[float], None] | None = None,
 ) -> int:
     """Rebuild the projection from the whole journal and swap it in; returns objects changed.
 
     The lease is taken at a higher epoch (fencing the live folder) and renewed as the rebuild
     reports progress (at least once a second while worker processes fold), so a reindex
-    killed on the way fences the folder for one TTL at most.
+    killed on the way fences the folder for one TTL at most. Another reindex still running
+    keeps it: :class:`ReindexRunning`.
+
+    With ``waiting``, a store another process writes (the service's fold of a large delivery
+    holds the write lock for as long as it folds) is waited for: ``waiting`` is called with
+    the seconds waited so far every ``BRIEF_WAIT_MS`` (to say so, or to stop). Without it, the
+    busy timeout's :class:`Deferred` is raised.
     """
-    epoch = store.acquire_lease(holder, now=clock.now_us(), ttl=LEASE_TTL_US, force=True)
-    assert epoch is not None
+    epoch = _take_over(store, holder, waiting)
     renewed = time.monotonic()
 
     def renewing(done: int, total: int) -> None:

@@ -489,13 +489,25 @@ class Store(_objects.ObjectDatabase):
     # -- lease (L1) -------------------------------------------------------------------
 
     def acquire_lease(
-        self, holder: str, *, now: int, ttl: int, force: bool = False, brief: bool = False
+        self,
+        holder: str,
+        *,
+        now: int,
+        ttl: int,
+        force: bool = False,
+        brief: bool = False,
+        spare: Callable[[str], bool] = lambda current: False,
     ) -> int | None:
         """Take or renew the fold lease; return the epoch held, or None if someone else holds it.
 
         With ``brief`` it waits for the write lock at most ``BRIEF_WAIT_MS``, then raises
         :class:`Deferred`: a holder that renews again later anyway does not hold the store's
         reads behind it for the whole busy timeout while another process writes.
+
+        ``force`` takes the lease from any other holder but an unexpired one ``spare`` names
+        (a reindex still running, whose work a second reindex would throw away): it is decided
+        in the same write transaction as the take-over, so two started at once cannot both
+        take it.
 
         A takeover (a new holder, a lease another let expire, or ``force``) increments the
         epoch. The holder renews its own lease at the same epoch even once it has expired, as
@@ -517,7 +529,10 @@ class Store(_objects.ObjectDatabase):
                     (now + ttl, ttl, FOLD_LEASE),
                 )
                 return int(epoch)
-            if current is not None and current != holder and expires_at > now and not force:
+            held = current is not None and current != holder and expires_at > now
+            if held and force and spare(current):
+                return None
+            if held and not force:
                 longest = max(term, ttl)
                 if expires_at > now + longest:
                     log.warning(
