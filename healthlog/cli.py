@@ -931,7 +931,7 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
         )
     except NotAReplica as exc:
         raise CliError(f"no follow replica in {args.replica}: {REPLICA_FILE} {exc}") from None
-    with source:
+    with source, source.one_state():
         stored = source.iter_objects(
             metric=args.metric,
             layer=args.layer,

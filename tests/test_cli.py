@@ -10,7 +10,10 @@ import csv
 import io
 import json
 import re
+import select
 import sqlite3
+import subprocess
+import sys
 import time
 from collections import Counter
 from contextlib import closing
@@ -1026,6 +1029,46 @@ def test_export_of_a_damaged_object_exits_3_naming_it_cli_34(cli: Cli, tmp_path:
         f" {format_instant(hour_of(parse_instant(minute(1))))}); `healthlog verify` lists such"
         " objects, `healthlog reindex` rebuilds them"
     ]
+
+
+def test_an_export_reads_one_state_of_the_store_while_a_fold_commits_cli_215(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-215: a delivery folds (here by `import`; the service's folds alike) while `export`
+    writes into a pipe nobody reads yet, after the first page of objects it read: the export
+    holds the store as it was when it began, every point the first delivery's, never some
+    hours of each. Before, each page of 64 objects was read on its own: measured, an export of
+    200,000 points during a fold wrote 15,360 points of the old values and 184,640 of the new,
+    a state the store never held (each fold is one transaction)."""
+    data = tmp_path / "data"
+    hours = 300
+    sent = [
+        write(
+            tmp_path / f"{qty}.json",
+            body(metric(HR, BPM, *(point(minute(n), qty=qty) for n in range(hours * 60)))),
+        )
+        for qty in (1, 2)
+    ]
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, sent[0]).code == 0
+    with subprocess.Popen(
+        [sys.executable, "-m", "healthlog.cli", "export", "--data", data],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as export:
+        assert export.stdout is not None
+        # Its first lines came: it read the first page, whose lines (64 objects of 60 points)
+        # fill the pipe many times over, so it reads no further page until they are taken.
+        readable, _, _ = select.select([export.stdout], [], [], 30)
+        assert readable, "export wrote nothing"
+        assert run_cli("import", "--aggregation", "minutes", "--data", data, sent[1]).code == 0
+        out, err = export.communicate(timeout=60)
+    assert export.returncode == 0, err
+    values = Counter(json.loads(line)["point"]["qty"] for line in out.splitlines())
+    assert values == {1: hours * 60}
+    run = run_cli("export", "--data", data)
+    assert Counter(json.loads(line)["point"]["qty"] for line in run.out.splitlines()) == {
+        2: hours * 60
+    }
 
 
 def test_import_folds_under_the_data_directorys_settings_cli_35(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from collections.abc import Iterator
 from typing import Any
@@ -165,6 +166,23 @@ class ObjectReading:
             hour_from=hour_from,
             hour_to=hour_to,
         )
+
+    @contextlib.contextmanager
+    def one_state(self) -> Iterator[None]:
+        """Every read of the block from one state of the file: one read transaction, begun at
+        its first read. :meth:`iter_objects` reads a page at a time, and a write committed
+        between two pages (a fold, a reindex's swap, a follower applying events) showed in the
+        later pages alone: an export mixed hours from before a fold with hours from after it,
+        a state the file never held (CLI-215). While the block runs, the ``-wal`` is not
+        checkpointed past that state."""
+        with self._lock:
+            self._conn.execute("BEGIN")
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
 
 
 class ObjectDatabase(ObjectReading, Database):
