@@ -23,6 +23,7 @@ import sys
 import time
 import urllib.parse
 import zlib
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import closing
 from datetime import UTC, datetime, timedelta
@@ -1232,6 +1233,64 @@ async def test_points_come_in_chunks_of_many_objects_serve_55(service: Service) 
     assert len(chunks) == 2, len(chunks)
     longest_line = max(map(len, b"".join(chunks).splitlines(keepends=True)))
     assert max(map(len, chunks)) < app_module.POINTS_CHUNK_BYTES + longest_line
+
+
+async def test_points_are_of_one_state_while_a_fold_commits_serve_140(service: Service) -> None:
+    """SERVE-140: a `/v1/points` answer of 60,000 points (some 11 MB, more than the sockets
+    buffer) read slowly while a re-send of every point with another value folds: every line of
+    it holds the first delivery's value, as the store was when the answer began, and one asked
+    after it the second's. Before, each page of 64 objects was read on its own, and the pages
+    read after the fold's commit held the new values: a state the store never held (CLI-215
+    for `healthlog export`)."""
+    hours = 1000
+
+    def resend(qty: int) -> bytes:
+        first = datetime(2024, 2, 1, tzinfo=UTC)
+        return body(
+            metric(
+                "heart_rate",
+                "count/min",
+                *(
+                    point(
+                        (first + timedelta(minutes=m)).strftime("%Y-%m-%d %H:%M:%S +0000"), qty=qty
+                    )
+                    for m in range(hours * 60)
+                ),
+            )
+        )
+
+    assert (await service.post(resend(1), MINUTES)).status_code == 200
+    await service.wait_folded()
+    client = h11.Connection(h11.CLIENT)
+    stream = await trio.open_tcp_stream("127.0.0.1", service.port)
+    async with stream:
+        headers = [("Host", "127.0.0.1"), *service.auth.items(), *CLOSE.items()]
+        asked = h11.Request(method="GET", target="/v1/points?metric=heart_rate", headers=headers)
+        await stream.send_all(client.send(asked))
+        await stream.send_all(client.send(h11.EndOfMessage()))
+        received = b""
+        folded = False
+        while True:
+            event = client.next_event()
+            if event is h11.NEED_DATA:
+                client.receive_data(await stream.receive_some())
+            elif isinstance(event, h11.Response):
+                assert event.status_code == 200
+            elif isinstance(event, h11.Data):
+                received += event.data
+                if not folded:
+                    # The answer has begun: the rest waits in the service for this reader.
+                    folded = True
+                    assert (await service.post(resend(2), MINUTES)).status_code == 200
+                    await service.wait_folded()
+            elif isinstance(event, h11.EndOfMessage):
+                break
+    values = Counter(json.loads(line)["point"]["qty"] for line in received.splitlines())
+    assert values == {1: hours * 60}
+    after = await service.get("/v1/points", metric="heart_rate")
+    assert Counter(json.loads(line)["point"]["qty"] for line in after.content.splitlines()) == {
+        2: hours * 60
+    }
 
 
 async def _points_read(service: Service, **params: str) -> tuple[int, bytes, bool]:

@@ -585,10 +585,16 @@ async def _point_chunks(
 
 async def _object_pages(runtime: Runtime, **where: Any) -> AsyncGenerator[list[HourlyObject], None]:
     """Objects read a page at a time (the store's own, ``OBJECTS_PAGE``) in the store's worker
-    thread, one trip each."""
-    iterator = await runtime.read_store(lambda s: s.iter_objects(**where))
-    while True:
-        page = await runtime.read_store(lambda _s: list(itertools.islice(iterator, OBJECTS_PAGE)))
-        if not page:
-            return
-        yield page
+    thread, one trip each, all of one state of the store (SERVE-140). The read transaction
+    ends with the generator, however the answer ends (closed by ``_point_chunks``)."""
+    with contextlib.ExitStack() as reading:
+        iterator = await runtime.read_store(
+            lambda s: reading.enter_context(s.objects_of_one_state(**where))
+        )
+        while True:
+            page = await runtime.read_store(
+                lambda _s: list(itertools.islice(iterator, OBJECTS_PAGE))
+            )
+            if not page:
+                return
+            yield page

@@ -1394,6 +1394,34 @@ class Store(_objects.ObjectDatabase):
         finally:
             conn.close()
 
+    @contextlib.contextmanager
+    def objects_of_one_state(
+        self,
+        *,
+        metric: str | None = None,
+        layer: str | None = None,
+        hour_from: int | None = None,
+        hour_to: int | None = None,
+    ) -> Iterator[Iterator[HourlyObject]]:
+        """:meth:`iter_objects` from one read transaction on a connection of its own, as
+        :meth:`snapshot_at_head` reads: a fold committed between two pages showed in the later
+        pages alone, a state the store never held (SERVE-140). The store's own connection,
+        which lease renewals and ACKs write through, keeps no read transaction open meanwhile,
+        and its other reads do not wait for this one's reader (a slow HTTP client)."""
+        conn = connect(self.path, readonly=True, busy_timeout_ms=self._busy_timeout_ms)
+        try:
+            with read_transaction(conn):
+                yield _objects.iterate(
+                    conn,
+                    ConnectionGuard(self.path),
+                    metric=metric,
+                    layer=layer,
+                    hour_from=hour_from,
+                    hour_to=hour_to,
+                )
+        finally:
+            conn.close()
+
     def last_seq(self) -> int:
         with self._lock:
             row = self._conn.execute("SELECT max(seq) FROM events").fetchone()
