@@ -50,6 +50,7 @@ from healthlog.storage.datadir import JOURNAL_FILE, STORE_FILE, DataDir, default
 from healthlog.storage.journal import BodyEncoder, EncodedBody, NewDelivery
 from healthlog.storage.passes import check_before_folding, check_same_journal, counted
 from healthlog.storage.rebuild import (
+    REINDEX_PREFIX,
     Difference,
     OutcomeDifference,
     RebuildError,
@@ -624,10 +625,18 @@ async def _tell_outcomes(runtime: Runtime, ids: list[int]) -> None:
 async def _say_who_folds(runtime: Runtime, command: str) -> None:
     """One line when another process (a running ``serve``) holds the fold lease: the command
     then waits for that process's next pass, which can be a minute away, and would otherwise
-    wait in silence."""
+    wait in silence. A reindex holding it is named as such: the line sent the user looking for
+    a service where none ran (CLI-216)."""
     ours = runtime.statistics().lease.holder
     lease = await runtime.read_store(Store.lease)
-    if lease.holder not in (None, ours) and lease.expires_at > clock.now_us():
+    if lease.holder in (None, ours) or lease.expires_at <= clock.now_us():
+        return
+    if lease.holder.startswith(REINDEX_PREFIX):
+        _tell(
+            f"{command}: waiting for the reindex that holds the fold lease to swap in and"
+            " release it; what was journaled folds after it (--no-wait does not wait)"
+        )
+    else:
         _tell(
             f"{command}: waiting for the running service, which holds the fold lease, to fold at"
             " its next pass (within its wake_period_s, 60 s unless set; --no-wait does not wait)"

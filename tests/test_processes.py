@@ -422,6 +422,35 @@ def test_a_reindex_stopped_with_sigterm_releases_the_lease_fence_5(
     assert final.epochs[later[0]] > before.epoch + 1
 
 
+def test_an_import_during_a_reindex_says_it_waits_for_the_reindex_cli_216(
+    children: Children, data: Path, tmp_path: Path
+) -> None:
+    """CLI-216: `import` while a reindex holds the lease says it waits for that reindex, not
+    for a running service (none runs), and once the reindex has swapped in and released the
+    lease it folds its delivery itself and exits 0."""
+    journal(data, 30)
+    reindex = children.cli("reindex", "--data", data)
+    wait_state(data, "the reindex holds the lease", reindexing, watch=[reindex])
+    reindex.proc.send_signal(signal.SIGSTOP)
+    try:
+        importer = children.cli("import", "--data", data, *bodies(tmp_path, range(30, 31)))
+        deadline = time.monotonic() + WAIT_S
+        while "import: waiting" not in importer.stderr():
+            assert importer.proc.poll() is None, importer.stderr()
+            assert time.monotonic() < deadline, "import never said what it waits for"
+            time.sleep(POLL_S)
+    finally:
+        reindex.proc.send_signal(signal.SIGCONT)
+    assert reindex.finish() == 0, reindex.stderr()[-3000:]
+    assert importer.finish() == 0, importer.stderr()[-3000:]
+    said = [line for line in importer.stderr().splitlines() if line.startswith("import: ")]
+    assert said == [
+        "import: waiting for the reindex that holds the fold lease to swap in and release it;"
+        " what was journaled folds after it (--no-wait does not wait)"
+    ]
+    assert quiescent(state(data))
+
+
 # -- a busy store ---------------------------------------------------------------------------
 
 
