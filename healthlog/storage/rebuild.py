@@ -133,6 +133,7 @@ def running_reindex(holder: str) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
+        # A process of another account has that id: it is there all the same.
         return True
     return True
 
@@ -459,8 +460,12 @@ def _take_over(store: Store, holder: str, waiting: Callable[[float], None] | Non
         if epoch is not None:
             return epoch
         lease = store.lease()
-        # Released since (it swapped in): take it now.
-        if lease.holder is not None and running_reindex(lease.holder):
+        # Released or run out since (it swapped in, or was killed): try again.
+        if (
+            lease.holder is not None
+            and lease.expires_at > clock.now_us()
+            and running_reindex(lease.holder)
+        ):
             raise ReindexRunning(lease.holder, lease.expires_at)
 
 
