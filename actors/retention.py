@@ -28,6 +28,7 @@ from healthlog import faults
 from healthlog.clock import now_us
 from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Store
+from healthlog.timestamps import format_instant
 
 log = logging.getLogger("healthlog.retention")
 
@@ -76,6 +77,8 @@ class RetentionActor:
         self._removed = 0
         self._watched = watched
         self._held_back: set[str] = set()
+        # Whether the clock was last seen behind the oldest event held (said once).
+        self._clock_behind = False
         # When the runs began to find the store busy, while they do.
         self._busy_since: float | None = None
 
@@ -92,7 +95,18 @@ class RetentionActor:
                 await self._watch_wal(database, limiter)
 
     async def _prune(self) -> None:
-        cutoff = now_us() - self._max_age_us
+        now = now_us()
+        try:
+            ahead = await threads.run_sync(
+                self._store.oldest_event_ahead, now, limiter=self._limiter
+            )
+        except StorageError as exc:
+            self._deferred("event pruning", exc)
+            return
+        if self._waits_for_the_clock(now, ahead):
+            self._runs += 1
+            return
+        cutoff = now - self._max_age_us
         prune = functools.partial(
             self._store.prune_events,
             keep=self._keep,
@@ -128,6 +142,29 @@ class RetentionActor:
                 "removed %d gone subscriber(s) (last ACK and cursor older than the window)",
                 removed,
             )
+
+    def _waits_for_the_clock(self, now: int, oldest: int | None) -> bool:
+        """Whether this run waits because the clock reads more than a day behind the oldest
+        event held (``oldest``, else None), saying so once while it lasts. Run with such a
+        clock, every event would count as old: a service started on a NAS that booted at 1970
+        dropped all but the newest ``keep`` events, and removed the subscribers behind them,
+        at its first run, a minute before NTP set the clock (STREAM-185)."""
+        if oldest is None:
+            if self._clock_behind:
+                self._clock_behind = False
+                log.info("the clock reads past the oldest event's stamp: retention resumes")
+            return False
+        if not self._clock_behind:
+            self._clock_behind = True
+            log.warning(
+                "the clock reads %s, %s s behind the oldest event's stamp %s (not set since"
+                " boot, or set back?): no event is dropped and no subscriber removed until it"
+                " reads past it",
+                format_instant(now),
+                f"{(oldest - now) / 1e6:,.0f}",
+                format_instant(oldest),
+            )
+        return True
 
     def _deferred(self, what: str, exc: StorageError) -> None:
         """Say that ``what`` was deferred by ``exc``: a busy store at INFO for a moment (a fold

@@ -780,6 +780,40 @@ async def test_subscribers_of_an_older_store_stay_through_the_next_retention_str
         assert store.subscribers() == {"desk": 9}
 
 
+async def test_a_clock_behind_the_oldest_event_prunes_nothing_stream_185(
+    journal: Journal, store: Store, epoch: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """STREAM-185: a NAS without a battery-backed clock boots at 1970 and serves before NTP
+    sets it: while its clock reads more than a day behind the oldest event held, retention
+    drops no event and removes no subscriber, even after events are stamped at that clock,
+    and says so once while it lasts; once the clock is set, the window's events are young
+    again and stay."""
+    for n in range(5):
+        store.fold(journal, append(journal, delivery(body({"hr": [point(n, n)]}))), epoch)
+    ack_days_ago(store, "follower", 2, days=31)
+    boot_s = clock.now_us() / 1e6 - 300
+    caplog.set_level(logging.INFO, logger="healthlog.retention")
+    clock.jump(-boot_s)
+    try:
+        statistics = await retention_pass(store, keep=2)
+        assert (statistics.pruned, statistics.removed) == (0, 0)
+        store.fold(journal, append(journal, delivery(body({"hr": [point(5, 5)]}))), epoch)
+        statistics = await retention_pass(store, keep=2)
+        assert (statistics.pruned, statistics.removed) == (0, 0)
+    finally:
+        clock.jump(boot_s)
+    assert store.event_window() == (0, 12)
+    assert store.subscribers() == {"follower": 2}
+    # Once by each of the two actors, each of which ran at least twice.
+    said = [r.getMessage() for r in caplog.records if r.name == "healthlog.retention"]
+    assert len(said) == 2
+    assert all("behind the oldest event's stamp 20" in line for line in said)
+
+    statistics = await retention_pass(store, keep=2)
+    assert (statistics.pruned, statistics.removed) == (0, 0)
+    assert store.event_window() == (0, 12)
+
+
 def test_event_window_is_read_in_one_snapshot_store_27(
     tmp_path: Path, journal: Journal, store: Store, epoch: int
 ) -> None:

@@ -1286,6 +1286,20 @@ class Store(_objects.ObjectDatabase):
             return int(issued or 0), int(issued or 0)
         return int(oldest) - 1, int(head)
 
+    def oldest_event_ahead(self, now: int) -> int | None:
+        """The stamp of the oldest event held, if it lies more than ``FUTURE_SKEW_US`` after
+        ``now``, else None. Every other event was stamped after it, so a clock that reads that
+        far behind it is not to be trusted with ages: a NAS without a battery-backed clock
+        boots at 1970 (or at its build date) and serves until NTP sets it, and every event
+        then looks more than a day ahead and so old (:meth:`prune_events`)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT at FROM events WHERE seq = (SELECT min(seq) FROM events)"
+            ).fetchone()
+        if row is None or row[0] <= now + FUTURE_SKEW_US:
+            return None
+        return int(row[0])
+
     def prune_events(
         self, *, keep: int, older_than_us: int, at_most: int | None = None, brief: bool = False
     ) -> int:
