@@ -4,6 +4,8 @@ Events beyond the newest ``keep`` that are also older than ``max_age_s`` are dro
 the projection; the journal is never touched, so nothing true is lost. Then the subscribers
 that are gone are removed: their last ACK is older than ``max_age_s`` and their cursor older
 than the window, so they could only resume from a snapshot; their next ACK stores them again.
+Neither is done while the clock reads more than a day behind the oldest event held: it has not
+been set since boot, or was set back, and every event would count as old (STREAM-185).
 Last, each file's ``-wal`` that a reader of another program keeps from being checkpointed is
 said, once while it lasts (RUN-63).
 
