@@ -100,6 +100,11 @@ class ServeConfig:
         default=256.0,
         validator=Accepts(float, "a number of MiB above zero", 0, above=True),
     )
+    intake_memory_mib: float = attrs.field(
+        converter=float,
+        default=128.0,
+        validator=Accepts(float, "a number of MiB above zero", 0, above=True),
+    )
     log_format: str = attrs.field(default="kv", validator=_choice(LOG_FORMATS))
     log_level: str = attrs.field(default="info", validator=_choice(LEVELS))
     wake_period_s: float = attrs.field(converter=float, default=60.0, validator=_seconds())
@@ -145,6 +150,10 @@ class ServeConfig:
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mib * 2**20)
+
+    @property
+    def intake_memory_bytes(self) -> int:
+        return int(self.intake_memory_mib * 2**20)
 
 
 DEFAULTS = ServeConfig()

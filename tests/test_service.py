@@ -1737,9 +1737,58 @@ async def test_uploads_that_were_not_journaled_are_counted_serve_78(tmp_path: Pa
         "body_timeout",
         "client_left",
     }
-    assert before == dict.fromkeys(reasons, 0)
-    assert after == dict.fromkeys(reasons, 1)
+    assert before == dict.fromkeys([*reasons, "memory"], 0)
+    assert after == {**dict.fromkeys(reasons, 1), "memory": 0}
     assert accepted == 1
+
+
+async def intake_held(service: Service) -> float:
+    """``healthlog_intake_held_bytes`` of ``/metrics``."""
+    return (await metric_samples(service.client))[("healthlog_intake_held_bytes", frozenset())]
+
+
+@pytest.mark.parametrize("first_mib", [1.5, 0.75])
+async def test_uploads_in_flight_are_bounded_in_memory_serve_145(
+    tmp_path: Path, first_mib: float
+) -> None:
+    """SERVE-145: GIVEN `intake_memory_mib = 1` and an upload of incompressible bytes holding
+    1.5 MiB (or 0.75 MiB) in flight WHEN a second upload of 1 MiB comes THEN it is answered 503
+    `INTAKE_BUSY` with `Retry-After` (at its headers, or once it takes the bound over: on its
+    way), nothing of it journaled, counted `memory` in `healthlog_intake_refused_total`; the
+    first, the oldest upload, is answered 200 though over the bound alone; the second sent
+    again then is answered 200, and `healthlog_intake_held_bytes` is back to 0. (Before,
+    nothing bounded the uploads in flight: eight incompressible 60 MiB bodies at once took the
+    service to 1,030 MiB.)"""
+    noise = random.Random(145).randbytes(4 * MiB)
+    split = int(first_mib * MiB)
+    gate = trio.Event()
+    first = Drip([noise[:split], noise[split : 3 * MiB]], gate=gate)
+    second = noise[3 * MiB :]
+    answers: dict[str, httpx.Response] = {}
+    async with serving(tmp_path / "data", intake_memory_mib=1) as service:
+
+        async def send_first() -> None:
+            answers["first"] = await post_stream(service.client, first, service.auth)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_first)
+            with trio.fail_after(STALL_LIMIT_S):
+                # zlib keeps a few KiB of what it was given until it has more.
+                while await intake_held(service) < split * 0.9:
+                    await trio.sleep(POLL_S)
+            answers["refused"] = await service.post(second)
+            gate.set()
+        answers["again"] = await service.post(second)
+        held = await intake_held(service)
+        refused = await intake_refused(service)
+    assert answers["refused"].status_code == 503, answers["refused"].text
+    assert answers["refused"].json() == {"error": "INTAKE_BUSY"}
+    assert int(answers["refused"].headers["retry-after"]) > 0
+    assert answers["first"].status_code == 200, answers["first"].text
+    assert answers["again"].status_code == 200, answers["again"].text
+    assert await journaled(service) == [sha256(noise[: 3 * MiB]), sha256(second)]
+    assert refused["memory"] == 1
+    assert held == 0
 
 
 async def test_a_journal_the_disk_cannot_hold_says_why_serve_41(

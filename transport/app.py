@@ -526,7 +526,7 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         text = await render_metrics(
-            runtime, slots.borrowed_tokens, handshake_refusals, intake.refused
+            runtime, slots.borrowed_tokens, handshake_refusals, intake.refused, intake.held()
         )
         return Response(text, content_type="text/plain; version=0.0.4; charset=utf-8")
 

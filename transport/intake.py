@@ -178,6 +178,8 @@ class IntakeRefusals:
     """Refused 400: an ``Idempotency-Key`` over ``MAX_IDEMPOTENCY_KEY`` characters."""
     body_timeout: int = 0
     """Refused 408: the body stalled, or came too slowly."""
+    memory: int = 0
+    """Refused 503: the bodies in flight held ``intake_memory_mib`` (SERVE-145)."""
     client_left: int = 0
     """The client went away before its body was whole."""
 
@@ -206,6 +208,14 @@ class IntakeEndpoint:
         )
         self._too_large_why = f"the body is over the limit of {mib:g} MiB (max_body_mib)"
         self._idle_s = config.body_timeout_s
+        self._memory = config.intake_memory_bytes
+        self._memory_why = (
+            f"the bodies in flight hold over {config.intake_memory_mib:g} MiB"
+            " (intake_memory_mib); it may be sent again later"
+        )
+        self._holding: dict[BodyEncoder, None] = {}
+        """The encoders of the uploads in flight, from their first byte to their journal's
+        answer, oldest first."""
         self._in_flight: set[tuple[str, str]] = set()
         self._uploads: set[trio.CancelScope] = set()
         self._uploads_cut = False
@@ -276,6 +286,8 @@ class IntakeEndpoint:
                 _error("UNSUPPORTED_CONTENT_ENCODING"),
                 ((b"accept-encoding", b"identity"), *CLOSE),
             )
+        if self._holding and self.held() > self._memory:
+            return self._refuse_busy(scope)
         key = headers.get("idempotency-key") or None
         if key is not None and len(key) > MAX_IDEMPOTENCY_KEY:
             self.refused.idempotency_key += 1
@@ -298,6 +310,31 @@ class IntakeEndpoint:
         self._refusals.unauthorized("POST", INTAKE_PATH, client_address(scope), presented)
         return _answer(401, _error("UNAUTHORIZED"), ((b"www-authenticate", b"Bearer"),))
 
+    def _refuse_busy(self, scope: Any) -> _Answer:
+        self.refused.memory += 1
+        self._refusals.refused(503, "POST", INTAKE_PATH, client_address(scope), self._memory_why)
+        return _answer(503, _error("INTAKE_BUSY"), ((b"retry-after", RETRY_AFTER_S), *CLOSE))
+
+    def held(self) -> int:
+        """Bytes the uploads in flight hold, what ``intake_memory_mib`` bounds: the gauge
+        ``healthlog_intake_held_bytes`` of ``/metrics``."""
+        return sum(encoder.held for encoder in self._holding)
+
+    def _over_memory(self, encoder: BodyEncoder) -> bool:
+        """The upload of ``encoder`` is to be refused for memory: it and the uploads in flight
+        begun before it hold more than ``intake_memory_mib``. The newest are refused first, so
+        that those begun first finish (refusing whichever upload read next refused all but
+        the oldest of eight 60 MiB bodies, where two fit); the oldest is always taken, so that
+        one body up to ``max_body_mib`` gets through however low the bound."""
+        if encoder is next(iter(self._holding)):
+            return False
+        held = 0
+        for upload in self._holding:
+            held += upload.held
+            if upload is encoder:
+                break
+        return held > self._memory
+
     def _refuse_too_large(self, scope: Any) -> _Answer:
         self.refused.too_large += 1
         self._refusals.refused(413, "POST", INTAKE_PATH, client_address(scope), self._too_large_why)
@@ -312,11 +349,34 @@ class IntakeEndpoint:
         headers: dict[str, str],
         body: _Body,
     ) -> _Answer | None:
+        """:meth:`_journal` the upload, its encoder counted among those holding memory until
+        the journal has answered: every upload held its whole encoded body until then, and
+        nothing bounded how many did (eight incompressible 60 MiB bodies at once took the
+        service to 1,030 MiB, SERVE-145)."""
+        encoder = self._runtime.journal.encoder()
+        self._holding[encoder] = None
         try:
-            encoded = await self._read_upload(body)
+            return await self._journal(scope, presented, name, key, headers, body, encoder)
+        finally:
+            del self._holding[encoder]
+
+    async def _journal(
+        self,
+        scope: Any,
+        presented: str,
+        name: str,
+        key: str | None,
+        headers: dict[str, str],
+        body: _Body,
+        encoder: BodyEncoder,
+    ) -> _Answer | None:
+        try:
+            encoded = await self._read_upload(body, encoder)
         except _Refused as refused:
             if refused.status == 413:
                 return self._refuse_too_large(scope)
+            if refused.status == 503:
+                return self._refuse_busy(scope)
             self.refused.body_timeout += 1
             why = _timeout_why(body, headers.get("content-length"), self._idle_s)
             self._refusals.refused(refused.status, "POST", INTAKE_PATH, client_address(scope), why)
@@ -365,30 +425,32 @@ class IntakeEndpoint:
             return _answer(503, _error("JOURNAL_UNAVAILABLE"), ((b"retry-after", RETRY_AFTER_S),))
         return _answer(200, _receipt(receipt), _replayed(receipt))
 
-    async def _read_upload(self, body: _Body) -> EncodedBody | None:
+    async def _read_upload(self, body: _Body, encoder: BodyEncoder) -> EncodedBody | None:
         """:meth:`_read_body`, or None when the upload is cut at shutdown (:meth:`cut_uploads`)."""
         with trio.CancelScope() as upload:
             if self._uploads_cut:
                 upload.cancel()
             self._uploads.add(upload)
             try:
-                return await self._read_body(body)
+                return await self._read_body(body, encoder)
             finally:
                 self._uploads.discard(upload)
         return None
 
-    async def _read_body(self, body: _Body) -> EncodedBody:
+    async def _read_body(self, body: _Body, encoder: BodyEncoder) -> EncodedBody:
         """The whole body, encoded; large bodies are encoded in a thread while they arrive.
 
         A small body that comes in one message (a small delivery usually does) is encoded at
-        once, without the hand-over's nursery and channel.
+        once, without the hand-over's nursery and channel. An upload that takes the memory of
+        the uploads in flight over ``intake_memory_mib`` is refused (:meth:`_over_memory`).
         """
-        encoder = self._runtime.journal.encoder()
         message = await body.next()
         chunk: bytes = message.get("body", b"")
         whole = not message.get("more_body", False)
         if whole and len(chunk) < BATCH_BYTES and len(chunk) <= self._limit:
             encoder.feed(chunk)
+            if self._over_memory(encoder):
+                raise _Refused(503, "INTAKE_BUSY")
             return encoder.finish()
         batches, to_encode = trio.open_memory_channel[list[bytes]](1)
         batch: list[bytes] = []
@@ -408,6 +470,9 @@ class IntakeEndpoint:
                     encoder.hash(chunk)
                     batch.append(chunk)
                     batched += len(chunk)
+                    if self._over_memory(encoder):
+                        failure = _Refused(503, "INTAKE_BUSY")
+                        break
                 if batched >= BATCH_BYTES or (threaded and not more):
                     if not threaded:
                         nursery.start_soon(_encode_batches, to_encode, encoder)

@@ -54,6 +54,7 @@ class _Snapshot(Collector):
     stream_connections: int
     stream_refused: HandshakeRefusals
     intake_refused: IntakeRefusals
+    intake_held: int
 
     def collect(self) -> Iterator[Metric]:
         deliveries = GaugeMetricFamily(
@@ -163,13 +164,19 @@ class _Snapshot(Collector):
         )
         intake_refused = CounterMetricFamily(
             "healthlog_intake_refused",
-            "Uploads this process did not journal, by reason: refused (401, 413, 415, 400, 408),"
-            " or the client left before its body was whole",
+            "Uploads this process did not journal, by reason: refused (401, 413, 415, 400, 408,"
+            " 503 for memory), or the client left before its body was whole",
             labels=["reason"],
         )
         for reason, count in attrs.asdict(self.intake_refused).items():
             intake_refused.add_metric([reason], count)
         yield intake_refused
+        yield GaugeMetricFamily(
+            "healthlog_intake_held_bytes",
+            "Bytes the uploads in flight hold in memory until journaled, bounded by"
+            " intake_memory_mib (an upload over it is refused 503 INTAKE_BUSY)",
+            value=self.intake_held,
+        )
         yield CounterMetricFamily(
             "healthlog_journal_commit_failures",
             "Journal commits that failed (each refused its deliveries with 503)",
@@ -199,11 +206,13 @@ async def render_metrics(
     stream_connections: int,
     stream_refused: HandshakeRefusals,
     intake_refused: IntakeRefusals,
+    intake_held: int,
 ) -> bytes:
     """The exposition text, from one read of status and counters in the store's worker thread,
     with the serving process's own figures (``process_*``: RSS, open files, CPU), Python's
     version (``python_info``), the ``stream_connections`` it serves now and the stream
-    connections it refused at the handshake, and the uploads it did not journal."""
+    connections it refused at the handshake, the uploads it did not journal and the bytes
+    those in flight hold."""
     statistics = runtime.statistics()
     status, totals, sizes = await runtime.read_store(
         functools.partial(
@@ -223,6 +232,7 @@ async def render_metrics(
             stream_connections,
             stream_refused,
             intake_refused,
+            intake_held,
         )
     )
     ProcessCollector(registry=registry)

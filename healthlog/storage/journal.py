@@ -212,6 +212,15 @@ class BodyEncoder:
         self._head = bytearray()
         self._compressor: zlib._Compress | None = None
         self._parts: list[bytes] = []
+        self._stored = 0
+        self._encoded = 0
+
+    @property
+    def held(self) -> int:
+        """Bytes of this body in memory so far: what is stored of it, and what is hashed but
+        not encoded yet (a batch waiting for the encoding thread). Read from another thread
+        than the one encoding, it may lag a batch behind."""
+        return self._stored + len(self._head) + self._length - self._encoded
 
     def feed(self, chunk: bytes) -> None:
         """Hash and encode ``chunk``."""
@@ -226,14 +235,19 @@ class BodyEncoder:
     def encode(self, chunks: Sequence[bytes]) -> None:
         """Encode the next raw bytes (compressed once the threshold is reached)."""
         for chunk in chunks:
+            self._encoded += len(chunk)
             if self._compressor is not None:
-                self._parts.append(self._compressor.compress(chunk))
+                self._keep(self._compressor.compress(chunk))
                 continue
             self._head += chunk
             if len(self._head) >= self._threshold:
                 self._compressor = zlib.compressobj(_ZLIB_LEVEL)
-                self._parts.append(self._compressor.compress(self._head))
+                self._keep(self._compressor.compress(self._head))
                 self._head.clear()
+
+    def _keep(self, part: bytes) -> None:
+        self._parts.append(part)
+        self._stored += len(part)
 
     def finish(self) -> EncodedBody:
         """The encoded body, once every chunk is hashed and encoded; the encoder is spent."""
@@ -242,7 +256,7 @@ class BodyEncoder:
         if self._compressor is None:
             stored, encoding = bytes(self._head), _IDENTITY
         else:
-            self._parts.append(self._compressor.flush())
+            self._keep(self._compressor.flush())
             stored, encoding = b"".join(self._parts), _ZLIB
         self._parts = []
         return EncodedBody(self._sha256.digest(), self._length, encoding, stored)
