@@ -52,8 +52,11 @@ class IntakeActor:
     async def run(self) -> None:
         try:
             async with trio.open_nursery() as nursery:
-                async for delivery, caller in self._submissions:
-                    nursery.start_soon(self._handle, delivery, caller)
+                # No loop variable holds a submission: one held the last delivery, its body
+                # with it, until the next came (RUN-120).
+                with contextlib.suppress(trio.EndOfChannel):
+                    while True:
+                        nursery.start_soon(self._handle, *await self._submissions.receive())
         finally:
             refuse_pending(self._submissions)
 
