@@ -188,6 +188,7 @@ class FoldingActor:
         self._deaths: Counter[int] = Counter()
         self._workers_lost = 0
         self._unrecorded_stop: str | None = None
+        self._unwritten: dict[int, str] = {}
         self._cannot_start = False
         self._short_of = False
         self._backoff_s = START_BACKOFF_S
@@ -211,6 +212,13 @@ class FoldingActor:
             dying=len(self._deaths),
             unrecorded_stop=self._unrecorded_stop,
         )
+
+    def unwritten(self) -> dict[int, str]:
+        """The deliveries this folder's pass in flight or last pass could not write, by id,
+        with why (SQLite's error and the file): a command waiting for them (``import``,
+        ``seal``) says so and ends, where it waited for good, its folder trying again each
+        period (CLI-200)."""
+        return dict(self._unwritten)
 
     async def run(self) -> None:
         # A run after a crash starts with a pass: the wake that came before the crash was
@@ -281,6 +289,7 @@ class FoldingActor:
 
     async def _pass(self, epoch: int) -> None:
         self._passes += 1
+        self._unwritten = {}
         selection = Selection(self._journal, self._store, page=self._page)
         folding: FoldPass[DeliveryMeta] = FoldPass(more=True)
         try:
@@ -299,6 +308,8 @@ class FoldingActor:
                     self._classes[report.outcome_class.value] += 1
                     if report.outcome_class is OutcomeClass.DONE:
                         self._deaths.pop(report.delivery_id, None)
+                    elif report.outcome_class is OutcomeClass.UNWRITTEN:
+                        self._unwritten[report.delivery_id] = report.reason or "not written"
                     folding.record(report)
         except trio.Cancelled:
             folding.cancel()

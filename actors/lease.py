@@ -71,6 +71,9 @@ class LeaseActor:
         # How long after this renewal the next one comes: sooner while another holder's lease
         # expires before then (_held_elsewhere).
         self._next_try_s = renew_s
+        # Why the last renewal could not write the lease while this actor holds none (a full
+        # disk, a store it may not write), None once one is written or found held elsewhere.
+        self._refused: str | None = None
         self._acquisitions = 0
         self._renewals = 0
         self._losses = 0
@@ -85,6 +88,13 @@ class LeaseActor:
             self._losses,
             self._failures,
         )
+
+    def refused(self) -> str | None:
+        """Why this actor holds no lease and cannot take one (SQLite's error and the file):
+        a command waiting for its own folds (``import``, ``seal``) says so and ends, where it
+        waited for good, a WARNING every renewal period (CLI-201). None while it holds the
+        lease, another holder does, or the store is only busy."""
+        return self._refused
 
     async def run(self) -> None:
         try:
@@ -121,8 +131,11 @@ class LeaseActor:
             log.log(level, "lease renewal failed: %s: %s (%s)", type(exc).__name__, exc, where)
             if self._epoch is not None and trio.current_time() >= self._valid_until:
                 await self._publish(None)
+            if self._epoch is None and not isinstance(exc, threads.NoThread):
+                self._refused = describe(exc)
             return
         self._busy_since = None
+        self._refused = None
         if epoch is not None:
             self._valid_until = trio.current_time() + self._ttl_us / 1e6 - self._renew_s
         elif self._epoch is None:

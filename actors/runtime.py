@@ -38,6 +38,15 @@ SUBMISSION_BUFFER = 256
 WAIT_POLL_S = 0.05
 
 
+class NotFolded(Exception):
+    """A delivery waited for that this process cannot fold (:meth:`Runtime.wait_folded`)."""
+
+    def __init__(self, delivery_id: int, why: str) -> None:
+        super().__init__(delivery_id, why)
+        self.delivery_id = delivery_id
+        self.why = why
+
+
 class Actor(Protocol):
     async def run(self) -> None: ...
 
@@ -132,8 +141,12 @@ class Runtime:
         """Run ``fn(journal)`` in the journal's worker thread (reads: appends go via intake)."""
         return await threads.run_sync(fn, self.journal, limiter=self._journal_limiter)
 
-    async def wait_folded(self, ids: Iterable[int]) -> None:
+    async def wait_folded(self, ids: Iterable[int], *, give_up: bool = False) -> None:
         """Return once every delivery in ``ids`` has an outcome (folded here or elsewhere).
+
+        With ``give_up``, raise :class:`NotFolded` for the first of them this process's folder
+        could not write, or for the first of them all while its lease cannot be written: on a
+        full disk or a store it may not write, ``import`` waited for good (CLI-200, CLI-201).
 
         Each poll looks up only the deliveries still waited for: reading every outcome id,
         0.4 s at 500,000, twenty times a second, kept a core busy while ``import`` or ``seal``
@@ -142,7 +155,20 @@ class Runtime:
         while waiting := await self.read_store(
             functools.partial(Store.unfolded, delivery_ids=waiting)
         ):
+            if give_up:
+                self._check_foldable(waiting)
             await trio.sleep(WAIT_POLL_S)
+
+    def _check_foldable(self, waiting: set[int]) -> None:
+        """Raise :class:`NotFolded` when this process cannot fold the deliveries ``waiting``."""
+        _, _, lease, folding, _ = self._actors
+        unwritten = folding.unwritten()
+        for delivery_id in sorted(waiting):
+            if delivery_id in unwritten:
+                raise NotFolded(delivery_id, unwritten[delivery_id])
+        refused = lease.refused()
+        if refused is not None:
+            raise NotFolded(min(waiting), f"the fold lease cannot be written: {refused}")
 
     async def supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """Run ``run`` in the caller's task under the supervision the actors have, with theirs:

@@ -103,6 +103,11 @@ class OutputFailed(Exception):
     stdout, so that a full disk there is not taken for one under the data directory."""
 
 
+class Unfolded(Exception):
+    """A delivery the command journaled that it could not fold (a full disk, a store it may
+    not write): printed without a traceback, exit status 3, as a storage error is."""
+
+
 class NotSwitched(Exception):
     """A command run by root could not run as the data directory's owner (:func:`_as_owner`):
     printed without a traceback, exit status 3, before anything in the directory is opened."""
@@ -528,8 +533,28 @@ async def _journal_and_wait(args: argparse.Namespace, runtime: Runtime, ids: lis
         # once all were folded, six files of three years of minute-level points left a user
         # 105 s without a line after the last was journaled (CLI-187).
         for delivery_id in ids:
-            await runtime.wait_folded([delivery_id])
+            await _wait_folded(runtime, delivery_id, "import")
             await _tell_outcomes(runtime, [delivery_id])
+
+
+async def _wait_folded(runtime: Runtime, delivery_id: int, command: str) -> None:
+    """Wait until ``delivery_id`` is folded; raise :class:`Unfolded` once this process cannot
+    fold it. On a full disk, or beside a store it may not write, ``import`` waited for good,
+    its folder trying again each minute or its lease renewal failing every 5 s (CLI-200,
+    CLI-201); a user who stopped it could not tell whether the file was kept."""
+    from actors.runtime import NotFolded
+
+    try:
+        await runtime.wait_folded([delivery_id], give_up=True)
+    except NotFolded as exc:
+        again = (
+            ": do not import it again, which would journal it twice" if command == "import" else ""
+        )
+        raise Unfolded(
+            f"{command}: delivery {exc.delivery_id} is journaled but could not be folded:"
+            f" {exc.why}; it stays journaled and folds at the next pass of serve or of another"
+            f" {command} once that is mended (on a full disk, once there is room){again}"
+        ) from None
 
 
 def _stopped_after(names: list[str], ids: list[int]) -> str:
@@ -584,7 +609,7 @@ async def _seal(args: argparse.Namespace, data: DataDir, config: ServeConfig, se
         )
         if not args.no_wait:
             await _say_who_folds(runtime, "seal")
-            await runtime.wait_folded([receipt.delivery_id])
+            await _wait_folded(runtime, receipt.delivery_id, "seal")
             await _tell_outcomes(runtime, [receipt.delivery_id])
         if scope and not await runtime.read_store(
             functools.partial(_holds_any, metric=seal.metric, layer=seal.layer)
@@ -1802,7 +1827,8 @@ def _user_error(exc: BaseException) -> Exception | None:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     if isinstance(
-        exc, CliError | StorageError | RebuildError | OSError | ObjectCorrupt | OutputFailed
+        exc,
+        CliError | StorageError | RebuildError | OSError | ObjectCorrupt | OutputFailed | Unfolded,
     ):
         return exc
     return None

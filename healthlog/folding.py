@@ -40,6 +40,8 @@ class FoldReport:
     delivery_id: int
     outcome_class: OutcomeClass
     status: str | None = None
+    # The outcome's reason when DONE; when UNWRITTEN, why nothing could be written (SQLite's
+    # error and the file, no value), for whoever waits for the delivery (CLI-200).
     reason: str | None = None
     out_of_order: bool = False
     # For each object the fold changed whose hour had ended when the delivery was received:

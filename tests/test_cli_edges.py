@@ -34,6 +34,7 @@ import pytest
 from _bodies import ONE_MOMENT_RECORDS, fold_as_before_merge_35
 from _cli_bodies import body, metric, point, write
 from _disk import (
+    DISK_ERROR,
     KILLED_HOLDER,
     files_limited_to,
     in_full_file_system,
@@ -2348,6 +2349,76 @@ def test_status_on_a_full_disk_says_the_pending_deliveries_wait_for_room_cli_109
     lag = json.loads((tmp_path / "json").read_text())["lag"]
     assert lag["oldest_pending_id"] == 2
     assert lag["stopped_because"] == "empty"
+
+
+UNFOLDED = (
+    r"healthlog: import: delivery (\d+) is journaled but could not be folded: {why}; it stays"
+    r" journaled and folds at the next pass of serve or of another import once that is mended"
+    r" \(on a full disk, once there is room\): do not import it again, which would journal it"
+    r" twice"
+)
+
+
+def test_an_import_whose_fold_the_disk_cannot_hold_ends_cli_200(tmp_path: Path) -> None:
+    """CLI-200: `import` of a file the journal has room for but whose fold the store has not (a
+    1 MiB file system) exits 3 once its fold could not be written, with one line naming the
+    delivery, SQLite's error and the file, and that it stays journaled; no traceback. Once the
+    file system has room, the next import folds it too. (Before, it waited for good: a
+    WARNING each minute, as its folder tried again, and no exit.)"""
+    payload = tmp_path / "minutes.json"
+    write_minute_body(payload, metrics=3, points=8 * 1440)
+    later = write(
+        tmp_path / "later.json",
+        body(metric("later", "count", point("2024-03-01 00:00:00 +0000", qty=1))),
+    )
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        'timeout 60 "$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$2"\n'
+        'echo "import exit $?" >&2\n'
+        'mount -o remount,size=32m "$1" || exit 96\n'
+        '"$PY" -m healthlog.cli import --aggregation minutes --data "$1/data" "$3" 2> /dev/null\n'
+        'echo "again exit $?" >&2\n'
+        '"$PY" -m healthlog.cli status --json --data "$1/data" > "$4/room"\n'
+    )
+    stderr = in_full_file_system(script, point_dir, payload, later, tmp_path)
+    assert "Traceback" not in stderr
+    why = rf"StorageError: {DISK_ERROR} \(store\.sqlite\)"
+    assert re.search(rf"^{UNFOLDED.format(why=why)}\nimport exit 3$", stderr, re.MULTILINE), stderr
+    assert "again exit 0" in stderr, stderr
+    room = json.loads((tmp_path / "room").read_text())["deliveries"]
+    assert (room["pending"], room["parsed"]) == (0, 2)
+
+
+def test_an_import_that_cannot_take_the_fold_lease_ends_cli_201(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-201: `import` beside a `store.sqlite` it cannot write (a file the kernel keeps
+    read-only, as after disk errors on it) journals the file, then exits 3 with one line
+    saying that the fold lease cannot be written, with SQLite's error and the file, and that
+    the delivery stays journaled; once the store can be written, the next import folds it too.
+    (Before, it waited for good, a WARNING every 5 s as its lease renewal failed.)"""
+    data = tmp_path / "data"
+    first = write(tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    later = write(
+        tmp_path / "later.json",
+        body(metric("later", "count", point("2024-03-01 00:00:00 +0000", qty=1))),
+    )
+    args = ("import", "--aggregation", "minutes", "--data", data)
+    assert run_cli(*args, first).code == 0
+    with unwritable(data / "store.sqlite"):
+        refused = run_cli(*args, later)
+    assert refused.code == 3, refused.err
+    assert "Traceback" not in refused.err
+    why = (
+        r"the fold lease cannot be written: StorageError: SQLITE_READONLY: attempt to write a"
+        r" readonly database \(store\.sqlite\)"
+    )
+    assert re.search(rf"^{UNFOLDED.format(why=why)}$", refused.err, re.MULTILINE), refused.err
+    assert "later.json as delivery 2 (" in refused.err
+    assert run_cli(*args, later).code == 0
+    status = json.loads(run_cli("status", "--json", "--data", data).out)["deliveries"]
+    assert (status["pending"], status["parsed"]) == (0, 3)
 
 
 def test_status_on_read_only_media_without_the_signing_key_cli_106(tmp_path: Path) -> None:

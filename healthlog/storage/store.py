@@ -593,7 +593,7 @@ class Store(_objects.ObjectDatabase):
             return self.fail(meta, epoch, BODY_CORRUPT, live=guard)
         except StorageError as exc:
             log.warning("delivery %d: body not readable: %s", meta.id, describe(exc))
-            return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
+            return FoldReport(meta.id, OutcomeClass.UNWRITTEN, reason=describe(exc))
         except Exception as exc:
             # No memory to inflate a large body, say: failed like a fold that breaks, or the
             # queue would stop at it for good.
@@ -611,7 +611,7 @@ class Store(_objects.ObjectDatabase):
             return self.fail(meta, epoch, OVER_BUDGET, live=guard)
         except StorageError as exc:
             log.warning("delivery %d: fold not written: %s", meta.id, describe(exc))
-            return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
+            return FoldReport(meta.id, OutcomeClass.UNWRITTEN, reason=describe(exc))
         except Exception as exc:
             log.error("delivery %d: fold failed: %s", meta.id, type(exc).__name__)
             return self.fail(meta, epoch, f"internal error: {type(exc).__name__}", live=guard)
@@ -744,7 +744,7 @@ class Store(_objects.ObjectDatabase):
             return FoldReport(meta.id, OutcomeClass.FENCED)
         except StorageError as exc:
             log.warning("delivery %d: outcome not written: %s", meta.id, describe(exc))
-            return FoldReport(meta.id, OutcomeClass.UNWRITTEN)
+            return FoldReport(meta.id, OutcomeClass.UNWRITTEN, reason=describe(exc))
         _log_folded(meta.id, outcome, live=live)
         return FoldReport(meta.id, OutcomeClass.DONE, FAILED, reason)
 
