@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import attrs
 import trio
@@ -23,7 +24,7 @@ import trio
 from actors import threads
 from healthlog import faults
 from healthlog.clock import now_us
-from healthlog.storage._sqlite import Deferred, StorageError, describe
+from healthlog.storage._sqlite import Deferred, StorageError, describe, mounted_read_only
 from healthlog.storage.store import Store
 
 log = logging.getLogger("healthlog.lease")
@@ -126,9 +127,15 @@ class LeaseActor:
             # SQLite's reason names no value; with the file, it tells an operator what to fix
             # (a store the service's user cannot write, a full disk).
             where = os.path.basename(self._store.path)
+            # A file system the kernel took read-only after disk errors is said, or the line
+            # read as a file of the wrong owner (CLI-202).
+            read_only = mounted_read_only(Path(self._store.path).parent)
+            cause = "" if read_only is None else f": {read_only}"
             # No thread to renew in is said once for the process, not at every renewal (RUN-71).
             level = logging.DEBUG if isinstance(exc, threads.NoThread) else logging.WARNING
-            log.log(level, "lease renewal failed: %s: %s (%s)", type(exc).__name__, exc, where)
+            log.log(
+                level, "lease renewal failed: %s: %s (%s)%s", type(exc).__name__, exc, where, cause
+            )
             if self._epoch is not None and trio.current_time() >= self._valid_until:
                 await self._publish(None)
             if self._epoch is None and not isinstance(exc, threads.NoThread):

@@ -135,6 +135,46 @@ def on_remounted_read_only(tmp_path: Path, payload: Path, command: str, after: s
 
 
 @contextlib.contextmanager
+def ext4_after_errors(tmp_path: Path) -> Iterator[tuple[Path, Callable[[], None]]]:
+    """A real ext4 file system mounted with ``errors=remount-ro`` from a loop device (as a NAS
+    mounts its volume), and a ``fail()`` that raises an error in it through the kernel's own
+    ``trigger_fs_error``, after which the kernel takes it read-only, as after a disk error:
+    Linux 6.15 on marks it ``emergency_ro`` in its mount options and no longer sets the
+    read-only flag that ``statvfs`` reports. Skipped where this process may not make one
+    (loop devices are root's)."""
+    tools = [shutil.which(name) for name in ("losetup", "mkfs.ext4", "mount", "umount")]
+    if os.geteuid() != 0 or None in tools:
+        pytest.skip("a loop-mounted ext4 needs root, losetup and mkfs.ext4")
+    image, point = tmp_path / "ext4.img", tmp_path / "ext4"
+    point.mkdir()
+    with image.open("wb") as file:
+        file.truncate(32 * 2**20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True)
+    attached = subprocess.run(
+        ["losetup", "--find", "--show", image], capture_output=True, text=True, check=False
+    )
+    if attached.returncode != 0:
+        pytest.skip(f"no loop device here: {attached.stderr.strip()}")
+    device = attached.stdout.strip()
+    try:
+        subprocess.run(["mount", "-o", "errors=remount-ro", device, point], check=True)
+        trigger = Path("/sys/fs/ext4") / Path(device).name / "trigger_fs_error"
+        if not trigger.exists():
+            subprocess.run(["umount", point], check=True)
+            pytest.skip("this kernel's ext4 has no trigger_fs_error")
+
+        def fail() -> None:
+            trigger.write_text("healthlog test\n")
+
+        try:
+            yield point, fail
+        finally:
+            subprocess.run(["umount", point], check=True)
+    finally:
+        subprocess.run(["losetup", "-d", device], check=True)
+
+
+@contextlib.contextmanager
 def reachable_home(prefix: str) -> Iterator[Path]:
     """A temporary directory that another user may enter (mode 0755): pytest's ``tmp_path``
     lies in a directory of mode 0700, which another user could not reach."""

@@ -36,6 +36,7 @@ from _cli_bodies import body, metric, point, write
 from _disk import (
     DISK_ERROR,
     KILLED_HOLDER,
+    ext4_after_errors,
     files_limited_to,
     in_full_file_system,
     on_remounted_read_only,
@@ -2419,6 +2420,54 @@ def test_an_import_that_cannot_take_the_fold_lease_ends_cli_201(
     assert run_cli(*args, later).code == 0
     status = json.loads(run_cli("status", "--json", "--data", data).out)["deliveries"]
     assert (status["pending"], status["parsed"]) == (0, 3)
+
+
+def test_an_ext4_the_kernel_took_read_only_is_said_so_cli_202(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-202: on a real ext4 volume mounted `errors=remount-ro` that the kernel took
+    read-only after an error (which Linux 6.15 on marks `emergency_ro`, not in the read-only
+    flag `statvfs` gives), `import` and `reindex` exit 3 with a line saying the file system is
+    mounted read-only and to see `dmesg`, as on a volume remounted read-only; a `serve` started
+    on it (which waits for a store it cannot write, RUN-38) says so in each failed lease
+    renewal; `status` still reads it (exit 0). (Before, on such a kernel: `healthlog: database
+    error: attempt to write a readonly database (journal.sqlite)`, and from `serve` the same of
+    store.sqlite every 5 s, naming no cause, which reads as a file of the wrong owner.)"""
+    payload = write(tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    with ext4_after_errors(tmp_path) as (volume, fail):
+        data = volume / "data"
+        args = ("import", "--aggregation", "minutes", "--data", data, payload)
+        assert run_cli(*args).code == 0
+        # Its signing key made, as `serve` makes it, and its databases held by a process
+        # killed, as a service killed (or running) holds them.
+        assert run_cli("status", "--data", data).code == 0
+        assert run_cli("token", "add", "phone", "--data", data).code == 0
+        holder = KILLED_HOLDER.replace("'store.sqlite'", "'store.sqlite', 'tokens.sqlite'")
+        subprocess.run([sys.executable, "-c", holder, data], check=False)
+        fail()
+        imported, reindexed = run_cli(*args), run_cli("reindex", "--data", data)
+        status = run_cli("status", "--data", data)
+        with subprocess.Popen(
+            healthlog("serve", "--port", "0", "--data", data), stderr=subprocess.PIPE
+        ) as serve:
+            lines, _ = signalled_after(
+                serve, signal.SIGTERM, lambda said: "lease renewal failed" in said[-1]
+            )
+    said = (
+        rf"the file system of {re.escape(str(data))} is mounted read-only \(as the kernel"
+        r" remounts one after disk errors: see `dmesg`\)"
+    )
+    assert re.search(
+        r'msg="lease renewal failed: StorageError: database error: attempt to write a readonly'
+        rf' database \(store\.sqlite\): {said}"$',
+        lines[-1],
+    ), lines
+    for run in (imported, reindexed):
+        assert run.code == 3, run.err
+        assert "Traceback" not in run.err
+        assert re.search(rf"^healthlog: .*{said}", run.err, re.MULTILINE), run.err
+    assert status.code == 0, status.err
+    assert b"parsed 1" in status.out
 
 
 def test_status_on_read_only_media_without_the_signing_key_cli_106(tmp_path: Path) -> None:

@@ -660,12 +660,44 @@ def mounted_read_only(directory: Path) -> str | None:
         read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
     except OSError:
         return None
-    if not read_only:
+    if not read_only and not _taken_read_only(directory):
         return None
     return (
         f"the file system of {directory} is mounted read-only (as the kernel remounts one after"
         " disk errors: see `dmesg`)"
     )
+
+
+MOUNTS = Path("/proc/self/mountinfo")
+"""This process's mounts, with each file system's own options (Linux)."""
+
+
+def _taken_read_only(directory: Path) -> bool:
+    """Whether the file system of ``directory`` is one the kernel took read-only after an error
+    without the read-only flag ``statvfs`` reports: ext4 from Linux 6.15 on marks it
+    ``emergency_ro`` among its options and refuses every write with ``EROFS``, while it still
+    shows ``rw``. Every command then named only SQLite's error (``unable to open database
+    file``, ``attempt to write a readonly database``), which reads as a file of the wrong owner
+    (CLI-202). False when the mounts cannot be read."""
+    try:
+        device = os.stat(directory).st_dev
+        lines = MOUNTS.read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        fields = line.split()
+        # ID PARENT MAJOR:MINOR ROOT POINT OPTIONS [TAGS...] - TYPE SOURCE SUPER_OPTIONS
+        if "-" not in fields[6:] or len(fields) < 10:
+            continue
+        major, _, minor = fields[2].partition(":")
+        if not (major.isdigit() and minor.isdigit()):
+            continue
+        if os.makedev(int(major), int(minor)) != device:
+            continue
+        options = fields[fields.index("-", 6) + 3].split(",")
+        if "emergency_ro" in options:
+            return True
+    return False
 
 
 def not_permitted(path: str | os.PathLike[str]) -> str:
