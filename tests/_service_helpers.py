@@ -159,16 +159,18 @@ async def post_stream(
     return await client.send(request)
 
 
-def write_minute_body(path: Path, *, metrics: int, points: int) -> None:
+def write_minute_body(path: Path, *, metrics: int, points: int, first_day: int = 0) -> None:
     """A ``{"data": {"metrics": [...]}}`` body of ``metrics`` metrics, each with ``points``
-    minute points from 2024-03-01 00:00 UTC, written piece by piece."""
+    minute points from 2024-03-01 00:00 UTC (``first_day`` days later), written piece by
+    piece."""
     with path.open("wb") as out:
         out.write(b'{"data":{"metrics":[')
         for m in range(metrics):
             if m:
                 out.write(b",")
             out.write(b'{"name":"metric_%02d","units":"count/min","data":[' % m)
-            out.write(b",".join(_minute_point(m, minute) for minute in range(points)))
+            first = first_day * 24 * 60
+            out.write(b",".join(_minute_point(m, first + n) for n in range(points)))
             out.write(b"]}")
         out.write(b"]}}")
 

@@ -49,6 +49,7 @@ from _disk import (
 )
 from _hostile_corpus import corpus
 from _runtime_helpers import alive, children_of, config
+from _service_helpers import write_minute_body
 from _summaries import summaries
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -1552,6 +1553,70 @@ def test_a_rebuild_the_disk_cannot_hold_says_so_store_64(tmp_path: Path, room: i
             rf"^{command} exit 3\n(time=.*\n)*{said}\nscratch 0\n", stderr, re.MULTILINE
         ), stderr
         assert f"{command} afterwards exit 0\n" in stderr, stderr
+
+
+def test_a_partitioned_rebuild_the_disk_cannot_hold_rebuilds_in_one_process_store_130(
+    tmp_path: Path,
+) -> None:
+    """STORE-130: a journal whose bodies reach ``PARALLEL_MIN_BYTES`` (ten days of minute
+    points of six metrics, ten deliveries) is rebuilt in partitions, whose scratch files hold
+    their objects uncompressed: 18.5 MB beside a store of 2.5 MB, where one process needs 3 MB.
+    On a real file system (a tmpfs) left with three times the store's size free, `healthlog
+    reindex` that runs out of room in partitions rebuilds in one process, with one WARNING
+    saying so, and exits 0 with every point kept; left with three quarters of it, it exits 3
+    with the line saying that the disk is full and how much a rebuild needs, leaves no scratch
+    directory and changes nothing. (Before, with three times the store free: exit 3,
+    `healthlog: partitioned rebuild failed: database error: database or disk is full`; with
+    three quarters: the same, or that line naming a partition's scratch file gone by then:
+    never how much room a rebuild needs.)"""
+    files = []
+    for day in range(10):
+        files.append(tmp_path / f"day-{day}.json")
+        write_minute_body(files[-1], metrics=6, points=1440, first_day=day)
+    assert sum(f.stat().st_size for f in files) >= rebuild.PARALLEL_MIN_BYTES
+    point_dir = tmp_path / "mnt"
+    point_dir.mkdir()
+    script = (
+        'mount -o remount,size=16m "$1" || exit 97\n'
+        'cd "$1" || exit 98\n'
+        'out="$2"\n'
+        "shift 2\n"
+        '"$PY" -m healthlog.cli import --aggregation minutes --data data "$@" 2> /dev/null'
+        " || exit 98\n"
+        '"$PY" -m healthlog.cli export --data data > "$out/before" || exit 96\n'
+        "store=$(stat -c %s data/store.sqlite)\n"
+        "for share in 3 3/4; do\n"
+        "  free=$(df -B1 --output=avail . | tail -1)\n"
+        "  head -c $((free - store * $share)) /dev/zero > fill\n"
+        '  "$PY" -m healthlog.cli reindex --data data 2> "$out/err"\n'
+        '  echo "reindex $share exit $?" >&2\n'
+        '  grep -v ": [0-9]*/[0-9]*$" "$out/err" >&2\n'
+        "  echo \"scratch $(ls -a data | grep -c '^\\.rebuild-')\" >&2\n"
+        "  rm fill\n"
+        '  "$PY" -m healthlog.cli export --data data | cmp -s - "$out/before"'
+        " && echo unchanged >&2\n"
+        "done\n"
+    )
+    stderr = in_full_file_system(script, point_dir, tmp_path, *files)
+    fallback = (
+        r"time=\S+ level=WARNING logger=healthlog\.rebuild msg=\"rebuilding in \d+ partitions"
+        r" ran out of room \(StorageError: SQLITE_FULL: database or disk is full"
+        r" \(part-\d+\.sqlite\)\): rebuilding in one process, which needs less room\""
+    )
+    assert re.search(
+        rf"^reindex 3 exit 0\n{fallback}\nreindex: done, 0 objects changed\nscratch 0\n"
+        r"unchanged\n",
+        stderr,
+        re.MULTILINE,
+    ), stderr
+    said = (
+        r"healthlog: the disk is full \([0-9,]+ bytes free in \S+/data\): a rebuild writes a"
+        r" second store beside store\.sqlite \([0-9,]+ bytes\) until it is done; free at least"
+        r" that much and run it again \(nothing was changed\)"
+    )
+    assert re.search(
+        rf"^reindex 3/4 exit 3\n(time=.*\n)*{said}\nscratch 0\nunchanged\n$", stderr, re.MULTILINE
+    ), stderr
 
 
 def test_a_verify_on_a_read_only_file_system_says_so_store_76(tmp_path: Path) -> None:

@@ -582,6 +582,12 @@ def _disk_error(error: StorageError) -> bool:
     return error.code is not None and error.code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL)
 
 
+def disk_error(error: StorageError) -> bool:
+    """Whether SQLite failed for a disk error (SQLITE_IOERR, SQLITE_FULL): a full disk, or a
+    failing one."""
+    return _disk_error(error)
+
+
 def opening_failed(error: StorageError, path: str | os.PathLike[str]) -> StorageError:
     """``error``, met reading the schema of the database at ``path`` as it is opened: a disk
     error (a new file on a disk too full for its ``-shm``, which its first read sizes) named

@@ -29,9 +29,12 @@ from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
 from healthlog.storage import _partition
 from healthlog.storage._sqlite import (
+    COMPANIONS,
     Deferred,
     StorageError,
     connect,
+    describe,
+    disk_error,
     free_when_full,
     give_to_directory_owner,
     is_damage,
@@ -204,6 +207,43 @@ def rebuild_into(
         cores = _partition.available_cores()
         enough = cores > 1 and queue.bytes >= PARALLEL_MIN_BYTES
         workers = min(MAX_WORKERS, cores + 1) if enough else 1
+    try:
+        _fold_into(journal, path, queue, progress, workers, reference, given_up)
+    except _PartitionsOutOfRoom as exc:
+        # The partitions' scratch files hold their objects uncompressed (18.5 MB beside a
+        # store of 2.5 MB of minute points, where one process needs 3 MB): on a disk with
+        # room for one process's, the rebuild failed for want of room, and never said how
+        # much it needs (STORE-130). Their files are gone by now.
+        log.warning(
+            "rebuilding in %d partitions ran out of room (%s): rebuilding in one process,"
+            " which needs less room",
+            workers,
+            describe(exc.error),
+        )
+        for name in (path.name, *(path.name + suffix for suffix in COMPANIONS)):
+            (path.parent / name).unlink(missing_ok=True)
+        queue = _partition.Queue(journal, only=only, page=PAGE)
+        _fold_into(journal, path, queue, progress, 1, reference, given_up)
+
+
+class _PartitionsOutOfRoom(Exception):
+    """A rebuild in partitions that met a disk error (a full disk, most likely)."""
+
+    def __init__(self, error: StorageError) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def _fold_into(
+    journal: Journal,
+    path: Path,
+    queue: _partition.Queue,
+    progress: Progress | None,
+    workers: int,
+    reference: Path | None,
+    given_up: Mapping[int, str],
+) -> None:
+    """:func:`rebuild_into` with ``workers`` processes, into a new store at ``path``."""
     with Store(path, durable=False) as target:
         epoch = target.acquire_lease("rebuild", now=clock.now_us(), ttl=LEASE_TTL_US, force=True)
         assert epoch is not None
@@ -240,6 +280,8 @@ def rebuild_into(
             except _partition.PartitionFailed as exc:
                 log.warning("partitioned rebuild broke (%s); rebuilding in one process", exc)
             except (StorageError, BrokenProcessPool) as exc:
+                if isinstance(exc, StorageError) and disk_error(exc):
+                    raise _PartitionsOutOfRoom(exc) from exc
                 raise RebuildUnwritten(f"partitioned rebuild failed: {exc}") from exc
         for done, meta in enumerate(queue, start=1):
             fold(meta)
