@@ -547,13 +547,13 @@ async def _wait_folded(runtime: Runtime, delivery_id: int, command: str) -> None
     try:
         await runtime.wait_folded([delivery_id], give_up=True)
     except NotFolded as exc:
-        again = (
-            ": do not import it again, which would journal it twice" if command == "import" else ""
-        )
+        importing = command == "import"
+        again = ": do not import it again, which would journal it twice" if importing else ""
         raise Unfolded(
             f"{command}: delivery {exc.delivery_id} is journaled but could not be folded:"
             f" {exc.why}; it stays journaled and folds at the next pass of serve or of another"
-            f" {command} once that is mended (on a full disk, once there is room){again}"
+            f" {'import' if importing else 'import or seal'} once that is mended (on a full"
+            f" disk, once there is room){again}"
         ) from None
 
 

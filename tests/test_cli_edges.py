@@ -2422,6 +2422,35 @@ def test_an_import_that_cannot_take_the_fold_lease_ends_cli_201(
     assert (status["pending"], status["parsed"]) == (0, 3)
 
 
+def test_a_seal_that_cannot_take_the_fold_lease_ends_cli_203(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """CLI-203: `seal` beside a `store.sqlite` it cannot write journals the seal, then exits 3
+    with one line saying that the fold lease cannot be written and that the seal stays
+    journaled; once the store can be written, the next `seal` folds both. (Before, it waited
+    for good, as `import` did: CLI-201.)"""
+    data = tmp_path / "data"
+    hr = write(tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    seal = ("seal", "--before", "2024-02-07T00:00:00Z", "--data", data)
+    with unwritable(data / "store.sqlite"):
+        refused = run_cli(*seal)
+    assert refused.code == 3, refused.err
+    assert "Traceback" not in refused.err
+    assert re.search(
+        r"^healthlog: seal: delivery 2 is journaled but could not be folded: the fold lease"
+        r" cannot be written: StorageError: SQLITE_READONLY: attempt to write a readonly"
+        r" database \(store\.sqlite\); it stays journaled and folds at the next pass of serve"
+        r" or of another import or seal once that is mended \(on a full disk, once there is"
+        r" room\)$",
+        refused.err,
+        re.MULTILINE,
+    ), refused.err
+    assert run_cli(*seal).code == 0
+    status = json.loads(run_cli("status", "--json", "--data", data).out)["deliveries"]
+    assert (status["pending"], status["parsed"]) == (0, 3)
+
+
 def test_an_ext4_the_kernel_took_read_only_is_said_so_cli_202(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
