@@ -1576,10 +1576,16 @@ def _as_owner(path: Path) -> Owner | None:
     try:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
     except OSError as exc:
+        # A .venv made from root's pyenv Python lies where every user may read but links to
+        # /root: the link's end is what to look at, and the system's Python what to make it of.
+        leads_to = os.path.realpath(sys.executable)
+        link = "" if leads_to == sys.executable else f", a link to {leads_to}"
         raise NotSwitched(
             f"{path} is {owner.name}'s, and a command run by root on it runs as that user, who"
-            f" may not run {sys.executable} ({exc.strerror}): install healthlog where that user"
-            " may run it, as the service does; nothing was opened"
+            f" may not run {sys.executable}{link} ({exc.strerror}): install healthlog where"
+            " every user may read it (the README's /opt/healthlog), its .venv made from a Python"
+            " every user may run (`/usr/bin/python3 -m venv .venv`, then install), as the"
+            " service's is; nothing was opened"
         ) from None
 
 

@@ -238,9 +238,42 @@ def test_a_root_that_may_not_switch_stops_before_opening_anything_cli_148(home: 
     assert done.returncode == 3, done.stderr
     assert done.stderr.splitlines() == [
         f"healthlog: {data} is nobody's, and a command run by root on it runs as that user, who"
-        f" may not run {python} (Permission denied): install healthlog where that user may run"
-        " it, as the service does; nothing was opened"
+        f" may not run {python} (Permission denied): install healthlog where every user may"
+        " read it (the README's /opt/healthlog), its .venv made from a Python every user may run"
+        " (`/usr/bin/python3 -m venv .venv`, then install), as the service's is; nothing was"
+        " opened"
     ], done.stderr
+    assert owners(data) == before
+
+
+def test_a_venv_linking_to_a_python_under_root_says_how_to_make_it_cli_235(home: Path) -> None:
+    """CLI-235: the README's install followed on a machine whose root `python3` is pyenv's
+    under /root makes /opt/healthlog's `.venv` link to that interpreter; `status` run by root on
+    the service's data directory then exits 3 naming the `.venv`'s Python, where its link leads,
+    and the `/usr/bin/python3 -m venv` that makes one the service's user may run. (Before, the
+    line named the `.venv`'s Python alone and said to "install healthlog where that user may run
+    it", though healthlog lay in /opt, where every user may read.)"""
+    data = service_directory(home)
+    private = home / "root-only"
+    private.mkdir(mode=0o700)
+    interpreter = private / "python3"
+    reachable = home / "opt"
+    reachable.mkdir()
+    python = Path(python_in(reachable))
+    shutil.copy2(python.resolve(), interpreter)
+    python.unlink()
+    python.symlink_to(interpreter)
+    before = owners(data)
+    done = run([os.fspath(python), "-m", "healthlog.cli", "status", "--data", data], home)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.splitlines() == [
+        f"healthlog: {data} is nobody's, and a command run by root on it runs as that user, who"
+        f" may not run {python}, a link to {interpreter} (Permission denied): install healthlog"
+        " where every user may read it (the README's /opt/healthlog), its .venv made from a"
+        " Python every user may run (`/usr/bin/python3 -m venv .venv`, then install), as the"
+        " service's is; nothing was opened"
+    ], done.stderr
+    assert done.stdout == ""
     assert owners(data) == before
 
 
