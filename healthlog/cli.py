@@ -722,6 +722,14 @@ def _say_why_not_listening(exc: BaseException, owner: Owner) -> None:
         )
 
 
+def _installed_command() -> str:
+    """The `healthlog` command beside this Python, by its path: it is installed in a `.venv`,
+    on no one's `PATH`, so a bare `healthlog` given to a new owner to copy is `command not
+    found`."""
+    beside = Path(sys.executable).parent / "healthlog"
+    return shlex.quote(os.fspath(beside)) if beside.is_file() else "healthlog"
+
+
 async def _serve(data: DataDir, config: ServeConfig) -> None:
     import trio
 
@@ -733,8 +741,9 @@ async def _serve(data: DataDir, config: ServeConfig) -> None:
         with data.open_tokens() as tokens:
             if not tokens.list():
                 _announce(
-                    f"no client token yet: create one with `healthlog token add NAME --data"
-                    f" {data.path}` and send it as `Authorization: Bearer TOKEN`"
+                    f"no client token yet: create one with `{_installed_command()} token add NAME"
+                    f" --data {shlex.quote(os.fspath(data.path))}` and send it as"
+                    " `Authorization: Bearer TOKEN`"
                 )
             reserved = len(tokens.reserved())
         if reserved:

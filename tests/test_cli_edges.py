@@ -3891,3 +3891,40 @@ def test_import_says_each_outcome_once_it_is_folded_cli_187(tmp_path: Path) -> N
     assert "delivery 2:" not in "\n".join(said) + err
     with DataDir(data).open_store() as store:
         assert store.outcome(2) is None
+
+
+def test_the_first_start_names_a_token_command_that_runs_cli_236(tmp_path: Path) -> None:
+    """CLI-236: `serve` begun on a new data directory prints `no client token yet: create one
+    with `COMMAND``, and COMMAND, run as printed from a shell whose `PATH` is the system's (the
+    `.venv` is on no one's `PATH`), makes a token (exit 0, `hl_...` on stdout). (Before, it
+    printed `healthlog token add NAME --data DIR`, which such a shell answers `command not
+    found`, exit 127: measured after `scripts/serve`, as the README's first steps go.)"""
+    data = tmp_path / "var"
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    with subprocess.Popen(
+        healthlog("serve", "--port", "0", "--data", data),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as served:
+        try:
+            assert served.stdout is not None
+            assert served.stdout.readline().startswith(b"healthlog serving on ")
+            hint = served.stdout.readline().decode()
+        finally:
+            served.send_signal(signal.SIGTERM)
+            _, err = served.communicate(timeout=LIMIT_S)
+    assert served.returncode == 0, err
+    found = re.fullmatch(r"no client token yet: create one with `([^`]+)` and send .*\n", hint)
+    assert found, hint
+    command = found.group(1).replace("NAME", "phone")
+    made = subprocess.run(
+        ["sh", "-c", command],
+        capture_output=True,
+        text=True,
+        env={**env, "PATH": "/usr/local/bin:/usr/bin:/bin"},
+        cwd=tmp_path,
+        check=False,
+    )
+    assert made.returncode == 0, (command, made.returncode, made.stderr)
+    assert made.stdout.startswith("hl_"), made.stdout
