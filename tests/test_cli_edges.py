@@ -3928,3 +3928,42 @@ def test_the_first_start_names_a_token_command_that_runs_cli_236(tmp_path: Path)
     )
     assert made.returncode == 0, (command, made.returncode, made.stderr)
     assert made.stdout.startswith("hl_"), made.stdout
+
+
+def test_scripts_serve_starts_an_installed_clone_offline_cli_237(tmp_path: Path) -> None:
+    """CLI-237: `scripts/serve` in a clone whose `.venv` has healthlog installed since its
+    `pyproject.toml` last changed serves with no package index reachable (a NAS offline, PyPI
+    down): it prints where it serves and stops cleanly at SIGTERM. (Before, it ran `pip install
+    --upgrade pip` and `pip install -e .` at every start, whose build needs setuptools from an
+    index: offline it exited 1 in 2.6 s and served nothing.)"""
+    sources = Path(__file__).resolve().parent.parent
+    clone = tmp_path / "clone"
+    (clone / "scripts").mkdir(parents=True)
+    shutil.copy2(sources / "scripts" / "serve", clone / "scripts" / "serve")
+    shutil.copy2(sources / "pyproject.toml", clone / "pyproject.toml")
+    installed = Path(sys.executable).parent / "healthlog"
+    before = installed.stat().st_mtime - 60
+    os.utime(clone / "pyproject.toml", (before, before))
+    (clone / ".venv").symlink_to(Path(sys.executable).parent.parent)
+    offline = {
+        **{k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "HEALTHLOG_"))},
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_RETRIES": "0",
+        "PIP_TIMEOUT": "2",
+    }
+    with subprocess.Popen(
+        [clone / "scripts" / "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=offline,
+    ) as served:
+        try:
+            assert served.stdout is not None
+            line = served.stdout.readline().decode()
+        finally:
+            served.send_signal(signal.SIGTERM)
+            _, err = served.communicate(timeout=LIMIT_S)
+    assert line.startswith("healthlog serving on http://127.0.0.1:"), (line, err)
+    assert f"(data in {clone / 'var'})" in line
+    assert served.returncode == 0, err
