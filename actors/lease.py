@@ -25,9 +25,16 @@ from actors import threads
 from healthlog import faults
 from healthlog.clock import now_us
 from healthlog.storage._sqlite import Deferred, StorageError, describe, mounted_read_only
-from healthlog.storage.store import Store
+from healthlog.storage.store import Store, serve_of
 
 log = logging.getLogger("healthlog.lease")
+
+# How many renewal periods (and at least a lease term) another serve holds the lease, unbroken,
+# before a serve says at WARNING that it runs beside it: 30 s by default, past a restart's
+# overlap (the old one stopping releases the lease within graceful_timeout_s, 20 s) and past a
+# killed one's lease, which runs out within a term unrenewed (the INFO line of _held_elsewhere
+# says that case).
+BESIDE_RENEWALS = 6
 
 
 @attrs.frozen
@@ -69,6 +76,11 @@ class LeaseActor:
         self._busy_since: float | None = None
         # The other holder last said to hold the lease (_held_elsewhere).
         self._told_holder: str | None = None
+        # The other serve holding the lease while this serve runs, and since when it has been
+        # seen holding it, unbroken (_beside_serve); whether that was said at WARNING.
+        self._beside: str | None = None
+        self._beside_since = 0.0
+        self._beside_told = False
         # How long after this renewal the next one comes: sooner while another holder's lease
         # expires before then (_held_elsewhere).
         self._next_try_s = renew_s
@@ -147,6 +159,8 @@ class LeaseActor:
             self._valid_until = trio.current_time() + self._ttl_us / 1e6 - self._renew_s
         elif self._epoch is None:
             await self._held_elsewhere()
+        if epoch is not None:
+            self._beside = None
         await self._publish(epoch)
 
     async def _held_elsewhere(self) -> None:
@@ -162,6 +176,7 @@ class LeaseActor:
             return
         left_s = max(0.0, (lease.expires_at - self._clock()) / 1e6)
         self._next_try_s = min(self._renew_s, left_s)
+        self._beside_serve(lease.holder)
         if lease.holder is None or lease.holder == self._told_holder:
             return
         self._told_holder = lease.holder
@@ -171,6 +186,39 @@ class LeaseActor:
             " killer or a power cut, does not release it)",
             lease.holder,
             left_s,
+        )
+
+    def _beside_serve(self, holder: str | None) -> None:
+        """Say once at WARNING when another ``serve`` has held the lease for longer than
+        ``BESIDE_RENEWALS`` renewal periods and a lease term while this one, a ``serve`` too,
+        runs: two services on one data directory (a second unit, a container beside a host
+        install) both answer 200 and journal, but only the holder folds, the other's
+        deliveries at its next pass, a minute later, and the other's ``/readyz`` stays 503.
+        The INFO line of ``_held_elsewhere`` was all that said so (RUN-140). An ``import`` or
+        ``seal`` (or a reindex) holds the lease for its own fold and lets go: it is not said,
+        nor is anything when this actor is theirs."""
+        other = serve_of(holder)
+        if serve_of(self._holder) is None or other is None:
+            self._beside = None
+            return
+        now = trio.current_time()
+        if holder != self._beside:
+            self._beside, self._beside_since, self._beside_told = holder, now, False
+        held_s = now - self._beside_since
+        patience_s = max(BESIDE_RENEWALS * self._renew_s, self._ttl_us / 1e6)
+        if self._beside_told or held_s <= patience_s:
+            return
+        self._beside_told = True
+        host, pid = other
+        log.warning(
+            "another healthlog serve (host %s, pid %s) has held the fold lease of this data"
+            " directory for %.0f s: this one journals what it is sent but folds nothing, and"
+            " its /readyz answers 503, while that one runs; run one serve per data directory"
+            " (stop this one or the other: a second systemd unit, a container beside a host"
+            " install)",
+            host,
+            pid,
+            held_s,
         )
 
     def _deferred(self) -> None:

@@ -30,7 +30,7 @@ from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
 from healthlog.storage.passes import PAGE, Budget, check_before_folding
 from healthlog.storage.rebuild import remove_stale_scratch
-from healthlog.storage.store import Store, default_holder
+from healthlog.storage.store import Store, default_holder, serve_holder
 
 T = TypeVar("T")
 
@@ -74,12 +74,16 @@ class RuntimeConfig:
     """How many pending deliveries a folding pass reads and holds at a time."""
 
 
-def configured(data_dir: Path, config: ServeConfig, *, fold: bool = True) -> RuntimeConfig:
+def configured(
+    data_dir: Path, config: ServeConfig, *, fold: bool = True, serve: bool = False
+) -> RuntimeConfig:
     """The runtime that a data directory's settings (``healthlog.toml``, ``HEALTHLOG_*``) ask
     for: the service's, and that of the commands that fold without it (``import``, ``seal``),
-    so that a fold has the same budget and the event window the same bounds whoever runs it."""
+    so that a fold has the same budget and the event window the same bounds whoever runs it.
+    The service's (``serve``) holds the fold lease under a name that says it is a service's."""
     return RuntimeConfig(
         data_dir,
+        holder=serve_holder() if serve else default_holder(),
         wake_period_s=config.wake_period_s,
         lease_ttl_s=config.lease_ttl_s,
         lease_renew_s=config.lease_renew_s,

@@ -471,6 +471,67 @@ async def test_a_lease_taken_and_given_back_between_renewals_is_said_run_97(
     ]
 
 
+@pytest.mark.parametrize(
+    ("ours", "theirs", "warned"),
+    [
+        ("serve:here:1:aa", "serve:there:4242:bb", 1),
+        ("serve:here:1:aa", "there:4242:bb", 0),
+        ("serve:here:1:aa", "reindex:there:4242:bb", 0),
+        ("here:1:aa", "serve:there:4242:bb", 0),
+    ],
+)
+async def test_a_serve_beside_another_serve_warns_once_run_142(
+    tmp_path: Path,
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    ours: str,
+    theirs: str,
+    warned: int,
+) -> None:
+    """RUN-142: a lease actor (term 15 s, renewed every 5 s) whose lease another holder keeps
+    renewing for two minutes says at WARNING once, after 30 s, naming that holder's host and
+    process, when both are a `serve`'s; never when the other is an `import` or `seal`
+    (`HOST:PID:...`) or a reindex, which fold a while and let go, nor when this actor is an
+    `import`'s or `seal`'s, which wait for the service by design."""
+    start_us = 1_000_000_000_000
+
+    def now() -> int:
+        return start_us + int(autojump_clock.current_time() * 1_000_000)
+
+    renewals = 24
+    renewed = trio.Event()
+    token = trio.lowlevel.current_trio_token()
+
+    def renew_theirs(_: str) -> None:
+        """Before each of this actor's renewals, the other holder renews its lease too."""
+        with Store(DataDir(tmp_path).store_path) as other:
+            assert other.acquire_lease(theirs, now=now(), ttl=15_000_000) == 1
+        nonlocal renewals
+        renewals -= 1
+        if renewals == 0:
+            trio.from_thread.run_sync(renewed.set, trio_token=token)
+
+    caplog.set_level(logging.INFO, "healthlog.lease")
+    with DataDir(tmp_path).open_store() as store:
+        send, _ = trio.open_memory_channel[int | None](0)
+        actor = LeaseActor(
+            store, trio.CapacityLimiter(1), ours, send, ttl_s=15, renew_s=5, clock=now
+        )
+        plan = faults.Plan(actions={"lease.renew": action(range(1, 25), renew_theirs)})
+        with faults.loaded(plan):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(actor.run)
+                await renewed.wait()
+                nursery.cancel_scope.cancel()
+    said = [r for r in logged(caplog, logging.WARNING) if "another healthlog serve" in r]
+    assert len(said) == warned
+    if warned:
+        assert said[0].startswith(
+            "another healthlog serve (host there, pid 4242) has held the fold lease of this"
+            " data directory for 35 s"
+        )
+
+
 async def test_a_failed_renewal_says_why_and_where_run_33(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -17,6 +17,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import termios
@@ -522,6 +523,78 @@ async def test_a_lease_left_by_a_dead_holder_is_taken_as_it_expires_run_79(
             taken_at = trio.current_time()
             nursery.cancel_scope.cancel()
     assert taken_at == pytest.approx(7.0, abs=0.01)
+
+
+def _gauges(url: str) -> dict[str, float]:
+    """The fold lease series of ``url``'s ``/metrics``, by name and labels."""
+    lines = httpx.get(f"{url}/metrics").text.splitlines()
+    return {
+        name: float(value)
+        for name, _, value in (line.rpartition(" ") for line in lines)
+        if name.startswith("healthlog_fold_lease_")
+    }
+
+
+def test_a_second_serve_on_one_data_directory_is_said_and_shown_run_140_run_141(
+    tmp_path: Path,
+) -> None:
+    """RUN-140, RUN-141: two `healthlog serve` on one data directory, on two ports (lease term
+    3 s, renewed every 1 s): the second says once at WARNING, after six renewal periods, that
+    another serve, named by its host and process id, holds the fold lease and what to do, and
+    the first never; `/metrics` says which one folds: `healthlog_fold_lease_held` 1 in the first
+    and 0 in the second, `healthlog_fold_lease_holder{kind="this_process"}` 1 in the first and
+    `{kind="serve"}` 1 in the second, no series naming a host. Once the first stops, the second
+    holds the lease. (Before, the second said only `fold lease held by ... folding waits` at
+    INFO, and the two `/metrics` differed in no series of the lease: both
+    `healthlog_lease_epoch 1`.)"""
+    data = tmp_path / "data"
+    env = {**environment(), "HEALTHLOG_LEASE_TTL_S": "3", "HEALTHLOG_LEASE_RENEW_S": "1"}
+    first, first_url = start_serve(data, env, tmp_path / "first.log")
+    second = None
+    try:
+        wait_ready(first_url)
+        second, second_url = start_serve(data, env, tmp_path / "second.log")
+        deadline = time.monotonic() + LIMIT_S
+        while "another healthlog serve" not in (tmp_path / "second.log").read_text():
+            assert second.poll() is None
+            assert time.monotonic() < deadline, "never said"
+            time.sleep(POLL_S)
+        kinds = ("this_process", "serve", "reindex", "command", "none")
+        assert _gauges(first_url) == {
+            "healthlog_fold_lease_held": 1.0,
+            **{f'healthlog_fold_lease_holder{{kind="{kind}"}}': 0.0 for kind in kinds},
+            'healthlog_fold_lease_holder{kind="this_process"}': 1.0,
+        }
+        assert _gauges(second_url) == {
+            "healthlog_fold_lease_held": 0.0,
+            **{f'healthlog_fold_lease_holder{{kind="{kind}"}}': 0.0 for kind in kinds},
+            'healthlog_fold_lease_holder{kind="serve"}': 1.0,
+        }
+        assert httpx.get(f"{second_url}/readyz").status_code == 503
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=LIMIT_S) == 0
+        wait_ready(second_url)
+        assert _gauges(second_url)["healthlog_fold_lease_held"] == 1.0
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=LIMIT_S) == 0
+    finally:
+        for process in (first, second):
+            if process is not None:
+                if process.poll() is None:
+                    process.kill()
+                process.wait()
+                assert process.stdout is not None
+                process.stdout.close()
+    said = (tmp_path / "second.log").read_text()
+    warned = [line for line in said.splitlines() if "another healthlog serve" in line]
+    assert len(warned) == 1, said[-3000:]
+    assert "WARNING" in warned[0].upper()
+    held_s = re.search(r"for (\d+) s:", warned[0])
+    assert held_s is not None
+    assert int(held_s.group(1)) >= 6
+    assert f"(host {socket.gethostname()}, pid {first.pid})" in warned[0]
+    assert "run one serve per data directory" in warned[0]
+    assert "another healthlog serve" not in (tmp_path / "first.log").read_text()
 
 
 def _catches(pid: int, signum: int) -> bool | None:

@@ -24,8 +24,9 @@ from prometheus_client.registry import Collector
 from actors.runtime import Runtime, RuntimeStatistics
 from healthlog.documents import Status
 from healthlog.storage.journal import Journal
+from healthlog.storage.rebuild import REINDEX_PREFIX
 from healthlog.storage.status import collect_status, database_sizes
-from healthlog.storage.store import Store
+from healthlog.storage.store import Store, serve_of
 from transport.intake import IntakeRefusals
 from transport.stream import HandshakeRefusals
 
@@ -40,6 +41,24 @@ COUNTERS = (
     "sealed_writes",
     "unit_mismatches",
 )
+
+
+# The kinds of fold lease holder, a fixed label set: the holder's name carries a host name and a
+# process id, which a label would make a series of every process ever started (RUN-141).
+HOLDER_KINDS = ("this_process", "serve", "reindex", "command", "none")
+
+
+def _holder_kind(holder: str | None, ours: str) -> str:
+    """Which of ``HOLDER_KINDS`` the lease holder ``holder`` is, seen from the holder ``ours``."""
+    if holder is None:
+        return "none"
+    if holder == ours:
+        return "this_process"
+    if serve_of(holder) is not None:
+        return "serve"
+    if holder.startswith(REINDEX_PREFIX):
+        return "reindex"
+    return "command"
 
 
 @attrs.frozen(eq=False)
@@ -100,6 +119,21 @@ class _Snapshot(Collector):
         yield GaugeMetricFamily(
             "healthlog_lease_epoch", "Epoch of the fold lease", value=self.status.lease.epoch
         )
+        yield GaugeMetricFamily(
+            "healthlog_fold_lease_held",
+            "1 while this process holds the fold lease and so folds; 0 while another does",
+            value=int(self.statistics.lease.epoch is not None),
+        )
+        holder = GaugeMetricFamily(
+            "healthlog_fold_lease_holder",
+            "1 for the kind of process that the fold lease names: this process, another serve,"
+            " a reindex, another command (import, seal), or none",
+            labels=["kind"],
+        )
+        kind = _holder_kind(self.status.lease.holder, self.statistics.lease.holder)
+        for each in HOLDER_KINDS:
+            holder.add_metric([each], int(each == kind))
+        yield holder
         yield GaugeMetricFamily(
             "healthlog_first_pass_completed",
             "1 once a folding pass of this process reached the end of the queue (/readyz)",

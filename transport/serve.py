@@ -689,7 +689,7 @@ async def _serve(
     try:
         with data.open_tokens() as tokens:
             async with (
-                open_runtime(configured(data.path, config)) as runtime,
+                open_runtime(configured(data.path, config, serve=True)) as runtime,
                 trio.open_nursery() as nursery,
             ):
                 advised = await runtime.read_store(Store.reindex_advised)

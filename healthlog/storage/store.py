@@ -370,6 +370,26 @@ def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
+SERVE_PREFIX = "serve:"
+
+
+def serve_holder() -> str:
+    """The lease holder name of ``healthlog serve``: ``serve:HOST:PID:RANDOM``. A second serve
+    started on the same data directory by mistake (a second unit, a container beside a host
+    install) tells by it that a serve, not an ``import`` or ``seal`` that folds a while and
+    lets go, keeps it from folding (RUN-140)."""
+    return SERVE_PREFIX + default_holder()
+
+
+def serve_of(holder: str | None) -> tuple[str, str] | None:
+    """The host and process id of the ``serve`` that ``holder`` names, or None for another
+    holder (a reindex, an ``import``, a ``seal``)."""
+    if holder is None or not holder.startswith(SERVE_PREFIX):
+        return None
+    host, _, rest = holder.removeprefix(SERVE_PREFIX).partition(":")
+    return host, rest.partition(":")[0]
+
+
 # A live row ``o`` equal in every column to a rebuilt row ``n``: the swap neither writes it nor
 # announces it.
 _SAME_ROW = (
