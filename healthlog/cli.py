@@ -73,6 +73,7 @@ from healthlog.storage.store import (
     OVER_BUDGET,
     WORKER_DIED,
     Store,
+    serve_of,
 )
 from healthlog.storage.tokens import RESERVED_PREFIX, TokenError, Tokens
 from healthlog.timestamps import (
@@ -651,7 +652,8 @@ async def _say_who_folds(runtime: Runtime, command: str) -> None:
     """One line when another process (a running ``serve``) holds the fold lease: the command
     then waits for that process's next pass, which can be a minute away, and would otherwise
     wait in silence. A reindex holding it is named as such: the line sent the user looking for
-    a service where none ran (CLI-216)."""
+    a service where none ran (CLI-216); so is another ``import`` or ``seal``, which folds at
+    once, not at a next pass (CLI-240)."""
     ours = runtime.statistics().lease.holder
     lease = await runtime.read_store(Store.lease)
     if lease.holder in (None, ours) or lease.expires_at <= clock.now_us():
@@ -660,6 +662,12 @@ async def _say_who_folds(runtime: Runtime, command: str) -> None:
         _tell(
             f"{command}: waiting for the reindex that holds the fold lease to swap in and"
             " release it; what was journaled folds after it (--no-wait does not wait)"
+        )
+    elif serve_of(lease.holder) is None:
+        _tell(
+            f"{command}: waiting for another import or seal, which holds the fold lease, to fold"
+            " what it journaled and release it; what was journaled folds after it (--no-wait"
+            " does not wait)"
         )
     else:
         _tell(

@@ -169,7 +169,9 @@ def test_ctrl_c_stops_a_waiting_import_with_130_and_keeps_what_it_journaled_cli_
         ),
     }[command]
     with DataDir(data).open_store() as store:
-        epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        epoch = store.acquire_lease(
+            "serve:elsewhere:1:aa", now=time.time_ns() // 1000, ttl=3600 * 10**6
+        )
         assert epoch is not None
     # SIGINT as a terminal delivers it, even when the suite runs with it ignored (a shell's
     # background job), which the command would inherit; killed if the test fails.
@@ -341,7 +343,9 @@ def test_verify_says_what_is_not_folded_yet_cli_32(cli: Cli, tmp_path: Path) -> 
     data = tmp_path / "data"
     file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
     with DataDir(data).open_store() as store:
-        epoch = store.acquire_lease("elsewhere", now=time.time_ns() // 1000, ttl=3600 * 10**6)
+        epoch = store.acquire_lease(
+            "serve:elsewhere:1:aa", now=time.time_ns() // 1000, ttl=3600 * 10**6
+        )
         assert epoch is not None
     assert cli("import", "--no-wait", "--aggregation", "minutes", "--data", data, file).code == 0
     run = cli("verify", "--data", data)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import select
 import signal
@@ -447,6 +448,37 @@ def test_an_import_during_a_reindex_says_it_waits_for_the_reindex_cli_216(
     assert said == [
         "import: waiting for the reindex that holds the fold lease to swap in and release it;"
         " what was journaled folds after it (--no-wait does not wait)"
+    ]
+    assert quiescent(state(data))
+
+
+def test_an_import_during_another_import_says_it_waits_for_that_import_cli_240(
+    children: Children, data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CLI-240: `import` while another `import` holds the fold lease (its first fold held 10 s
+    at `fold.begin`; two run at once: cron and a hand) says it waits for that command, not for
+    a running service (none runs, and a service's next pass, a minute away, is not what it
+    waits for), and once the other has folded and released the lease it folds its delivery
+    itself and exits 0. (Before, it said `import: waiting for the running service, which holds
+    the fold lease, to fold at its next pass (within its wake_period_s, ...)`.)"""
+    plan = {"fold.begin": {"hits": [1], "do": "delay", "seconds": 10}}
+    monkeypatch.setenv("HEALTHLOG_FAULT_PLAN", json.dumps(plan))
+    first = children.cli("import", "--data", data, *bodies(tmp_path, range(1)))
+    monkeypatch.delenv("HEALTHLOG_FAULT_PLAN")
+    wait_state(data, "the first import holds the lease", lambda s: s.order != (), watch=[first])
+    second = children.cli("import", "--data", data, *bodies(tmp_path, range(1, 2)))
+    deadline = time.monotonic() + WAIT_S
+    while "import: waiting" not in second.stderr():
+        assert second.proc.poll() is None, second.stderr()
+        assert time.monotonic() < deadline, "import never said what it waits for"
+        time.sleep(POLL_S)
+    assert first.finish() == 0, first.stderr()[-3000:]
+    assert second.finish() == 0, second.stderr()[-3000:]
+    said = [line for line in second.stderr().splitlines() if line.startswith("import: ")]
+    assert said == [
+        "import: waiting for another import or seal, which holds the fold lease, to fold what"
+        " it journaled and release it; what was journaled folds after it (--no-wait does not"
+        " wait)"
     ]
     assert quiescent(state(data))
 
