@@ -74,10 +74,11 @@ def unwritable(*paths: Path) -> Iterator[Callable[[], None]]:
         restore()
 
 
-def in_full_file_system(script: str, *args: str | os.PathLike[str]) -> str:
+def in_full_file_system(script: str, *args: str | os.PathLike[str], size: str = "1m") -> str:
     """Run the shell ``script`` (``$1`` the mount point, ``$2``... ``args``) in a mount
-    namespace of its own where ``$1`` is a real 1 MiB tmpfs, ``PY`` this Python; its stderr.
-    Skipped where this process cannot make such a namespace (no unprivileged user namespaces)."""
+    namespace of its own where ``$1`` is a real tmpfs of ``size`` (1 MiB), ``PY`` this Python;
+    its stderr. Skipped where this process cannot make such a namespace (no unprivileged user
+    namespaces)."""
     unshare = shutil.which("unshare")
     if unshare is None:
         pytest.skip("unshare is missing")
@@ -89,7 +90,7 @@ def in_full_file_system(script: str, *args: str | os.PathLike[str]) -> str:
     )
     if probe.returncode != 0:
         pytest.skip(f"no tmpfs in a namespace of our own: {probe.stderr.decode().strip()}")
-    mounted = f'mount -t tmpfs -o size=1m tmpfs "$1" || exit 99\n{script}'
+    mounted = f'mount -t tmpfs -o size={size} tmpfs "$1" || exit 99\n{script}'
     run = subprocess.run(
         [unshare, "--user", "--map-root-user", "--mount", "sh", "-c", mounted, "sh", *args],
         capture_output=True,

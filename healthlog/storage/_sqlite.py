@@ -553,6 +553,11 @@ def check_intact(conn: sqlite3.Connection, path: str | os.PathLike[str], remedy:
         raise damaged(path, found, remedy)
 
 
+def is_full(error: StorageError) -> bool:
+    """Whether SQLite found the disk full (SQLITE_FULL)."""
+    return error.code is not None and error.code & 0xFF == _SQLITE_FULL
+
+
 def is_damage(error: StorageError) -> bool:
     """Whether SQLite found the file damaged (SQLITE_CORRUPT, SQLITE_NOTADB)."""
     return error.code is not None and error.code & 0xFF in (_SQLITE_CORRUPT, _SQLITE_NOTADB)
@@ -631,15 +636,36 @@ def _linked_companion(path: str | os.PathLike[str]) -> str:
     return ""
 
 
-def free_when_full(directory: str | os.PathLike[str]) -> int | None:
-    """The bytes this user may still write on the file system of ``directory`` when it is
-    full (under :data:`FULL_BELOW_BYTES`); None when it is not, or cannot be read."""
+def free_bytes(directory: str | os.PathLike[str]) -> int | None:
+    """The bytes this user may still write on the file system of ``directory``; None when
+    that cannot be read."""
     try:
         stats = os.statvfs(directory)
     except OSError:
         return None
-    free = stats.f_bavail * stats.f_frsize
-    return free if free < FULL_BELOW_BYTES else None
+    return stats.f_bavail * stats.f_frsize
+
+
+def bytes_in_use(path: str | os.PathLike[str]) -> int:
+    """The bytes of the database at ``path`` that its pages in use take, free pages left out
+    (a store never shrinks by itself: 325 MB of a 606 MB one were free), as its header gives
+    them; the file's size where the header cannot be read."""
+    with open(path, "rb") as file:
+        header = file.read(100)
+    size = os.stat(path).st_size
+    if len(header) < 100 or not header.startswith(b"SQLite format 3\x00"):
+        return size
+    page = int.from_bytes(header[16:18], "big")
+    page = 65536 if page == 1 else page
+    free_pages = int.from_bytes(header[36:40], "big")
+    return max(0, size - free_pages * page)
+
+
+def free_when_full(directory: str | os.PathLike[str]) -> int | None:
+    """The bytes this user may still write on the file system of ``directory`` when it is
+    full (under :data:`FULL_BELOW_BYTES`); None when it is not, or cannot be read."""
+    free = free_bytes(directory)
+    return free if free is not None and free < FULL_BELOW_BYTES else None
 
 
 SHM_ROOM_BYTES = 64 * 1024

@@ -11,6 +11,7 @@ temporary file, and compares the two object by object.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -32,12 +33,15 @@ from healthlog.storage._sqlite import (
     COMPANIONS,
     Deferred,
     StorageError,
+    bytes_in_use,
     connect,
     describe,
     disk_error,
+    free_bytes,
     free_when_full,
     give_to_directory_owner,
     is_damage,
+    is_full,
     mounted_read_only,
     read_transaction,
 )
@@ -223,6 +227,10 @@ def rebuild_into(
         for name in (path.name, *(path.name + suffix for suffix in COMPANIONS)):
             (path.parent / name).unlink(missing_ok=True)
         queue = _partition.Queue(journal, only=only, page=PAGE)
+        if progress is not None:
+            # Starting over: a full disk's line says how far the one-process rebuild came,
+            # not the partitions (STORE-135).
+            progress(0, len(queue))
         _fold_into(journal, path, queue, progress, 1, reference, given_up)
 
 
@@ -289,15 +297,58 @@ def _fold_into(
                 progress(done, len(queue))
 
 
+WAL_ROOM = 5 * 2**20
+"""The room of a one-process rebuild's ``-wal`` beside its store: SQLite copies it into the
+store at 1,000 pages of 4 KiB (its automatic checkpoint), both on the disk meanwhile, and
+reuses it; the last delivery's pages past those stay in it too (4,288,512 bytes for 60 days of
+minute points)."""
+
+
+@attrs.define
+class _Room:
+    """The room a rebuild had beside ``near`` as it began (None where it cannot be read), how
+    far it came, and the room it needs (STORE-135).
+
+    The rebuild that fails for want of room is one process's: partitions that run out of room
+    give way to it (STORE-130), their scratch files removed, so the room it had is the room
+    there was as the rebuild began."""
+
+    near: Path
+    free: int | None
+    done: int = 0
+    total: int = 0
+
+    def tracking(self, progress: Progress | None) -> Progress:
+        """``progress``, keeping how many of how many deliveries were folded."""
+
+        def tracked(done: int, total: int) -> None:
+            self.done, self.total = done, total
+            if progress is not None:
+                progress(done, total)
+
+        return tracked
+
+    def needed(self) -> int:
+        """About what the rebuild in one process takes: a store holding what ``near`` holds
+        in use, and its ``-wal`` beside it, twice the store at most (all of a small store's
+        rebuild stays in it, with every page's rewrites: 3.4 MB beside a store of 2.3 MB) and
+        :data:`WAL_ROOM` at the most. Measured: 12 days of minute points, a store of 2.3 MB,
+        went through with 5.8 MB free and not 5.2 MB; 60 days, a store of 5.9 MB, with 12.0 MB
+        and not 10.1 MB."""
+        used = bytes_in_use(self.near)
+        return used + min(2 * used, WAL_ROOM)
+
+
 @contextlib.contextmanager
-def _scratch(near: Path, elsewhere: Path | None = None) -> Iterator[Path]:
+def _scratch(near: Path, elsewhere: Path | None = None) -> Iterator[tuple[Path, _Room]]:
     """A scratch store in a directory of its own next to ``near`` (or in ``elsewhere``, for a
-    verify of a directory that cannot be written: CLI-114), locked while in use; what killed
-    rebuilds left there is removed first. A :class:`RebuildError` saying so where the file
-    system is mounted read-only."""
+    verify of a directory that cannot be written: CLI-114), locked while in use, with the
+    :class:`_Room` its rebuild keeps; what killed rebuilds left there is removed first. A
+    :class:`RebuildError` saying so where the file system is mounted read-only."""
     parent = near.parent if elsewhere is None else elsewhere
     if elsewhere is None:
         remove_stale_scratch(parent)
+    room = _Room(near, free_bytes(parent))
     try:
         scratch = tempfile.TemporaryDirectory(prefix=SCRATCH_PREFIX, dir=parent)
     except OSError as exc:
@@ -323,31 +374,50 @@ def _scratch(near: Path, elsewhere: Path | None = None) -> Iterator[Path]:
         give_to_directory_owner(tmp, parent)
         faults.point("rebuild.scratch")
         try:
-            yield Path(tmp) / SCRATCH_STORE
+            yield Path(tmp) / SCRATCH_STORE, room
         except (StorageError, RebuildUnwritten) as exc:
             if isinstance(exc, Deferred) or (isinstance(exc, StorageError) and is_damage(exc)):
                 raise
-            no_room = _no_room(Path(tmp), near)
+            no_room = _no_room(Path(tmp), room, exc)
             if no_room is None:
                 raise
             raise no_room from exc
 
 
-def _no_room(scratch: Path, near: Path) -> RebuildError | None:
-    """The error of a rebuild into ``scratch`` that failed for want of room, measured while
-    the scratch directory still holds what it wrote (STORE-64); None when there is room.
-    SQLite's own line named neither the file nor the cause (``database error: database or
-    disk is full``, ``delivery 1 could not be rebuilt (unwritten)``)."""
+def _filled(exc: BaseException) -> bool:
+    """Whether ``exc`` or an error it was raised from is SQLite's ``database or disk is
+    full`` or the system's ENOSPC, whatever room the disk has once it is reported."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, StorageError) and is_full(seen):
+            return True
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _no_room(scratch: Path, room: _Room, exc: BaseException) -> RebuildError | None:
+    """The error of a rebuild into ``scratch`` that failed for want of room (STORE-64): the
+    disk full now, or a failure that says it filled (STORE-135); None otherwise. SQLite's own
+    line named neither the file nor the cause (``database error: database or disk is full``,
+    ``delivery 1 could not be rebuilt (unwritten)``), nor how much room the rebuild takes,
+    where the line asked for the store's size, on which a one-process rebuild fails again: its
+    ``-wal`` is on the disk beside the store it is copied into (:meth:`_Room.needed`)."""
     free = free_when_full(scratch)
-    if free is None:
+    if free is None and not _filled(exc):
         return None
     try:
-        size = near.stat().st_size
+        needed = room.needed()
+        size = room.near.stat().st_size
     except OSError:
         return None
+    began = room.free if room.free is not None else free
+    folded = f"{room.done:,} of {room.total:,} deliveries" if room.done else "no delivery"
     return RebuildError(
-        f"the disk is full ({free:,} bytes free in {scratch.parent}): a rebuild writes a second"
-        f" store beside {near.name} ({size:,} bytes) until it is done; free at least that much"
+        f"the disk is full ({began:,} bytes free in {scratch.parent} as the rebuild began, full"
+        f" with {folded} folded): a rebuild writes a second store beside {room.near.name}"
+        f" ({size:,} bytes) until it is done, about {needed:,} bytes here; make that much room"
         " and run it again (nothing was changed)"
     )
 
@@ -410,14 +480,14 @@ def verify_all(
     With ``elsewhere`` (a directory of ``store`` that cannot be written: read-only media, a
     backup user's), the rebuild goes into a scratch directory there, in one process: fold
     workers open the journal to write."""
-    with _scratch(Path(store.path), elsewhere) as path:
+    with _scratch(Path(store.path), elsewhere) as (path, room):
         live = path.with_name(LIVE_SUMMARIES)
         folded, given_up = store.snapshot_into(live)
         rebuild_into(
             journal,
             path,
             only=folded,
-            progress=progress,
+            progress=room.tracking(progress),
             workers=workers if elsewhere is None else 1,
             reference=Path(store.path),
             given_up=given_up,
@@ -545,9 +615,13 @@ def reindex(
             progress(done, total)
 
     try:
-        with _scratch(Path(store.path)) as path:
+        with _scratch(Path(store.path)) as (path, room):
             rebuild_into(
-                journal, path, progress=renewing, workers=workers, reference=Path(store.path)
+                journal,
+                path,
+                progress=room.tracking(renewing),
+                workers=workers,
+                reference=Path(store.path),
             )
             lost = store.bodies_lost(path)
             if lost:
