@@ -31,7 +31,7 @@ from healthlog.config import (
     load_log_config,
     load_serve_config,
 )
-from healthlog.export import FORMATS, REPLICA_REMEDY, STORE_REMEDY, export_lines
+from healthlog.export import FORMATS, REPLICA_REMEDY, STORE_REMEDY, chunked, export_lines
 from healthlog.fold import FAILED, PARTIAL
 from healthlog.hangup import REPEATED_SIGNAL_S, hangup
 from healthlog.logs import LEVELS, setup_logging
@@ -991,14 +991,15 @@ def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
         )
         with _writing_stdout():
             out = sys.stdout.buffer
-            for line in export_lines(
+            lines = export_lines(
                 stored,
                 start_from=args.start_from,
                 start_to=args.start_to,
                 fmt=args.format,
                 remedy=STORE_REMEDY if args.replica is None else REPLICA_REMEDY,
-            ):
-                out.write(line)
+            )
+            for chunk in chunked(lines):
+                out.write(chunk)
         if (args.metric or args.layer) and not _holds_any(
             source, metric=args.metric, layer=args.layer
         ):

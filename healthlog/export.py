@@ -17,6 +17,8 @@ from healthlog.timestamps import format_instant
 
 FORMATS = ("jsonl", "csv")
 CSV_HEADER = b"metric,layer,start,end,units,point\r\n"
+# How many bytes of lines `healthlog export` writes at a time (:func:`chunked`).
+CHUNK_BYTES = 64 * 1024
 # What mends an object whose body does not decode, said with it: a data directory's rebuilds
 # from the journal; a follow replica has no journal, and `verify` or `reindex` run on it only
 # say there is no healthlog data there (CLI-178).
@@ -40,6 +42,30 @@ def export_lines(
         yield from object_lines(
             obj, start_from=start_from, start_to=start_to, fmt=fmt, remedy=remedy
         )
+
+
+def chunked(lines: Iterable[bytes], size: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """``lines`` joined into chunks of at least ``size`` bytes (the last one shorter), each for
+    one write: with ``PYTHONUNBUFFERED=1`` (as many container images set it) stdout writes
+    each line it is given at once, one system call a line: 1.2 million for a year of
+    minute-level data, and a quarter's export took 4.6 s instead of 2.6 s (CLI-205). The
+    lines before an object whose body does not decode are given before its error, as they
+    were written before it line by line."""
+    chunk: list[bytes] = []
+    gathered = 0
+    try:
+        for line in lines:
+            chunk.append(line)
+            gathered += len(line)
+            if gathered >= size:
+                yield b"".join(chunk)
+                chunk, gathered = [], 0
+    except objects.ObjectCorrupt:
+        if chunk:
+            yield b"".join(chunk)
+        raise
+    if chunk:
+        yield b"".join(chunk)
 
 
 def header(fmt: str) -> Iterator[bytes]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
 import select
 import sqlite3
@@ -454,6 +455,49 @@ def filter_data(cli: Cli, tmp_path: Path) -> Path:
     import_ok(cli, data, "--aggregation", "minutes", write(tmp_path / "m.json", minutes))
     import_ok(cli, data, "--aggregation", "hours", write(tmp_path / "h.json", hours))
     return data
+
+
+_WRITES_COUNTED = """
+import sys
+from healthlog import cli
+
+def writes():
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("syscw:"))
+
+before = writes()
+try:
+    code = cli.main(sys.argv[1:])
+except SystemExit as stop:
+    code = stop.code
+sys.stdout.flush()
+print(code, writes() - before, file=sys.stderr)
+"""
+"""Runs ``healthlog ARGS`` in this process and says on stderr its exit code and how many
+write system calls it made (``syscw`` of ``/proc/self/io``)."""
+
+
+def test_export_writes_its_lines_in_chunks_also_unbuffered_cli_205(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """CLI-205: `healthlog export` of 3,000 points with ``PYTHONUNBUFFERED=1`` (as many
+    container images set it) into a pipe writes every line, in far fewer write calls than lines
+    (it made one per line: 1.2 million for a year of minute-level data, a quarter's export
+    taking 4.6 s instead of 2.6 s)."""
+    data = tmp_path / "data"
+    points = [point(minute(n), qty=60 + n % 40) for n in range(3000)]
+    import_ok(cli, data, write(tmp_path / "b.json", body(metric(HR, BPM, *points))))
+    run = subprocess.run(
+        [sys.executable, "-c", _WRITES_COUNTED, "export", "--data", str(data)],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        check=False,
+        timeout=120,
+    )
+    code, writes = run.stderr.decode().split()[-2:]
+    assert code == "0", run.stderr
+    assert len(run.stdout.splitlines()) == 3000
+    assert int(writes) < 3000 // 50, writes
 
 
 @pytest.mark.parametrize(
