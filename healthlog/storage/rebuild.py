@@ -47,7 +47,7 @@ from healthlog.storage._sqlite import (
 )
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
-from healthlog.storage.store import Store, default_holder
+from healthlog.storage.store import Store, default_holder, process_of
 
 log = logging.getLogger("healthlog.rebuild")
 
@@ -129,10 +129,10 @@ def running_reindex(holder: str) -> bool:
     network), whose process cannot be looked at from here. A reindex killed (SIGKILL, the
     out-of-memory killer) is not: its lease is taken over at once (FENCE-32), not after its
     five minutes."""
-    if not holder.startswith(REINDEX_PREFIX):
+    process = process_of(holder, REINDEX_PREFIX)
+    if process is None:
         return False
-    host, _, rest = holder.removeprefix(REINDEX_PREFIX).partition(":")
-    pid = rest.partition(":")[0]
+    host, pid = process
     if host != socket.gethostname() or not pid.isdigit():
         return True
     try:

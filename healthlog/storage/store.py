@@ -381,13 +381,19 @@ def serve_holder() -> str:
     return SERVE_PREFIX + default_holder()
 
 
+def process_of(holder: str | None, prefix: str) -> tuple[str, str] | None:
+    """The host and process id in ``holder``, a name ``PREFIX`` + :func:`default_holder`, or
+    None for a holder of another kind."""
+    if holder is None or not holder.startswith(prefix):
+        return None
+    host, _, rest = holder.removeprefix(prefix).partition(":")
+    return host, rest.partition(":")[0]
+
+
 def serve_of(holder: str | None) -> tuple[str, str] | None:
     """The host and process id of the ``serve`` that ``holder`` names, or None for another
     holder (a reindex, an ``import``, a ``seal``)."""
-    if holder is None or not holder.startswith(SERVE_PREFIX):
-        return None
-    host, _, rest = holder.removeprefix(SERVE_PREFIX).partition(":")
-    return host, rest.partition(":")[0]
+    return process_of(holder, SERVE_PREFIX)
 
 
 # A live row ``o`` equal in every column to a rebuilt row ``n``: the swap neither writes it nor
