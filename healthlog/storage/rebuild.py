@@ -16,7 +16,6 @@ import fcntl
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -28,7 +27,7 @@ import attrs
 from healthlog import clock, faults, objects
 from healthlog.folding import OutcomeClass
 from healthlog.objects import ObjectKey
-from healthlog.storage import _partition
+from healthlog.storage import _partition, holders
 from healthlog.storage._sqlite import (
     COMPANIONS,
     Deferred,
@@ -124,25 +123,13 @@ def reindex_holder() -> str:
 
 
 def running_reindex(holder: str) -> bool:
-    """Whether ``holder`` names a reindex that may still be running: one of a process of this
-    machine that is there, or one of another machine (a data directory shared over the
-    network), whose process cannot be looked at from here. A reindex killed (SIGKILL, the
-    out-of-memory killer) is not: its lease is taken over at once (FENCE-32), not after its
-    five minutes."""
-    process = process_of(holder, REINDEX_PREFIX)
-    if process is None:
-        return False
-    host, pid = process
-    if host != socket.gethostname() or not pid.isdigit():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        # A process of another account has that id: it is there all the same.
-        return True
-    return True
+    """Whether ``holder`` names a reindex that may still be running: any but one whose process
+    is known to have ended (:func:`holders.ended`). A reindex killed (SIGKILL, the
+    out-of-memory killer) on this machine is taken over at once (FENCE-32), not after its five
+    minutes, even when its process id has come back as another process's (FENCE-40); one of
+    another machine (a data directory shared over the network) or another pid namespace (a
+    container) cannot be looked at from here and keeps its lease until it expires."""
+    return process_of(holder, REINDEX_PREFIX) is not None and not holders.ended(holder)
 
 
 @attrs.frozen

@@ -37,7 +37,7 @@ from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
 from healthlog.seals import Seal, SealError
-from healthlog.storage import _objects
+from healthlog.storage import _objects, holders
 from healthlog.storage._sqlite import (
     ConnectionGuard,
     Deferred,
@@ -366,8 +366,12 @@ class Lease:
 def default_holder() -> str:
     """A lease holder name unique to this process: the host and process, and a random part,
     since a process id comes back (a restarted container's service often has the same one),
-    and a holder renews a lease that names it at the same epoch."""
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    and a holder renews a lease that names it at the same epoch; then the process's start time
+    and pid namespace, by which a holder of this machine that has ended is told from one that
+    runs (:func:`holders.ended`)."""
+    name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    mark = holders.mark()
+    return name if mark is None else f"{name}:{mark}"
 
 
 SERVE_PREFIX = "serve:"
@@ -542,7 +546,8 @@ class Store(_objects.ObjectDatabase):
         for it. An expiry further ahead than one term (the holder's or ours, whichever is
         longer) was written by a clock that has since jumped back: it is cut to one term from
         now, so a dead holder's lease frees within a term, while a live holder keeps it by
-        renewing.
+        renewing. A holder whose process is known to have ended (:func:`holders.ended`: killed
+        on this machine) holds nothing: its lease is taken over at once, not once it expires.
         """
         waiting = self._waiting_at_most(BRIEF_WAIT_MS) if brief else contextlib.nullcontext()
         with self._lock, waiting, write_transaction(self._conn):
@@ -556,6 +561,13 @@ class Store(_objects.ObjectDatabase):
                 )
                 return int(epoch)
             held = current is not None and current != holder and expires_at > now
+            if held and holders.ended(current):
+                log.info(
+                    "fold lease of %s taken over before it expires: that process has ended"
+                    " (killed by SIGKILL, the out-of-memory killer or a power cut)",
+                    current,
+                )
+                held = False
             if held and force and spare(current):
                 return None
             if held and not force:
