@@ -193,8 +193,9 @@ class LeaseActor:
         ``BESIDE_RENEWALS`` renewal periods and a lease term while this one, a ``serve`` too,
         runs: two services on one data directory (a second unit, a container beside a host
         install) both answer 200 and journal, but only the holder folds, the other's
-        deliveries at its next pass, a minute later, and the other's ``/readyz`` stays 503.
-        The INFO line of ``_held_elsewhere`` was all that said so (RUN-140). An ``import`` or
+        deliveries at its next pass, a minute later, and the other's ``/readyz`` stays 503
+        unless it completed a folding pass before it lost the lease (RUN-152). The INFO line
+        of ``_held_elsewhere`` was all that said so (RUN-140). An ``import`` or
         ``seal`` (or a reindex) holds the lease for its own fold and lets go: it is not said,
         nor is anything when this actor is theirs."""
         other = serve_of(holder)
@@ -212,8 +213,9 @@ class LeaseActor:
         host, pid = other
         log.warning(
             "another healthlog serve (host %s, pid %s) has held the fold lease of this data"
-            " directory for %.0f s: this one journals what it is sent but folds nothing, and"
-            " its /readyz answers 503, while that one runs; run one serve per data directory"
+            " directory for %.0f s: this one journals what it is sent but folds nothing while"
+            " that one runs (its /readyz answers 503 until it has completed a folding pass);"
+            " run one serve per data directory"
             " (stop this one or the other: a second systemd unit, a container beside a host"
             " install)",
             host,
@@ -224,18 +226,21 @@ class LeaseActor:
     def _deferred(self) -> None:
         """Say that a renewal found the store busy: at INFO for a moment (a fold worker's
         transaction, the common case), at WARNING once it has been busy for longer than the
-        lease's term (a writer that does not let go)."""
+        lease's term (a writer that does not let go). An actor that holds no lease says that
+        its first is not taken yet: a service started again while the fold worker of the
+        killed one still wrote said that the epoch it never had was kept (RUN-151)."""
         now = trio.current_time()
         if self._busy_since is None:
             self._busy_since = now
         busy_s = now - self._busy_since
-        if busy_s >= self._ttl_us / 1e6:
-            log.warning(
-                "lease renewal deferred: the store has been busy for %.0f s; the epoch is kept",
-                busy_s,
-            )
+        if self._epoch is None:
+            what, kept = "fold lease not taken yet", ""
         else:
-            log.info("lease renewal deferred: the store is busy; the epoch is kept")
+            what, kept = "lease renewal deferred", "; the epoch is kept"
+        if busy_s >= self._ttl_us / 1e6:
+            log.warning("%s: the store has been busy for %.0f s%s", what, busy_s, kept)
+        else:
+            log.info("%s: the store is busy%s", what, kept)
 
     async def _publish(self, epoch: int | None) -> None:
         if epoch == self._epoch:

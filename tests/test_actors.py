@@ -647,6 +647,44 @@ async def test_a_renewal_that_finds_the_store_busy_holds_no_read_behind_it_run_4
     assert "fold lease lost" not in caplog.text
 
 
+async def test_a_runtime_that_never_held_the_lease_says_its_first_take_waits_run_151(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-151: a runtime started while another connection holds the store's write lock for
+    longer than the lease's term (as a fold worker left by a killed service, or a `reindex`'s
+    swap, does) holds no lease: its deferred tries say `fold lease not taken yet: the store is
+    busy` at INFO, then at WARNING how long, and never that an epoch is kept, which it has
+    none of; once the lock goes it takes the lease at epoch 1. (Before, they said `lease
+    renewal deferred ...; the epoch is kept`.)"""
+    term_s, hold_s = 1.0, 2.0
+    path = DataDir(tmp_path).store_path
+    Store(path).close()
+    settings = {"lease_renew_s": 0.2, "lease_ttl_s": term_s}
+    with (
+        caplog.at_level(logging.INFO, "healthlog.lease"),
+        closing(sqlite3.connect(path, isolation_level=None)) as lock,
+    ):
+        lock.execute("BEGIN IMMEDIATE")
+        async with open_runtime(config(tmp_path, **settings)) as runtime:
+            await until(lambda: runtime.statistics().lease.failures >= 1)
+            await trio.sleep(hold_s)
+            deferred = runtime.statistics().lease.failures
+            assert runtime.statistics().lease.epoch is None
+            lock.execute("ROLLBACK")
+            await until(lambda: runtime.statistics().lease.epoch == 1)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "busy" in r.getMessage()]
+    infos = [m for level, m in said if level == logging.INFO]
+    warnings = [m for level, m in said if level == logging.WARNING]
+    assert set(infos) == {"fold lease not taken yet: the store is busy"}
+    assert warnings
+    for warning in warnings:
+        assert re.fullmatch(
+            r"fold lease not taken yet: the store has been busy for \d s", warning
+        ), warning
+    assert len(infos) + len(warnings) == deferred
+    assert "epoch is kept" not in caplog.text
+
+
 async def test_retention_that_finds_the_store_busy_holds_no_read_behind_it_run_74(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -722,6 +722,41 @@ def test_a_second_serve_on_one_data_directory_is_said_and_shown_run_140_run_141(
     assert "another healthlog serve" not in (tmp_path / "first.log").read_text()
 
 
+def test_a_serve_that_folded_before_another_took_the_lease_is_not_said_unready_run_152(
+    tmp_path: Path,
+) -> None:
+    """RUN-152: a `healthlog serve` (lease term 3 s, renewed every 1 s) that completed a
+    folding pass, frozen (SIGSTOP) while a second serve takes its expired lease, then
+    continued: it loses the lease, and once the other has held it for six renewal periods it
+    says so at WARNING; its `/readyz` answers 200 (the first pass completed), and the line
+    says 503 only of a service that has not completed one. (Before, the line said `its
+    /readyz answers 503` while it answered 200.)"""
+    data = tmp_path / "data"
+    env = {**environment(), "HEALTHLOG_LEASE_TTL_S": "3", "HEALTHLOG_LEASE_RENEW_S": "1"}
+    first, first_url = start_serve(data, env, tmp_path / "first.log")
+    second = None
+    try:
+        wait_ready(first_url)
+        first.send_signal(signal.SIGSTOP)
+        second, second_url = start_serve(data, env, tmp_path / "second.log")
+        wait_ready(second_url)
+        first.send_signal(signal.SIGCONT)
+        _said(tmp_path / "first.log", "another healthlog serve", first)
+        assert httpx.get(f"{first_url}/readyz").status_code == 200
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.kill()
+                process.wait()
+                assert process.stdout is not None
+                process.stdout.close()
+    said = (tmp_path / "first.log").read_text()
+    (warned,) = [line for line in said.splitlines() if "another healthlog serve" in line]
+    assert "fold lease lost" in said
+    assert "its /readyz answers 503 until it has completed a folding pass" in warned
+    assert "its /readyz answers 503, while" not in warned
+
+
 def _catches(pid: int, signum: int) -> bool | None:
     """Whether ``pid`` has a handler of its own for ``signum`` (None once it has ended)."""
     try:
