@@ -575,9 +575,9 @@ def test_an_import_killed_mid_fold_leaves_no_lease_to_wait_for_cli_250(
 ) -> None:
     """CLI-250: `import` (lease term 600 s) killed with its fold worker by SIGKILL while it
     folds its file; the same `import` run again, or `serve` started, takes its lease over at
-    once: the import exits 0 saying the delivery it journaled again is `deduplicated`, the
-    service is ready; the killed import's delivery is folded, once. (Before, each waited for
-    the dead import's lease to expire: its term, here 600 s.)"""
+    once, at epoch 2: the import exits 0, the service is ready, and the killed import's
+    delivery is folded. (Before, each waited for the dead import's lease to expire: its term,
+    here 600 s.)"""
     data = tmp_path / "data"
     file = write(tmp_path / "a.json", _step_body(1))
     env = {**environment(), "HEALTHLOG_LEASE_TTL_S": "600"}
