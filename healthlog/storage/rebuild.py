@@ -118,7 +118,8 @@ REINDEX_PREFIX = "reindex:"
 
 
 def reindex_holder() -> str:
-    """The lease holder name of a reindex run by this process: ``reindex:HOST:PID:RANDOM``."""
+    """The lease holder name of a reindex run by this process: ``reindex:`` and
+    :func:`default_holder`."""
     return REINDEX_PREFIX + default_holder()
 
 

@@ -378,10 +378,10 @@ SERVE_PREFIX = "serve:"
 
 
 def serve_holder() -> str:
-    """The lease holder name of ``healthlog serve``: ``serve:HOST:PID:RANDOM``. A second serve
-    started on the same data directory by mistake (a second unit, a container beside a host
-    install) tells by it that a serve, not an ``import`` or ``seal`` that folds a while and
-    lets go, keeps it from folding (RUN-140)."""
+    """The lease holder name of ``healthlog serve``: ``serve:`` and :func:`default_holder`. A
+    second serve started on the same data directory by mistake (a second unit, a container
+    beside a host install) tells by it that a serve, not an ``import`` or ``seal`` that folds a
+    while and lets go, keeps it from folding (RUN-140)."""
     return SERVE_PREFIX + default_holder()
 
 
