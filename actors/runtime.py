@@ -25,7 +25,8 @@ from actors.lease import LeaseActor, LeaseStatistics
 from actors.retention import RetentionActor, RetentionStatistics
 from healthlog.config import ServeConfig
 from healthlog.storage import snapshot_files
-from healthlog.storage._sqlite import make_directory
+from healthlog.storage._sqlite import damage_met, make_directory
+from healthlog.storage.checked import CheckedRecord
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
 from healthlog.storage.passes import PAGE, Budget, check_before_folding
@@ -206,6 +207,9 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
     """Start every actor under supervision; cancel and shut them down on exit."""
     data = DataDir(config.data_dir)
     make_directory(data.path)
+    checked = CheckedRecord(data.path)
+    databases = (data.journal_path.name, data.store_path.name)
+    unchanged = await trio.to_thread.run_sync(checked.unchanged, databases)
     journal = Journal(data.journal_path, busy_timeout_ms=config.busy_timeout_ms)
     try:
         store = Store(data.store_path, busy_timeout_ms=config.busy_timeout_ms)
@@ -213,9 +217,10 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         journal.close()
         raise
     try:
-        # In a thread: the checks read every page of both files, seconds for gigabytes on a
-        # NAS's disk, and a signal is heard meanwhile.
-        await trio.to_thread.run_sync(check_before_folding, journal, store)
+        # In a thread: the checks read every page of a file not found unchanged, seconds for
+        # gigabytes on a NAS's disk, and a signal is heard meanwhile.
+        await trio.to_thread.run_sync(check_before_folding, journal, store, unchanged)
+        await trio.to_thread.run_sync(checked.hold, databases)
         await trio.to_thread.run_sync(remove_stale_scratch, data.path)
         await trio.to_thread.run_sync(data.remove_left_over_keys)
         await trio.to_thread.run_sync(snapshot_files.remove_left_over, data.snapshot_dir)
@@ -288,3 +293,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
     finally:
         store.close()
         journal.close()
+        if not damage_met():
+            # Shielded: a service stopped by a signal closes under a cancelled scope.
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(checked.record)

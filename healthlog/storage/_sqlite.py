@@ -553,6 +553,17 @@ def check_intact(conn: sqlite3.Connection, path: str | os.PathLike[str], remedy:
         raise damaged(path, found, remedy)
 
 
+_damage: list[int] = []
+"""The result codes of SQLite's damage findings met by this process (:func:`classify`)."""
+
+
+def damage_met() -> bool:
+    """Whether SQLite found a file damaged in this process: its files are not recorded as found
+    whole (:class:`healthlog.storage.checked.CheckedRecord`), a failing disk's damage met while
+    running is read for again at the next start."""
+    return bool(_damage)
+
+
 def is_full(error: StorageError) -> bool:
     """Whether SQLite found the disk full (SQLITE_FULL)."""
     return error.code is not None and error.code & 0xFF == _SQLITE_FULL
@@ -576,6 +587,7 @@ def damaged(path: str | os.PathLike[str], finding: str, remedy: str) -> StorageE
     first = finding.removeprefix("*** in database main ***").strip().splitlines()[0]
     name = os.path.basename(path)
     error = StorageError(f"{name} is damaged (SQLite: {first}): {remedy}")
+    _damage.append(_SQLITE_CORRUPT)
     error.code = _SQLITE_CORRUPT
     error.kind = f"SQLITE_CORRUPT: {_MEANINGS[_SQLITE_CORRUPT]}"
     error.file = name
@@ -832,6 +844,8 @@ def classify(exc: sqlite3.Error) -> StorageError:
     name = getattr(exc, "sqlite_errorname", None)
     if isinstance(code, int):
         error.code = code
+        if is_damage(error):
+            _damage.append(code)
     if isinstance(name, str) and isinstance(code, int):
         meaning = _MEANINGS.get(code & 0xFF)
         error.kind = f"{name}: {meaning}" if meaning else name

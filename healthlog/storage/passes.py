@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import attrs
 
@@ -142,13 +142,20 @@ def waited_s(oldest: tuple[int, int] | None, now: int) -> float:
     return max(0, now - oldest[0]) / 1e6 if oldest else 0.0
 
 
-def check_before_folding(journal: Journal, store: Store) -> None:
+def check_before_folding(
+    journal: Journal, store: Store, unchanged: Collection[str] = frozenset()
+) -> None:
     """What is checked before anything folds into ``store`` or rebuilds it (``serve``,
     ``import``, ``seal``, ``reindex``, ``verify``): that neither file is damaged (a torn copy:
-    JOURNAL-39, STORE-53), which reads every page of each, and that the store was folded from
-    this journal (:func:`check_same_journal`)."""
-    journal.check_intact()
-    store.check_intact()
+    JOURNAL-39, STORE-53), which reads every page of each, unless its name is in ``unchanged``
+    (found whole and written by healthlog alone since: JOURNAL-50, STORE-140), and that the
+    store was folded from this journal (:func:`check_same_journal`)."""
+    for database in (journal, store):
+        name = os.path.basename(database.path)
+        if name in unchanged:
+            log.debug("%s: unchanged since it was last found whole, not read again", name)
+        else:
+            database.check_intact()
     check_same_journal(journal, store)
 
 
