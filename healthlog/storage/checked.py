@@ -141,7 +141,13 @@ class CheckedRecord:
         writing it takes, without the entries of processes no longer running."""
         directory = os.open(self._directory, os.O_RDONLY)
         try:
-            fcntl.flock(directory, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(directory, fcntl.LOCK_EX)
+            except OSError as exc:
+                # A file system without locks (some network shares): the record is still
+                # put in place whole; two processes writing it at once may drop a note of the
+                # other's, and the next start then reads those files whole.
+                log.debug("%s not locked (errno %s)", RECORD_FILE, exc.errno)
             try:
                 read = json.loads(self.path.read_text())
             except (OSError, ValueError) as exc:
