@@ -28,14 +28,22 @@ class _UtcFormatter(logging.Formatter):
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))
 
 
+def _utf8(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a byte of a path that is not UTF-8 (``données`` named
+    under Latin-1), which Python reads as a lone surrogate, written as its escape (``\\udce9``),
+    as the commands' own lines on stderr write it. orjson refuses a lone surrogate: the record
+    was lost, a ``--- Logging error ---`` traceback on stderr in its place (SERVE-160)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class KeyValueFormatter(_UtcFormatter):
     def format(self, record: logging.LogRecord) -> str:
         line = (
             f"time={self.utc_time(record)} level={record.levelname}"
-            f" logger={record.name} msg={orjson.dumps(record.getMessage()).decode()}"
+            f" logger={record.name} msg={orjson.dumps(_utf8(record.getMessage())).decode()}"
         )
         if record.exc_info and record.levelno <= logging.DEBUG:
-            line += " exc=" + orjson.dumps(self.formatException(record.exc_info)).decode()
+            line += " exc=" + orjson.dumps(_utf8(self.formatException(record.exc_info))).decode()
         return line
 
 
@@ -45,10 +53,10 @@ class JsonFormatter(_UtcFormatter):
             "time": self.utc_time(record),
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": _utf8(record.getMessage()),
         }
         if record.exc_info and record.levelno <= logging.DEBUG:
-            document["exc"] = self.formatException(record.exc_info)
+            document["exc"] = _utf8(self.formatException(record.exc_info))
         return orjson.dumps(document).decode()
 
 

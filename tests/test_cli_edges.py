@@ -1682,6 +1682,43 @@ def test_files_every_user_may_read_are_named_at_start_store_79(
     assert "readable by every user" not in mended.err
 
 
+@pytest.mark.parametrize("fmt", ["kv", "json"])
+def test_a_record_naming_a_path_that_is_not_utf8_is_logged_serve_160(
+    run_cli: RunCli, tmp_path: Path, fmt: str
+) -> None:
+    """SERVE-160: GIVEN a data directory named with a byte that is not UTF-8 (`donn\\xe9es`, as
+    a disk formatted under Latin-1 names it) whose databases every user may read WHEN a runtime
+    starts on it (`import`) THEN STORE-79's WARNING is one record in the format asked for, the
+    byte written `\\udce9` as the command's own lines write it. (Before, the formatter refused
+    the lone surrogate Python reads such a byte as: the record was lost, and stderr had a
+    `--- Logging error ---` traceback instead.)"""
+    data = Path(os.fsdecode(os.fsencode(tmp_path) + b"/donn\xe9es"))
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    for name in ("journal.sqlite", "store.sqlite"):
+        (data / name).chmod(0o644)
+    again = run_cli(
+        "import", "--aggregation", "minutes", "--data", data, hr, env={"HEALTHLOG_LOG_FORMAT": fmt}
+    )
+    assert again.code == 0, again.err
+    assert "Logging error" not in again.err, again.err
+    warned = [line for line in again.err.splitlines() if "readable by every user" in line]
+    assert len(warned) == 1, again.err
+    shown = os.fspath(data).encode("utf-8", "backslashreplace").decode()
+    if fmt == "json":
+        record = json.loads(warned[0])
+        assert (record["level"], record["logger"]) == ("WARNING", "healthlog.datadir")
+        message = record["msg"]
+    else:
+        prefix, _, quoted = warned[0].partition(" msg=")
+        assert re.fullmatch(r"time=\S+ level=WARNING logger=healthlog\.datadir", prefix), prefix
+        message = json.loads(quoted)
+    assert message.startswith(f"health data readable by every user of the machine in {shown}: ")
+    assert f"`chmod -R o-rwx {shown}` makes them unreadable" in message
+
+
 def test_a_restore_readable_by_every_user_is_named_without_a_guessed_cause_store_99(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
