@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import attrs
 
@@ -768,13 +768,26 @@ async def _serve(data: DataDir, config: ServeConfig) -> None:
             )
 
 
+def _writable(line: str, stream: TextIO) -> str:
+    """``line`` as ``stream`` can write it: a character its encoding refuses written as its
+    escape, as stderr writes it. A byte of a path that is not UTF-8 (``donn\\xe9es``) is read
+    as a lone surrogate, which a strict UTF-8 stdout (a UTF-8 locale other than C, as systemd
+    hands a unit) refused: ``serve`` ended at once, exit 1, with a traceback (CLI-270)."""
+    encoding = stream.encoding or "utf-8"
+    try:
+        line.encode(encoding, stream.errors or "strict")
+    except UnicodeEncodeError:
+        return line.encode(encoding, "backslashreplace").decode(encoding)
+    return line
+
+
 def _announce(line: str) -> None:
     """One of ``serve``'s own lines on stdout. One that cannot be written (a reader gone, as
     after ``healthlog serve | head -1``; a full disk behind ``>> healthlog.log``) is logged at
     WARNING instead and stdout pointed at /dev/null: the service serves whether or not anyone
     reads it, where the write's error stopped it (exit 3) a second after it began (CLI-92)."""
     try:
-        print(line, flush=True)
+        print(_writable(line, sys.stdout), flush=True)
     except OSError as exc:
         _quiet_stdout()
         log.warning(

@@ -2835,6 +2835,45 @@ def test_serve_serves_on_when_its_stdout_cannot_be_written_cli_92(
     assert f"healthlog serving on http://127.0.0.1:{port}" in warning
 
 
+def test_serve_says_where_it_serves_from_a_directory_whose_name_is_not_utf8_cli_270(
+    tmp_path: Path,
+) -> None:
+    """CLI-270: `serve` on a data directory named with a byte that is not UTF-8 (`donn\\xe9es`),
+    its stdout strict UTF-8 (as under a UTF-8 locale other than C, `en_US.UTF-8` say, which
+    systemd hands a unit from /etc/locale.conf; here `PYTHONIOENCODING`), prints its line with
+    the byte written `\\udce9`, as stderr writes it, answers, and stops with 0 on SIGTERM.
+    (Before, the line could not be encoded: `serve` ended at once, exit 1, with a traceback
+    ending `UnicodeEncodeError: ... surrogates not allowed`.)"""
+    data = Path(os.fsdecode(os.fsencode(tmp_path) + b"/donn\xe9es"))
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    env["PYTHONIOENCODING"] = "utf-8:strict"
+    serving = subprocess.Popen(
+        healthlog("serve", "--port", "0", "--data", data),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert serving.stdout is not None
+        line = serving.stdout.readline().decode()
+        found = re.fullmatch(
+            r"healthlog serving on http://127\.0\.0\.1:(\d+) \(data in (.+)\)\n", line
+        )
+        assert found is not None, (line, serving.communicate(timeout=LIMIT_S)[1].decode())
+        assert found.group(2) == os.fspath(data).encode("utf-8", "backslashreplace").decode()
+        with httpx.Client(timeout=LIMIT_S) as client:
+            answer = client.get(f"http://127.0.0.1:{found.group(1)}/healthz")
+        assert answer.status_code == 200
+        serving.send_signal(signal.SIGTERM)
+        err = serving.communicate(timeout=LIMIT_S)[1].decode()
+    finally:
+        if serving.poll() is None:
+            serving.kill()
+            serving.wait()
+    assert serving.returncode == 0, err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("stderr", ["reader gone", "full disk"])
 def test_import_journals_every_file_when_its_stderr_cannot_be_written_cli_93(
     tmp_path: Path, stderr: str
