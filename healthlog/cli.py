@@ -772,7 +772,8 @@ def _writable(line: str, stream: TextIO) -> str:
     """``line`` as ``stream`` can write it: a character its encoding refuses written as its
     escape, as stderr writes it. A byte of a path that is not UTF-8 (``donn\\xe9es``) is read
     as a lone surrogate, which a strict UTF-8 stdout (a UTF-8 locale other than C, as systemd
-    hands a unit) refused: ``serve`` ended at once, exit 1, with a traceback (CLI-270)."""
+    hands a unit) refused: ``serve`` ended at once, exit 1, with a traceback (CLI-270), and
+    ``status`` advising a reindex of that directory printed nothing (CLI-271)."""
     encoding = stream.encoding or "utf-8"
     try:
         line.encode(encoding, stream.errors or "strict")
@@ -1252,7 +1253,7 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
         if args.json:
             sys.stdout.buffer.write(documents.dumps(status) + b"\n")
         else:
-            print(_status_text(status, data.path))
+            print(_writable(_status_text(status, data.path), sys.stdout))
     free = free_when_full(data.path)
     if status.deliveries.pending and free is not None:
         # The service's folder knows why its last pass stopped (STORE-66), but on a full disk

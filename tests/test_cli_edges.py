@@ -4180,3 +4180,24 @@ def test_scripts_serve_starts_an_installed_clone_offline_cli_237(tmp_path: Path)
     assert line.startswith("healthlog serving on http://127.0.0.1:"), (line, err)
     assert f"(data in {clone / 'var'})" in line
     assert served.returncode == 0, err
+
+
+def test_status_advising_a_reindex_of_a_directory_whose_name_is_not_utf8_prints_cli_271(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """CLI-271: `status` on a data directory named with a byte that is not UTF-8
+    (`donn\\xe9es`) where a reindex is advised (CLI-183), its stdout strict UTF-8 (a UTF-8 locale
+    other than C), exits 0 and prints its advice line naming the directory with the byte
+    written `\\udce9`, as stderr writes it. (Before, it printed nothing and exited 1 with a
+    traceback ending `UnicodeEncodeError: ... surrogates not allowed`.)"""
+    data = Path(os.fsdecode(os.fsencode(tmp_path) + b"/donn\xe9es"))
+    records = tmp_path / "records.json"
+    records.write_bytes(ONE_MOMENT_RECORDS)
+    assert run_cli("import", "--data", data, records).code == 0
+    fold_as_before_merge_35(data / "store.sqlite")
+    status = run_cli("status", "--data", data, env={"PYTHONIOENCODING": "utf-8:strict"})
+    assert status.code == 0, status.err
+    shown = os.fspath(data).encode("utf-8", "backslashreplace").decode()
+    advice = status.out.decode().splitlines()[-1]
+    assert advice.startswith("advice      a reindex is advised: "), advice
+    assert f"`healthlog reindex --data {shown}` rebuilds" in advice, advice
