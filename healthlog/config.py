@@ -65,7 +65,7 @@ class Accepts:
             if self.choices is not None:
                 return value in self.choices
             # A host: never empty, which would listen on every interface unasked.
-            return bool(value) and not any(c.isspace() for c in value)
+            return bool(value) and not any(c.isspace() for c in value) and _askable(value)
         if not isinstance(value, int | float):
             return False
         if isinstance(value, float) and not math.isfinite(value):
@@ -73,6 +73,20 @@ class Accepts:
         if self.low is not None and (value <= self.low if self.above else value < self.low):
             return False
         return self.high is None or value <= self.high
+
+
+def _askable(host: str) -> bool:
+    """Whether the resolver can be asked for ``host``: one that is not ASCII goes to it in
+    IDNA, which refuses an empty label (a typo's ``..``, a leading dot) or one longer than 63
+    characters; the socket's bind then ended ``serve`` with a traceback (``TypeError: encoding
+    of hostname failed``, CLI-272)."""
+    if host.isascii():
+        return True
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 def _seconds(high: int | None = None) -> Accepts:

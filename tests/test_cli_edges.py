@@ -541,6 +541,29 @@ def test_serve_refuses_a_setting_of_the_wrong_kind_or_beyond_what_works_cli_37(
     assert sorted(path.name for path in data.iterdir()) == ([TOML] if toml is not None else [])
 
 
+@pytest.mark.parametrize("host", ["nasé..local", ".nasé", "é" * 64 + ".local"])
+def test_serve_refuses_a_host_no_resolver_can_be_asked_for_cli_272(
+    run_cli: RunCli, tmp_path: Path, host: str
+) -> None:
+    """CLI-272: a `host` that is not ASCII and that IDNA cannot encode (an empty label, as a
+    typo's `..` or a leading dot makes, or a label longer than 63 characters) stops `serve` with
+    exit 2 and one line naming the setting, as any other setting it cannot use (CLI-37), having
+    made nothing in the data directory; one it can encode (`nasé.local`) is asked of the
+    resolver, which says it cannot listen there (CLI-38). (Before, such a host ended `serve`
+    with a traceback ending `TypeError: encoding of hostname failed`, exit 1.)"""
+    data = tmp_path / "data"
+    data.mkdir()
+    run = run_cli("serve", "--port", "0", "--host", host, "--data", data)
+    assert (run.code, run.out) == (2, b""), run.err
+    one_line_error(run.err, " (from --host); it must be a host name or IP address")
+    assert run.err.startswith(f"healthlog: invalid host: {host[:20]!r}"[:-1]), run.err
+    assert list(data.iterdir()) == []
+    named = run_cli("serve", "--port", "0", "--host", "nasé.invalid", "--data", data)
+    assert named.code == 3, named.err
+    assert "Traceback" not in named.err
+    assert "healthlog: [Errno -2] cannot listen on nasé.invalid:0" in named.err, named.err
+
+
 def test_serve_that_cannot_listen_names_the_address_cli_38(run_cli: RunCli, tmp_path: Path) -> None:
     """CLI-38: `serve` on a port another process listens on exits 3 with one line naming the
     address it could not listen on, and no traceback, having opened nothing in its data
