@@ -337,6 +337,23 @@ def test_follow_with_a_port_out_of_range_exits_2_cli_30(run_cli: RunCli, tmp_pat
     one_line_error(run.err, f"not a service or stream URL: {url}")
 
 
+@pytest.mark.parametrize(
+    "url", ["http://nas..local:8787", "http://.nas:8787", f"ws://{'n' * 64}.local/v1/stream"]
+)
+def test_follow_with_a_host_no_resolver_can_be_asked_for_exits_2_cli_273(
+    run_cli: RunCli, tmp_path: Path, url: str
+) -> None:
+    """CLI-273: `follow --url` whose host has an empty label (a typo's `..`, a leading dot) or
+    one longer than 63 characters, which no resolver can be asked for, exits 2 with CLI-30's one
+    line and makes no replica. (Before, the first look-up ended `follow` with a traceback
+    ending `UnicodeError: encoding with 'idna' codec failed (UnicodeError: label empty or too
+    long)`, exit 1.)"""
+    replica = tmp_path / "replica"
+    run = run_cli("follow", "--url", url, "--token", "t", "--replica", replica)
+    assert run.code == 2, run.err
+    one_line_error(run.err, f"not a service or stream URL: {url}")
+
+
 def test_verify_says_what_is_not_folded_yet_cli_32(cli: Cli, tmp_path: Path) -> None:
     """CLI-32: `verify` on a data directory with journaled deliveries not folded yet (another
     process holds the fold lease) exits 0 for what is folded and says how many are not."""

@@ -252,6 +252,12 @@ class Endpoints:
             raise FollowError(f"not a service or stream URL: {url}") from None
         if parts.scheme not in ("http", "https", "ws", "wss") or not parts.hostname:
             raise FollowError(f"not a service or stream URL: {url}")
+        try:
+            # As the look-up asks for it: a name with an empty label (a typo's ``..``, a leading
+            # dot) or one over 63 characters ended ``follow`` with a traceback (CLI-273).
+            parts.hostname.encode("idna")
+        except UnicodeError:
+            raise FollowError(f"not a service or stream URL: {url}") from None
         tls = parts.scheme in ("https", "wss")
         port = given_port or (443 if tls else 80)
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
