@@ -586,9 +586,26 @@ def _stopped_after(names: list[str], ids: list[int]) -> str:
     return line
 
 
+def _check_metric(metric: str | None, command: str) -> None:
+    """``--metric`` as ``command`` takes it. An empty one (a script's unset variable) is no
+    metric's, and printed nothing with exit 0, as if there were no points, where `GET
+    /v1/points?metric=` gives every metric's (CLI-136). One with a byte that is not UTF-8 (typed
+    in a terminal set to Latin-1) is no metric's either: the app names them in UTF-8, and the
+    query, or a seal's body, could not encode it, a traceback, exit 1 (CLI-274)."""
+    if metric == "":
+        raise CliError(f"--metric names a metric; leave it out to {command} every metric")
+    if metric is not None and not metric.isascii():
+        try:
+            metric.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CliError(
+                f"--metric {metric!r} is not UTF-8, as every metric's name is; {command} takes"
+                " it as the app writes it"
+            ) from None
+
+
 def cmd_seal(args: argparse.Namespace, data: DataDir) -> int:
-    if args.metric == "":
-        raise CliError("--metric names a metric; leave it out to seal every metric")
+    _check_metric(args.metric, "seal")
     seal = Seal(args.before, args.metric, args.layer)
     _journal_not_lost(data)
     config = _settings(data)
@@ -968,10 +985,7 @@ def cmd_chaos(args: argparse.Namespace, data: DataDir) -> int:
 
 
 def cmd_export(args: argparse.Namespace, data: DataDir) -> int:
-    if args.metric == "":
-        # A metric no object has: it printed nothing and exited 0, as if there were no points,
-        # where `GET /v1/points?metric=` gives every metric's (CLI-136).
-        raise CliError("--metric names a metric; leave it out to export every metric")
+    _check_metric(args.metric, "export")
     if (
         args.start_from is not None
         and args.start_to is not None

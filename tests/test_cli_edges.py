@@ -885,6 +885,32 @@ def test_export_of_an_empty_metric_exits_2_cli_136(cli: Cli, tmp_path: Path) -> 
     assert len(cli("export", "--metric", HR, "--data", data).out.splitlines()) == 1
 
 
+@pytest.mark.parametrize("command", ["export", "seal"])
+def test_a_metric_that_is_not_utf8_exits_2_cli_274(
+    run_cli: RunCli, tmp_path: Path, command: str
+) -> None:
+    """CLI-274: `export --metric` or `seal --metric` given a name with a byte that is not UTF-8
+    (`st\xe9p`, typed in a terminal set to Latin-1), which no metric the app sends is named,
+    exits 2 with one line naming `--metric`, and journals nothing; the name in UTF-8 is taken.
+    (Before, the query or the seal's body could not encode it: a traceback ending
+    `UnicodeEncodeError: ... surrogates not allowed`, exit 1.)"""
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800"))))
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, file).code == 0
+    flags = {"export": [], "seal": ["--before", "2024-02-01T00:00:00Z", "--no-wait"]}[command]
+    named = os.fsdecode(b"st\xe9p")
+    run = run_cli(command, "--metric", named, *flags, "--data", data)
+    assert (run.code, run.out) == (2, b""), run.err
+    one_line_error(
+        run.err,
+        f"healthlog: --metric 'st\\udce9p' is not UTF-8, as every metric's name is; {command}"
+        " takes it as the app writes it",
+    )
+    with DataDir(data).open_journal() as journal:
+        assert len(journal.iter_order()) == 1
+    assert run_cli(command, "--metric", "stép", *flags, "--data", data).code == 0
+
+
 def test_export_of_a_range_that_ends_before_it_starts_exits_2_cli_137(
     cli: Cli, tmp_path: Path
 ) -> None:
