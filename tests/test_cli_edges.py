@@ -15,6 +15,7 @@ import pwd
 import re
 import resource
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -4266,4 +4267,27 @@ def test_status_advising_a_reindex_of_a_directory_whose_name_is_not_utf8_prints_
     shown = os.fspath(data).encode("utf-8", "backslashreplace").decode()
     advice = status.out.decode().splitlines()[-1]
     assert advice.startswith("advice      a reindex is advised: "), advice
-    assert f"`healthlog reindex --data {shown}` rebuilds" in advice, advice
+    assert f"`healthlog reindex --data '{shown}'` rebuilds" in advice, advice
+
+
+def test_the_reindex_advised_for_a_directory_with_a_space_runs_as_given_store_150(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STORE-150: where a reindex is advised (CLI-183) on a data directory whose path holds a
+    space (`/srv/Health Data`, as a NAS share is often named), the command `status` names runs as
+    a shell reads it: it rebuilds that directory, and `status` advises nothing after it. (Before,
+    the path stood unquoted: the shell read `--data /srv/Health` and `Data`, and `healthlog`
+    exited 2, `unrecognized arguments: Data`.)"""
+    data = tmp_path / "Health Data"
+    records = tmp_path / "records.json"
+    records.write_bytes(ONE_MOMENT_RECORDS)
+    assert run_cli("import", "--data", data, records).code == 0
+    fold_as_before_merge_35(data / "store.sqlite")
+    advice = run_cli("status", "--data", data).out.decode().splitlines()[-1]
+    found = re.search(r"`(healthlog reindex [^`]+)`", advice)
+    assert found is not None, advice
+    words = shlex.split(found.group(1))
+    assert words[:3] == ["healthlog", "reindex", "--data"], words
+    reindexed = run_cli(*words[1:])
+    assert reindexed.code == 0, reindexed.err
+    assert "advice" not in run_cli("status", "--data", data).out.decode()

@@ -4,6 +4,7 @@ deliveries whose fold failed (or rejected part of them)."""
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Collection, Sequence
 
 from healthlog import clock
@@ -108,11 +109,13 @@ def database_sizes(journal: Journal, store: Store) -> dict[str, int]:
 def reindex_advice(codes: Sequence[str], data: str | os.PathLike[str]) -> str:
     """What ``serve``, ``status`` and ``verify`` say while a reindex is advised (``codes`` of
     ``REINDEX_REASONS``, a code this healthlog does not know as it is): why, and the command,
-    with the data directory ``data``. It names sections, never a record's name or value."""
+    with the data directory ``data``, quoted as a shell reads it (a path with a space, a NAS
+    share's, was read as two words: STORE-150). It names sections, never a record's name or
+    value."""
     why = "; ".join(REINDEX_REASONS.get(code, code) for code in codes)
     return (
-        f"a reindex is advised: {why}; `healthlog reindex --data {os.fspath(data)}` rebuilds"
-        " the objects from the journal (safe while serve runs)"
+        f"a reindex is advised: {why}; `healthlog reindex --data {shlex.quote(os.fspath(data))}`"
+        " rebuilds the objects from the journal (safe while serve runs)"
     )
 
 
