@@ -1250,3 +1250,28 @@ async def test_a_front_s_rate_limit_is_waited_out_stream_139(
         assert times[1] - times[0] >= 5
     retried = "follow: retrying in 5.0 s, as the server asks (Retry-After: 5 s)"
     assert caplog.text.count(retried) == 3
+
+
+async def test_the_chmod_said_of_a_shared_replica_directory_with_a_space_runs_as_given_stream_190(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STREAM-190: `healthlog follow` on a replica directory every user may write in (STREAM-132)
+    whose path holds a space (`Health Replica`) names a `chmod go-w` that, run by a shell as
+    given, mends that directory: the next run says nothing of it. (Before, the path stood
+    unquoted: the shell read `.../Health` and `Replica`, `chmod` said `cannot access`, and the
+    directory stayed open to every user.)"""
+    replica = tmp_path / "Health Replica"
+    replica.mkdir()
+    replica.chmod(0o777)
+    async with serving(tmp_path / "server") as service:
+        await post_small(service, 0)
+        warned = await follow_process(run_cli, service, replica)
+        [said] = warnings_of(warned)
+        found = re.search(r"`(chmod go-w [^`]+)`", said)
+        assert found is not None, said
+        mending = subprocess.run(["sh", "-c", found.group(1)], capture_output=True, text=True)
+        assert mending.returncode == 0, mending.stderr
+        mended = await follow_process(run_cli, service, replica)
+    assert warned.code == 0, warned.err
+    assert mended.code == 0, mended.err
+    assert warnings_of(mended) == []

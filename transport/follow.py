@@ -39,6 +39,7 @@ import hashlib
 import logging
 import math
 import os
+import shlex
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -308,7 +309,8 @@ class Follower:
     async def run(self) -> None:
         """Follow until caught up (with ``until_caught_up``) or cancelled; reconnect on breaks.
         A replica directory every user may write in is said in one WARNING, with the ``chmod``
-        that mends it (STREAM-132), as the service says of its data directory (STORE-97)."""
+        that mends it (STREAM-132), as the service says of its data directory (STORE-97), the
+        directory quoted as a shell reads it (STREAM-190)."""
         mode = self.replica.open_mode()
         if mode is not None:
             directory = os.path.dirname(self.replica.path)
@@ -319,7 +321,7 @@ class Follower:
                 directory,
                 mode,
                 REPLICA_FILE,
-                directory,
+                shlex.quote(directory),
             )
         with self.replica.following():
             await self._run()
