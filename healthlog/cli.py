@@ -774,14 +774,15 @@ async def _serve(data: DataDir, config: ServeConfig) -> None:
         if reserved:
             # Their requests are refused like a mistyped token's: without this line nothing
             # tells why a phone that sent with one before the upgrade gets 401 now. A count,
-            # never a name (a name is often a device's).
+            # never a name (a name is often a device's); the directory quoted as a shell reads
+            # it (SERVE-161).
             log.warning(
                 "%d client token(s) named with the reserved prefix %r (which an older healthlog"
                 " allowed) authenticate nothing, their requests refused 401: `healthlog token"
                 " list --data %s` names them; revoke each and add one under another name",
                 reserved,
                 RESERVED_PREFIX,
-                data.path,
+                shlex.quote(os.fspath(data.path)),
             )
 
 

@@ -4291,3 +4291,23 @@ def test_the_reindex_advised_for_a_directory_with_a_space_runs_as_given_store_15
     reindexed = run_cli(*words[1:])
     assert reindexed.code == 0, reindexed.err
     assert "advice" not in run_cli("status", "--data", data).out.decode()
+
+
+def test_the_token_list_said_of_reserved_names_in_a_directory_with_a_space_runs_serve_161(
+    tmp_path: Path, cli: Cli, run_cli: RunCli
+) -> None:
+    """SERVE-161: `serve` on a data directory whose path holds a space (`Health Data`) and a
+    token with a reserved name (CLI-157) names a `healthlog token list` that, run as a shell
+    reads it, lists that directory's tokens. (Before, the path stood unquoted: the shell read
+    `--data .../Health` and `Data`, and `healthlog` exited 2, `unrecognized arguments: Data`.)"""
+    data = tmp_path / "Health Data"
+    assert cli("token", "add", "phone", "--data", data).code == 0
+    with closing(sqlite3.connect(data / "tokens.sqlite")) as conn, conn:
+        conn.execute("UPDATE tokens SET name = 'cli:phone' WHERE name = 'phone'")
+    said = [line for line in _served_warnings(data) if "reserved prefix" in line]
+    assert len(said) == 1, said
+    found = re.search(r"`(healthlog token list [^`]+)`", said[0])
+    assert found is not None, said
+    words = shlex.split(found.group(1).replace('\\"', '"'))
+    listed = run_cli(*words[1:])
+    assert (listed.code, listed.out) == (0, b"cli:phone\n"), listed.err
