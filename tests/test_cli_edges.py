@@ -4311,3 +4311,34 @@ def test_the_token_list_said_of_reserved_names_in_a_directory_with_a_space_runs_
     words = shlex.split(found.group(1).replace('\\"', '"'))
     listed = run_cli(*words[1:])
     assert (listed.code, listed.out) == (0, b"cli:phone\n"), listed.err
+
+
+def test_the_chown_said_of_a_directory_with_a_space_runs_as_given_store_151(
+    run_cli: RunCli,
+) -> None:
+    """STORE-151: a command run as a user who may not write a data directory whose path holds
+    a space (`Health Data`) exits 3 naming a `chown -R USER: DIR && chmod -R u+rwX DIR` (CLI-90)
+    with the directory quoted as a shell reads it: run as given (by root), it makes the
+    directory that user's, and the command then runs. (Before, the path stood unquoted: `chown`
+    and `chmod` said `cannot access` for `.../Health` and `Data`, the directory unchanged.)"""
+    if os.geteuid() != 0:
+        pytest.skip("runs the command as another user, which only root can")
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv is missing")
+    as_nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups"]
+    with reachable_home("healthlog-store-151-") as home:
+        data = home / "Health Data"
+        hr = write(
+            home / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+        )
+        assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+        refused = run_status([*as_nobody, *healthlog("export", "--data", data)], home)
+        assert not refused[0], refused
+        found = re.search(r"\(`(chown -R [^`]+)`\)", refused[2])
+        assert found is not None, refused[2]
+        mending = subprocess.run(["sh", "-c", found.group(1)], capture_output=True, text=True)
+        assert mending.returncode == 0, mending.stderr
+        exported = run_status([*as_nobody, *healthlog("export", "--data", data)], home)
+    assert exported[0], exported
+    assert len(exported[1].splitlines()) == 1, exported

@@ -13,6 +13,7 @@ import grp
 import logging
 import os
 import pwd
+import shlex
 import sqlite3
 import stat
 import threading
@@ -448,7 +449,7 @@ def _companion_not_ours(path: Path, companion: Path, stats: os.stat_result) -> S
         f"{path.name} cannot be written: user {user} may not read and write {companion} (it is"
         f" {user_name(stats.st_uid)}'s, mode {stat.S_IMODE(stats.st_mode):04o}), which every"
         f" write to {path.name} goes through; make it {user}'s to read and write"
-        f" (`chown -R {user}: {path.parent} && chmod -R u+rwX {path.parent}`)"
+        f" ({_mending(user, path.parent)})"
     )
     error.code = _SQLITE_READONLY
     error.kind = f"SQLITE_READONLY: {_MEANINGS[_SQLITE_READONLY]}"
@@ -782,9 +783,17 @@ def not_permitted(path: str | os.PathLike[str]) -> str:
         return (
             f": user {user} may not {what} {candidate} (it is {owner}'s, mode"
             f" {stat.S_IMODE(stats.st_mode):04o});{run_as} make it {user}'s to read and write"
-            f" (`chown -R {user}: {file.parent} && chmod -R u+rwX {file.parent}`)"
+            f" ({_mending(user, file.parent)})"
         )
     return ""
+
+
+def _mending(user: str, directory: Path) -> str:
+    """The commands that make ``directory`` ``user``'s to read and write, the directory quoted
+    as a shell reads it: a path with a space (a NAS share's) was two words to ``chown`` and
+    ``chmod``, which changed nothing (STORE-151)."""
+    quoted = shlex.quote(os.fspath(directory))
+    return f"`chown -R {user}: {quoted} && chmod -R u+rwX {quoted}`"
 
 
 def root_s_in_another_s(stats: os.stat_result, directory: Path) -> bool:
