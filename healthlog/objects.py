@@ -161,11 +161,14 @@ def to_wire(obj: HourlyObject) -> dict[str, Any]:
 
 
 _WIRE_INTEGERS = ("first", "last", "points", "created_by")
+WIRE_INTEGER_RANGE = range(-(2**63), 2**63)
+"""The integers an object holds are SQLite's: a JSON decoder reads up to 2**64 - 1 as an
+integer, which a replica could not write (STREAM-200)."""
 
 
 def from_wire(key: ObjectKey, state: dict[str, Any]) -> HourlyObject:
     """The inverse of :func:`to_wire`; raises KeyError, ValueError or TypeError when malformed
-    (a field missing, or not of its type)."""
+    (a field missing, or not of its type or range)."""
     if (
         not (state["units"] is None or type(state["units"]) is str)
         or type(state["hash"]) is not str
@@ -174,6 +177,8 @@ def from_wire(key: ObjectKey, state: dict[str, Any]) -> HourlyObject:
         or any(type(state[name]) is not int for name in _WIRE_INTEGERS)
     ):
         raise TypeError("an object state whose fields are not of their types")
+    if any(state[name] not in WIRE_INTEGER_RANGE for name in _WIRE_INTEGERS):
+        raise ValueError("an object state whose numbers are past SQLite's integers")
     return HourlyObject(
         key=key,
         units=state["units"],

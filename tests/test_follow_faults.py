@@ -404,6 +404,49 @@ async def test_a_frame_not_of_healthlogs_shape_stops_the_follower_stream_74(
         assert await cursor_of(replica) == 1
 
 
+def changed(seq: int, **state: Any) -> str:
+    """An ``object.changed`` event frame whose object state has the fields ``state`` changed."""
+    obj = {
+        "units": "count",
+        "hash": "00" * 32,
+        "body": "",
+        "sealed": False,
+        "first": 0,
+        "last": 0,
+        "points": 1,
+        "created_by": 1,
+        **state,
+    }
+    frame = {"type": "event", "seq": seq, "id": f"s:{seq}", "kind": "object.changed"}
+    key = {"metric": "m", "layer": "minutes", "hour": "2024-03-01T10:00:00Z", "hash": None}
+    return orjson.dumps({**frame, **key, "points": 1, "delivery_id": 1, "object": obj}).decode()
+
+
+@pytest.mark.parametrize("field", ["first", "last", "points", "created_by"])
+async def test_an_object_number_beyond_sqlite_stops_the_follower_stream_200(
+    tmp_path: Path, field: str
+) -> None:
+    """STREAM-200: WHEN the stream sends an event whose object holds a number past SQLite's
+    integers (2**64 - 1, which JSON decoders read as an integer) THEN the follower applies the
+    events before it and stops with a FollowError saying the frame is not healthlog's. (Before,
+    the replica's write raised OverflowError out of ``follow``: a traceback, found by
+    ``scripts/fuzz/follow.py``.)"""
+    stream = {"id": "s", "instance": "i", "head": 3, "oldest_cursor": 0, "public_key": "k"}
+    answers: dict[bytes, bytes | Answer] = {
+        b"/v1/status": json_answer({"stream": stream}),
+        b"/v1/snapshots/key": json_answer({"public_key": "k"}),
+    }
+    frames = [event(1), changed(2, **{field: 2**64 - 1}), event(3)]
+    with Replica(tmp_path / "replica") as replica:
+        async with faking(answers=answers, frames=frames) as fake:
+            with (
+                trio.fail_after(FRAME_LIMIT_S),
+                pytest.raises(FollowError, match="a frame that is not healthlog's: ValueError"),
+            ):
+                await follow(fake.url(), "hl_token", replica)
+        assert await cursor_of(replica) == 1
+
+
 def replace_replica(directory: Path, how: str) -> None:
     """Remove the replica's files, or move its directory away and make another replica where
     it was."""
