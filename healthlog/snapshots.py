@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from healthlog.documents import Manifest, SnapshotHeader, converter, dumps
-from healthlog.objects import HourlyObject, ObjectKey, from_wire, to_wire
+from healthlog.objects import WIRE_INTEGER_RANGE, HourlyObject, ObjectKey, from_wire, to_wire
 
 SCHEMA = "healthlog.snapshot.v1"
 # Sequences are SQLite integers handed out from 1: a manifest's is never outside this range.
@@ -149,6 +149,17 @@ def header_tag(file: BinaryIO) -> object:
     return header.get("tag") if isinstance(header, dict) else None
 
 
+def _key(metric: object, layer: object, hour: object) -> ObjectKey:
+    """An object line's key; TypeError or ValueError when its fields are not a key's, which a
+    replica would store as they came (an hour as text, under no hour a query finds) or could
+    not store at all (STREAM-201)."""
+    if type(metric) is not str or type(layer) is not str or type(hour) is not int:
+        raise TypeError("an object key whose fields are not of their types")
+    if hour not in WIRE_INTEGER_RANGE:
+        raise ValueError("an object hour past SQLite's integers")
+    return ObjectKey(metric, layer, hour)
+
+
 def read(file: BinaryIO, manifest: Manifest) -> Iterator[HourlyObject]:
     """The objects of a snapshot file that passed :func:`check`, decompressed and decoded one
     line at a time as they are iterated.
@@ -180,7 +191,7 @@ def read(file: BinaryIO, manifest: Manifest) -> Iterator[HourlyObject]:
                     raise SnapshotError(_HEADER_DIFFERS)
                 seen += 1
                 o = orjson.loads(line)
-                yield from_wire(ObjectKey(o["metric"], o["layer"], o["hour"]), o)
+                yield from_wire(_key(o["metric"], o["layer"], o["hour"]), o)
             if seen != count:
                 raise SnapshotError(_HEADER_DIFFERS)
     except (

@@ -429,7 +429,7 @@ async def test_an_object_number_beyond_sqlite_stops_the_follower_stream_200(
     """STREAM-200: WHEN the stream sends an event whose object holds a number past SQLite's
     integers (2**64 - 1, which JSON decoders read as an integer) THEN the follower applies the
     events before it and stops with a FollowError saying the frame is not healthlog's. (Before,
-    the replica's write raised OverflowError out of ``follow``: a traceback, found by
+    the replica's write raised OverflowError out of ``follow``: a traceback, found writing
     ``scripts/fuzz/follow.py``.)"""
     stream = {"id": "s", "instance": "i", "head": 3, "oldest_cursor": 0, "public_key": "k"}
     answers: dict[bytes, bytes | Answer] = {
