@@ -35,11 +35,13 @@ from actors.journal import GONE
 from healthlog import faults
 from healthlog.clock import now_us
 from healthlog.folding import FoldPass, FoldReport, OutcomeClass
+from healthlog.orphans import exit_when_orphaned
 from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Budget, Selection, take_page, write_marks
 from healthlog.storage.store import WORKER_DIED, OutcomeRow, Store
 from healthlog.storage.worker import fold_run, ready, retire
+from healthlog.storage.worker import log as worker_log
 
 log = logging.getLogger("healthlog.folding")
 
@@ -82,10 +84,12 @@ def _start_worker() -> None:
     its hangup (a shell signals its jobs as it exits) signals the whole process group; the
     service then stops its workers itself (a cancelled fold kills its worker, an idle one ends
     with the worker cache), where a worker dying of the signal first was a lost worker, logged
-    as the folding actor's crash."""
+    as the folding actor's crash. Since nothing stops it when the service is killed alone, it
+    ends by itself once the service is gone (RUN-170)."""
     os.nice(WORKER_NICENESS)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
+    exit_when_orphaned(os.getppid(), worker_log)
 
 
 class Executor(enum.Enum):

@@ -620,6 +620,56 @@ def test_an_import_killed_mid_fold_leaves_no_lease_to_wait_for_cli_250(
         assert store.lease().epoch == 2
 
 
+def test_a_fold_worker_whose_serve_is_killed_alone_ends_its_fold_at_once_run_170(
+    tmp_path: Path,
+) -> None:
+    """RUN-170: `healthlog serve`'s main process killed alone by SIGKILL (the out-of-memory
+    killer's choice, or a `kill -9` of its pid) while its fold worker is in the middle of a
+    fold, its transaction open (held for 600 s at `fold.before_commit`, as a long fold holds
+    it): the worker and the rest of the service's children end within seconds, the worker
+    saying why in one WARNING; its fold's writes are rolled back, and the service started
+    again folds the delivery (parsed, at epoch 2) and `verify` exits 0. (Before, the orphaned
+    worker went on with its fold, holding the store's write lock, for as long as the fold
+    took: 28.3 s for a 200 MiB delivery, and here 600 s.)"""
+    data = tmp_path / "data"
+    headers = {**add_token(data), "automation-aggregation": "minutes"}
+    env = {**environment(), "HEALTHLOG_LEASE_TTL_S": "600"}
+    plan = {"fold.before_commit": {"hits": [1], "do": "delay", "seconds": 600}}
+    held = {**env, "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    first, url = start_serve(data, held, tmp_path / "first.log", start_new_session=True)
+    with first:
+        try:
+            wait_ready(url)
+            assert httpx.post(f"{url}/v1/deliveries", content=_step_body(1), headers=headers)
+            _said(tmp_path / "first.log", "fault injected at fold.before_commit", first)
+            left = children(first.pid)
+            assert left
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            deadline = time.monotonic() + LIMIT_S
+            while any(alive(pid) for pid in left):
+                assert time.monotonic() < deadline, "the orphaned fold worker went on"
+                time.sleep(POLL_S)
+        finally:
+            os.killpg(first.pid, signal.SIGKILL)
+    said = (tmp_path / "first.log").read_text()
+    gone = [line for line in said.splitlines() if f"(pid {first.pid}) is gone" in line]
+    assert len(gone) == 1, said[-3000:]
+    assert "level=WARNING" in gone[0]
+    again, url = start_serve(data, env, tmp_path / "again.log")
+    with again:
+        try:
+            wait_ready(url)
+            _folded(url, headers, 1)
+            assert _status(url, headers, 1) == "parsed"
+        finally:
+            again.send_signal(signal.SIGTERM)
+    with DataDir(data).open_store() as store:
+        assert store.lease().epoch == 2
+    run = subprocess.run(healthlog("verify", "--data", data), env=env, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+
+
 async def test_a_lease_left_by_a_dead_holder_is_taken_as_it_expires_run_79(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:

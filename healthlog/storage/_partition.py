@@ -47,8 +47,6 @@ import signal
 import sqlite3
 import sys
 import tempfile
-import threading
-import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Set
@@ -60,6 +58,7 @@ from healthlog import hae, layers, objects
 from healthlog.fold import PARSED, DeliveryFold, DeliveryInfo, Outcome, Unstored
 from healthlog.merge import Counters
 from healthlog.objects import HourlyObject, ObjectKey
+from healthlog.orphans import exit_when_orphaned
 from healthlog.seals import Seal, SealError, covered, folded_into, is_seal
 from healthlog.seals import decode as decode_seal
 from healthlog.storage import _objects
@@ -92,8 +91,6 @@ AHEAD_SHARES = 1024
 TASK_BYTES = 4 * 2**20
 # How often this process wakes while it waits for workers: progress, and the lease renewal.
 POLL_S = 1.0
-# How often a worker checks that the rebuilding process is still its parent.
-ORPHAN_POLL_S = 0.5
 
 # Judgements (see :func:`judge`) running or waiting in the pool at a time, at most.
 JUDGING = 256
@@ -308,14 +305,7 @@ def _worker_started(parent: int) -> None:
     forever)."""
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
-    watch = threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True)
-    watch.start()
-
-
-def _exit_when_orphaned(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(ORPHAN_POLL_S)
-    os._exit(1)
+    exit_when_orphaned(parent)
 
 
 def rebuild(
