@@ -93,6 +93,13 @@ class Envelope:
     problems: list[str] = attrs.Factory(list)
 
 
+def detached(arrays: list[msgspec.Raw]) -> list[msgspec.Raw]:
+    """``arrays`` copied out of the body they were read from: each array read keeps the whole
+    body in memory for as long as it is held, which a share of a delivery waiting for a rebuild's
+    worker is (STORE-145)."""
+    return [raw.copy() for raw in arrays]
+
+
 def read_envelope(body: bytes) -> Envelope:
     """Decode the envelope of a body; raise EnvelopeError when it is not JSON or not an envelope."""
     if body.startswith(UTF8_BOM):

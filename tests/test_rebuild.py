@@ -804,6 +804,54 @@ def test_a_partitioned_rebuild_reads_ahead_a_bounded_number_of_shares_store_82(
     assert 0 < most <= 2 * 8 + 2, most
 
 
+def test_shares_waiting_for_a_slow_partition_do_not_hold_their_whole_bodies_store_145(
+    journal: Journal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STORE-145: a partitioned rebuild of 60 deliveries of a large metric (225 kB of JSON
+    each) and a one-point one, whose one-point partition folds nothing until all 60 are read,
+    allowed 1 MiB of shares ahead of its workers, holds less than 4 MiB more memory than it
+    began with at any progress report, and rebuilds what one process rebuilds. A share's
+    arrays were slices of the whole body, each keeping all of it alive: the one-point shares
+    held every body read (10.4 MB; 2.5 MB now)."""
+    big = [point(m, m % 7) for m in range(5000)]
+    for n in range(60):
+        append(journal, delivery(body({"big": big, "small": [point(n, 1)]})))
+    alone = rebuilt(journal, tmp_path / "one.sqlite", workers=1)
+    monkeypatch.setattr(_partition, "AHEAD_BYTES", 2**20)
+    monkeypatch.setattr(_partition, "TASK_BYTES", 2**18)
+    go = tmp_path / "go"
+    fold_chunk = _partition.fold_chunk
+
+    def folding(path: str, chunk: list[Any]) -> Any:
+        while not any("big" in share.metrics for _, share in chunk) and not go.exists():
+            time.sleep(0.01)
+        return fold_chunk(path, chunk)
+
+    folding.__qualname__ = "fold_chunk"
+    folding.__module__ = _partition.__name__
+    monkeypatch.setattr(_partition, "fold_chunk", folding)
+    reports, most = 0, 0
+
+    def measure(done: int, total: int) -> None:
+        nonlocal reports, most
+        reports += 1
+        most = max(most, tracemalloc.get_traced_memory()[0] - began)
+        if reports >= total:
+            go.touch()
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        began = tracemalloc.get_traced_memory()[0]
+        rebuild_into(journal, tmp_path / "two.sqlite", workers=2, progress=measure)
+    finally:
+        tracemalloc.stop()
+
+    two = rows(tmp_path / "two.sqlite")
+    assert {name: two[name] for name in alone} == alone
+    assert 0 < most < 4 * 2**20, most
+
+
 def test_partitions_settle_as_they_finish_and_are_gathered_as_they_settle_store_42(
     journal: Journal, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -571,7 +571,10 @@ class _Run:
     def _cut(self, envelope: hae.Envelope) -> dict[_Part, tuple[hae.Envelope, int]]:
         """One share of the envelope per partition the delivery touches, with its size in
         bytes. The partition of its first metric with points also takes the metrics without
-        any: they write nothing, but their units still count (``unit_mismatches``)."""
+        any: they write nothing, but their units still count (``unit_mismatches``). A share
+        holds copies of its arrays, not slices of the body, so that its size is what it keeps
+        in memory while it waits: a partition that lags behind held a whole body per share
+        (STORE-145)."""
         weights: dict[Unit, int] = {}
         for name, group in envelope.metrics.items():
             if group.points:
@@ -590,12 +593,12 @@ class _Run:
             part = self._owner[(False, name)] if group.points else host
             if part is not None:
                 share, size = shares.setdefault(part, (hae.Envelope(), 0))
-                share.metrics[name] = group
+                share.metrics[name] = attrs.evolve(group, arrays=hae.detached(group.arrays))
                 shares[part] = share, size + weights.get((False, name), 0)
         for name, arrays in envelope.sections.items():
             part = self._owner[(True, name)]
             share, size = shares.setdefault(part, (hae.Envelope(), 0))
-            share.sections[name] = arrays
+            share.sections[name] = hae.detached(arrays)
             shares[part] = share, size + weights[(True, name)]
         return shares
 
