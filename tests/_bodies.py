@@ -21,7 +21,7 @@ from healthlog import objects
 from healthlog.objects import ObjectKey
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import Selection
-from healthlog.storage.store import MIGRATIONS, Store
+from healthlog.storage.store import MIGRATIONS, REINDEX_MARK, Store
 
 BASE_US = 1_709_251_200_000_000
 NOW = BASE_US
@@ -110,12 +110,15 @@ ONE_MOMENT_RECORDS = b'{"data":{"symptoms":[%s],"medications":[%s]}}' % (
     ),
 )
 
+# The schema version before the migration that marks a store folded before MERGE-35.
+BEFORE_MERGE_35 = next(v for v, script in enumerate(MIGRATIONS) if REINDEX_MARK in script)
+
 
 def fold_as_before_merge_35(path: str | os.PathLike[str]) -> None:
     """Leave the store at ``path`` as a healthlog before MERGE-35 left it: of the symptoms,
     medication doses and cycle-tracking entries sharing a start and end in an object, one kept
     (the last in the body, as the older fold kept the greatest by canonical form), and its schema
-    one version older than this healthlog's."""
+    the version before the migration that marks such a store."""
     with closing(sqlite3.connect(path)) as conn, conn:
         found = conn.execute(
             "SELECT rowid, metric, layer, hour, units, created_by, body FROM objects"
@@ -129,4 +132,4 @@ def fold_as_before_merge_35(path: str | os.PathLike[str]) -> None:
                 " WHERE rowid = ?",
                 (older.body, older.hash, older.first, older.last, older.count, rowid),
             )
-        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) - 1}")
+        conn.execute(f"PRAGMA user_version = {BEFORE_MERGE_35}")

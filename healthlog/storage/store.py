@@ -270,6 +270,22 @@ MIGRATIONS = (
             AND metric IN ('symptoms', 'medications', 'cycleTracking')
         );
     """,
+    # The objects no seal covers yet, by hour: a seal looks for those it covers among them
+    # (:data:`MARK_SEALED`), where it read every object of the store, bodies and all, each
+    # night (0.12 to 0.84 s for 691,053 objects over 4 years, growing with every year kept);
+    # it now reads the few no seal covers yet (965 there, 2 to 6 ms; SEAL-30).
+    """
+    CREATE INDEX IF NOT EXISTS objects_unsealed ON objects (hour) WHERE sealed = 0;
+    """,
+)
+# Mark the objects a seal covers (``Seal.covers`` in SQL) that lack it, returning their metric,
+# layer, hour, hash and points; ``hour <= before`` lets it search ``objects_unsealed``, whose
+# WHERE term it holds as is (SQLite takes a partial index only then).
+MARK_SEALED = (
+    "UPDATE objects SET sealed = 1 WHERE sealed = 0 AND hour <= :before"
+    f" AND hour + {_span('objects')} <= :before"
+    " AND coalesce(:metric = metric, 1) AND coalesce(:layer = layer, 1)"
+    " RETURNING metric, layer, hour, hash, points"
 )
 # The tag of an event as it is inserted: 64 random bits, as 16 hex digits.
 EVENT_TAG = "lower(hex(randomblob(8)))"
@@ -759,10 +775,7 @@ class Store(_objects.ObjectDatabase):
         """Set ``sealed`` on the stored objects ``seal`` covers (``Seal.covers`` in SQL) that
         lack it; their metric, layer, hour, hash and points."""
         return self._conn.execute(
-            f"UPDATE objects SET sealed = 1 WHERE sealed = 0 AND hour + {_span('objects')} <= ?"
-            " AND coalesce(? = metric, 1) AND coalesce(? = layer, 1)"
-            " RETURNING metric, layer, hour, hash, points",
-            (seal.before, seal.metric, seal.layer),
+            MARK_SEALED, {"before": seal.before, "metric": seal.metric, "layer": seal.layer}
         ).fetchall()
 
     def fail(self, meta: DeliveryMeta, epoch: int, reason: str, *, live: bool = True) -> FoldReport:
