@@ -1783,7 +1783,7 @@ def test_a_record_naming_a_path_that_is_not_utf8_is_logged_serve_160(
         assert re.fullmatch(r"time=\S+ level=WARNING logger=healthlog\.datadir", prefix), prefix
         message = json.loads(quoted)
     assert message.startswith(f"health data readable by every user of the machine in {shown}: ")
-    assert f"`chmod -R o-rwx {shown}` makes them unreadable" in message
+    assert f"`chmod -R o-rwx '{shown}'` makes them unreadable" in message
 
 
 def test_a_restore_readable_by_every_user_is_named_without_a_guessed_cause_store_99(
@@ -4340,3 +4340,71 @@ def test_the_chown_said_of_a_directory_with_a_space_runs_as_given_store_151(
         exported = run_status([*as_nobody, *healthlog("export", "--data", data)], home)
     assert exported[0], exported
     assert len(exported[1].splitlines()) == 1, exported
+
+
+def _readable_by_every_user(data: Path) -> str:
+    for name in ("journal.sqlite", "store.sqlite"):
+        (data / name).chmod(0o644)
+    return "readable by every user"
+
+
+def _writable_by_every_user(data: Path) -> str:
+    (data / "snapshots").mkdir(exist_ok=True)
+    for directory in (data, data / "snapshots"):
+        directory.chmod(0o777)
+    return "may write in"
+
+
+@pytest.mark.parametrize("opening", [_readable_by_every_user, _writable_by_every_user])
+def test_the_chmod_said_of_open_modes_in_a_directory_with_a_space_runs_as_given_store_152(
+    run_cli: RunCli, tmp_path: Path, opening: Callable[[Path], str]
+) -> None:
+    """STORE-152: a data directory whose path holds a space (`Health Data`) with files every
+    user may read (STORE-79) or directories every user may write in (STORE-97) is named at a
+    start with a `chmod` that, run by a shell as given, mends it: the next start says nothing of
+    it. (Before, the path stood unquoted: `chmod` said
+    `cannot access` for `.../Health` and `Data`, and the modes stayed as they were.)"""
+    data = tmp_path / "Health Data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    said = opening(data)
+    again = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert again.code == 0, again.err
+    [warned] = [line for line in again.err.splitlines() if said in line]
+    found = re.search(r"`(chmod [^`]+)`", warned)
+    assert found is not None, warned
+    mending = subprocess.run(["sh", "-c", found.group(1)], capture_output=True, text=True)
+    assert mending.returncode == 0, mending.stderr
+    mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert mended.code == 0, mended.err
+    assert said not in mended.err, mended.err
+
+
+def test_the_status_said_of_a_new_signing_key_in_a_directory_with_a_space_runs_store_153(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-153: a data directory whose path holds a space (`Health Data`) whose signing.key
+    is lost is given a new one with STREAM-87's WARNING, which names the `healthlog status
+    --data DIR` that prints the new key: run as a shell reads it, it prints that key. (Before,
+    the path stood unquoted: the shell read `--data .../Health` and `Data`, and `healthlog`
+    exited 2, `unrecognized arguments: Data`.)"""
+    data = tmp_path / "Health Data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    assert run_cli("status", "--data", data).code == 0
+    (data / "signing.key").unlink()
+    remade = run_cli("status", "--data", data)
+    assert remade.code == 0, remade.err
+    new_key = re.search(r"snapshot key \(Ed25519\) (\S+)", remade.out.decode())
+    assert new_key is not None, remade.out
+    found = re.search(r"`(healthlog status [^`]+)`", remade.err)
+    assert found is not None, remade.err
+    words = shlex.split(found.group(1))
+    assert words[:3] == ["healthlog", "status", "--data"], words
+    printed = run_cli(*words[1:])
+    assert printed.code == 0, printed.err
+    assert f"snapshot key (Ed25519) {new_key.group(1)}" in printed.out.decode()

@@ -8,8 +8,10 @@ import errno
 import fcntl
 import logging
 import os
+import shlex
 import stat
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -114,7 +116,7 @@ class DataDir:
                 " or replace the journal and the tokens there; `chmod go-w %s` makes them"
                 " writable by their owner alone",
                 ", ".join(f"{path} (mode {mode:04o})" for path, mode in names),
-                " ".join(str(path) for path, _ in names),
+                _shell_words(path for path, _ in names),
             )
         self._warn_if_the_group_may_write()
 
@@ -156,7 +158,7 @@ class DataDir:
                     f"{path} (mode {mode:04o}, group {group_name(gid)})"
                     for path, mode, gid in named
                 ),
-                " ".join(str(path) for path, _, _ in named),
+                _shell_words(path for path, _, _ in named),
             )
 
     def warn_if_readable_by_all(self) -> None:
@@ -177,7 +179,7 @@ class DataDir:
                 " `chmod -R o-rwx %s` makes them unreadable to others",
                 self.path,
                 ", ".join(names),
-                self.path,
+                _shell_words([self.path]),
             )
 
     def _modes(self) -> list[tuple[Path, int]]:
@@ -333,7 +335,7 @@ class DataDir:
             recorded,
             "it was missing: made a new one" if made else "the file was replaced",
             SIGNING_KEY_FILE,
-            self.path,
+            _shell_words([self.path]),
         )
 
     def _create_signing_key(self, path: Path) -> bool:
@@ -416,6 +418,13 @@ class DataDir:
 # What link() fails with on a filesystem without hard links (FAT, exFAT, CIFS without its Unix
 # extensions), where a key is created in place instead.
 _NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP})
+
+
+def _shell_words(paths: Iterable[Path]) -> str:
+    """``paths`` as a shell reads them in a command said to be run as given, each quoted: a
+    path with a space (a NAS share's ``Health Data``) was two words, on which ``chmod`` said
+    ``cannot access`` and changed nothing (STORE-152, STORE-153)."""
+    return " ".join(shlex.quote(os.fspath(path)) for path in paths)
 
 
 def _create_exclusive(path: Path, pem: bytes) -> bool:
