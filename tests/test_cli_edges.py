@@ -1891,7 +1891,7 @@ def test_what_the_group_may_write_is_named_at_start_store_108(
         f"{path} (mode {0o775 if path == data else 0o660:04o}, group {group})" for path in named
     )
     assert f"group may write: {listed}; any" in warned[0], warned[0]
-    assert f"`chmod g-w {' '.join(map(str, named))}`" in warned[0], warned[0]
+    assert f"`chmod g-w {data} {data}/journal.sqlite*`" in warned[0], warned[0]
     subprocess.run(["chmod", "g-w", data, data / "journal.sqlite"], check=True)
     mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
     assert mended.code == 0, mended.err
@@ -4377,6 +4377,44 @@ def test_the_chmod_said_of_open_modes_in_a_directory_with_a_space_runs_as_given_
     assert found is not None, warned
     mending = subprocess.run(["sh", "-c", found.group(1)], capture_output=True, text=True)
     assert mending.returncode == 0, mending.stderr
+    mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert mended.code == 0, mended.err
+    assert said not in mended.err, mended.err
+
+
+def _writable_by_the_group(data: Path) -> str:
+    data.chmod(0o775)
+    (data / "journal.sqlite").chmod(0o660)
+    shared = shared_group(data.stat().st_uid)
+    for path in (data, *data.iterdir()):
+        os.chown(path, -1, shared.gr_gid)
+    return "group may write"
+
+
+def test_the_chmod_g_w_said_runs_as_given_once_the_process_has_exited_store_154(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-154: a data directory whose path holds a space (`Health Data`), of mode 0775, and a
+    `journal.sqlite` of mode 0660, of a group another account shares, are named at a start with
+    the journal's `-wal` and `-shm` (STORE-108) and a `chmod g-w` that, run by a shell as given
+    once that process has exited (SQLite removed the `-wal` and `-shm` as it closed), exits 0 and
+    mends them: the next start says nothing of them. (Before, the `chmod` named the `-wal` and
+    `-shm` themselves, and the directory unquoted: it said `cannot access` for each, exit 1.)"""
+    data = tmp_path / "Health Data"
+    hr = write(
+        tmp_path / "hr.json", body(metric(HR, BPM, point("2024-02-06 07:00:00 -0800", qty=1.5)))
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, hr).code == 0
+    said = _writable_by_the_group(data)
+    again = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
+    assert again.code == 0, again.err
+    [warned] = [line for line in again.err.splitlines() if said in line]
+    assert f"{data}/journal.sqlite-wal (mode 0660" in warned, warned
+    assert not (data / "journal.sqlite-wal").exists()
+    found = re.search(r"`(chmod g-w [^`]+)`", warned)
+    assert found is not None, warned
+    mending = subprocess.run(["sh", "-c", found.group(1)], capture_output=True, text=True)
+    assert (mending.returncode, mending.stderr) == (0, "")
     mended = run_cli("import", "--aggregation", "minutes", "--data", data, hr)
     assert mended.code == 0, mended.err
     assert said not in mended.err, mended.err

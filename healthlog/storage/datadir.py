@@ -158,7 +158,7 @@ class DataDir:
                     f"{path} (mode {mode:04o}, group {group_name(gid)})"
                     for path, mode, gid in named
                 ),
-                _shell_words(path for path, _, _ in named),
+                _files_as_globbed(path for path, _, _ in named),
             )
 
     def warn_if_readable_by_all(self) -> None:
@@ -425,6 +425,21 @@ def _shell_words(paths: Iterable[Path]) -> str:
     path with a space (a NAS share's ``Health Data``) was two words, on which ``chmod`` said
     ``cannot access`` and changed nothing (STORE-152, STORE-153)."""
     return " ".join(shlex.quote(os.fspath(path)) for path in paths)
+
+
+def _files_as_globbed(paths: Iterable[Path]) -> str:
+    """``paths`` as :func:`_shell_words` says them, a database's ``-wal`` and ``-shm`` files
+    said as the database's path and a ``*``: SQLite removes them as the last connection closes,
+    so a ``chmod`` naming them, run once the process that named them had exited, said ``cannot
+    access`` for each and exited 1 (STORE-154); the glob names those there, and the database."""
+    words: dict[Path, str] = {}
+    for path in paths:
+        database = path.with_name(path.name.removesuffix("-wal").removesuffix("-shm"))
+        if database == path:
+            words.setdefault(path, shlex.quote(os.fspath(path)))
+        else:
+            words[database] = f"{shlex.quote(os.fspath(database))}*"
+    return " ".join(words.values())
 
 
 def _create_exclusive(path: Path, pem: bytes) -> bool:
