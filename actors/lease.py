@@ -136,18 +136,19 @@ class LeaseActor:
         except StorageError as exc:
             self._failures += 1
             self._busy_since = None
-            # SQLite's reason names no value; with the file, it tells an operator what to fix
-            # (a store the service's user cannot write, a full disk).
-            where = os.path.basename(self._store.path)
+            # The error's kind, SQLite's error name and meaning, never its message, which may
+            # quote what SQLite was given (RUN-165); with the file, it tells an operator what to
+            # fix (a store the service's user cannot write, a full disk).
+            said = describe(exc)
+            if exc.file is None:
+                said = f"{said} ({os.path.basename(self._store.path)})"
             # A file system the kernel took read-only after disk errors is said, or the line
             # read as a file of the wrong owner (CLI-202).
             read_only = mounted_read_only(Path(self._store.path).parent)
             cause = "" if read_only is None else f": {read_only}"
             # No thread to renew in is said once for the process, not at every renewal (RUN-71).
             level = logging.DEBUG if isinstance(exc, threads.NoThread) else logging.WARNING
-            log.log(
-                level, "lease renewal failed: %s: %s (%s)%s", type(exc).__name__, exc, where, cause
-            )
+            log.log(level, "lease renewal failed: %s%s", said, cause)
             if self._epoch is not None and trio.current_time() >= self._valid_until:
                 await self._publish(None)
             if self._epoch is None and not isinstance(exc, threads.NoThread):

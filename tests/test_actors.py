@@ -539,13 +539,33 @@ async def test_a_failed_renewal_says_why_and_where_run_33(
     WARNING with SQLite's reason and the store's file name (an operator's only clue to a store
     the service's user cannot write), and the next renewal succeeds."""
     readonly = StorageError("database error: attempt to write a readonly database")
+    readonly.kind = "SQLITE_READONLY: attempt to write a readonly database"
     plan = faults.Plan(actions={"lease.renew": action({2}, faults.raise_fault(lambda _: readonly))})
     with faults.loaded(plan), caplog.at_level(logging.WARNING, "healthlog.lease"):
         async with open_runtime(config(tmp_path, lease_renew_s=0.2)) as runtime:
             await until(lambda: runtime.statistics().lease.renewals >= 1)
     assert logged(caplog, logging.WARNING) == [
-        "lease renewal failed: StorageError: database error: attempt to write a readonly"
+        "lease renewal failed: StorageError: SQLITE_READONLY: attempt to write a readonly"
         " database (store.sqlite)"
+    ]
+
+
+async def test_a_failed_renewal_logs_the_error_s_kind_never_its_message_run_165(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """RUN-165: a lease renewal failing with a storage error whose message quotes what SQLite
+    was given (a device's name here) logs a WARNING with the error's kind, SQLite's error name
+    and meaning, and the store's file, as every other storage WARNING does, never the message.
+    (Before, the message itself was logged at WARNING.)"""
+    quoting = StorageError("database error: CHECK constraint failed: device = 'Ann's iPhone'")
+    quoting.kind = "SQLITE_CONSTRAINT_CHECK: constraint failed"
+    plan = faults.Plan(actions={"lease.renew": action({2}, faults.raise_fault(lambda _: quoting))})
+    with faults.loaded(plan), caplog.at_level(logging.WARNING, "healthlog.lease"):
+        async with open_runtime(config(tmp_path, lease_renew_s=0.2)) as runtime:
+            await until(lambda: runtime.statistics().lease.renewals >= 1)
+    assert logged(caplog, logging.WARNING) == [
+        "lease renewal failed: StorageError: SQLITE_CONSTRAINT_CHECK: constraint failed"
+        " (store.sqlite)"
     ]
 
 
@@ -600,7 +620,7 @@ async def test_a_store_it_could_not_write_is_folded_into_once_mended_run_38(
     failures = logged(caplog, logging.WARNING)
     assert len(failures) >= 2
     assert set(failures) == {
-        "lease renewal failed: StorageError: database error: attempt to write a readonly"
+        "lease renewal failed: StorageError: SQLITE_READONLY: attempt to write a readonly"
         " database (store.sqlite)"
     }
 

@@ -2728,7 +2728,7 @@ def test_an_ext4_the_kernel_took_read_only_is_said_so_cli_202(
         r" remounts one after disk errors: see `dmesg`\)"
     )
     assert re.search(
-        r'msg="lease renewal failed: StorageError: database error: attempt to write a readonly'
+        r'msg="lease renewal failed: StorageError: SQLITE_READONLY: attempt to write a readonly'
         rf' database \(store\.sqlite\): {said}"$',
         lines[-1],
     ), lines
