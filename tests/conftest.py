@@ -27,6 +27,9 @@ from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal
 from healthlog.storage.store import Store
 
+# Under HEALTHLOG_NO_SKIPS (CI) a test that would be skipped fails, naming what it lacked.
+pytest_plugins = ["_no_skips"]
+
 PROCESS_TIMEOUT_S = 60
 
 # Property tests check what is computed, not how fast: on a loaded machine one example can take
