@@ -76,7 +76,6 @@ class FoldPass(Generic[Q]):
         self.folded = 0
         self.unwritten: list[int] = []
         self.stopped_because: str | None = None
-        self.deferred_at: int | None = None
 
     @property
     def position(self) -> int:
@@ -123,8 +122,6 @@ class FoldPass(Generic[Q]):
         stop = _STOPS.get(report.outcome_class)
         if stop is not None:
             self.stopped_because = stop
-            if report.outcome_class is OutcomeClass.DEFERRED:
-                self.deferred_at = current.id
             return
         if report.outcome_class is OutcomeClass.DONE:
             self.folded += 1
@@ -138,8 +135,6 @@ class FoldPass(Generic[Q]):
 
     def cancel(self) -> None:
         """An external cancellation: the current delivery is deferred, the pass ends."""
-        if self.stopped_because is None and self._cursor < len(self._page):
-            self.deferred_at = self._page[self._cursor].id
         self.stopped_because = "cancelled"
 
     @property

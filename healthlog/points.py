@@ -290,13 +290,6 @@ def point_object(raw: bytes | msgspec.Raw) -> dict[str, Any]:
     return value
 
 
-def decode_point(raw: bytes) -> Point:
-    """Decode one verbatim point into its coordinates, completeness and canonical form."""
-    value = point_object(raw)
-    start, end = coordinates(value)
-    return _lazy_point(value, start, end, raw)
-
-
 def point_at(raw: bytes, start: int, end: int) -> Point:
     """Decode one verbatim point whose coordinates are known already (stored, or read)."""
     return _lazy_point(point_object(raw), start, end, raw)

@@ -19,6 +19,7 @@ import orjson
 
 from healthlog import objects
 from healthlog.objects import ObjectKey
+from healthlog.points import Point, coordinates, point_at, point_object
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import Selection
 from healthlog.storage.store import MIGRATIONS, REINDEX_MARK, Store
@@ -133,3 +134,9 @@ def fold_as_before_merge_35(path: str | os.PathLike[str]) -> None:
                 (older.body, older.hash, older.first, older.last, older.count, rowid),
             )
         conn.execute(f"PRAGMA user_version = {BEFORE_MERGE_35}")
+
+
+def read_point(raw: bytes) -> Point:
+    """One verbatim point as a fold reads it: its object and coordinates as parsing finds them
+    (``hae``), then the point at them as the merge takes it (:func:`point_at`)."""
+    return point_at(raw, *coordinates(point_object(raw)))

@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 import pytest
+from _bodies import read_point
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,18 +25,17 @@ from healthlog.points import (
     Point,
     canonical_form,
     completeness,
-    decode_point,
     instant_form,
     point_at,
 )
 
 DATE = "2024-02-06 07:00:00 -0800"
-AT = decode_point(b'{"date":"%s"}' % DATE.encode()).start
+AT = read_point(b'{"date":"%s"}' % DATE.encode()).start
 KEY = (AT, AT)
 
 
 def point(**fields: Any) -> Point:
-    return decode_point(json.dumps({"date": DATE, **fields}).encode())
+    return read_point(json.dumps({"date": DATE, **fields}).encode())
 
 
 class Recorder:
@@ -73,7 +73,7 @@ def test_new_point() -> None:
 def test_same_canonical_form_changes_nothing() -> None:
     """MERGE-6: same canonical form: stored bytes kept, no counter but unchanged, no report."""
     stored = point(qty=46, source="A")
-    incoming = decode_point(
+    incoming = read_point(
         b'{"source":"A","qty":46.00000000000001,"date":"2024-02-06 15:00:00 +0000","x":""}'
     )
     changed, kept, counters, recorder = merge(stored, incoming)
@@ -171,7 +171,7 @@ def test_reduction_tie_compares_numbers_as_printed_by_percent_12g() -> None:
     were spelled in the raw bytes (whose order is the other one here)."""
     for kept, other in [(b"0.00005", b"0.0001"), (b"0.00000000015", b"1.5e-7")]:
         candidates = [
-            decode_point(b'{"date":"%s","qty":%s,"source":"A"}' % (DATE.encode(), qty))
+            read_point(b'{"date":"%s","qty":%s,"source":"A"}' % (DATE.encode(), qty))
             for qty in (kept, other)
         ]
         assert candidates[0].raw < candidates[1].raw
@@ -185,9 +185,9 @@ def test_reduction_same_canonical_form_is_no_collision() -> None:
     """MERGE-10: copies with the same canonical form reduce to the greater raw bytes, in any
     order, with no overwrite."""
     copies = [
-        decode_point(b'{"date":"%s","qty":46}' % DATE.encode()),
-        decode_point(b'{"qty":46.0,"date":"%s"}' % DATE.encode()),
-        decode_point(b'{"qty":46,"date":"2024-02-06T15:00:00Z","source":""}'),
+        read_point(b'{"date":"%s","qty":46}' % DATE.encode()),
+        read_point(b'{"qty":46.0,"date":"%s"}' % DATE.encode()),
+        read_point(b'{"qty":46,"date":"2024-02-06T15:00:00Z","source":""}'),
     ]
     for order in itertools.permutations(copies):
         winner, counters, recorder = reduced(list(order))
@@ -199,7 +199,7 @@ def test_reduction_same_canonical_form_is_no_collision() -> None:
 def test_reduction_keeps_distinct_coordinates() -> None:
     """MERGE-10: points at different coordinates are never reduced together."""
     first = point(qty=1)
-    later = decode_point(b'{"date":"2024-02-06 07:01:00 -0800","qty":1}')
+    later = read_point(b'{"date":"2024-02-06 07:01:00 -0800","qty":1}')
     segment = point(endDate="2024-02-06 08:00:00 -0800")
     result, counters, _ = reduce([first, later, segment])
     assert result.raws == {(p.start, p.end): p.raw for p in (first, later, segment)}
@@ -379,7 +379,7 @@ def _workout(hours: int, *, first: str = "id") -> dict[str, Any]:
 
 
 def _encoded(value: dict[str, Any]) -> Point:
-    return decode_point(json.dumps(value).encode())
+    return read_point(json.dumps(value).encode())
 
 
 @pytest.mark.parametrize(
@@ -507,7 +507,7 @@ def _escaped(value: dict[str, Any]) -> Point:
     text = json.dumps(value)
     for key in value:
         text = text.replace(f'"{key}"', f'"\\u{ord(key[0]):04x}{key[1:]}"')
-    return decode_point(text.encode())
+    return read_point(text.encode())
 
 
 def test_an_other_date_key_spelled_with_an_escape_is_read_too_merge_31() -> None:

@@ -29,9 +29,9 @@ from healthlog.storage.status import collect_status
 from healthlog.storage.store import Store
 
 
-def ended(folding: FoldPass[DeliveryMeta]) -> tuple[int, list[int], str | None, int | None]:
-    """What a pass did: (folded, unwritten ids, stopped_because, deferred_at)."""
-    return folding.folded, folding.unwritten, folding.stopped_because, folding.deferred_at
+def ended(folding: FoldPass[DeliveryMeta]) -> tuple[int, list[int], str | None]:
+    """What a pass did: (folded, unwritten ids, stopped_because)."""
+    return folding.folded, folding.unwritten, folding.stopped_because
 
 
 def three(journal: Journal) -> list[DeliveryMeta]:
@@ -77,7 +77,7 @@ def test_pending_deliveries_fold_one_at_a_time_in_journal_order_fold_1(
 
     report = run_pass(journal, store, epoch, progress=progress)
 
-    assert ended(report) == (5, [], "empty", None)
+    assert ended(report) == (5, [], "empty")
     assert folded_in_order(store) == order
     by_id = {m.id: m for m in metas}
     assert seen == [(n, (by_id[i].received_at, i, epoch), n) for n, i in enumerate(order, start=1)]
@@ -94,11 +94,11 @@ def test_deferred_delivery_stops_the_pass_fold_2(
     with faults.loaded(plan(fold__begin=({2}, Deferred))):
         report = run_pass(journal, store, epoch)
 
-    assert ended(report) == (1, [], "deferred", second.id)
+    assert ended(report) == (1, [], "deferred")
     assert store.folded_ids() == {first.id}
     assert [m.id for m in pending(journal, store)] == [second.id, third.id]
 
-    assert ended(run_pass(journal, store, epoch)) == (2, [], "empty", None)
+    assert ended(run_pass(journal, store, epoch)) == (2, [], "empty")
     assert folded_in_order(store) == [first.id, second.id, third.id]
 
 
@@ -117,13 +117,13 @@ def test_busy_store_stops_the_pass_at_its_head_fold_3(
             report = run_pass(journal, store, epoch)
             holder.execute("ROLLBACK")
 
-        assert ended(report) == (0, [], "deferred", metas[0].id)
+        assert ended(report) == (0, [], "deferred")
         assert store.mark(LAG_MARK) is None
         assert (
             "folding pass: lag mark not written: Deferred: SQLITE_BUSY: database is locked"
             " (store.sqlite)" in caplog.messages
         )
-        assert ended(run_pass(journal, store, epoch)) == (3, [], "empty", None)
+        assert ended(run_pass(journal, store, epoch)) == (3, [], "empty")
         assert folded_in_order(store) == [m.id for m in metas]
 
 
@@ -149,7 +149,7 @@ def test_unwritten_delivery_does_not_stop_the_pass_fold_4(
     with faults.loaded(faulted):
         report = run_pass(journal, store, epoch, now=lambda: second.received_at)
 
-    assert ended(report) == (2, [second.id], "unwritten", None)
+    assert ended(report) == (2, [second.id], "unwritten")
     assert store.folded_ids() == {first.id, third.id}
     assert store.mark(LAG_MARK) == {
         "oldest_pending_id": second.id,
@@ -159,7 +159,7 @@ def test_unwritten_delivery_does_not_stop_the_pass_fold_4(
     assert store.mark(FIRST_PASS_MARK) is True
     caplog.clear()
 
-    assert ended(run_pass(journal, store, epoch)) == (1, [], "empty", None)
+    assert ended(run_pass(journal, store, epoch)) == (1, [], "empty")
     outcome = store.outcome(second.id)
     assert outcome is not None
     assert outcome.status == "parsed"
@@ -178,7 +178,7 @@ def test_fold_over_budget_is_failed_and_the_queue_moves_on_fold_5(
 
     report = run_pass(journal, store, epoch, budget=Budget(base_s=0, per_mib_s=0))
 
-    assert ended(report) == (2, [], "empty", None)
+    assert ended(report) == (2, [], "empty")
     failed = store.outcome(heavy.id)
     assert failed is not None
     assert failed.status == "failed"
@@ -197,7 +197,7 @@ def test_lag_mark_and_first_pass_flag_on_an_empty_selection_fold_6(
     """FOLD-6: a pass over an empty queue writes the lag mark and sets the first-pass flag."""
     assert store.mark(FIRST_PASS_MARK) is None
 
-    assert ended(run_pass(journal, store, epoch)) == (0, [], "empty", None)
+    assert ended(run_pass(journal, store, epoch)) == (0, [], "empty")
 
     assert store.mark(LAG_MARK) == {
         "oldest_pending_id": None,
@@ -286,7 +286,7 @@ def test_failed_selection_logs_error_and_ends_the_pass_fold_8(
         (journal if unreadable == "journal" else store).close()
         report = run_pass(journal, store, epoch)
 
-    assert ended(report) == (0, [], "selection_failed", None)
+    assert ended(report) == (0, [], "selection_failed")
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(errors) == 1
     assert errors[0].startswith("folding pass: selection failed")
@@ -308,7 +308,7 @@ def test_takeover_mid_pass_stops_it_fold_9(journal: Journal, store: Store, epoch
 
         report = run_pass(journal, store, epoch, progress=take_over)
 
-    assert ended(report) == (1, [], "fenced", None)
+    assert ended(report) == (1, [], "fenced")
     assert store.folded_ids() == {first.id}
     assert store.mark(LAG_MARK) is None
     assert store.mark(FIRST_PASS_MARK) is None
@@ -321,7 +321,7 @@ def test_selection_reads_past_the_checkpoint_and_behind_it_when_something_is_mis
     it; a backfill journaled behind the checkpoint, or a delivery behind it left unwritten, is
     selected too, in journal order."""
     first, second, third = three(journal)
-    assert ended(run_pass(journal, store, epoch)) == (3, [], "empty", None)
+    assert ended(run_pass(journal, store, epoch)) == (3, [], "empty")
     later = [
         append(journal, delivery(body({"hr": [point(n, n)]}), received_at=BASE_US + n))
         for n in (10, 11)
@@ -332,10 +332,10 @@ def test_selection_reads_past_the_checkpoint_and_behind_it_when_something_is_mis
     assert [m.id for m in pending(journal, store)] == [backfill.id, *[m.id for m in later]]
 
     with faults.loaded(plan(fold__outcome_write=({1}, StorageError))):
-        assert ended(run_pass(journal, store, epoch)) == (2, [backfill.id], "unwritten", None)
+        assert ended(run_pass(journal, store, epoch)) == (2, [backfill.id], "unwritten")
     assert store.checkpoint()[1] == later[-1].id
     assert [m.id for m in pending(journal, store)] == [backfill.id]
-    assert ended(run_pass(journal, store, epoch)) == (1, [], "empty", None)
+    assert ended(run_pass(journal, store, epoch)) == (1, [], "empty")
     assert pending(journal, store) == []
     assert store.folded_ids() == {
         first.id,
@@ -432,7 +432,7 @@ def test_a_pass_holds_a_page_of_its_queue_not_the_whole_queue_fold_15(
     with faults.loaded(faults.Plan(actions={"fold.begin": every_100th})):
         report = run_pass(journal, store, epoch)
 
-    assert ended(report) == (waiting, [], "empty", None)
+    assert ended(report) == (waiting, [], "empty")
     assert len(held) == 16
     assert 0 < max(held) <= PAGE, held
     assert len(store.folded_ids()) == waiting
@@ -451,7 +451,7 @@ def test_a_paged_pass_folds_what_was_pending_at_its_start_in_journal_order_fold_
         append(journal, delivery(body({"hr": [point(n, n)]}), received_at=BASE_US + 10 * n))
         for n in range(3)
     ]
-    assert ended(run_pass(journal, store, epoch)) == (3, [], "empty", None)
+    assert ended(run_pass(journal, store, epoch)) == (3, [], "empty")
     waiting = [
         append(journal, delivery(body({"hr": [point(n, n)]}), received_at=BASE_US + 10 * n))
         for n in range(3, 13)
@@ -473,7 +473,7 @@ def test_a_paged_pass_folds_what_was_pending_at_its_start_in_journal_order_fold_
 
     report = run_pass(journal, store, epoch, progress=journal_during, page=4)
 
-    assert ended(report) == (len(expected), [], "empty", None)
+    assert ended(report) == (len(expected), [], "empty")
     folded = [m.id for m in live] + [m.id for m in expected]
     assert folded_in_order(store) == folded
     assert seen == [(n, meta.id) for n, meta in enumerate(expected, start=1)]
@@ -482,7 +482,7 @@ def test_a_paged_pass_folds_what_was_pending_at_its_start_in_journal_order_fold_
     assert store.mark(LAG_MARK)["oldest_pending_id"] == late.id  # the one journaled first
     assert collect_status(journal, store).deliveries.pending == 2
 
-    assert ended(run_pass(journal, store, epoch, page=4)) == (2, [], "empty", None)
+    assert ended(run_pass(journal, store, epoch, page=4)) == (2, [], "empty")
     assert folded_in_order(store) == [*folded, backfill.id, late.id]
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert [message.split(" folded after")[0] for message in warned] == [
@@ -508,12 +508,12 @@ def test_a_page_that_cannot_be_read_ends_the_pass_fold_17(
 
     report = run_pass(journal, store, epoch, progress=close_after_the_first_page, page=2)
 
-    assert ended(report) == (2, [], "selection_failed", None)
+    assert ended(report) == (2, [], "selection_failed")
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(errors) == 1
     assert errors[0].startswith("folding pass: selection failed")
     assert store.mark(LAG_MARK) is None
     assert store.mark(FIRST_PASS_MARK) is None
     with Journal(tmp_path / "journal.sqlite") as reopened:
-        assert ended(run_pass(reopened, store, epoch, page=2)) == (3, [], "empty", None)
+        assert ended(run_pass(reopened, store, epoch, page=2)) == (3, [], "empty")
     assert folded_in_order(store) == [m.id for m in metas]

@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import pytest
+from _bodies import read_point
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -18,7 +19,6 @@ from healthlog.points import (
     completeness,
     coordinates,
     decode_all,
-    decode_point,
     instant_form,
     nesting,
     point_at,
@@ -107,13 +107,13 @@ def test_first_start_key_decides_without_fallback(point: dict[str, Any]) -> None
 def test_not_a_point(raw: bytes) -> None:
     """PARSE-15: a point that is not an object or has no usable coordinates is rejected."""
     with pytest.raises(PointError):
-        decode_point(raw)
+        read_point(raw)
 
 
 def test_qty_as_string_is_kept() -> None:
     """PARSE-16: field values are not interpreted; a string `qty` is a point like any other."""
     raw = b'{"date":"2024-02-06 07:00:00 -0800","qty":"12"}'
-    point = decode_point(raw)
+    point = read_point(raw)
     assert point.raw == raw
     assert point.canonical == b'{"date":%d,"qty":"12"}' % FEB_6_15H
 
@@ -121,7 +121,7 @@ def test_qty_as_string_is_kept() -> None:
 def test_big_integer_keeps_its_digits() -> None:
     """PARSE-17, MERGE-3: 2**70 is kept exactly, verbatim and in the canonical form."""
     raw = b'{"date":"2024-02-06 07:00:00 -0800","qty":%d}' % 2**70
-    point = decode_point(raw)
+    point = read_point(raw)
     assert point.raw == raw
     assert b"1180591620717411303424" in point.canonical
     assert json.loads(point.canonical)["qty"] == 2**70

@@ -1487,11 +1487,6 @@ class Store(_objects.ObjectDatabase):
         finally:
             conn.close()
 
-    def last_seq(self) -> int:
-        with self._lock:
-            row = self._conn.execute("SELECT max(seq) FROM events").fetchone()
-        return int(row[0] or 0)
-
 
 def _object_event(
     key: ObjectKey, digest: bytes | None, points: int, delivery_id: int | None

@@ -49,7 +49,7 @@ def prepare(data: DataDir) -> int:
         store.release_lease("bench", epoch)
         if not folding.reached_end:
             raise RuntimeError(f"folding stopped: {folding.stopped_because}")
-        return store.last_seq()
+        return store.event_window()[1]
 
 
 async def bare(server: common.Server, head: int) -> float:
