@@ -50,6 +50,9 @@ from healthlog.storage._sqlite import WAL_SIZE_LIMIT, Deferred, StorageError
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import NewDelivery, Receipt
 from healthlog.storage.store import Store
+from transport.intake import IntakeRefusals
+from transport.metrics import render_metrics
+from transport.stream import HandshakeRefusals
 
 
 def assert_receipt_iff_journaled(got: dict[str, int | None], rows: dict[int, str]) -> None:
@@ -575,7 +578,7 @@ async def test_failing_renewals_keep_the_epoch_only_until_the_lease_would_expire
     """RUN-40: with a TTL of 3 s renewed every second, the lease is acquired and renewed twice,
     then every renewal fails: the first failure keeps epoch 1, the second (after which the lease
     renewed last would expire before the next renewal) gives it up, for the lease holder and the
-    folder, as one loss."""
+    folder, as one loss. SERVE-162: `/metrics` counts the failed renewals and the loss."""
     broken = StorageError("disk I/O error")
     plan = faults.Plan(
         actions={"lease.renew": action(EVERY_HIT - {1, 2, 3}, faults.raise_fault(lambda _: broken))}
@@ -587,10 +590,18 @@ async def test_failing_renewals_keep_the_epoch_only_until_the_lease_would_expire
             kept = runtime.statistics()
             await until(lambda: runtime.statistics().lease.epoch is None)
             lost = runtime.statistics().lease
+            # Read in the same instant as the statistics render_metrics reads first.
+            counted = runtime.statistics().lease
+            exposed = await render_metrics(runtime, 0, HandshakeRefusals(), IntakeRefusals(), 0)
             await until(lambda: runtime.statistics().folding.epoch is None)
 
     assert (kept.lease.epoch, kept.folding.epoch, kept.lease.losses) == (1, 1, 0)
     assert (lost.renewals, lost.failures, lost.losses, lost.acquisitions) == (2, 2, 1, 1)
+    # SERVE-162: what an owner alerts on is in /metrics, counted as the statistics count it.
+    assert counted.losses == 1
+    failures = f"\nhealthlog_fold_lease_renewal_failures_total {counted.failures:.1f}\n"
+    assert failures.encode() in exposed
+    assert b"\nhealthlog_fold_lease_losses_total 1.0\n" in exposed
     assert "fold lease lost (epoch 1)" in logged(caplog, logging.WARNING)
 
 

@@ -63,6 +63,9 @@ from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, PAGE, Budget
 from healthlog.storage.rebuild import verify
 from healthlog.storage.store import Store, default_holder
 from healthlog.storage.worker import RETIRE_AFTER_BYTES, fold_run
+from transport.intake import IntakeRefusals
+from transport.metrics import render_metrics
+from transport.stream import HandshakeRefusals
 
 
 def deferred_at(hit: int) -> faults.Plan:
@@ -842,7 +845,8 @@ async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
     """RUN-30, RUN-37: a run's worker killed at its second fold: the first delivery stands, the
     second is folded again in a new worker, whose own second fold dies too; every delivery folds
     in journal order, nothing is failed and the actor never crashes; once they have folded, the
-    folder keeps no count of deaths for them."""
+    folder keeps no count of deaths for them. SERVE-162: `/metrics` counts the two workers
+    lost."""
     monkeypatch.delenv(SERVE_PID_ENV, raising=False)
     monkeypatch.setenv(PLAN_ENV, kill_worker_at(2))
     ids = journal_directly(
@@ -854,11 +858,14 @@ async def test_a_fold_worker_that_dies_defers_its_delivery_run_30(
         # The outcomes are in the store before the folder has taken the worker's reports.
         await until(lambda: runtime.statistics().folding.folded >= len(ids))
         stats = runtime.statistics()
+        exposed = await render_metrics(runtime, 0, HandshakeRefusals(), IntakeRefusals(), 0)
 
     assert folded_in_order(tmp_path) == ids
     statuses = table(DataDir(tmp_path).store_path, "SELECT status FROM outcomes")
     assert statuses == [("parsed",)] * 3
     assert (stats.folding.workers_lost, stats.folding.dying, stats.crashes) == (2, 0, {})
+    # SERVE-162: what an owner alerts on (workers the OOM killer takes) is in /metrics.
+    assert b"\nhealthlog_fold_workers_lost_total 2.0\n" in exposed
     assert logged(caplog, logging.WARNING) == [
         f"delivery {ids[1]}: its fold worker died; folding it again",
         f"delivery {ids[2]}: its fold worker died; folding it again",

@@ -216,6 +216,27 @@ class _Snapshot(Collector):
             "Journal commits that failed (each refused its deliveries with 503)",
             value=self.statistics.journal.errors,
         )
+        # What an owner alerts on beside a growing lag: the fold's worker processes the kernel
+        # killed (the OOM killer on a small NAS), and a lease this process could not renew (a
+        # store it may not write, a full disk) or lost (SERVE-162).
+        yield CounterMetricFamily(
+            "healthlog_fold_workers_lost",
+            "Fold worker processes that died while folding (killed by the out-of-memory killer,"
+            " a crash); their delivery is folded again, recorded failed if they keep dying on it",
+            value=self.statistics.folding.workers_lost,
+        )
+        yield CounterMetricFamily(
+            "healthlog_fold_lease_renewal_failures",
+            "Fold lease renewals that failed (a busy store, one the service may not write, a"
+            " full disk)",
+            value=self.statistics.lease.failures,
+        )
+        yield CounterMetricFamily(
+            "healthlog_fold_lease_losses",
+            "Times this process lost the fold lease it held (renewals failed until it would"
+            " expire, or another process took it)",
+            value=self.statistics.lease.losses,
+        )
         yield CounterMetricFamily(
             "healthlog_actor_crashes",
             "Actor crashes",
