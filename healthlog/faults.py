@@ -41,6 +41,7 @@ POINTS = (
     "follow.restore_object",
     "schema.migrate",
     "tokens.read",
+    "store.check",
 )
 
 

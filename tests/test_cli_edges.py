@@ -1330,13 +1330,11 @@ def test_a_torn_copy_of_the_store_is_refused_until_rebuilt_store_53(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
     """STORE-53: a copy whose store.sqlite was copied at another instant than its -wal file is
-    damaged: `serve`, `verify` and `reindex` exit 3 with one line naming store.sqlite as damaged
-    and saying to move it away and reindex; done, `reindex` folds the whole journal, which
-    `verify` then proves. (Before, `serve` started and folded into the damaged store.)"""
+    damaged: `verify` and `reindex` exit 3 with one line naming store.sqlite as damaged and
+    saying to move it away and reindex (`serve` journals beside it: STORE-142); done, `reindex`
+    folds the whole journal, which `verify` then proves. (Before, `serve` started and folded
+    into the damaged store.)"""
     copy = torn_copy(run_cli, tmp_path, "store.sqlite")
-    served = serve_exit(copy)
-    assert served.returncode == 3, served.stdout + served.stderr
-    one_line_error(served.stderr, "store.sqlite is damaged")
     for command in ("verify", "reindex"):
         run = run_cli(command, "--data", copy)
         assert run.code == 3, (command, run.err)
@@ -1348,6 +1346,135 @@ def test_a_torn_copy_of_the_store_is_refused_until_rebuilt_store_53(
     assert run_cli("verify", "--data", copy).code == 0
     status = json.loads(run_cli("status", "--json", "--data", copy).out)
     assert status["deliveries"]["parsed"] == 31
+
+
+@contextlib.contextmanager
+def serving_into(data: Path, err: Path, env: dict[str, str] | None = None) -> Iterator[Served]:
+    """`healthlog serve` on ``data`` (port 0) as a real process, its stderr into ``err``;
+    killed at the end unless it stopped by itself."""
+    environ = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"} | (env or {})
+    with (
+        err.open("w") as stderr,
+        subprocess.Popen(
+            healthlog("serve", "--port", "0", "--data", data),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=environ,
+        ) as proc,
+    ):
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert line.startswith("healthlog serving on http://127.0.0.1:"), line + err.read_text()
+            yield Served(proc, line.split()[3].rstrip("/"), err)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@dataclasses.dataclass
+class Served:
+    proc: subprocess.Popen[str]
+    url: str
+    err: Path
+
+    def said(self, text: str) -> str:
+        """The stderr once it holds ``text`` (within ``LIMIT_S``)."""
+        deadline = time.monotonic() + LIMIT_S
+        while text not in (said := self.err.read_text()):
+            assert self.proc.poll() is None, said
+            assert time.monotonic() < deadline, said
+            time.sleep(0.05)
+        return said
+
+    def post(self, token: str, sent: Path) -> httpx.Response:
+        return httpx.post(
+            f"{self.url}/v1/deliveries",
+            content=sent.read_bytes(),
+            headers={"Authorization": f"Bearer {token}", "automation-aggregation": "minutes"},
+            timeout=LIMIT_S,
+        )
+
+    def get(self, path: str) -> int:
+        return httpx.get(f"{self.url}{path}", timeout=LIMIT_S).status_code
+
+
+def test_serve_journals_beside_a_damaged_store_and_says_what_to_do_store_142(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STORE-142: `serve` on a torn copy of the store (the journal whole) listens and journals:
+    deliveries posted before and after its check found the store damaged are answered 200,
+    `/healthz` 200, `/readyz` 503, one ERROR names store.sqlite as damaged, what to do, and that
+    nothing folds meanwhile; SIGTERM stops it with 0, and once the store is moved away and
+    rebuilt every delivery answered is folded. (Before, `serve` exited 3 before it listened: a
+    supervisor started it again into the same exit, and the phone's deliveries were refused.)"""
+    copy = torn_copy(run_cli, tmp_path, "store.sqlite")
+    token = run_cli("token", "add", "phone", "--data", copy).out.decode().strip()
+    sent = [
+        write(
+            tmp_path / f"posted-{n}.json",
+            body(metric(f"posted{n}", "count", point("2024-03-01 08:00:00 +0000", qty=n))),
+        )
+        for n in range(2)
+    ]
+    with serving_into(copy, tmp_path / "serve.err") as served:
+        assert served.post(token, sent[0]).status_code == 200
+        said = served.said("store.sqlite is damaged")
+        errors = [line for line in said.splitlines() if "store.sqlite is damaged" in line]
+        assert len(errors) == 1, said
+        assert "ERROR" in errors[0], said
+        assert "move store.sqlite and its -wal and -shm files away" in errors[0]
+        assert "folds none (/readyz answers 503)" in errors[0]
+        assert served.post(token, sent[1]).status_code == 200
+        assert served.get("/healthz") == 200
+        assert served.get("/readyz") == 503
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(LIMIT_S) == 0, served.err.read_text()
+    assert "Traceback" not in served.err.read_text()
+    for store_file in copy.glob("store.sqlite*"):
+        store_file.unlink()
+    assert run_cli("reindex", "--data", copy).code == 0
+    status = json.loads(run_cli("status", "--json", "--data", copy).out)
+    assert status["deliveries"]["parsed"] == 33
+    exported = {line["metric"] for line in run_cli("export", "--data", copy).json_lines()}
+    assert {"posted0", "posted1"} <= exported
+
+
+def test_serve_journals_while_it_checks_the_store_and_a_signal_stops_the_check_run_162(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """RUN-162: `serve` listens once the journal is checked: while its store check is held open
+    (a fault point in it sleeps 10 minutes), `/healthz` answers 200, a delivery 200 and
+    `/readyz` 503, and SIGTERM stops it with 0 without waiting for the check; the next start
+    folds the delivery. (Before, `serve` read every page of both files before it listened:
+    after a power cut on 4 years of data the phone's deliveries were refused for 18 s.)"""
+    data = tmp_path / "data"
+    first = write(
+        tmp_path / "first.json",
+        body(metric("first", "count", point("2024-03-01 08:00:00 +0000", qty=1))),
+    )
+    posted = write(
+        tmp_path / "posted.json",
+        body(metric("posted", "count", point("2024-03-01 09:00:00 +0000", qty=2))),
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, first).code == 0
+    token = run_cli("token", "add", "phone", "--data", data).out.decode().strip()
+    plan = {"store.check": {"hits": [1], "do": "delay", "seconds": 600}}
+    held = {"HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    with serving_into(data, tmp_path / "serve.err", held) as served:
+        served.said("fault injected at store.check")
+        assert served.get("/healthz") == 200
+        assert served.post(token, posted).status_code == 200
+        assert served.get("/readyz") == 503
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(LIMIT_S) == 0, served.err.read_text()
+    assert "Traceback" not in served.err.read_text()
+    folded = run_cli("import", "--aggregation", "minutes", "--data", data, first)
+    assert folded.code == 0, folded.err
+    exported = {line["metric"] for line in run_cli("export", "--data", data).json_lines()}
+    assert exported == {"first", "posted"}
 
 
 DATABASES = ("journal.sqlite", "store.sqlite")
@@ -1382,8 +1509,8 @@ def tear_in_place(path: Path) -> None:
 
 
 def serve_debug(data: Path, stop: signal.Signals, beside: Callable[[], None] = lambda: None) -> str:
-    """The stderr of `healthlog serve` at DEBUG on ``data``, sent ``stop`` once it serves and
-    ``beside`` has run."""
+    """The stderr of `healthlog serve` at DEBUG on ``data``, sent ``stop`` once it is ready
+    (its store checked beside intake: RUN-162) and ``beside`` has run."""
     env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"} | DEBUG
     with subprocess.Popen(
         healthlog("serve", "--port", "0", "--data", data),
@@ -1395,6 +1522,8 @@ def serve_debug(data: Path, stop: signal.Signals, beside: Callable[[], None] = l
             assert served.stdout is not None
             line = served.stdout.readline().decode()
             assert line.startswith("healthlog serving on http://127.0.0.1:"), line
+            while httpx.get(f"{line.split()[3]}/readyz", timeout=LIMIT_S).status_code != 200:
+                time.sleep(0.05)
             beside()
         finally:
             served.send_signal(stop)
@@ -1457,8 +1586,9 @@ def test_a_file_left_whole_then_written_in_place_is_refused_journal_51_store_141
 ) -> None:
     """JOURNAL-51, STORE-141: a file recorded as found whole, then damaged in place by another
     program (page 2 zeroed in the same inode, its size and modification time put back), is
-    read again: `import` and `serve` exit 3 with one line naming it as damaged, and nothing
-    is journaled; a copy of the directory with its record (`cp -a`) is read whole, every file
+    read again: `import` exits 3 with one line naming it as damaged, and nothing is journaled;
+    so does `serve` for the journal, and for the store says so at ERROR while it listens
+    (STORE-142); a copy of the directory with its record (`cp -a`) is read whole, every file
     of it another inode."""
     data = tmp_path / "data"
     sent = write(
@@ -1473,10 +1603,16 @@ def test_a_file_left_whole_then_written_in_place_is_refused_journal_51_store_141
     assert not_read_again(copied.err) == set()
     tear_in_place(data / name)
     journal_size = (data / "journal.sqlite").stat().st_size
-    served = serve_exit(data)
-    assert served.returncode == 3, served.stdout + served.stderr
-    assert "serving on" not in served.stdout
-    one_line_error(served.stderr, f"{name} is damaged")
+    if name == "journal.sqlite":
+        served = serve_exit(data)
+        assert served.returncode == 3, served.stdout + served.stderr
+        assert "serving on" not in served.stdout
+        one_line_error(served.stderr, f"{name} is damaged")
+    else:
+        with serving_into(data, tmp_path / "serve.err") as beside:
+            beside.said(f"{name} is damaged")
+            beside.proc.send_signal(signal.SIGTERM)
+            assert beside.proc.wait(LIMIT_S) == 0, beside.err.read_text()
     run = run_cli("import", "--aggregation", "minutes", "--data", data, sent)
     assert run.code == 3, run.err
     one_line_error(run.err, f"{name} is damaged")
@@ -3955,7 +4091,7 @@ def test_a_token_with_a_reserved_name_from_an_older_healthlog_is_said_so_cli_156
 
 def _served_warnings(data: Path) -> list[str]:
     """The WARNING lines of `healthlog serve` on ``data`` from its start to a SIGTERM once it
-    says where it serves."""
+    is ready (it says what it finds of the store once it has checked it: RUN-162)."""
     env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
     with subprocess.Popen(
         healthlog("serve", "--port", "0", "--data", data),
@@ -3967,6 +4103,8 @@ def _served_warnings(data: Path) -> list[str]:
             assert served.stdout is not None
             line = served.stdout.readline().decode()
             assert line.startswith("healthlog serving on http://127.0.0.1:"), line
+            while httpx.get(f"{line.split()[3]}/readyz", timeout=LIMIT_S).status_code != 200:
+                time.sleep(0.05)
         finally:
             served.send_signal(signal.SIGTERM)
             _, err = served.communicate(timeout=LIMIT_S)

@@ -60,7 +60,7 @@ from hypercorn.typing import (
 )
 from wsproto.extensions import PerMessageDeflate
 
-from actors.runtime import configured, open_runtime
+from actors.runtime import Runtime, configured, open_runtime
 from healthlog.config import ServeConfig
 from healthlog.hangup import REPEATED_SIGNAL_S, hangup
 from healthlog.storage import faultplan
@@ -692,12 +692,6 @@ async def _serve(
                 open_runtime(configured(data.path, config, serve=True)) as runtime,
                 trio.open_nursery() as nursery,
             ):
-                advised = await runtime.read_store(Store.reindex_advised)
-                if advised:
-                    # After an upgrade whose migration found objects folded otherwise: the
-                    # README's upgrade section alone said so, and a store missing records
-                    # served on without a word (CLI-182).
-                    log.warning("%s", reindex_advice(advised, data.path))
                 snapshots = SnapshotService(runtime, data.snapshot_dir, data.signing_key())
                 app = create_app(
                     runtime,
@@ -715,10 +709,22 @@ async def _serve(
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(app.intake.cut_uploads, stop, config.graceful_timeout_s)
+                nursery.start_soon(_advise_reindex, runtime, data)
                 binds = await nursery.start(http)
                 task_status.started(binds[0])
     finally:
         listening.close_unused()
+
+
+async def _advise_reindex(runtime: Runtime, data: DataDir) -> None:
+    """After an upgrade whose migration found objects folded otherwise, say to reindex: the
+    README's upgrade section alone said so, and a store missing records served on without a
+    word (CLI-182). Once the store is checked, which ``serve`` does while it listens (RUN-162)."""
+    if not await runtime.store_checked():
+        return
+    advised = await runtime.read_store(Store.reindex_advised)
+    if advised:
+        log.warning("%s", reindex_advice(advised, data.path))
 
 
 async def _on_signals(stop: trio.Event, graceful_timeout_s: float) -> None:

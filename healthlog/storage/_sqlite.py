@@ -1127,6 +1127,15 @@ class Database:
         with self._lock:
             check_intact(self._conn, self.path, self.DAMAGED)
 
+    def interrupt(self) -> None:
+        """Make SQLite give up, at once, the statement that another thread runs through this
+        connection (a :class:`StorageError` there); nothing if none runs. The one call made
+        without the connection's lock, which that thread holds: SQLite allows it from any
+        thread. A ``quick_check`` of a store of gigabytes read from the disk gives up within
+        milliseconds, where a progress handler, called between statements' steps alone, was not
+        called for 9.6 s of it (RUN-162)."""
+        self._conn.interrupt()
+
     def wal_held_back(self) -> int:
         """:func:`wal_held_back` of this file."""
         with self._lock:

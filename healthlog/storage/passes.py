@@ -151,12 +151,22 @@ def check_before_folding(
     (found whole and written by healthlog alone since: JOURNAL-50, STORE-140), and that the
     store was folded from this journal (:func:`check_same_journal`)."""
     for database in (journal, store):
-        name = os.path.basename(database.path)
-        if name in unchanged:
-            log.debug("%s: unchanged since it was last found whole, not read again", name)
-        else:
-            database.check_intact()
+        check_unless_unchanged(database, unchanged)
     check_same_journal(journal, store)
+
+
+def check_unless_unchanged(database: Journal | Store, unchanged: Collection[str]) -> None:
+    """Check ``database`` whole (JOURNAL-39, STORE-53) unless its name is in ``unchanged``
+    (JOURNAL-50, STORE-140)."""
+    name = os.path.basename(database.path)
+    if name in unchanged:
+        log.debug("%s: unchanged since it was last found whole, not read again", name)
+    else:
+        database.check_intact()
+
+
+class FoldedElsewhere(StorageError):
+    """A store folded from another journal (:func:`check_same_journal`)."""
 
 
 def check_same_journal(journal: Journal, store: Store) -> None:
@@ -175,7 +185,7 @@ def check_same_journal(journal: Journal, store: Store) -> None:
     if meta is not None and meta.received_at == received_at:
         return
     store_file, journal_file = os.path.basename(store.path), os.path.basename(journal.path)
-    error = StorageError(
+    error = FoldedElsewhere(
         f"{store_file} was folded from another journal: {journal_file} lacks its delivery"
         f" {delivery_id} (a journal restored from an older backup, or emptied); move"
         f" {store_file} and its -wal and -shm files away, then `healthlog reindex` (or `serve`)"
