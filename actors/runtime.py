@@ -340,9 +340,10 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         store.close()
         journal.close()
         if not damage_met():
-            # Shielded: a service stopped by a signal closes under a cancelled scope.
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(checked.record)
+            # In this thread, everything else stopped: a few hundred bytes written, where a
+            # worker thread may not start (a service stopped at its process limit exited 1 on
+            # `can't start new thread`, RUN-73).
+            checked.record()
 
 
 async def _fold_once_checked(
