@@ -33,7 +33,7 @@ from healthlog.config import (
 )
 from healthlog.export import FORMATS, REPLICA_REMEDY, STORE_REMEDY, chunked, export_lines
 from healthlog.fold import FAILED, PARTIAL
-from healthlog.hangup import REPEATED_SIGNAL_S, hangup
+from healthlog.hangup import REPEATED_SIGNAL_S, stopping_signals
 from healthlog.logs import LEVELS, setup_logging
 from healthlog.objects import ObjectCorrupt
 from healthlog.seals import SEAL_CLIENT, SEAL_CONTENT_TYPE, Seal
@@ -159,12 +159,12 @@ class Progress:
 
     @contextlib.contextmanager
     def stopping(self) -> Iterator[None]:
-        """Stop at the next report on SIGTERM, SIGINT or SIGHUP while the block runs. Once a
+        """Stop at the next report on SIGTERM, SIGINT or SIGHUP (each unless ignored as the
+        command started: :func:`stopping_signals`) while the block runs. Once a
         signal has stopped it they stay ignored: the command is on its way out, and the same
         stop once more found the default action put back and killed it, exit -1 (CLI-194)."""
         previous = {
-            signum: signal.signal(signum, self._request_stop)
-            for signum in (signal.SIGTERM, signal.SIGINT, *hangup())
+            signum: signal.signal(signum, self._request_stop) for signum in stopping_signals()
         }
         try:
             yield
@@ -340,9 +340,7 @@ def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
     from before are put back."""
     import trio
 
-    stopping = [signal.SIGTERM, *hangup()]
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        stopping.append(signal.SIGINT)
+    stopping = stopping_signals()
 
     async def terminable() -> T:
         async def on_signal() -> None:
@@ -929,10 +927,10 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
 
 
 async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
-    """``run``, until it returns or SIGINT, SIGTERM or SIGHUP (a hangup, unless ignored as the
-    command started) stops it (cancelled: a follower's replica is consistent after every event,
-    and it acknowledges what it holds as it stops). What ``run`` raises is raised as it is, not
-    in a group.
+    """``run``, until it returns or SIGINT, SIGTERM or SIGHUP (SIGINT and a hangup unless
+    ignored as the command started: ``stopping_signals``) stops it (cancelled: a follower's
+    replica is consistent after every event, and it acknowledges what it holds as it stops).
+    What ``run`` raises is raised as it is, not in a group.
 
     The signal receiver is opened with them ignored, which it puts back as it closes, and they
     stay ignored once a signal has stopped ``run``: the same stop once more as the follower
@@ -944,7 +942,7 @@ async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
     import trio
 
     failure: Exception | None = None
-    stopping = (signal.SIGINT, signal.SIGTERM, *hangup())
+    stopping = stopping_signals()
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stopping}
     stopped = False
     async with trio.open_nursery() as nursery:

@@ -18,6 +18,17 @@ import signal
 REPEATED_SIGNAL_S = 1.0
 
 
+def stopping_signals() -> tuple[signal.Signals, ...]:
+    """The signals a long-running command stops on: SIGTERM; SIGINT unless it was ignored as the
+    command started, as a shell that runs a script starts its ``&`` jobs, so that Ctrl-C on the
+    script's terminal stops the script and not them; and a hangup (:func:`hangup`). ``serve``
+    and ``follow`` took SIGINT even so, once their watch had opened: one in the first 2 s of a
+    start was dropped, one later stopped the service (RUN-175). Asked before the command sets a
+    handler of its own."""
+    interrupt = () if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else (signal.SIGINT,)
+    return (signal.SIGTERM, *interrupt, *hangup())
+
+
 def hangup() -> tuple[signal.Signals, ...]:
     """SIGHUP, to stop on as on SIGTERM, unless it was ignored as the command started
     (``nohup``, ``setsid -f``, a ``trap '' HUP``): a command meant to outlive its terminal

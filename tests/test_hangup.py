@@ -969,3 +969,33 @@ async def test_follow_signalled_again_as_it_stops_stops_once_cli_196(tmp_path: P
         assert process.returncode == 0, said.decode()[-3000:]
         assert said.decode().splitlines()[-1] == f"follow: replica at seq {total}"
         await acked(service, "backup", total)
+
+
+def test_serve_started_with_sigint_ignored_keeps_it_ignored_run_175(tmp_path: Path) -> None:
+    """RUN-175: `healthlog serve &` from a script (its shell starts the job with SIGINT
+    ignored), listening, gets SIGINT and then SIGTERM: the SIGINT stays ignored, as `import`
+    and `seal` keep it (RUN-75), and SIGTERM stops it, exit 0, `stopping on SIGTERM`. (Before,
+    a SIGINT in the first 2 s of its start, before its watch opened, was dropped, and one after
+    stopped it: the first Ctrl-C of a script's terminal did nothing and the second stopped the
+    service, or the first stopped it, by when it came.)"""
+    data = tmp_path / "data"
+    log = tmp_path / "serve.log"
+    with (
+        log.open("wb") as err,
+        subprocess.Popen(
+            healthlog("serve", "--data", data, "--port", "0"),
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env=environment(),
+            preexec_fn=functools.partial(signal.signal, signal.SIGINT, signal.SIG_IGN),
+        ) as service,
+    ):
+        assert service.stdout is not None
+        assert URL_LINE.search(service.stdout.readline()), log.read_text()[-3000:]
+        service.send_signal(signal.SIGINT)
+        service.send_signal(signal.SIGTERM)
+        service.communicate(timeout=LIMIT_S)
+    said = log.read_text()
+    assert service.returncode == 0, said[-3000:]
+    assert "stopping on SIGTERM" in said, said[-3000:]
+    assert "SIGINT" not in said

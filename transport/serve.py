@@ -62,7 +62,7 @@ from wsproto.extensions import PerMessageDeflate
 
 from actors.runtime import Runtime, configured, open_runtime
 from healthlog.config import ServeConfig
-from healthlog.hangup import REPEATED_SIGNAL_S, hangup
+from healthlog.hangup import REPEATED_SIGNAL_S, stopping_signals
 from healthlog.storage import faultplan
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.status import reindex_advice
@@ -728,8 +728,9 @@ async def _advise_reindex(runtime: Runtime, data: DataDir) -> None:
 
 
 async def _on_signals(stop: trio.Event, graceful_timeout_s: float) -> None:
-    """Stop at the first SIGINT, SIGTERM or SIGHUP (a hangup: the terminal or SSH session the
-    service was started from closed, unless it runs under ``nohup``; RUN-76), saying so. One
+    """Stop at the first SIGINT (unless ignored as the service started: a script's ``&`` job,
+    RUN-175), SIGTERM or SIGHUP (a hangup: the terminal or SSH session the service was started
+    from closed, unless it runs under ``nohup``; RUN-76), saying so. One
     more within ``REPEATED_SIGNAL_S`` is the same stop delivered twice (``timeout`` signals the
     service and then its process group; a kill of the group reaches it beside its parent's; a
     shell hanging up signals its jobs as the terminal does) and changes nothing; a later one is
@@ -742,7 +743,7 @@ async def _on_signals(stop: trio.Event, graceful_timeout_s: float) -> None:
     handler, or with the default one killed the process (-15), after a clean stop (RUN-58). So
     the receiver is opened with them ignored, which it puts back as it closes; stopped otherwise
     (the ``shutdown`` event), the handlers from before are put back."""
-    stopping = (signal.SIGINT, signal.SIGTERM, *hangup())
+    stopping = stopping_signals()
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stopping}
     first: float | None = None
     try:
