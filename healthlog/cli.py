@@ -341,20 +341,26 @@ def _run_terminable(fn: Callable[..., Awaitable[T]], *args: object) -> T:
     import trio
 
     stopping = stopping_signals()
+    previous = {signum: signal.getsignal(signum) for signum in stopping}
 
     async def terminable() -> T:
-        async def on_signal() -> None:
-            with trio.open_signal_receiver(*stopping) as signals:
+        # Ignored and watched in one step, before ``fn`` runs a line: ignored before ``trio.run``
+        # and watched once a task of its own ran, a signal while the runtime started (its
+        # modules loaded, seconds on a loaded NAS) was dropped, and the command ran on (CLI-280).
+        for signum in stopping:
+            signal.signal(signum, signal.SIG_IGN)
+        with trio.open_signal_receiver(*stopping) as signals:
+
+            async def on_signal() -> None:
                 async for signum in signals:
                     raise Stopped(signum)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(on_signal)
-            result = await fn(*args)
-            nursery.cancel_scope.cancel()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(on_signal)
+                result = await fn(*args)
+                nursery.cancel_scope.cancel()
         return result
 
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stopping}
     result = trio.run(terminable)
     for signum, handler in previous.items():
         signal.signal(signum, handler)

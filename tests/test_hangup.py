@@ -999,3 +999,53 @@ def test_serve_started_with_sigint_ignored_keeps_it_ignored_run_175(tmp_path: Pa
     assert service.returncode == 0, said[-3000:]
     assert "stopping on SIGTERM" in said, said[-3000:]
     assert "SIGINT" not in said
+
+
+STARTING = """
+import sys
+
+import trio
+
+from healthlog import cli
+
+
+async def starting() -> None:
+    print("starting", flush=True)
+    sys.stdin.readline()
+    await trio.sleep_forever()
+
+
+try:
+    cli._run_terminable(starting)
+except BaseException as exc:
+    print("exit", cli._stopped_by_signal(exc), flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_as_a_command_starts_stops_it_cli_280(signum: int) -> None:
+    """CLI-280: a command of `_run_terminable` (`import`, `seal`) gets SIGTERM or SIGINT while
+    its first step runs before it yields (held here on stdin; for `import` it is loading the
+    runtime's modules, seconds on a loaded NAS): the command stops as on a signal later, exit
+    143 or 130. (Before, the signal landed on the ignored disposition set
+    before the watch opened and was dropped: an `import` sent SIGINT 2.0 s after it started,
+    beside a CPU burner, journaled and folded its file and exited 0, 6.1 s later.)"""
+    with subprocess.Popen(
+        [sys.executable, "-c", STARTING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=environment(),
+    ) as command:
+        assert command.stdin is not None
+        assert command.stdout is not None
+        assert command.stdout.readline() == b"starting\n"
+        command.send_signal(signum)
+        command.stdin.write(b"go on\n")
+        command.stdin.flush()
+        try:
+            out, err = command.communicate(timeout=LIMIT_S)
+        except subprocess.TimeoutExpired:
+            command.kill()
+            out, err = command.communicate()
+    assert out.decode() == f"exit {128 + signum}\n", err.decode()[-3000:]
