@@ -951,21 +951,23 @@ async def _until_stopped(run: Callable[[], Awaitable[None]]) -> None:
     stopping = stopping_signals()
     previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in stopping}
     stopped = False
-    async with trio.open_nursery() as nursery:
+    # Watched from here, not from a task of its own: one that came before that task ran, while
+    # ``run`` had not yet yielded, was dropped (CLI-281).
+    with trio.open_signal_receiver(*stopping) as signals:
+        async with trio.open_nursery() as nursery:
 
-        async def stop_on_signals() -> None:
-            nonlocal stopped
-            with trio.open_signal_receiver(*stopping) as signals:
+            async def stop_on_signals() -> None:
+                nonlocal stopped
                 async for _ in signals:
                     stopped = True
                     nursery.cancel_scope.cancel()
 
-        nursery.start_soon(stop_on_signals)
-        try:
-            await run()
-        except Exception as exc:
-            failure = exc
-        nursery.cancel_scope.cancel()
+            nursery.start_soon(stop_on_signals)
+            try:
+                await run()
+            except Exception as exc:
+                failure = exc
+            nursery.cancel_scope.cancel()
     if not stopped:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

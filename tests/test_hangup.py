@@ -1049,3 +1049,49 @@ def test_a_signal_as_a_command_starts_stops_it_cli_280(signum: int) -> None:
             command.kill()
             out, err = command.communicate()
     assert out.decode() == f"exit {128 + signum}\n", err.decode()[-3000:]
+
+
+FOLLOWING = """
+import sys
+
+import trio
+
+from healthlog import cli
+
+
+async def starting() -> None:
+    print("starting", flush=True)
+    sys.stdin.readline()
+    await trio.sleep_forever()
+
+
+trio.run(cli._until_stopped, starting)
+print("stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_as_follow_starts_stops_it_cli_281(signum: int) -> None:
+    """CLI-281: `follow` (`_until_stopped`) gets SIGTERM or SIGINT while its first step runs
+    before it yields (held here on stdin): it stops, as on a signal later. (Before, the signal
+    landed on the ignored disposition set before the watch's own task ran and was dropped: the
+    follower ran on.)"""
+    with subprocess.Popen(
+        [sys.executable, "-c", FOLLOWING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=environment(),
+    ) as command:
+        assert command.stdin is not None
+        assert command.stdout is not None
+        assert command.stdout.readline() == b"starting\n"
+        command.send_signal(signum)
+        command.stdin.write(b"go on\n")
+        command.stdin.flush()
+        try:
+            out, err = command.communicate(timeout=LIMIT_S)
+        except subprocess.TimeoutExpired:
+            command.kill()
+            out, err = command.communicate()
+    assert out.decode() == "stopped\n", err.decode()[-3000:]
