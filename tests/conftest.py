@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -36,6 +37,14 @@ PROCESS_TIMEOUT_S = 60
 # longer than hypothesis's default 200 ms deadline without anything being wrong.
 hypothesis.settings.register_profile("healthlog", deadline=None)
 hypothesis.settings.load_profile("healthlog")
+
+# A suite started as a script's background job (a CI runner's `cmd &`) begins with SIGINT
+# ignored, and every process it starts would inherit that; a service started so keeps an
+# ignored SIGINT ignored (RUN-175), so the tests that stop one with SIGINT, as Ctrl-C at a
+# terminal does, would wait for nothing. The suite takes a terminal's SIGINT: its children start
+# with the default action, as from a shell's prompt.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @attrs.frozen
