@@ -33,6 +33,7 @@ from healthlog.seals import (
     decode,
     folded_into,
 )
+from healthlog.storage import _partition
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import run_pass
 from healthlog.storage.rebuild import rebuild_into, reindex, verify
@@ -937,3 +938,61 @@ def test_a_seal_searches_the_objects_no_seal_covers_yet_seal_30(
             h: h < 48 for h in range(72)
         }
         assert verify(journal, upgraded) == []
+
+
+def _unsealed_index(path: str | Path) -> tuple[int, list[str]]:
+    """How many objects ``objects_unsealed`` holds in the file at ``path`` (none without it),
+    and its index names."""
+    with closing(sqlite3.connect(path)) as conn:
+        names = [
+            row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")
+        ]
+        if "objects_unsealed" not in names:
+            return 0, names
+        (held,) = conn.execute(
+            "SELECT count(*) FROM objects INDEXED BY objects_unsealed WHERE sealed = 0"
+        ).fetchone()
+        return held, names
+
+
+def test_a_rebuild_s_scratch_files_are_made_without_the_index_of_unsealed_objects_seal_31(
+    journal: Journal, store: Store, epoch: int, tmp_path: Path
+) -> None:
+    """SEAL-31: a rebuild partition's scratch file is made with the store's indexes but
+    `objects_unsealed`, which
+    held every object it wrote (all unsealed) and was written with each rewrite, and no seal
+    reads there; a rebuild in two workers of 72 hours of three metrics and a seal of the first
+    24 ends with the index in the rebuilt store (its 144 unsealed objects, intact), a reindex
+    in two workers leaves the live store's index in place, the next seal's statement searches
+    it (SQLite's plan) and marks the next 24 hours alone, and verify finds nothing."""
+    _partition.fold_chunk(str(tmp_path / "scratch.sqlite"), [])
+    _, names = _unsealed_index(tmp_path / "scratch.sqlite")
+    assert set(names) == set(_unsealed_index(store.path)[1]) - {"objects_unsealed"}
+
+    hours = [point(60 * h + 1, h) for h in range(72)]
+    append(journal, delivery(body({"hr": hours, "steps": hours, "energy": hours})))
+    append(journal, sealing(Seal(BASE_US + 24 * US_PER_HOUR)))
+    run_pass(journal, store, epoch)
+    store.release_lease("folder", epoch)
+    rebuild_into(journal, tmp_path / "two.sqlite", workers=2)
+    assert _unsealed_index(tmp_path / "two.sqlite")[0] == 3 * 48
+    with closing(sqlite3.connect(tmp_path / "two.sqlite")) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+
+    assert reindex(journal, store, "reindex", workers=2) == 0
+    assert _unsealed_index(store.path)[0] == 3 * 48
+    with closing(sqlite3.connect(store.path)) as conn:
+        plan = conn.execute(
+            f"EXPLAIN QUERY PLAN {MARK_SEALED}", {"before": 0, "metric": None, "layer": None}
+        ).fetchall()
+    assert [row[3] for row in plan] == ["SEARCH objects USING INDEX objects_unsealed (hour<?)"]
+    held = store.acquire_lease("folder", now=NOW, ttl=TTL)
+    assert held is not None
+    append(journal, sealing(Seal(BASE_US + 48 * US_PER_HOUR)))
+    run_pass(journal, store, held)
+    store.release_lease("folder", held)
+    assert flags(store) == {
+        (metric, h): h < 48 for metric in ("hr", "steps", "energy") for h in range(72)
+    }
+    assert _unsealed_index(store.path)[0] == 3 * 24
+    assert verify(journal, store) == []

@@ -71,7 +71,7 @@ from healthlog.storage._sqlite import (
 )
 from healthlog.storage.journal import CorruptBody, DeliveryMeta, Journal
 from healthlog.storage.passes import Progress
-from healthlog.storage.store import MIGRATIONS, Store, automation_of
+from healthlog.storage.store import SCRATCH_MIGRATIONS, Store, automation_of
 
 log = logging.getLogger("healthlog.partition")
 
@@ -203,14 +203,15 @@ def judge(journal_path: str, plan: Planned) -> tuple[str, str | None]:
 
 
 class _Scratch(_objects.ObjectDatabase):
-    """A partition's scratch file: the store's schema, of which only ``objects`` is used.
+    """A partition's scratch file: the store's schema but ``objects_unsealed`` (SEAL-31), of
+    which only ``objects`` is used.
 
     Its objects' bodies stay plain until :func:`settle`; they are rewritten with every delivery
     that touches them, so the file has large pages and no journal (a rebuild that fails throws
     its scratch files away).
     """
 
-    MIGRATIONS = MIGRATIONS
+    MIGRATIONS = SCRATCH_MIGRATIONS
     PAGE_SIZE = 64 * 2**10
     JOURNAL_MODE = "OFF"
 
