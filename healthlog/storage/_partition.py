@@ -237,8 +237,7 @@ class _Scratch(_objects.ObjectDatabase):
         live = None if reference is None else connect(reference, readonly=True)
         try:
             with self._lock, write_transaction(self._conn):
-                keys = self._conn.execute("SELECT metric, layer, hour, hash FROM objects")
-                for metric, layer, hour, digest in keys.fetchall():
+                for metric, layer, hour, digest in self._keys():
                     where = (metric, layer, hour)
                     (plain,) = self._conn.execute(
                         f"SELECT body FROM objects {_AT}", where
@@ -256,6 +255,24 @@ class _Scratch(_objects.ObjectDatabase):
         finally:
             if live is not None:
                 live.close()
+
+    def _keys(self) -> Iterator[tuple[str, str, int, bytes]]:
+        """The key and hash of every object, read :data:`_objects.PAGE` at a time in key order:
+        read all at once, they were held until all were settled, 6.1 MB for 20,000 objects
+        (STORE-146)."""
+        last: tuple[str, str, int] | None = None
+        while True:
+            after = "" if last is None else "WHERE (metric, layer, hour) > (?, ?, ?)"
+            page = self._conn.execute(
+                f"SELECT metric, layer, hour, hash FROM objects {after}"
+                f" ORDER BY metric, layer, hour LIMIT {_objects.PAGE}",
+                () if last is None else last,
+            ).fetchall()
+            if not page:
+                return
+            yield from page
+            metric, layer, hour, _ = page[-1]
+            last = (metric, layer, hour)
 
 
 _AT = "WHERE metric = ? AND layer = ? AND hour = ?"
