@@ -9,7 +9,7 @@ journal gets exactly what it stores. The answer comes only with the journal's re
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -402,20 +402,7 @@ class IntakeEndpoint:
             if key is not None:
                 # Here rather than in the journal's thread, which journals every delivery.
                 digest = await threads.run_sync(_digest, encoded, limiter=self._digests)
-            receipt = await self._runtime.submit(
-                NewDelivery(
-                    body=encoded,
-                    client=name,
-                    content_type=headers.get("content-type"),
-                    idempotency_key=key,
-                    automation_name=headers.get("automation-name"),
-                    automation_id=headers.get("automation-id"),
-                    automation_aggregation=headers.get("automation-aggregation"),
-                    automation_period=headers.get("automation-period"),
-                    session_id=headers.get("session-id"),
-                    content_digest=digest,
-                )
-            )
+            receipt = await self._runtime.submit(delivery_of(headers, encoded, name, key, digest))
         except IdempotencyCollision:
             return _answer(422, _error("ACTION_ID_COLLISION"))
         except StorageError as exc:
@@ -500,6 +487,29 @@ async def _encode_batches(
     async with to_encode:
         async for batch in to_encode:
             await trio.to_thread.run_sync(encoder.encode, batch)
+
+
+def delivery_of(
+    headers: Mapping[str, str],
+    body: bytes | EncodedBody,
+    client: str,
+    key: str | None,
+    digest: bytes | None = None,
+) -> NewDelivery:
+    """The delivery an upload is journaled as: its body, the name of the token that sent it,
+    its idempotency key and the headers the journal keeps, each as it came."""
+    return NewDelivery(
+        body=body,
+        client=client,
+        content_type=headers.get("content-type"),
+        idempotency_key=key,
+        automation_name=headers.get("automation-name"),
+        automation_id=headers.get("automation-id"),
+        automation_aggregation=headers.get("automation-aggregation"),
+        automation_period=headers.get("automation-period"),
+        session_id=headers.get("session-id"),
+        content_digest=digest,
+    )
 
 
 def _headers(raw: Headers) -> dict[str, str]:

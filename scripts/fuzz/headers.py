@@ -112,19 +112,7 @@ def test(data: bytes) -> None:
     key = headers.get("idempotency-key") or None
     if key is not None and len(key) > intake.MAX_IDEMPOTENCY_KEY:
         return
-    journaled(
-        NewDelivery(
-            body=BODY,
-            client=name,
-            content_type=headers.get("content-type"),
-            idempotency_key=key,
-            automation_name=headers.get("automation-name"),
-            automation_id=headers.get("automation-id"),
-            automation_aggregation=headers.get("automation-aggregation"),
-            automation_period=headers.get("automation-period"),
-            session_id=headers.get("session-id"),
-        )
-    )
+    journaled(intake.delivery_of(headers, BODY, name, key))
 
 
 def seeds() -> list[bytes]:
