@@ -701,12 +701,13 @@ async def test_a_lease_left_by_a_dead_holder_is_taken_as_it_expires_run_79(
 
 
 def _gauges(url: str) -> dict[str, float]:
-    """The fold lease series of ``url``'s ``/metrics``, by name and labels."""
+    """The fold lease's gauges of ``url``'s ``/metrics`` (whether this process holds it, and
+    who does), by name and labels."""
     lines = httpx.get(f"{url}/metrics").text.splitlines()
     return {
         name: float(value)
         for name, _, value in (line.rpartition(" ") for line in lines)
-        if name.startswith("healthlog_fold_lease_")
+        if name.startswith(("healthlog_fold_lease_held", "healthlog_fold_lease_holder"))
     }
 
 
