@@ -34,6 +34,8 @@ from healthlog.storage.datadir import DataDir
 from healthlog.storage.journal import Journal, NewDelivery, Receipt
 from healthlog.storage.passes import (
     PAGE,
+    STORE_DAMAGED,
+    STORE_FOLDED_ELSEWHERE,
     Budget,
     FoldedElsewhere,
     check_before_folding,
@@ -141,7 +143,7 @@ class Runtime:
         healthy_s: float = HEALTHY_S,
     ) -> None:
         self._store_checked = trio.Event()
-        self._store_fit = False
+        self._store_unfit: str | None = None
         self.journal = journal
         self.store = store
         self._journal_limiter = journal_limiter
@@ -154,12 +156,19 @@ class Runtime:
     async def store_checked(self) -> bool:
         """Once the store has been checked (RUN-162): whether it was found fit to fold into."""
         await self._store_checked.wait()
-        return self._store_fit
+        return self._store_unfit is None
 
-    def checked_store(self, fit: bool) -> None:
-        """The store has been checked, and found fit to fold into or not."""
-        self._store_fit = fit
+    def checked_store(self, unfit: str | None = None) -> None:
+        """The store has been checked: fit to fold into, or not, and why (``unfit``, one of
+        ``STORE_UNFIT``)."""
+        self._store_unfit = unfit
         self._store_checked.set()
+
+    def store_unfit(self) -> str | None:
+        """Why the store was found unfit to fold into and to read (one of ``STORE_UNFIT``):
+        ``serve`` then journals and folds nothing until it is started again (STORE-142); None
+        while it is being checked and once it was found fit."""
+        return self._store_unfit
 
     async def submit(self, delivery: NewDelivery) -> Receipt:
         """Journal a delivery through intake; raises what the journal refused with."""
@@ -326,7 +335,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
                 ("retention", retention),
             ]
             if not config.store_checked_beside:
-                runtime.checked_store(True)
+                runtime.checked_store()
                 if config.fold:
                     start(folders)
             elif config.fold:
@@ -393,7 +402,9 @@ async def _fold_once_checked(
             " folds none (/readyz answers 503)",
             error,
         )
-        runtime.checked_store(False)
+        runtime.checked_store(
+            STORE_FOLDED_ELSEWHERE if isinstance(error, FoldedElsewhere) else STORE_DAMAGED
+        )
         return
     except trio.Cancelled:
         with guard:
@@ -406,5 +417,5 @@ async def _fold_once_checked(
                 await trio.sleep(INTERRUPT_S)
         raise
     await trio.to_thread.run_sync(checked.hold, [Path(runtime.store.path).name])
-    runtime.checked_store(True)
+    runtime.checked_store()
     start(folders)

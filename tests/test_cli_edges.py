@@ -1442,6 +1442,37 @@ def test_serve_journals_beside_a_damaged_store_and_says_what_to_do_store_142(
     assert {"posted0", "posted1"} <= exported
 
 
+def test_serve_beside_a_damaged_store_answers_its_reads_503_saying_so_serve_150(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """SERVE-150: `serve` journaling beside a torn store (STORE-142) answers `/v1/points`,
+    `/v1/deliveries/{id}` and `/v1/snapshots` 503 `STORE_DAMAGED` with a message saying that
+    nothing is read from the store until it is moved away, logging no line per request above
+    INFO; `/v1/status` answers 200 with `lag.stopped_because` `store_damaged`. (Before,
+    `/v1/points` was 500 `INTERNAL` and an ERROR each time, and `/v1/status` said `empty`.)"""
+    copy = torn_copy(run_cli, tmp_path, "store.sqlite")
+    token = run_cli("token", "add", "phone", "--data", copy).out.decode().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    with serving_into(copy, tmp_path / "serve.err") as served:
+        before = served.said("store.sqlite is damaged")
+        for path in ("/v1/points", "/v1/points?metric=m1", "/v1/deliveries/1", "/v1/snapshots"):
+            answer = httpx.get(f"{served.url}{path}", headers=headers, timeout=LIMIT_S)
+            assert answer.status_code == 503, (path, answer.text)
+            assert "Retry-After" not in answer.headers
+            refusal = answer.json()
+            assert refusal["error"] == "STORE_DAMAGED", path
+            assert "nothing is read from it until serve is started again" in refusal["message"]
+        status = httpx.get(f"{served.url}/v1/status", headers=headers, timeout=LIMIT_S)
+        assert status.status_code == 200, status.text
+        assert status.json()["lag"]["stopped_because"] == "store_damaged"
+        assert status.json()["first_pass_completed"] is False
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(LIMIT_S) == 0
+    after = served.err.read_text()[len(before) :]
+    noisy = [line for line in after.splitlines() if "level=ERROR" in line or "WARNING" in line]
+    assert noisy == [], after
+
+
 def test_serve_journals_while_it_checks_the_store_and_a_signal_stops_the_check_run_162(
     run_cli: RunCli, tmp_path: Path
 ) -> None:

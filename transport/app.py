@@ -29,6 +29,7 @@ from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject, ObjectCorrupt
 from healthlog.storage._sqlite import StorageError
+from healthlog.storage.passes import STORE_DAMAGED, STORE_FOLDED_ELSEWHERE
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import OBJECTS_PAGE, Store
 from healthlog.timestamps import (
@@ -76,6 +77,24 @@ RESPONSE_TIMEOUT_S = 60.0
 TOKENS_RETRY_AFTER_S = RETRY_AFTER_S.decode()
 
 log = logging.getLogger("healthlog.http")
+
+# What a route that reads the store answers while `serve` journals beside a store it found unfit
+# (STORE-142): a 503 saying so, without a Retry-After (it lasts until the store is moved away
+# and `serve` started again); the ERROR that said what to do was logged once, at the check.
+# Each read was a 500 `INTERNAL` and an ERROR naming nothing but `StorageError` (SERVE-150).
+STORE_UNFIT_ANSWERS = {
+    STORE_DAMAGED: (
+        "STORE_DAMAGED",
+        "store.sqlite is damaged: deliveries are journaled, none is folded and nothing is read"
+        " from it until serve is started again with it moved away (its log says how)",
+    ),
+    STORE_FOLDED_ELSEWHERE: (
+        "STORE_FROM_ANOTHER_JOURNAL",
+        "store.sqlite was folded from another journal: deliveries are journaled, none is folded"
+        " and nothing is read from it until serve is started again with it moved away (its log"
+        " says how)",
+    ),
+}
 
 
 def _json(document: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -377,20 +396,37 @@ def create_app(
         refusals.unauthorized(request.method, route, request.remote_addr, presented is not None)
         return _error("UNAUTHORIZED", 401, {"WWW-Authenticate": "Bearer"})
 
+    def store_unfit() -> Response | None:
+        """The 503 of a route that reads the store, while it was found unfit (SERVE-150)."""
+        unfit = runtime.store_unfit()
+        if unfit is None:
+            return None
+        code, message = STORE_UNFIT_ANSWERS[unfit]
+        return _json({"error": code, "message": message}, 503)
+
     @app.get("/v1/status")
     async def get_status() -> Response:
         if await client() is None:
             return unauthorized()
         folding = runtime.statistics().folding
-        status = await runtime.read_store(
-            functools.partial(
-                collect_status,
-                runtime.journal,
-                public_key=snapshots.public_key,
-                stopped_because=folding.unrecorded_stop,
-                first_pass_completed=folding.first_pass_completed,
+        # Why nothing folds: the store found unfit, where the store's mark said `empty`, the
+        # last pass of a process before (SERVE-150).
+        unfit = runtime.store_unfit()
+        try:
+            status = await runtime.read_store(
+                functools.partial(
+                    collect_status,
+                    runtime.journal,
+                    public_key=snapshots.public_key,
+                    stopped_because=unfit or folding.unrecorded_stop,
+                    first_pass_completed=folding.first_pass_completed,
+                )
             )
-        )
+        except StorageError:
+            refused = store_unfit()
+            if refused is None:
+                raise
+            return refused
         return _json(status)
 
     @app.get("/v1/deliveries/<int:delivery_id>")
@@ -399,6 +435,8 @@ def create_app(
             return unauthorized()
         if delivery_id > SQLITE_MAX_INTEGER:
             return _error("NOT_FOUND", 404)
+        if (refused := store_unfit()) is not None:
+            return refused
         outcome = await runtime.read_store(
             functools.partial(Store.outcome, delivery_id=delivery_id)
         )
@@ -448,6 +486,8 @@ def create_app(
             return _bad_parameter(
                 "BAD_RANGE", "to", "an instant later than from: the points that start in [from, to)"
             )
+        if (refused := store_unfit()) is not None:
+            return refused
         pages = _object_pages(
             runtime,
             metric=args.get("metric") or None,
@@ -489,6 +529,8 @@ def create_app(
     async def snapshot_latest() -> Response:
         if await client() is None:
             return unauthorized()
+        if (refused := store_unfit()) is not None:
+            return refused
         try:
             manifest = await snapshots.covering(0)
         except (OSError, StorageError) as exc:

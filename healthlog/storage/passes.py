@@ -165,6 +165,13 @@ def check_unless_unchanged(database: Journal | Store, unchanged: Collection[str]
         database.check_intact()
 
 
+STORE_DAMAGED = "store_damaged"
+STORE_FOLDED_ELSEWHERE = "store_folded_from_another_journal"
+STORE_UNFIT = (STORE_DAMAGED, STORE_FOLDED_ELSEWHERE)
+"""Why ``serve`` found its store unfit to fold into (STORE-142), as its status and
+``healthlog status`` say why nothing folds (``lag.stopped_because``, SERVE-150)."""
+
+
 class FoldedElsewhere(StorageError):
     """A store folded from another journal (:func:`check_same_journal`)."""
 
