@@ -402,9 +402,9 @@ async def _fold_once_checked(
             " folds none (/readyz answers 503)",
             error,
         )
-        runtime.checked_store(
-            STORE_FOLDED_ELSEWHERE if isinstance(error, FoldedElsewhere) else STORE_DAMAGED
-        )
+        unfit = STORE_FOLDED_ELSEWHERE if isinstance(error, FoldedElsewhere) else STORE_DAMAGED
+        await trio.to_thread.run_sync(checked.found_unfit, Path(runtime.store.path).name, unfit)
+        runtime.checked_store(unfit)
         return
     except trio.Cancelled:
         with guard:

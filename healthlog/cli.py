@@ -46,6 +46,7 @@ from healthlog.storage._sqlite import (
     user_name,
     write_refused,
 )
+from healthlog.storage.checked import CheckedRecord
 from healthlog.storage.datadir import JOURNAL_FILE, STORE_FILE, DataDir, default_data_dir
 from healthlog.storage.journal import BodyEncoder, EncodedBody, NewDelivery
 from healthlog.storage.passes import check_before_folding, check_same_journal, counted
@@ -1267,9 +1268,12 @@ def cmd_status(args: argparse.Namespace, data: DataDir) -> int:
     _journal_to_read(data)
     _store_to_read(data, "status")
     public_key = data.public_key()
+    # Why nothing folds, when a `serve` running beside found the store unfit: the store's mark
+    # said `empty`, its last pass before (SERVE-151).
+    unfit = CheckedRecord(data.path).unfit(data.store_path.name)
     with data.open_journal(reading=True) as journal, data.open_store(reading=True) as store:
         check_same_journal(journal, store)
-        status = collect_status(journal, store, public_key)
+        status = collect_status(journal, store, public_key, stopped_because=unfit)
     with _writing_stdout():
         if args.json:
             sys.stdout.buffer.write(documents.dumps(status) + b"\n")

@@ -1442,14 +1442,15 @@ def test_serve_journals_beside_a_damaged_store_and_says_what_to_do_store_142(
     assert {"posted0", "posted1"} <= exported
 
 
-def test_serve_beside_a_damaged_store_answers_its_reads_503_saying_so_serve_150(
+def test_serve_beside_a_damaged_store_answers_its_reads_503_saying_so_serve_150_151(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
-    """SERVE-150: `serve` journaling beside a torn store (STORE-142) answers `/v1/points`,
-    `/v1/deliveries/{id}` and `/v1/snapshots` 503 `STORE_DAMAGED` with a message saying that
-    nothing is read from the store until it is moved away, logging no line per request above
-    INFO; `/v1/status` answers 200 with `lag.stopped_because` `store_damaged`. (Before,
-    `/v1/points` was 500 `INTERNAL` and an ERROR each time, and `/v1/status` said `empty`.)"""
+    """SERVE-150, SERVE-151: `serve` journaling beside a torn store (STORE-142) answers
+    `/v1/points`, `/v1/deliveries/{id}` and `/v1/snapshots` 503 `STORE_DAMAGED` with a message
+    saying that nothing is read from the store until it is moved away, logging no line per
+    request above INFO; `/v1/status` answers 200 with `lag.stopped_because` `store_damaged`, and
+    so does `healthlog status` run beside it. (Before, `/v1/points` was 500 `INTERNAL` and an
+    ERROR each time, and both statuses said `empty`.)"""
     copy = torn_copy(run_cli, tmp_path, "store.sqlite")
     token = run_cli("token", "add", "phone", "--data", copy).out.decode().strip()
     headers = {"Authorization": f"Bearer {token}"}
@@ -1466,6 +1467,11 @@ def test_serve_beside_a_damaged_store_answers_its_reads_503_saying_so_serve_150(
         assert status.status_code == 200, status.text
         assert status.json()["lag"]["stopped_because"] == "store_damaged"
         assert status.json()["first_pass_completed"] is False
+        beside = run_cli("status", "--json", "--data", copy)
+        assert beside.code == 0, beside.err
+        assert json.loads(beside.out)["lag"]["stopped_because"] == "store_damaged"
+        text = run_cli("status", "--data", copy).out.decode()
+        assert "last pass stopped: store_damaged" in text, text
         served.proc.send_signal(signal.SIGTERM)
         assert served.proc.wait(LIMIT_S) == 0
     after = served.err.read_text()[len(before) :]

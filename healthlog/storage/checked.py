@@ -91,6 +91,7 @@ class CheckedRecord:
         self._directory = directory
         self._name = process_name()
         self._held: dict[str, list[int]] = {}
+        self._unfit: dict[str, list[int | str]] = {}
 
     def unchanged(self, names: Iterable[str]) -> frozenset[str]:
         """Of the database files ``names``, those found whole and written by healthlog alone
@@ -121,14 +122,41 @@ class CheckedRecord:
             record["held"][self._name] = self._held
             self._write(record)
 
+    def found_unfit(self, name: str, why: str) -> None:
+        """Record the file ``name``, open in this process, as found unfit to fold into
+        (``why``) while this process runs: ``serve`` journals beside a damaged store
+        (STORE-142), and a ``healthlog status`` beside it says why nothing folds, which the
+        store's own mark cannot (SERVE-151)."""
+        now = fingerprint(self._directory / name)
+        if self._name is None or now is None:
+            return
+        self._unfit[name] = [*now[:2], why]
+        with self._locked() as record:
+            record["unfit"][self._name] = self._unfit
+            self._write(record)
+
+    def unfit(self, name: str) -> str | None:
+        """Why a live process found the file ``name``, as it is now, unfit to fold into
+        (:meth:`found_unfit`); None if none did."""
+        now = fingerprint(self._directory / name)
+        if now is None:
+            return None
+        with self._locked() as record:
+            for files in record["unfit"].values():
+                found = files.get(name)
+                if isinstance(found, list) and found[:2] == now[:2] and len(found) == 3:
+                    return str(found[2])
+        return None
+
     def record(self) -> None:
         """Record the files :meth:`hold` noted as this process leaves them, once closed: each
         that is still the file it was then (not moved away or replaced meanwhile), and no
-        longer held by it."""
-        if not self._held:
+        longer held by it, nor said unfit by it."""
+        if not self._held and not self._unfit:
             return
         with self._locked() as record:
             record["held"].pop(self._name, None)
+            record["unfit"].pop(self._name, None)
             for name, held in self._held.items():
                 now = fingerprint(self._directory / name)
                 if now is not None and now[:2] == held:
@@ -155,14 +183,11 @@ class CheckedRecord:
                 read = {}
             if not isinstance(read, dict):
                 read = {}
-            closed, held = read.get("closed"), read.get("held")
+            closed = read.get("closed")
             yield {
                 "closed": closed if isinstance(closed, dict) else {},
-                "held": {
-                    holder: files
-                    for holder, files in (held.items() if isinstance(held, dict) else ())
-                    if isinstance(files, dict) and _alive(holder)
-                },
+                "held": _of_live(read.get("held")),
+                "unfit": _of_live(read.get("unfit")),
             }
         finally:
             os.close(directory)
@@ -187,3 +212,14 @@ class CheckedRecord:
                 " and ".join(sorted(self._held)),
             )
             temporary.unlink(missing_ok=True)
+
+
+def _of_live(entries: object) -> dict[str, Any]:
+    """Of a record's entries by process, those of processes still running."""
+    if not isinstance(entries, dict):
+        return {}
+    return {
+        holder: files
+        for holder, files in entries.items()
+        if isinstance(files, dict) and _alive(holder)
+    }
