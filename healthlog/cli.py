@@ -763,10 +763,13 @@ def _installed_command() -> str:
 async def _serve(data: DataDir, config: ServeConfig) -> None:
     import trio
 
-    from transport.serve import serve
+    from transport.serve import StoppedBeforeListening, serve
 
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(serve, data, config)
+        try:
+            url = await nursery.start(serve, data, config)
+        except StoppedBeforeListening:
+            return
         _announce(f"healthlog serving on {url} (data in {data.path})")
         with data.open_tokens() as tokens:
             if not tokens.list():

@@ -42,6 +42,7 @@ POINTS = (
     "schema.migrate",
     "tokens.read",
     "store.check",
+    "journal.check",
 )
 
 

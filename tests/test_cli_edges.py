@@ -1514,6 +1514,60 @@ def test_serve_journals_while_it_checks_the_store_and_a_signal_stops_the_check_r
     assert exported == {"first", "posted"}
 
 
+def test_a_signal_during_the_journal_check_stops_serve_before_it_listens_run_163(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """RUN-163: a SIGTERM while `serve` checks the journal, before it listens (a fault point in
+    the check sleeps 10 minutes), stops it with 0 without waiting for the check and without
+    listening, no traceback; the next start journals and folds. (Before, the check ran to its
+    end, 2.9 s at 4 years read from the disk, then `serve` listened and stopped: here it was
+    still running 10 s after the signal.)"""
+    data = tmp_path / "data"
+    first = write(
+        tmp_path / "first.json",
+        body(metric("first", "count", point("2024-03-01 08:00:00 +0000", qty=1))),
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, first).code == 0
+    plan = {"journal.check": {"hits": [1], "do": "delay", "seconds": 600}}
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    env["HEALTHLOG_FAULT_PLAN"] = json.dumps(plan)
+    err = tmp_path / "serve.err"
+    with (
+        err.open("w") as stderr,
+        subprocess.Popen(
+            healthlog("serve", "--port", "0", "--data", data),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+        ) as proc,
+    ):
+        try:
+            deadline = time.monotonic() + LIMIT_S
+            while "fault injected at journal.check" not in err.read_text():
+                assert proc.poll() is None, err.read_text()
+                assert time.monotonic() < deadline, err.read_text()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(10) == 0, err.read_text()
+            assert proc.stdout is not None
+            assert "serving on" not in proc.stdout.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    said = err.read_text()
+    assert "Traceback" not in said, said
+    assert "stopping on SIGTERM" in said, said
+    second = write(
+        tmp_path / "second.json",
+        body(metric("second", "count", point("2024-03-01 09:00:00 +0000", qty=2))),
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", data, second).code == 0
+    exported = {line["metric"] for line in run_cli("export", "--data", data).json_lines()}
+    assert exported == {"first", "second"}
+
+
 DATABASES = ("journal.sqlite", "store.sqlite")
 DEBUG = {"HEALTHLOG_LOG_LEVEL": "DEBUG"}
 

@@ -653,8 +653,28 @@ async def serve(
     # The signals are watched until the runtime has stopped too, not only while HTTP is served.
     async with trio.open_nursery() as watching:
         watching.start_soon(_on_signals, stop, config.graceful_timeout_s)
-        await _serve(data, config, stop, response_timeout_s, task_status)
+        listening = trio.Event()
+        with trio.CancelScope() as starting:
+            watching.start_soon(_stop_starting, stop, starting, listening)
+            await _serve(data, config, stop, listening, response_timeout_s, task_status)
         watching.cancel_scope.cancel()
+    if starting.cancelled_caught:
+        raise StoppedBeforeListening
+
+
+class StoppedBeforeListening(Exception):
+    """A signal (or ``shutdown``) stopped ``serve`` before it listened (RUN-163)."""
+
+
+async def _stop_starting(
+    stop: trio.Event, starting: trio.CancelScope, listening: trio.Event
+) -> None:
+    """Cancel ``starting`` at a stop that comes before ``serve`` listens: its journal check, 2.9 s
+    at 4 years read from the disk, is interrupted (RUN-163), where it ran to its end, then
+    listened and stopped. A stop once it listens is hypercorn's graceful shutdown."""
+    await stop.wait()
+    if not listening.is_set():
+        starting.cancel()
 
 
 def _raise_open_file_limit() -> None:
@@ -681,6 +701,7 @@ async def _serve(
     data: DataDir,
     config: ServeConfig,
     stop: trio.Event,
+    started: trio.Event,
     response_timeout_s: float,
     task_status: trio.TaskStatus[str],
 ) -> None:
@@ -711,6 +732,7 @@ async def _serve(
                 nursery.start_soon(app.intake.cut_uploads, stop, config.graceful_timeout_s)
                 nursery.start_soon(_advise_reindex, runtime, data)
                 binds = await nursery.start(http)
+                started.set()
                 task_status.started(binds[0])
     finally:
         listening.close_unused()

@@ -17,6 +17,9 @@ written into it by another program. So a process that found the files whole reco
 - as it closes them, each file's and its ``-wal``'s device, inode, size, modification and
   change times: the next start that finds all of them unchanged takes the file as found whole.
 
+A ``serve`` that found its store unfit (damaged, STORE-142) notes it too, under its own name
+while it runs, so that a ``healthlog status`` beside it says why nothing folds (SERVE-151).
+
 A copy is another inode, or the same inode written, whose change time (``ctime``) the kernel
 sets to the clock's reading and no program can set back. Whatever else healthlog writes while no
 process records (a ``serve`` killed, a ``reindex``) changes the times too: the next start reads

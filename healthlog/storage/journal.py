@@ -525,6 +525,12 @@ class Journal:
         with self._lock:
             check_intact(self._conn, self.path, DAMAGED)
 
+    def interrupt(self) -> None:
+        """Make SQLite give up the statement another thread runs through this connection, as
+        :meth:`Database.interrupt` does: the check of a journal read from the disk, stopped by a
+        signal (RUN-163)."""
+        self._conn.interrupt()
+
     def instance_id(self) -> str:
         """The random id of this journal file, created when the file was created."""
         return self._instance_id
