@@ -33,6 +33,8 @@ pytest_plugins = ["_no_skips"]
 
 PROCESS_TIMEOUT_S = 60
 
+STOPPING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 # Property tests check what is computed, not how fast: on a loaded machine one example can take
 # longer than hypothesis's default 200 ms deadline without anything being wrong.
 hypothesis.settings.register_profile("healthlog", deadline=None)
@@ -45,6 +47,19 @@ hypothesis.settings.load_profile("healthlog")
 # with the default action, as from a shell's prompt.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(autouse=True)
+def _stopping_signals_as_the_suite_had_them() -> Iterator[None]:
+    """Each test starts with the suite's handling of the stopping signals: a command run
+    in-process (``cli``) that a signal stopped, or a ``serve`` that stopped cleanly, leaves them
+    ignored on its way out (CLI-194), as its process is then ending; the services and followers
+    that later tests start would inherit that, and keep an ignored SIGINT ignored (RUN-175)."""
+    saved = {signum: signal.getsignal(signum) for signum in STOPPING_SIGNALS}
+    yield
+    for signum, handler in saved.items():
+        if handler is not None:
+            signal.signal(signum, handler)
 
 
 @attrs.frozen
