@@ -4183,24 +4183,8 @@ def test_a_token_with_a_reserved_name_from_an_older_healthlog_is_said_so_cli_156
 def _served_warnings(data: Path) -> list[str]:
     """The WARNING lines of `healthlog serve` on ``data`` from its start to a SIGTERM once it
     is ready (it says what it finds of the store once it has checked it: RUN-162)."""
-    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
-    with subprocess.Popen(
-        healthlog("serve", "--port", "0", "--data", data),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-    ) as served:
-        try:
-            assert served.stdout is not None
-            line = served.stdout.readline().decode()
-            assert line.startswith("healthlog serving on http://127.0.0.1:"), line
-            while httpx.get(f"{line.split()[3]}/readyz", timeout=LIMIT_S).status_code != 200:
-                time.sleep(0.05)
-        finally:
-            served.send_signal(signal.SIGTERM)
-            _, err = served.communicate(timeout=LIMIT_S)
-    assert served.returncode == 0, err
-    return [line for line in err.decode().splitlines() if "level=WARNING" in line]
+    err = serve_debug(data, signal.SIGTERM)
+    return [line for line in err.splitlines() if "level=WARNING" in line]
 
 
 def test_a_store_folded_before_merge_35_says_to_reindex_cli_182_cli_183_cli_184_merge_36(
