@@ -33,6 +33,7 @@ from healthlog.hae import MAX_BODY_NESTING, MIN_BYTES_PER_VALUE, RECORD_SECTIONS
 from healthlog.storage import _sqlite
 from healthlog.storage._sqlite import StorageError
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.replica import REPLICA_FILE, Replica
 from healthlog.storage.store import (
     COUNT_QUERIES,
     GIVEN_UP,
@@ -1214,7 +1215,69 @@ def test_a_newer_schema_is_refused_naming_its_file_cli_23(
         else cli("token", "list", "--data", data)
     )
     assert run.code == 3
-    assert run.err == f"healthlog: database schema is newer than this healthlog ({data / name})\n"
+    assert run.err.startswith(
+        f"healthlog: database schema is newer than this healthlog ({data / name}: version 99,"
+    )
+    assert len(run.err.splitlines()) == 1
+
+
+# What each file of a newer healthlog's schema is refused with, after its versions: how to go
+# back to this healthlog without losing what the newer one journaled (CLI-284).
+GOING_BACK = {
+    "store.sqlite": "a newer healthlog wrote it; run that one again, or, to go back to this one,"
+    " move store.sqlite and its -wal and -shm files away and run `healthlog reindex` (or start"
+    " serve): this one folds the journal into a new store, losing nothing (followers then"
+    " restore a snapshot once)",
+    "journal.sqlite": "a newer healthlog wrote it, and this one cannot read it: run that one"
+    " again (a backup taken before the upgrade lacks every delivery journaled since)",
+    "tokens.sqlite": "a newer healthlog wrote it; run that one again, or move tokens.sqlite and"
+    " its -wal and -shm files away and add the tokens again (`healthlog token add NAME`)",
+    "replica.sqlite": "a newer healthlog wrote it; run that one again, or follow into another"
+    " --replica directory",
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOING_BACK))
+def test_a_database_of_a_newer_healthlog_says_how_to_go_back_cli_284(
+    cli: Cli, tmp_path: Path, name: str
+) -> None:
+    """CLI-284: a data directory (or replica) that a newer healthlog upgraded, opened by this
+    one (a downgrade): exit 3, one line naming the file, its schema version and this one's, and
+    how to go back without losing what the newer one journaled, the file left byte for byte as
+    it was; for the store, doing what it says (moving it away, `reindex`) brings back every
+    delivery journaled. (Before, the line said `database schema is newer than this healthlog`
+    alone, and the README's `going back needs the backup` lost the deliveries journaled since
+    the upgrade: 4 of 12 in the audit, where moving the store away kept them all.)"""
+    data, replica = tmp_path / "data", tmp_path / "replica"
+    sent = write(tmp_path / "a.json", body(metric(HR, BPM, point(minute(0), qty=61))))
+    assert cli("token", "add", "phone", "--data", data).code == 0
+    import_ok(cli, data, "--aggregation", "minutes", sent)
+    Replica(replica).close()
+    path = replica / REPLICA_FILE if name == REPLICA_FILE else data / name
+    with closing(sqlite3.connect(path)) as conn:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        conn.execute(f"PRAGMA user_version = {version + 1}")
+    before = path.read_bytes()
+    run = {
+        "store.sqlite": lambda: cli("status", "--data", data),
+        "journal.sqlite": lambda: cli("status", "--data", data),
+        "tokens.sqlite": lambda: cli("token", "list", "--data", data),
+        "replica.sqlite": lambda: cli("export", "--replica", replica),
+    }[name]()
+    assert (run.code, run.out) == (3, b"")
+    assert run.err == (
+        f"healthlog: database schema is newer than this healthlog ({path}: version"
+        f" {version + 1}, this one's is {version}): {GOING_BACK[name]}\n"
+    )
+    assert path.read_bytes() == before
+    if name == "store.sqlite":
+        aside = tmp_path / "aside"
+        aside.mkdir()
+        for moved in data.glob("store.sqlite*"):
+            moved.rename(aside / moved.name)
+        assert cli("reindex", "--data", data).code == 0
+        assert [line["point"]["qty"] for line in cli("export", "--data", data).json_lines()] == [61]
+        assert cli("verify", "--data", data).code == 0
 
 
 def test_journal_refusing_an_import_exits_3_with_one_line_cli_23(cli: Cli, tmp_path: Path) -> None:

@@ -978,12 +978,15 @@ def _rollback(conn: sqlite3.Connection) -> None:
         _log.debug("rollback failed (code %s)", getattr(exc, "sqlite_errorcode", None))
 
 
-def migrate(conn: sqlite3.Connection, migrations: Sequence[str]) -> None:
+def migrate(
+    conn: sqlite3.Connection, migrations: Sequence[str], going_back: str | None = None
+) -> None:
     """Bring the schema up to ``len(migrations)`` (the version kept in ``PRAGMA user_version``).
 
     ``migrations[v]`` is the SQL script that moves the schema from version ``v`` to ``v + 1``. Each
     one runs in its own write transaction together with the version bump; the version is re-read
-    under the write lock, so two processes opening a new file at once apply each step once.
+    under the write lock, so two processes opening a new file at once apply each step once. A
+    file of a later version is refused (:func:`newer_schema`, saying ``going_back``).
     """
     target = len(migrations)
     while True:
@@ -991,13 +994,13 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[str]) -> None:
             version = _user_version(conn)
         except sqlite3.Error as exc:
             raise classify(exc) from exc
-        _refuse_newer(conn, version, target)
+        _refuse_newer(conn, version, target, going_back)
         if version == target:
             return
         try:
             with write_transaction(conn):
                 version = _user_version(conn)
-                _refuse_newer(conn, version, target)
+                _refuse_newer(conn, version, target, going_back)
                 if version == target:
                     return
                 # A step that moves a table frees every page of the old one, and SQLite built
@@ -1043,10 +1046,29 @@ def _user_version(conn: sqlite3.Connection) -> int:
     return int(conn.execute("PRAGMA user_version").fetchone()[0])
 
 
-def _refuse_newer(conn: sqlite3.Connection, version: int, target: int) -> None:
+def _refuse_newer(
+    conn: sqlite3.Connection, version: int, target: int, going_back: str | None
+) -> None:
     if version > target:
         path = conn.execute("PRAGMA database_list").fetchone()[2]
-        raise _opening(StorageError("database schema is newer than this healthlog"), path)
+        raise newer_schema(path, version, target, going_back)
+
+
+def newer_schema(
+    path: str | os.PathLike[str], version: int, target: int, going_back: str | None
+) -> StorageError:
+    """The error of a file whose schema ``version`` is later than this healthlog's ``target``:
+    a newer healthlog upgraded it, and this one (a downgrade) cannot read it. ``going_back``
+    says what brings this one back without losing what the newer one journaled: the line alone
+    sent users to the backup taken before the upgrade, which lacks every delivery journaled
+    since, where moving a store away loses none (CLI-284)."""
+    said = (
+        f"database schema is newer than this healthlog ({os.fspath(path)}: version {version},"
+        f" this one's is {target})"
+    )
+    error = StorageError(f"{said}: {going_back}" if going_back else said)
+    error.file = os.path.basename(path)
+    return error
 
 
 def _statements(script: str) -> Iterator[str]:
@@ -1084,6 +1106,8 @@ class Database:
     DAMAGED: str | None = None
     """What the user can do about a damaged file, for a subclass whose damage :meth:`check_intact`
     (and a damaged file met opening it) says so of."""
+    GOING_BACK: str | None = None
+    """How to go back to this healthlog from a file a newer one upgraded (:func:`newer_schema`)."""
 
     def __init__(
         self,
@@ -1106,7 +1130,7 @@ class Database:
         # -shm file beside the database (CLI-112).
         self._lock = ConnectionGuard(path, None if reading else self._reopen)
         try:
-            migrate(self._conn, self.MIGRATIONS)
+            migrate(self._conn, self.MIGRATIONS, self.GOING_BACK)
         except BaseException as exc:
             self._conn.close()
             if isinstance(exc, StorageError) and is_damage(exc) and self.DAMAGED is not None:

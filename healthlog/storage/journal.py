@@ -77,6 +77,12 @@ DAMAGED: Final = (
 )
 """What the user can do about a damaged journal."""
 
+GOING_BACK: Final = (
+    "a newer healthlog wrote it, and this one cannot read it: run that one again (a backup"
+    " taken before the upgrade lacks every delivery journaled since)"
+)
+"""How to go back to this healthlog from a journal a newer one upgraded (CLI-284)."""
+
 _MIGRATIONS: Final = (
     """
     CREATE TABLE deliveries (
@@ -462,7 +468,7 @@ class Journal:
             path, create=create, busy_timeout_ms=busy_timeout_ms
         )
         try:
-            migrate(self._conn, _MIGRATIONS)
+            migrate(self._conn, _MIGRATIONS, GOING_BACK)
             self._instance_id = self._load_instance_id()
         except BaseException as exc:
             self._conn.close()

@@ -24,6 +24,7 @@ from healthlog.storage._sqlite import (
     connect,
     make_directory,
     mounted_read_only,
+    newer_schema,
     no_room_for_shm,
     not_permitted,
     read_once,
@@ -101,6 +102,9 @@ class Replica(_objects.ObjectDatabase):
     """The replica database in a directory. Methods may be called from worker threads."""
 
     MIGRATIONS = MIGRATIONS
+    GOING_BACK = (
+        "a newer healthlog wrote it; run that one again, or follow into another --replica directory"
+    )
     # An object row (a gzip body of a few KB) spills into an overflow page of its own with
     # 4 KiB pages: 16 KiB pages keep it in its leaf, a third of the file and of the writes.
     PAGE_SIZE = 16 * 2**10
@@ -303,7 +307,7 @@ class ReplicaReader(_objects.ObjectReading):
                 if version == 0 or binding is None:
                     raise NotAReplica("is empty, or another database")
                 if version > len(MIGRATIONS):
-                    raise StorageError("database schema is newer than this healthlog")
+                    raise newer_schema(self.path, version, len(MIGRATIONS), Replica.GOING_BACK)
         except BaseException:
             self._conn.close()
             raise

@@ -538,6 +538,12 @@ class Store(_objects.ObjectDatabase):
         "it is rebuilt from the journal: move store.sqlite and its -wal and -shm"
         " files away, then `healthlog reindex` (or `serve`) folds the journal into a new one"
     )
+    GOING_BACK = (
+        "a newer healthlog wrote it; run that one again, or, to go back to this one, move"
+        " store.sqlite and its -wal and -shm files away and run `healthlog reindex` (or start"
+        " serve): this one folds the journal into a new store, losing nothing (followers then"
+        " restore a snapshot once)"
+    )
 
     # -- lease (L1) -------------------------------------------------------------------
 

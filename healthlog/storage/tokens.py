@@ -53,6 +53,10 @@ class Tokens(Database):
     """The token table. Methods may be called from worker threads."""
 
     MIGRATIONS = MIGRATIONS
+    GOING_BACK = (
+        "a newer healthlog wrote it; run that one again, or move tokens.sqlite and its -wal and"
+        " -shm files away and add the tokens again (`healthlog token add NAME`)"
+    )
 
     def add(self, name: str) -> str:
         """Create a token for ``name`` and return the secret (the only time it is seen)."""
