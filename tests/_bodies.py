@@ -12,6 +12,7 @@ import os
 import sqlite3
 from collections.abc import Mapping, Sequence
 from contextlib import closing
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from healthlog.objects import ObjectKey
 from healthlog.points import Point, coordinates, point_at, point_object
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import Selection
-from healthlog.storage.store import MIGRATIONS, REINDEX_MARK, Store
+from healthlog.storage.store import MIGRATIONS, OTHER_CALENDARS, REINDEX_MARK, Store
 
 BASE_US = 1_709_251_200_000_000
 NOW = BASE_US
@@ -113,6 +114,9 @@ ONE_MOMENT_RECORDS = b'{"data":{"symptoms":[%s],"medications":[%s]}}' % (
 
 # The schema version before the migration that marks a store folded before MERGE-35.
 BEFORE_MERGE_35 = next(v for v, script in enumerate(MIGRATIONS) if REINDEX_MARK in script)
+# The schema version before the migration that marks a store holding points dated in another
+# calendar (PARSE-41).
+BEFORE_OTHER_CALENDARS = next(v for v, script in enumerate(MIGRATIONS) if OTHER_CALENDARS in script)
 
 
 def fold_as_before_merge_35(path: str | os.PathLike[str]) -> None:
@@ -134,6 +138,44 @@ def fold_as_before_merge_35(path: str | os.PathLike[str]) -> None:
                 (older.body, older.hash, older.first, older.last, older.count, rowid),
             )
         conn.execute(f"PRAGMA user_version = {BEFORE_MERGE_35}")
+
+
+# Steps a phone set to the Buddhist calendar wrote (2567 for 2024), and the years between.
+BUDDHIST_ERA_STEPS = (
+    b'{"data":{"metrics":[{"name":"thai_steps","units":"count","data":['
+    b'{"date":"2567-03-02 08:00:00 +0700","qty":120},{"date":"2567-03-02 09:30:00 +0700","qty":88}'
+    b"]}]}}"
+)
+BUDDHIST_ERA_YEARS = 543
+
+
+def fold_as_before_parse_41(path: str | os.PathLike[str], metrics: Sequence[str]) -> None:
+    """Leave the store at ``path`` as a healthlog before PARSE-41 left the objects of
+    ``metrics``, whose points a phone set to the Buddhist calendar dated: each point at the
+    instant its year names as written (543 years after the Gregorian one this healthlog reads),
+    in the object of that hour; and its schema the version before the migration that marks such
+    a store."""
+
+    def late(us: int) -> int:
+        then = datetime.fromtimestamp(us / 1_000_000, UTC)
+        return int(then.replace(year=then.year + BUDDHIST_ERA_YEARS).timestamp()) * 1_000_000
+
+    with closing(sqlite3.connect(path)) as conn, conn:
+        marked = ",".join("?" for _ in metrics)
+        found = conn.execute(
+            "SELECT rowid, metric, layer, hour, units, created_by, body FROM objects"
+            f" WHERE metric IN ({marked})",
+            tuple(metrics),
+        ).fetchall()
+        for rowid, metric, layer, hour, units, created_by, stored in found:
+            moved = {(late(start), late(end)): raw for start, end, raw in objects.entries(stored)}
+            older = objects.encode(ObjectKey(metric, layer, late(hour)), units, moved, created_by)
+            conn.execute(
+                "UPDATE objects SET hour = ?, body = ?, hash = ?, first = ?, last = ?, points = ?"
+                " WHERE rowid = ?",
+                (late(hour), older.body, older.hash, older.first, older.last, older.count, rowid),
+            )
+        conn.execute(f"PRAGMA user_version = {BEFORE_OTHER_CALENDARS}")
 
 
 def read_point(raw: bytes) -> Point:

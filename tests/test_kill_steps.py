@@ -64,7 +64,7 @@ NOT_WALKED = frozenset(
 )
 assert NOT_WALKED.issubset(faults.POINTS), "an excluded fault point no longer exists"
 KILL_POINTS = tuple(name for name in faults.POINTS if name not in NOT_WALKED)
-MAX_STEP = 12
+MAX_STEP = 13
 # Short lease and wake periods, so a restart takes the lease over and folds within a second or
 # two; a renewal every 0.5 s keeps the hits of ``lease.renew`` in one run well under MAX_STEP.
 SERVE_ENV = {

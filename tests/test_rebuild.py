@@ -28,6 +28,7 @@ import pytest
 import trio
 from _bodies import (
     BASE_US,
+    BUDDHIST_ERA_STEPS,
     NOW,
     ONE_MOMENT_RECORDS,
     TTL,
@@ -35,6 +36,7 @@ from _bodies import (
     body,
     delivery,
     fold_as_before_merge_35,
+    fold_as_before_parse_41,
     point,
     rows,
 )
@@ -2087,6 +2089,59 @@ def test_a_store_folded_before_merge_35_advises_a_reindex_until_one_runs_store_1
         }
     with Store(path) as store:
         assert store.reindex_advised() == []
+
+
+# The days the Buddhist-era steps were taken on, in the Gregorian calendar.
+LIVED_DAYS = ("--from", "2024-03-01T00:00:00Z", "--to", "2024-03-04T00:00:00Z")
+
+
+def test_a_store_holding_points_of_another_calendar_advises_a_reindex_store_156(
+    tmp_path: Path, cli: Cli
+) -> None:
+    """STORE-156: a store an older healthlog folded before PARSE-41 (steps a phone set to the
+    Buddhist calendar dated 2567, stored 543 years late; and before MERGE-35 too), opened by this
+    one: the migration marks it, `reindex_advised` is `records_of_one_moment` and
+    `other_calendars`, no object, outcome or event changed; `status` says why with the command,
+    export over the days lived finds none of those steps; the reindex brings them to 2024 and
+    takes the mark away. (Before, nothing said so: measured on a store 28d646e folded, 864
+    points stayed in 2567, export over 2024-02-29 to 2024-03-03 gave 0 lines, status and serve
+    advised nothing, verify exited 1 on 192 objects without saying why.)"""
+    data = DataDir(tmp_path / "data")
+    path = data.store_path
+    with data.open_journal() as live:
+        append(live, delivery(ONE_MOMENT_RECORDS))
+        append(live, delivery(BUDDHIST_ERA_STEPS))
+        append(live, delivery(body({"steps": [point(1, 10)]})))
+    with data.open_journal() as live, data.open_store() as store:
+        assert fold_live(live, store).stopped_because == "empty"
+        lived = {s.key.hour for s in summaries(store).values() if s.key.metric == "thai_steps"}
+    fold_as_before_parse_41(path, ["thai_steps"])
+    fold_as_before_merge_35(path)
+    older = rows(path)
+
+    with data.open_journal() as live, data.open_store() as store:
+        assert store.reindex_advised() == ["records_of_one_moment", "other_calendars"]
+        upgraded = rows(path)
+        assert {name: upgraded[name] for name in older if name != "marks"} == {
+            name: older[name] for name in older if name != "marks"
+        }
+        late = {s.key.hour for s in summaries(store).values() if s.key.metric == "thai_steps"}
+        assert min(late) > max(lived) + 500 * 365 * 86400 * 10**6
+        status = cli("status", "--data", data.path)
+        assert status.code == 0, status.err
+        assert "dated in a calendar other than the Gregorian" in status.out.decode()
+        assert f"`healthlog reindex --data {data.path}`" in status.out.decode()
+        during = cli("export", "--data", data.path, "--metric", "thai_steps", *LIVED_DAYS)
+        assert (during.code, during.out) == (0, b"")
+        # The two records' objects, and two hours of steps gone from 2567 and made in 2024.
+        assert reindex(live, store, "reindex", workers=1) == 6
+        assert store.reindex_advised() == []
+        assert verify_all(live, store, workers=1).objects == []
+        assert {
+            s.key.hour for s in summaries(store).values() if s.key.metric == "thai_steps"
+        } == lived
+    after = cli("export", "--data", data.path, "--metric", "thai_steps", *LIVED_DAYS)
+    assert [line["point"]["qty"] for line in after.json_lines()] == [120, 88]
 
 
 def test_a_store_without_records_of_one_moment_is_never_advised_a_reindex_store_128(

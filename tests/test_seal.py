@@ -37,7 +37,7 @@ from healthlog.storage import _partition
 from healthlog.storage.journal import DeliveryMeta, Journal, NewDelivery
 from healthlog.storage.passes import run_pass
 from healthlog.storage.rebuild import rebuild_into, reindex, verify
-from healthlog.storage.store import MARK_SEALED, MIGRATIONS, Store
+from healthlog.storage.store import MARK_SEALED, MIGRATIONS, UNSEALED_INDEX, Store
 from healthlog.storage.tokens import TokenError, Tokens, authenticate
 from healthlog.timestamps import US_PER_HOUR
 
@@ -917,7 +917,7 @@ def test_a_seal_searches_the_objects_no_seal_covers_yet_seal_30(
     store.close()
     with closing(sqlite3.connect(store.path)) as conn, conn:
         conn.execute("DROP INDEX objects_unsealed")
-        conn.execute(f"PRAGMA user_version = {len(MIGRATIONS) - 1}")
+        conn.execute(f"PRAGMA user_version = {MIGRATIONS.index(UNSEALED_INDEX)}")
 
     with Store(store.path) as upgraded:
         with closing(sqlite3.connect(store.path)) as conn:

@@ -90,10 +90,15 @@ def _in_scope(row: str) -> str:
 # reindex's swap takes it away. A store folded by this healthlog from the start never has it.
 REINDEX_MARK = "reindex_advised"
 RECORDS_OF_ONE_MOMENT = "records_of_one_moment"
+OTHER_CALENDARS = "other_calendars"
 REINDEX_REASONS = {
     RECORDS_OF_ONE_MOMENT: "an older healthlog kept one of the symptoms, medication doses or"
     " cycle-tracking entries that share a start and end, and the journal alone holds the others"
     " (MERGE-35)",
+    OTHER_CALENDARS: "an older healthlog stored points dated in a calendar other than the"
+    " Gregorian at the year written (a phone set to the Buddhist calendar writes 2567 for 2024:"
+    " 543 years late, where no query of the days lived finds them), which this one reads as"
+    " Gregorian or refuses (PARSE-41, PARSE-44, PARSE-47)",
 }
 
 
@@ -279,6 +284,25 @@ MIGRATIONS = (
         );
     """,
     UNSEALED_INDEX,
+    # Points dated in another calendar are read as Gregorian (a Buddhist-era year, 2500 to
+    # 2999, 543 years earlier: PARSE-41) or refused (a year before 1900, PARSE-44; from 3000
+    # on, PARSE-47) since 1 December 2026: an older healthlog stored them at the year written,
+    # centuries off, where no query of the days lived finds them. A store holding an object of
+    # an hour this one can no longer make (before 31 December 1899, a day before 1900 in any
+    # offset, or from 2500 on; written out, so the step stays what it was) is marked, so that
+    # ``serve``, ``status`` and ``verify`` advise the reindex that moves them (STORE-156), as for
+    # MERGE-35, beside whose reason this one is added. Only the objects key index is read.
+    f"""
+    CREATE TEMP TABLE other_calendars AS
+        SELECT 1 FROM objects INDEXED BY objects_key
+        WHERE hour < -2209075200000000 OR hour >= 16725225600000000 LIMIT 1;
+    INSERT INTO marks (key, value)
+        SELECT '{REINDEX_MARK}', json_array() FROM temp.other_calendars WHERE true
+        ON CONFLICT (key) DO NOTHING;
+    UPDATE marks SET value = json_insert(value, '$[#]', '{OTHER_CALENDARS}')
+        WHERE key = '{REINDEX_MARK}' AND EXISTS (SELECT 1 FROM temp.other_calendars);
+    DROP TABLE temp.other_calendars;
+    """,
 )
 # A rebuild partition's scratch file (``_partition``) has the store's schema but for
 # ``objects_unsealed``: it is never sealed (its objects are marked as they are gathered into
