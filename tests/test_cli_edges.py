@@ -1479,6 +1479,105 @@ def test_serve_beside_a_damaged_store_answers_its_reads_503_saying_so_serve_150_
     assert noisy == [], after
 
 
+def upgrade(url: str, token: str) -> tuple[int, dict[str, str], bytes]:
+    """The answer to a websocket upgrade of `/v1/stream` with ``token``, sent on a real socket:
+    its status, headers (lowercase names) and body (none for a 101)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=LIMIT_S) as conn:
+        conn.sendall(
+            (
+                f"GET /v1/stream?after=0 HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
+                "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {token}\r\n\r\n"
+            ).encode()
+        )
+        answer = b""
+        while b"\r\n\r\n" not in answer and (chunk := conn.recv(65536)):
+            answer += chunk
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        lines = head.decode("latin1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        length = 0 if status == 101 else int(headers["content-length"])
+        while len(rest) < length and (chunk := conn.recv(65536)):
+            rest += chunk
+    return status, headers, rest[:length]
+
+
+def test_the_stream_beside_a_damaged_store_is_refused_503_before_the_upgrade_stream_205(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STREAM-205: `serve` journaling beside a torn store (STORE-142) refuses a `/v1/stream`
+    upgrade with a live token before the handshake, as `/v1/points` is refused (SERVE-150): 503
+    `{"error": "STORE_DAMAGED", "message": ...}` without `Retry-After`, each refusal one INFO
+    line and no WARNING; a token that is not live is still refused 4401 after the handshake.
+    (Before, every connection was accepted and closed 1011, each with a WARNING naming
+    StorageError: 7 in a minute from one `healthlog follow`.)"""
+    copy = torn_copy(run_cli, tmp_path, "store.sqlite")
+    token = run_cli("token", "add", "nas", "--data", copy).out.decode().strip()
+    with serving_into(copy, tmp_path / "serve.err") as served:
+        before = served.said("store.sqlite is damaged")
+        for _ in range(3):
+            status, headers, refused = upgrade(served.url, token)
+            assert status == 503, (status, refused)
+            assert "retry-after" not in headers
+            assert json.loads(refused)["error"] == "STORE_DAMAGED"
+            assert "until serve is started again" in json.loads(refused)["message"]
+        status, _, _ = upgrade(served.url, "hl_not_a_token")
+        assert status == 101
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(LIMIT_S) == 0
+    after = served.err.read_text()[len(before) :]
+    assert after.count("refused 503 GET /v1/stream from 127.0.0.1: the store was found unfit") == 3
+    noisy = [line for line in after.splitlines() if "level=ERROR" in line or "WARNING" in line]
+    assert noisy == [], after
+
+
+def test_follow_says_once_that_the_store_is_damaged_and_backs_off_stream_206(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STREAM-206: `healthlog follow` against a `serve` journaling beside a torn store says at
+    once, in one WARNING, that the service's store.sqlite is damaged and what the service does
+    until it is started again, and goes on retrying with its backoff (the service's 503s
+    counted), not saying it again; SIGINT stops it with 0. (Before, its one WARNING came after a
+    minute of reconnects and said only `the stream ended`.)"""
+    copy = torn_copy(run_cli, tmp_path, "store.sqlite")
+    token = run_cli("token", "add", "nas", "--data", copy).out.decode().strip()
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"} | {
+        "HEALTHLOG_TOKEN": token
+    }
+    with serving_into(copy, tmp_path / "serve.err") as served:
+        served.said("store.sqlite is damaged")
+        err = tmp_path / "follow.err"
+        with (
+            err.open("w") as stderr,
+            subprocess.Popen(
+                healthlog("follow", "--url", served.url, "--replica", tmp_path / "replica"),
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=env,
+            ) as follower,
+        ):
+            try:
+                served.said("refused 503 GET /v1/stream")
+                deadline = time.monotonic() + LIMIT_S
+                while served.err.read_text().count("refused 503 GET /v1/stream") < 3:
+                    assert follower.poll() is None, err.read_text()
+                    assert time.monotonic() < deadline, err.read_text()
+                    time.sleep(0.05)
+                follower.send_signal(signal.SIGINT)
+                assert follower.wait(LIMIT_S) == 0, err.read_text()
+            finally:
+                if follower.poll() is None:
+                    follower.kill()
+    said = err.read_text()
+    warnings = [line for line in said.splitlines() if "level=WARNING" in line]
+    assert len(warnings) == 1, said
+    assert "the service cannot be followed: its store.sqlite is damaged" in warnings[0]
+    assert "until it is started again with the store moved away" in warnings[0]
+    assert "Traceback" not in said
+
+
 def test_serve_journals_while_it_checks_the_store_and_a_signal_stops_the_check_run_162(
     run_cli: RunCli, tmp_path: Path
 ) -> None:

@@ -29,7 +29,6 @@ from healthlog.config import ServeConfig
 from healthlog.export import FORMATS, header, object_lines
 from healthlog.objects import HourlyObject, ObjectCorrupt
 from healthlog.storage._sqlite import StorageError
-from healthlog.storage.passes import STORE_DAMAGED, STORE_FOLDED_ELSEWHERE
 from healthlog.storage.status import collect_status
 from healthlog.storage.store import OBJECTS_PAGE, Store
 from healthlog.timestamps import (
@@ -42,7 +41,7 @@ from healthlog.timestamps import (
 from transport.auth import TokenCache, presented_token
 from transport.intake import INTAKE_PATH, RETRY_AFTER_S, IntakeEndpoint
 from transport.metrics import render_metrics
-from transport.refusals import RefusalLog, WrongPathLog
+from transport.refusals import STORE_UNFIT_ANSWERS, RefusalLog, WrongPathLog
 from transport.snapshots import SnapshotService
 from transport.stream import (
     HUB_ACTOR,
@@ -77,24 +76,6 @@ RESPONSE_TIMEOUT_S = 60.0
 TOKENS_RETRY_AFTER_S = RETRY_AFTER_S.decode()
 
 log = logging.getLogger("healthlog.http")
-
-# What a route that reads the store answers while `serve` journals beside a store it found unfit
-# (STORE-142): a 503 saying so, without a Retry-After (it lasts until the store is moved away
-# and `serve` started again); the ERROR that said what to do was logged once, at the check.
-# Each read was a 500 `INTERNAL` and an ERROR naming nothing but `StorageError` (SERVE-150).
-STORE_UNFIT_ANSWERS = {
-    STORE_DAMAGED: (
-        "STORE_DAMAGED",
-        "store.sqlite is damaged: deliveries are journaled, none is folded and nothing is read"
-        " from it until serve is started again with it moved away (its log says how)",
-    ),
-    STORE_FOLDED_ELSEWHERE: (
-        "STORE_FROM_ANOTHER_JOURNAL",
-        "store.sqlite was folded from another journal: deliveries are journaled, none is folded"
-        " and nothing is read from it until serve is started again with it moved away (its log"
-        " says how)",
-    ),
-}
 
 
 def _json(document: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -60,6 +60,7 @@ from wsproto.events import (
     CloseConnection,
     Ping,
     RejectConnection,
+    RejectData,
     Request,
     TextMessage,
 )
@@ -151,6 +152,20 @@ UPGRADE_LOST = (
 """What a 426 means (SERVE-82): the service answers so a stream request that came as a plain
 HTTP request, as one does through a proxy not set up for websockets (CLI-125)."""
 
+LASTING_REFUSALS = {
+    "STORE_DAMAGED": "its store.sqlite is damaged",
+    "STORE_FROM_ANOTHER_JOURNAL": "its store.sqlite was folded from another journal",
+}
+"""The service's 503s that last until its owner acts, by their error code (SERVE-150,
+STREAM-205), in this module's words (never the server's): said at WARNING at the first, where a
+lost connection is said only once the backoff has grown to its longest (STREAM-206)."""
+LASTING_AFTER = (
+    ": it journals deliveries and folds none until it is started again with the store moved away"
+    " (its log says how)"
+)
+REFUSAL_BYTES = 4096
+"""The most of a refusal's body read for its error code: healthlog's are some 250 bytes."""
+
 
 class FollowError(Exception):
     """A reason to stop following for good (a wrong token, another instance, a bad snapshot)."""
@@ -158,11 +173,26 @@ class FollowError(Exception):
 
 class ConnectionLost(Exception):
     """The stream connection was refused, broken or closed: reconnecting is the remedy, after
-    ``retry_after_s`` at least when the refusal said so (its ``Retry-After``)."""
+    ``retry_after_s`` at least when the refusal said so (its ``Retry-After``). ``lasting`` says
+    why a refusal lasts until the service's owner acts (``LASTING_REFUSALS``)."""
 
-    def __init__(self, reason: str, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self, reason: str, retry_after_s: float | None = None, *, lasting: str | None = None
+    ) -> None:
         super().__init__(reason)
         self.retry_after_s = retry_after_s
+        self.lasting = lasting
+
+
+def lasting_refusal(body: bytes) -> str | None:
+    """Why a refusal whose body is ``body`` lasts until the service's owner acts, in this
+    module's words; None for any other refusal, or a body that is not healthlog's."""
+    try:
+        document = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    code = document.get("error") if isinstance(document, dict) else None
+    return LASTING_REFUSALS.get(code) if isinstance(code, str) else None
 
 
 def retry_after_s(value: str | None, now: datetime) -> float | None:
@@ -297,6 +327,8 @@ class Follower:
     _backoff: float = attrs.field(default=BACKOFF_START_S, init=False)
     # Whether the WARNING that reconnecting gets nowhere was logged since the last progress.
     _warned: bool = attrs.field(default=False, init=False)
+    # The lasting refusal said at WARNING since the last progress (STREAM-206).
+    _said: str | None = attrs.field(default=None, init=False)
     # Whether the replica has met its service (bound to it), in this run or an earlier one.
     _met: bool = attrs.field(default=False, init=False)
     # The sequence of the snapshot this run restored last: the tag it gave the replica is the
@@ -351,7 +383,8 @@ class Follower:
                     lost = _first(group)
                     reason = _reason(group)
                     log.info("follow: connection lost (%s)", reason)
-                    self._warn(reason, self._asked(lost))
+                    lasting = lost.lasting if isinstance(lost, ConnectionLost) else None
+                    self._warn(reason, self._asked(lost), lasting)
                 if unsendable is not None:
                     raise FollowError(
                         f"a request of ours is not valid HTTP ({unsendable}): retrying cannot "
@@ -363,10 +396,22 @@ class Follower:
                     await trio.sleep(self._wait(lost))
                     self._backoff = min(self._backoff * 2, BACKOFF_MAX_S)
 
-    def _warn(self, reason: str, asked: float | None) -> None:
+    def _warn(self, reason: str, asked: float | None, lasting: str | None = None) -> None:
         """The one WARNING of a run of failures, when it is due, saying the wait before the
         next try: ``asked`` when a refusal's ``Retry-After`` asks for longer than the backoff
-        (STREAM-117), else the backoff's cadence."""
+        (STREAM-117), else the backoff's cadence. A refusal that lasts until the service's owner
+        acts (``lasting``: its store found damaged) is said at once, once while it lasts: the
+        WARNING came a minute later and said only `the stream ended` (STREAM-206)."""
+        if lasting is not None and lasting != self._said:
+            self._said = lasting
+            self._warned = True
+            log.warning(
+                "follow: the service cannot be followed: %s%s; retrying, at most every %.0f s",
+                lasting,
+                LASTING_AFTER,
+                BACKOFF_MAX_S,
+            )
+            return
         if self._warned or (self._met and self._backoff < BACKOFF_MAX_S):
             return
         self._warned = True
@@ -419,6 +464,7 @@ class Follower:
         a new run of failures may be warned about again."""
         self._backoff = BACKOFF_START_S
         self._warned = False
+        self._said = None
 
     async def _session(self, http: httpx.AsyncClient, context: ssl.SSLContext) -> bool:
         """One connection; True when done (caught up)."""
@@ -672,7 +718,9 @@ class Follower:
                     raise FollowError(TOKEN_REFUSED)
                 if _retried(response.status_code):
                     raise ConnectionLost(
-                        f"{path} answered {response.status_code}", _asked_wait(response.headers)
+                        f"{path} answered {response.status_code}",
+                        _asked_wait(response.headers),
+                        lasting=lasting_refusal(await _refusal_body(response)),
                     )
                 if response.status_code != 200:
                     raise FollowError(f"{path} answered {response.status_code}")
@@ -890,6 +938,18 @@ async def _download_paced(
     return digest.hexdigest()
 
 
+async def _refusal_body(response: httpx.Response) -> bytes:
+    """The first ``REFUSAL_BYTES`` of a refusal's body, the rest left unread."""
+    body = bytearray()
+    chunks = response.aiter_bytes()
+    async for chunk in chunks:
+        body += chunk
+        if len(body) >= REFUSAL_BYTES:
+            await _abandon(response, chunks)
+            break
+    return bytes(body[:REFUSAL_BYTES])
+
+
 async def _abandon(response: httpx.Response, chunks: AsyncIterator[bytes]) -> None:
     """Stop reading a body part way: its connection is closed, and the reading, ended by
     that, runs out through every layer of the HTTP client (left suspended, each would only be
@@ -918,6 +978,9 @@ class StreamSocket:
         self._size = 0
         self._outgoing = bytearray()
         self._accepted = False
+        # A refusal of the upgrade whose body is still coming, and the body so far.
+        self._rejected: RejectConnection | None = None
+        self._rejection = bytearray()
         self._sending = trio.Lock()
         # When bytes last came from the server, and when a ping was last sent.
         self.heard = trio.current_time()
@@ -1025,19 +1088,31 @@ class StreamSocket:
             elif isinstance(event, AcceptConnection):
                 self._accepted = True
             elif isinstance(event, RejectConnection):
-                # As for the HTTP requests: a 5xx (a restarting server, or a proxy in front of
-                # one) and a front's 429 are a lost connection; 401 and any other refusal are
-                # for good.
-                if event.status_code == 401:
-                    raise FollowError(TOKEN_REFUSED)
-                if event.status_code == 426:
-                    raise FollowError(UPGRADE_LOST)
-                if not _retried(event.status_code):
-                    raise FollowError(f"the server refused the stream ({event.status_code})")
-                raise ConnectionLost(
-                    f"the server refused the stream ({event.status_code})",
-                    _asked_wait(httpx.Headers(event.headers)),
-                )
+                if not event.has_body:
+                    raise _refused(event, b"")
+                self._rejected = event
+            elif isinstance(event, RejectData) and self._rejected is not None:
+                # Its body says whether it lasts (a store found damaged, STREAM-206).
+                self._rejection += event.data[: REFUSAL_BYTES - len(self._rejection)]
+                if event.body_finished:
+                    raise _refused(self._rejected, bytes(self._rejection))
+
+
+def _refused(event: RejectConnection, body: bytes) -> Exception:
+    """What a refused upgrade means, as for the HTTP requests: a 5xx (a restarting server, or
+    a proxy in front of one) and a front's 429 are a lost connection; 401 and any other refusal
+    are for good."""
+    if event.status_code == 401:
+        return FollowError(TOKEN_REFUSED)
+    if event.status_code == 426:
+        return FollowError(UPGRADE_LOST)
+    if not _retried(event.status_code):
+        return FollowError(f"the server refused the stream ({event.status_code})")
+    return ConnectionLost(
+        f"the server refused the stream ({event.status_code})",
+        _asked_wait(httpx.Headers(event.headers)),
+        lasting=lasting_refusal(body),
+    )
 
 
 @attrs.frozen

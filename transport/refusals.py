@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 
+from healthlog.storage.passes import STORE_DAMAGED, STORE_FOLDED_ELSEWHERE
 from healthlog.storage.tokens import TOKEN_PREFIX
 
 log = logging.getLogger("healthlog.http")
@@ -27,6 +28,25 @@ BURST = 5
 PERIOD_S = 60.0
 _TOKEN = re.compile(re.escape(TOKEN_PREFIX) + r"[A-Za-z0-9_-]+")
 """A token as :meth:`Tokens.add` makes it, wherever it stands in a path a client typed."""
+
+# What a route that reads the store answers while `serve` journals beside a store it found unfit
+# (STORE-142), and so does the replay stream before its upgrade (STREAM-205): a 503 saying so,
+# without a Retry-After (it lasts until the store is moved away and `serve` started again); the
+# ERROR that said what to do was logged once, at the check. Each read was a 500 `INTERNAL` and an
+# ERROR naming nothing but `StorageError` (SERVE-150).
+STORE_UNFIT_ANSWERS = {
+    STORE_DAMAGED: (
+        "STORE_DAMAGED",
+        "store.sqlite is damaged: deliveries are journaled, none is folded and nothing is read"
+        " from it until serve is started again with it moved away (its log says how)",
+    ),
+    STORE_FOLDED_ELSEWHERE: (
+        "STORE_FROM_ANOTHER_JOURNAL",
+        "store.sqlite was folded from another journal: deliveries are journaled, none is folded"
+        " and nothing is read from it until serve is started again with it moved away (its log"
+        " says how)",
+    ),
+}
 
 
 class Bucket:

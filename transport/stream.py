@@ -22,7 +22,9 @@ and a token holder could open hundreds. One over the limit is refused before the
 an HTTP 503 ``{"error": "TOO_MANY_SUBSCRIBERS"}`` and ``Retry-After``, having read nothing of the
 store; its slot is given back however a connection ends (its close, a cut-off, a cancellation).
 The token is decided before the limit: a client whose token is not live is refused 4401 whether
-or not a slot is free, never told to come back later.
+or not a slot is free, never told to come back later. While ``serve`` journals beside a store it
+found unfit (STORE-142), a live token is refused before the upgrade too, with the 503 the routes
+that read the store answer (SERVE-150), holding no slot (STREAM-205).
 
 The token is checked at the handshake, again before each page is sent and before an ACK is
 stored, and every ``IDLE_RECHECK_S`` while the stream waits for events (cheap: the token cache
@@ -78,7 +80,7 @@ from healthlog.objects import HourlyObject, to_wire
 from healthlog.storage._sqlite import Deferred, StorageError, describe
 from healthlog.storage.store import Event, Store
 from transport.auth import presented_token
-from transport.refusals import FaultLog, RefusalLog, client_address
+from transport.refusals import STORE_UNFIT_ANSWERS, FaultLog, RefusalLog, client_address
 
 log = logging.getLogger("healthlog.stream")
 
@@ -320,6 +322,10 @@ class StreamEndpoint:
             self.refused.repeated_parameter += 1
             await self._serve(scope, receive, send, query, _repeated(repeated))
             return
+        unfit = self.runtime.store_unfit()
+        if unfit is not None:
+            await self._store_unfit(scope, send, unfit)
+            return
         try:
             self.slots.acquire_nowait()
         except trio.WouldBlock:
@@ -332,21 +338,46 @@ class StreamEndpoint:
             self.slots.release()
 
     async def _too_many(self, scope: dict[str, Any], send: Send) -> None:
-        """Refuse the upgrade with 503 and ``Retry-After``, as a refusal is logged; within
-        ``send_timeout_s``, and nothing if the client has gone meanwhile."""
-        self.refusals.refused(
-            503,
-            "GET",
-            STREAM_PATH,
-            client_address(scope),
+        """Refuse the upgrade with 503 ``TOO_MANY_SUBSCRIBERS`` and ``Retry-After``."""
+        await self._refuse_upgrade(
+            scope,
+            send,
             f"{self.slots.total_tokens} stream subscribers are served, as many as"
             " stream_max_subscribers allows",
+            {"error": TOO_MANY_SUBSCRIBERS},
+            ((b"retry-after", str(RETRY_AFTER_S).encode()),),
         )
-        body = orjson.dumps({"error": TOO_MANY_SUBSCRIBERS})
+
+    async def _store_unfit(self, scope: dict[str, Any], send: Send, unfit: str) -> None:
+        """Refuse the upgrade with the 503 the routes that read the store answer while it is
+        found unfit (SERVE-150), without ``Retry-After``: it lasts until ``serve`` is started
+        again with the store moved away (STREAM-205). Each connection was accepted, then closed
+        1011 with a WARNING, which the follower took for a lost connection."""
+        code, message = STORE_UNFIT_ANSWERS[unfit]
+        await self._refuse_upgrade(
+            scope,
+            send,
+            f"the store was found unfit ({code}): nothing is read from it until serve is started"
+            " again with it moved away",
+            {"error": code, "message": message},
+        )
+
+    async def _refuse_upgrade(
+        self,
+        scope: dict[str, Any],
+        send: Send,
+        why: str,
+        document: dict[str, str],
+        extra: tuple[tuple[bytes, bytes], ...] = (),
+    ) -> None:
+        """Refuse the upgrade with 503 and ``document``, as a refusal is logged (``why``);
+        within ``send_timeout_s``, and nothing if the client has gone meanwhile."""
+        self.refusals.refused(503, "GET", STREAM_PATH, client_address(scope), why)
+        body = orjson.dumps(document)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"retry-after", str(RETRY_AFTER_S).encode()),
+            *extra,
             (b"connection", b"close"),
         ]
         with trio.move_on_after(self.send_timeout_s), contextlib.suppress(*CLIENT_CLOSING):
