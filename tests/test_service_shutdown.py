@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import signal
@@ -24,7 +25,9 @@ from _baseline import severe_lines
 from _cli_bodies import body, metric, point
 from _service_helpers import CLIENT_TIMEOUT_S, Drip, post_stream, read_journal, serving
 
+from healthlog.config import ServeConfig
 from healthlog.storage.datadir import DataDir
+from transport.serve import serve
 
 MiB = 2**20
 CHUNKS = 10
@@ -377,3 +380,47 @@ async def test_a_stop_signal_repeated_later_stops_at_once_serve_45(tmp_path: Pat
             uploading.cancel()
     assert process.returncode == 130, err.decode()[-3000:]
     assert err.decode().splitlines()[-1] == "healthlog: interrupted"
+
+
+class _StopOnListening(logging.Handler):
+    """Sets ``stop`` as hypercorn says where it listens, the moment before it reports that it
+    listens: in the same step, as a signal landing there would."""
+
+    def __init__(self, stop: trio.Event) -> None:
+        super().__init__(logging.INFO)
+        self.stop = stop
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Running on "):
+            self.stop.set()
+
+
+async def test_a_stop_as_serve_begins_to_listen_stops_it_cleanly_run_179(tmp_path: Path) -> None:
+    """RUN-179: a stop that comes as hypercorn begins to listen, before ``serve`` has said
+    where, ends ``serve`` cleanly in each of 12 starts: it reports its URL (it listened) and
+    stops as it does once listening, no exception. (Before, trio ran the service's own watch of
+    the stop before or after the task reporting the URL, in either order: in about half the
+    starts the watch took ``serve`` for one still starting and cancelled it, the URL already
+    reported, and ``StoppedBeforeListening`` escaped after it, where `healthlog serve` had
+    printed `serving on`.)"""
+    config = ServeConfig(port=0, wake_period_s=0.2)
+    hypercorn_log = logging.getLogger("hypercorn.error")
+    level = hypercorn_log.level
+    hypercorn_log.setLevel(logging.INFO)
+    try:
+        for n in range(12):
+            stop = trio.Event()
+            watch = _StopOnListening(stop)
+            hypercorn_log.addHandler(watch)
+            try:
+                with trio.fail_after(CLIENT_TIMEOUT_S):
+                    async with trio.open_nursery() as nursery:
+                        url = await nursery.start(
+                            partial(serve, DataDir(tmp_path / "data"), config, shutdown=stop)
+                        )
+            finally:
+                hypercorn_log.removeHandler(watch)
+            assert stop.is_set(), n
+            assert url.startswith("http://127.0.0.1:"), n
+    finally:
+        hypercorn_log.setLevel(level)

@@ -725,17 +725,37 @@ async def _serve(
 
                 async def http(*, task_status: trio.TaskStatus[list[str]]) -> None:
                     await hypercorn_serve(
-                        app, listening, shutdown_trigger=stop.wait, task_status=task_status
+                        app,
+                        listening,
+                        shutdown_trigger=stop.wait,
+                        task_status=_Reporting(task_status, started),
                     )
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(app.intake.cut_uploads, stop, config.graceful_timeout_s)
                 nursery.start_soon(_advise_reindex, runtime, data)
                 binds = await nursery.start(http)
-                started.set()
                 task_status.started(binds[0])
     finally:
         listening.close_unused()
+
+
+class _Reporting(trio.TaskStatus[list[str]]):
+    """hypercorn's report that it listens, passed on once ``listening`` is set, in the same step:
+    a stop from then on is hypercorn's graceful shutdown (RUN-179). Set after the report had
+    reached ``serve``, a scheduling round later, a stop that came in between (a signal as it
+    began to listen) was taken for one before it listened by ``_stop_starting``, which ran first
+    in about half such starts: ``serve`` was cancelled, its URL reported all the same, and
+    ``StoppedBeforeListening`` escaped after it."""
+
+    def __init__(self, task_status: trio.TaskStatus[list[str]], listening: trio.Event) -> None:
+        self._task_status = task_status
+        self._listening = listening
+
+    def started(self, value: list[str] | None = None) -> None:
+        assert value is not None, "hypercorn reports the addresses it listens on"
+        self._listening.set()
+        self._task_status.started(value)
 
 
 async def _advise_reindex(runtime: Runtime, data: DataDir) -> None:
