@@ -1533,6 +1533,46 @@ def test_the_stream_beside_a_damaged_store_is_refused_503_before_the_upgrade_str
     assert noisy == [], after
 
 
+def follow_refused(served: Served, token: str, replica: Path, refusal: str) -> str:
+    """The stderr of `healthlog follow` at INFO into ``replica`` against ``served``, stopped by
+    SIGINT (exit 0) once it has said three connections lost for ``refusal``."""
+    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+    env |= {"HEALTHLOG_TOKEN": token, "HEALTHLOG_LOG_LEVEL": "INFO"}
+    err = replica.parent / f"{replica.name}.err"
+    with (
+        err.open("w") as stderr,
+        subprocess.Popen(
+            healthlog("follow", "--url", served.url, "--replica", replica),
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env=env,
+        ) as follower,
+    ):
+        try:
+            deadline = time.monotonic() + LIMIT_S
+            while err.read_text().count(f"connection lost (ConnectionLost: {refusal}") < 3:
+                assert follower.poll() is None, err.read_text()
+                assert time.monotonic() < deadline, err.read_text()
+                time.sleep(0.05)
+            follower.send_signal(signal.SIGINT)
+            assert follower.wait(LIMIT_S) == 0, err.read_text()
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+    said = err.read_text()
+    assert "Traceback" not in said
+    return said
+
+
+def said_damaged_once(said: str) -> None:
+    """``said`` holds STREAM-206's WARNING, once."""
+    warnings = [line for line in said.splitlines() if "cannot be followed" in line]
+    assert len(warnings) == 1, said
+    assert "level=WARNING" in warnings[0]
+    assert "the service cannot be followed: its store.sqlite is damaged" in warnings[0]
+    assert "until it is started again with the store moved away" in warnings[0]
+
+
 def test_follow_says_once_that_the_store_is_damaged_and_backs_off_stream_206(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
@@ -1543,39 +1583,48 @@ def test_follow_says_once_that_the_store_is_damaged_and_backs_off_stream_206(
     minute of reconnects and said only `the stream ended`.)"""
     copy = torn_copy(run_cli, tmp_path, "store.sqlite")
     token = run_cli("token", "add", "nas", "--data", copy).out.decode().strip()
-    env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"} | {
-        "HEALTHLOG_TOKEN": token
-    }
     with serving_into(copy, tmp_path / "serve.err") as served:
         served.said("store.sqlite is damaged")
-        err = tmp_path / "follow.err"
-        with (
-            err.open("w") as stderr,
-            subprocess.Popen(
-                healthlog("follow", "--url", served.url, "--replica", tmp_path / "replica"),
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                env=env,
-            ) as follower,
-        ):
-            try:
-                served.said("refused 503 GET /v1/stream")
-                deadline = time.monotonic() + LIMIT_S
-                while served.err.read_text().count("refused 503 GET /v1/stream") < 3:
-                    assert follower.poll() is None, err.read_text()
-                    assert time.monotonic() < deadline, err.read_text()
-                    time.sleep(0.05)
-                follower.send_signal(signal.SIGINT)
-                assert follower.wait(LIMIT_S) == 0, err.read_text()
-            finally:
-                if follower.poll() is None:
-                    follower.kill()
-    said = err.read_text()
-    warnings = [line for line in said.splitlines() if "level=WARNING" in line]
-    assert len(warnings) == 1, said
-    assert "the service cannot be followed: its store.sqlite is damaged" in warnings[0]
-    assert "until it is started again with the store moved away" in warnings[0]
-    assert "Traceback" not in said
+        said = follow_refused(served, token, tmp_path / "replica", "the server refused the stream")
+    said_damaged_once(said)
+
+
+def test_follow_says_once_that_the_store_is_damaged_when_its_snapshot_is_refused_stream_206(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """STREAM-206: a replica ahead of the torn store's head (it followed the live directory one
+    delivery further), whose `follow` asks the service for its snapshot, refused 503
+    `STORE_DAMAGED` by `GET /v1/snapshots`, says the same one WARNING, at once, and retries."""
+    copy = torn_copy(run_cli, tmp_path, "store.sqlite")
+    live = tmp_path / "live"
+    later = write(
+        tmp_path / "later.json",
+        body(metric("later", "count", point("2024-03-05 10:00:00 +0000", qty=3))),
+    )
+    assert run_cli("import", "--aggregation", "minutes", "--data", live, later).code == 0
+    live_token = run_cli("token", "add", "nas", "--data", live).out.decode().strip()
+    replica = tmp_path / "replica"
+    with serving_into(live, tmp_path / "live.err") as served:
+        env = {k: v for k, v in os.environ.items() if k != "HEALTHLOG_DATA"}
+        env["HEALTHLOG_TOKEN"] = live_token
+        caught_up = subprocess.run(
+            healthlog("follow", "--url", served.url, "--replica", replica, "--until-caught-up"),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=LIMIT_S,
+            check=False,
+        )
+        assert caught_up.returncode == 0, caught_up.stderr
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(LIMIT_S) == 0
+    # The same service: its instance is the journal's, its snapshot key this file.
+    shutil.copy2(live / "signing.key", copy / "signing.key")
+    token = run_cli("token", "add", "nas", "--data", copy).out.decode().strip()
+    with serving_into(copy, tmp_path / "serve.err") as served:
+        served.said("store.sqlite is damaged")
+        said = follow_refused(served, token, replica, "/v1/snapshots answered 503")
+    said_damaged_once(said)
 
 
 def test_serve_journals_while_it_checks_the_store_and_a_signal_stops_the_check_run_162(
