@@ -1592,9 +1592,11 @@ def test_follow_says_once_that_the_store_is_damaged_and_backs_off_stream_206(
 def test_follow_says_once_that_the_store_is_damaged_when_its_snapshot_is_refused_stream_206(
     run_cli: RunCli, tmp_path: Path
 ) -> None:
-    """STREAM-206: a replica ahead of the torn store's head (it followed the live directory one
-    delivery further), whose `follow` asks the service for its snapshot, refused 503
-    `STORE_DAMAGED` by `GET /v1/snapshots`, says the same one WARNING, at once, and retries."""
+    """STREAM-206, STREAM-207: a replica ahead of the torn store's head (it followed the live
+    directory one delivery further), whose `follow` asks the service for its snapshot, refused
+    503 `STORE_DAMAGED` by `GET /v1/snapshots`, says the same one WARNING, at once, and retries;
+    that the service's stream went back behind the replica is said once, not at each retry.
+    (Before, that WARNING came again at every retry: 4 in its first 5 s, then 2 a minute.)"""
     copy = torn_copy(run_cli, tmp_path, "store.sqlite")
     live = tmp_path / "live"
     later = write(
@@ -1625,6 +1627,7 @@ def test_follow_says_once_that_the_store_is_damaged_when_its_snapshot_is_refused
         served.said("store.sqlite is damaged")
         said = follow_refused(served, token, replica, "/v1/snapshots answered 503")
     said_damaged_once(said)
+    assert said.count("the service's stream went back from seq") == 1, said
 
 
 def test_serve_journals_while_it_checks_the_store_and_a_signal_stops_the_check_run_162(

@@ -329,6 +329,8 @@ class Follower:
     _warned: bool = attrs.field(default=False, init=False)
     # The lasting refusal said at WARNING since the last progress (STREAM-206).
     _said: str | None = attrs.field(default=None, init=False)
+    # The replica's cursor and the service's head last said to have gone back behind it.
+    _went_back: tuple[int, int] | None = attrs.field(default=None, init=False)
     # Whether the replica has met its service (bound to it), in this run or an earlier one.
     _met: bool = attrs.field(default=False, init=False)
     # The sequence of the snapshot this run restored last: the tag it gave the replica is the
@@ -484,10 +486,14 @@ class Follower:
             await trio.to_thread.run_sync(self.replica.restore, stream.id, 0, [])
             binding = await trio.to_thread.run_sync(self.replica.binding)
         elif binding.stream != stream.id or binding.cursor > stream.head:
-            if binding.stream == stream.id:
+            went_back = (binding.cursor, stream.head)
+            if binding.stream == stream.id and went_back != self._went_back:
                 # The service's store went back (restored from a backup): the events the
                 # replica has past its head are gone from it, and their numbers will be given
-                # to other changes. Only its snapshot makes the replica equal to it again.
+                # to other changes. Only its snapshot makes the replica equal to it again. Said
+                # once while the same: a snapshot the service refuses (its store found damaged)
+                # is asked for again at each retry, and so was this said (STREAM-207).
+                self._went_back = went_back
                 log.warning(
                     "follow: the service's stream went back from seq %d to %d (its store"
                     " restored from a backup?); restoring its snapshot",
