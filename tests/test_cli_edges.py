@@ -5,6 +5,7 @@ CLI-49, CLI-51 to CLI-54, CLI-57, CLI-58). Most commands run as a real process."
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -1477,6 +1478,43 @@ def test_serve_beside_a_damaged_store_answers_its_reads_503_saying_so_serve_150_
     after = served.err.read_text()[len(before) :]
     noisy = [line for line in after.splitlines() if "level=ERROR" in line or "WARNING" in line]
     assert noisy == [], after
+
+
+def test_reads_of_a_damaged_store_during_its_check_wait_for_its_verdict_serve_163(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """SERVE-163: `serve` on a torn store, its check held back 10 s by a fault point (the
+    check of 4 years read from the disk takes 10 to 20 s): `/v1/points` and `/v1/snapshots`
+    asked meanwhile, reading the store unchecked, fail there and wait for the check's verdict:
+    each is answered 503 `STORE_DAMAGED` once the check has found the store damaged, as after
+    it (SERVE-150), and no line above INFO is logged for them. (Before, `/v1/points` was 500
+    `INTERNAL` with an ERROR `unhandled StorageError in GET /v1/points`, and `/v1/snapshots` 503
+    `SNAPSHOT_UNAVAILABLE` with `Retry-After: 60` and a WARNING, until the check ended.)"""
+    copy = torn_copy(run_cli, tmp_path, "store.sqlite")
+    token = run_cli("token", "add", "phone", "--data", copy).out.decode().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    plan = {"store.check": {"hits": [1], "do": "delay", "seconds": 10}}
+    held = {"HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    with serving_into(copy, tmp_path / "serve.err", held) as served:
+        before = served.said("fault injected at store.check")
+        paths = ("/v1/points?metric=m1", "/v1/snapshots")
+        # Both asked at once, some 10 s before the check begins.
+        assert "store.sqlite is damaged" not in served.err.read_text()
+        with concurrent.futures.ThreadPoolExecutor(len(paths)) as asking:
+            asked = [
+                asking.submit(httpx.get, f"{served.url}{path}", headers=headers, timeout=LIMIT_S)
+                for path in paths
+            ]
+        for path, answer in zip(paths, (future.result() for future in asked), strict=True):
+            assert answer.status_code == 503, (path, answer.text)
+            assert answer.json()["error"] == "STORE_DAMAGED", (path, answer.text)
+            assert "Retry-After" not in answer.headers
+        served.proc.send_signal(signal.SIGTERM)
+        assert served.proc.wait(LIMIT_S) == 0
+    after = served.err.read_text()[len(before) :]
+    noisy = [line for line in after.splitlines() if "level=ERROR" in line or "WARNING" in line]
+    assert len(noisy) == 1, after
+    assert "store.sqlite is damaged" in noisy[0]
 
 
 def upgrade(url: str, token: str) -> tuple[int, dict[str, str], bytes]:

@@ -385,6 +385,16 @@ def create_app(
         code, message = STORE_UNFIT_ANSWERS[unfit]
         return _json({"error": code, "message": message}, 503)
 
+    async def unfit_once_checked() -> Response | None:
+        """After a read of the store failed: SERVE-150's 503 once the store's check has found it
+        unfit, else None (the failure is another). ``serve`` answers while it checks the store
+        (RUN-162), and its reads meanwhile read it unchecked: one that fails waits for the
+        check's verdict (SERVE-163). On a torn store, `/v1/points` was 500 ``INTERNAL`` with an
+        ERROR naming only StorageError, and `/v1/snapshots` 503 ``SNAPSHOT_UNAVAILABLE``, come
+        back in 60 s, with a WARNING, until the check ended."""
+        await runtime.store_checked()
+        return store_unfit()
+
     @app.get("/v1/status")
     async def get_status() -> Response:
         if await client() is None:
@@ -404,10 +414,9 @@ def create_app(
                 )
             )
         except StorageError:
-            refused = store_unfit()
-            if refused is None:
-                raise
-            return refused
+            if (refused := await unfit_once_checked()) is not None:
+                return refused
+            raise
         return _json(status)
 
     @app.get("/v1/deliveries/<int:delivery_id>")
@@ -418,9 +427,14 @@ def create_app(
             return _error("NOT_FOUND", 404)
         if (refused := store_unfit()) is not None:
             return refused
-        outcome = await runtime.read_store(
-            functools.partial(Store.outcome, delivery_id=delivery_id)
-        )
+        try:
+            outcome = await runtime.read_store(
+                functools.partial(Store.outcome, delivery_id=delivery_id)
+            )
+        except StorageError:
+            if (refused := await unfit_once_checked()) is not None:
+                return refused
+            raise
         meta = await runtime.read_journal(lambda j: j.get_meta(delivery_id))
         if meta is None:
             return _error("NOT_FOUND", 404)
@@ -484,6 +498,10 @@ def create_app(
         except _Damaged as exc:
             log.error("GET /v1/points stopped: %s", exc)
             return _error("OBJECT_CORRUPT", 500)
+        except StorageError:
+            if (refused := await unfit_once_checked()) is not None:
+                return refused
+            raise
 
         async def lines() -> AsyncIterator[bytes]:
             async with contextlib.aclosing(chunks):
@@ -515,6 +533,8 @@ def create_app(
         try:
             manifest = await snapshots.covering(0)
         except (OSError, StorageError) as exc:
+            if isinstance(exc, StorageError) and (refused := await unfit_once_checked()):
+                return refused
             log.warning("snapshot not built: %s", snapshot_failure(exc))
             return _error("SNAPSHOT_UNAVAILABLE", 503, {"Retry-After": str(SNAPSHOT_RETRY_AFTER_S)})
         return _json(manifest)
