@@ -1517,6 +1517,34 @@ def test_reads_of_a_damaged_store_during_its_check_wait_for_its_verdict_serve_16
     assert "store.sqlite is damaged" in noisy[0]
 
 
+def test_a_stop_ends_a_read_waiting_for_the_store_check_serve_163(
+    run_cli: RunCli, tmp_path: Path
+) -> None:
+    """SERVE-163: a `/v1/points` that failed on a torn store and waits for the check's verdict
+    (the check held back 10 minutes by a fault point) does not hold a SIGTERM up: `serve` exits
+    0 within 10 s, the read answered (the error it met, 500) as it stops. (Waiting for the
+    verdict alone, the stop waited for the request up to the graceful timeout, 30 s.)"""
+    copy = torn_copy(run_cli, tmp_path, "store.sqlite")
+    token = run_cli("token", "add", "phone", "--data", copy).out.decode().strip()
+    plan = {"store.check": {"hits": [1], "do": "delay", "seconds": 600}}
+    held = {"HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    with serving_into(copy, tmp_path / "serve.err", held) as served:
+        served.said("fault injected at store.check")
+        with concurrent.futures.ThreadPoolExecutor(1) as asking:
+            asked = asking.submit(
+                httpx.get,
+                f"{served.url}/v1/points?metric=m1",
+                headers={"Authorization": f"Bearer {token}"},
+                timeout=LIMIT_S,
+            )
+            with pytest.raises(concurrent.futures.TimeoutError):
+                asked.result(timeout=1)
+            served.proc.send_signal(signal.SIGTERM)
+            assert served.proc.wait(10) == 0, served.err.read_text()
+            assert asked.result().status_code == 500
+    assert "Traceback" not in served.err.read_text()
+
+
 def upgrade(url: str, token: str) -> tuple[int, dict[str, str], bytes]:
     """The answer to a websocket upgrade of `/v1/stream` with ``token``, sent on a real socket:
     its status, headers (lowercase names) and body (none for a 101)."""

@@ -391,8 +391,17 @@ def create_app(
         (RUN-162), and its reads meanwhile read it unchecked: one that fails waits for the
         check's verdict (SERVE-163). On a torn store, `/v1/points` was 500 ``INTERNAL`` with an
         ERROR naming only StorageError, and `/v1/snapshots` 503 ``SNAPSHOT_UNAVAILABLE``, come
-        back in 60 s, with a WARNING, until the check ended."""
-        await runtime.store_checked()
+        back in 60 s, with a WARNING, until the check ended. A stop ends the wait (the check
+        is interrupted once hypercorn has stopped, which waits for this request)."""
+        async with trio.open_nursery() as waiting:
+
+            async def until_closing() -> None:
+                await closing.wait()
+                waiting.cancel_scope.cancel()
+
+            waiting.start_soon(until_closing)
+            await runtime.store_checked()
+            waiting.cancel_scope.cancel()
         return store_unfit()
 
     @app.get("/v1/status")
