@@ -40,7 +40,7 @@ from healthlog.storage._sqlite import StorageError, describe
 from healthlog.storage.journal import DeliveryMeta, Journal
 from healthlog.storage.passes import Budget, Selection, take_page, write_marks
 from healthlog.storage.store import WORKER_DIED, OutcomeRow, Store
-from healthlog.storage.worker import fold_run, ready, retire
+from healthlog.storage.worker import CODE, CodeChanged, fold_run, ready, retire
 from healthlog.storage.worker import log as worker_log
 
 log = logging.getLogger("healthlog.folding")
@@ -71,6 +71,8 @@ SHORT_OF = {
 }
 """What a ``fork`` or ``pipe`` refused with when a fold worker could not be made says of its
 likely cause: something the machine is short of, which ends on its own (SERVE-76, RUN-68)."""
+UPGRADED = "healthlog was upgraded under this service"
+"""Why a delivery is deferred once a fold worker found healthlog's code changed (STORE-157)."""
 WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
 under contention a worker gets about a tenth of a core beside one busy task of the service's,
@@ -145,6 +147,9 @@ class FoldingStatistics:
     late_sum_s: float
     workers_lost: int
     dying: int
+    upgraded: bool
+    """Whether a fold worker found healthlog's code changed under this process (STORE-157):
+    nothing folds, and the runtime is not ready, until the service is restarted."""
     unrecorded_stop: str | None
     """Why this folder's last pass ended when the store's lag mark does not say it: the mark
     could not be written (a full disk), or the selection failed (which writes none); None once
@@ -196,6 +201,7 @@ class FoldingActor:
         self._cannot_start = False
         self._short_of = False
         self._backoff_s = START_BACKOFF_S
+        self._upgraded = False
 
     def statistics(self) -> FoldingStatistics:
         return FoldingStatistics(
@@ -214,6 +220,7 @@ class FoldingActor:
             late_sum_s=self._late.total,
             workers_lost=self._workers_lost,
             dying=len(self._deaths),
+            upgraded=self._upgraded,
             unrecorded_stop=self._unrecorded_stop,
         )
 
@@ -350,9 +357,12 @@ class FoldingActor:
     async def _fold(self, run: list[DeliveryMeta], epoch: int) -> list[FoldReport]:
         """Reports for a prefix of ``run``, in order: the worker stops after one not DONE."""
         if self._executor is Executor.PROCESS:
+            if self._upgraded:
+                return [FoldReport(run[0].id, OutcomeClass.DEFERRED, reason=UPGRADED)]
             try:
                 reports = await _in_worker(
                     fold_run,
+                    CODE,
                     str(self._data_dir),
                     [meta.id for meta in run],
                     epoch,
@@ -361,6 +371,18 @@ class FoldingActor:
                 )
             except trio_parallel.BrokenWorkerError:
                 return await self._worker_lost(run, epoch)
+            except CodeChanged as exc:
+                self._upgraded = True
+                log.warning(
+                    "%s (%s): a fold worker starts as a new process and imports healthlog from"
+                    " disk, and would run the new code under this process, migrating the"
+                    " databases to a schema this one does not know; nothing folds and /readyz"
+                    " answers 503 until healthlog is restarted, deliveries are journaled"
+                    " meanwhile and fold then",
+                    UPGRADED,
+                    exc,
+                )
+                return [FoldReport(run[0].id, OutcomeClass.DEFERRED, reason=UPGRADED)]
             except OSError as exc:
                 if exc.errno not in SHORT_OF:
                     raise

@@ -225,8 +225,10 @@ class Runtime:
 
     def ready(self) -> bool:
         """True once this process's folding actor has completed a pass to the end of the queue,
-        unless an actor is down after a crash."""
-        return self._actors[3].statistics().first_pass_completed and not self._crashes.down()
+        unless an actor is down after a crash or healthlog was upgraded under this process
+        (STORE-157)."""
+        folding = self._actors[3].statistics()
+        return folding.first_pass_completed and not folding.upgraded and not self._crashes.down()
 
     def statistics(self) -> RuntimeStatistics:
         journal, intake, lease, folding, retention = self._actors

@@ -62,7 +62,7 @@ from healthlog.storage.journal import DeliveryMeta, NewDelivery, Receipt
 from healthlog.storage.passes import FIRST_PASS_MARK, LAG_MARK, PAGE, Budget
 from healthlog.storage.rebuild import verify
 from healthlog.storage.store import Store, default_holder
-from healthlog.storage.worker import RETIRE_AFTER_BYTES, fold_run
+from healthlog.storage.worker import CODE, RETIRE_AFTER_BYTES, fold_run
 from transport.intake import IntakeRefusals
 from transport.metrics import render_metrics
 from transport.stream import HandshakeRefusals
@@ -537,7 +537,7 @@ async def test_a_run_of_deliveries_folds_each_alone_and_stops_after_a_report_not
 
     async def fold(run: list[int]) -> list[tuple[int, OutcomeClass]]:
         reports = await trio_parallel.run_sync(
-            fold_run, str(tmp_path), run, epoch, Budget(), 5000, kill_on_cancel=True
+            fold_run, CODE, str(tmp_path), run, epoch, Budget(), 5000, kill_on_cancel=True
         )
         return [(r.delivery_id, r.outcome_class) for r in reports]
 

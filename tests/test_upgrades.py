@@ -4,13 +4,21 @@ one (specs/store.md, STORE-155): the oldest path of every file's migrations, thr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
+import shutil
+import signal
 import sqlite3
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import closing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
 import trio
 from _cli_bodies import body, metric, point, write
 from _first_release import OLD_HOLDER, STORE_VERSION, write_first_release
@@ -102,3 +110,120 @@ async def test_a_data_directory_of_the_first_releases_is_served_and_followed_sto
     assert version(data / "store.sqlite") == len(store.MIGRATIONS)
     assert version(data / "journal.sqlite") == 3
     assert version(replica_dir / replica.REPLICA_FILE) == len(replica.MIGRATIONS)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE_PACKAGES = ("healthlog", "actors", "transport")
+UPGRADE_LIMIT_S = 60.0
+UPGRADE_STEP = """
+# A release after this one: its store takes one more migration step.
+MIGRATIONS = (*MIGRATIONS, "CREATE TABLE upgraded (step INTEGER);")
+Store.MIGRATIONS = MIGRATIONS
+"""
+UPGRADED = "healthlog was upgraded under this service"
+
+
+@contextlib.asynccontextmanager
+async def serving_code(data: Path, code: Path, err: bytearray) -> AsyncIterator[httpx.AsyncClient]:
+    """``healthlog serve`` on ``data`` as a process running the packages under ``code`` (as an
+    installation there would: its modules imported from that directory), its stderr gathered
+    into ``err``; a client of it, then SIGTERM and exit 0 at the block's end."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    env["PYTHONPATH"] = os.fspath(code)
+    command = [sys.executable, "-m", "healthlog.cli", "serve", "--port", "0", "--data", data]
+    async with trio.open_nursery() as nursery:
+        process: trio.Process = await nursery.start(
+            functools.partial(
+                trio.run_process,
+                command,
+                env=env,
+                cwd=code,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                check=False,
+            )
+        )
+        assert process.stdout is not None
+        assert process.stderr is not None
+        nursery.start_soon(_gather, process.stderr, err)
+        announced = b""
+        with trio.fail_after(UPGRADE_LIMIT_S):
+            while b"\n" not in announced:
+                chunk = await process.stdout.receive_some()
+                assert chunk, f"serve ended before it announced its address: {err.decode()}"
+                announced += chunk
+        found = re.search(rb"healthlog serving on (http://127\.0\.0\.1:\d+) ", announced)
+        assert found, announced
+        try:
+            async with httpx.AsyncClient(base_url=found.group(1).decode()) as client:
+                yield client
+        finally:
+            process.send_signal(signal.SIGTERM)
+            with trio.fail_after(UPGRADE_LIMIT_S):
+                await process.wait()
+    assert process.returncode == 0, err.decode()
+
+
+async def _gather(stream: trio.abc.ReceiveStream, into: bytearray) -> None:
+    async for chunk in stream:
+        into += chunk
+
+
+async def _until(done: Callable[[], Awaitable[bool]]) -> None:
+    with trio.fail_after(UPGRADE_LIMIT_S):
+        while not await done():
+            await trio.sleep(0.05)
+
+
+async def test_a_service_upgraded_under_it_folds_nothing_until_restarted_store_157(
+    tmp_path: Path, run_cli: RunCli
+) -> None:
+    """STORE-157: healthlog's files replaced under a running service (a `git pull` and an
+    editable install before the service is stopped) by a release whose store takes one more
+    migration step. The service's next fold worker, a new interpreter importing the new code,
+    opens nothing: the store stays at the service's schema version, the delivery is journaled
+    and not folded, one WARNING says healthlog was upgraded under the service, and /readyz is
+    503 with deliveries going on being journaled. Restarted, the service runs the new code:
+    the store is migrated, both deliveries are folded and it is ready."""
+    code = tmp_path / "code"
+    for package in CODE_PACKAGES:
+        shutil.copytree(
+            ROOT / package, code / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    data = DataDir(tmp_path / "data")
+    with data.open_tokens() as tokens:
+        token = tokens.add("phone")
+    auth = {"Authorization": f"Bearer {token}", "automation-aggregation": "minutes"}
+    sent = [body(metric("step_count", "count", point(stamp(n), qty=n + 1))) for n in range(2)]
+    err = bytearray()
+    async with serving_code(data.path, code, err) as client:
+
+        async def ready() -> bool:
+            return (await client.get("/readyz")).status_code == 200
+
+        await _until(ready)
+        schema = version(data.store_path)
+        with (code / "healthlog" / "storage" / "store.py").open("a") as source:
+            source.write(UPGRADE_STEP)
+        assert (await client.post("/v1/deliveries", content=sent[0], headers=auth)).is_success
+
+        async def told() -> bool:
+            return UPGRADED in err.decode() or version(data.store_path) != schema
+
+        await _until(told)
+        assert version(data.store_path) == schema
+        assert (await client.get("/readyz")).status_code == 503
+        assert (await client.post("/v1/deliveries", content=sent[1], headers=auth)).is_success
+        assert (await run(run_cli, "export", "--data", data.path)).out == b""
+        with data.open_journal() as journal:
+            assert journal.last_id() == 2
+        assert (await client.get("/readyz")).status_code == 503
+    warnings = [line for line in err.decode().splitlines() if UPGRADED in line]
+    assert len(warnings) == 1, err.decode()
+    assert "level=WARNING" in warnings[0]
+
+    async with serving_code(data.path, code, bytearray()) as client:
+        await _until(ready)
+        points = await client.get("/v1/points", params={"metric": "step_count"}, headers=auth)
+        assert len(points.text.splitlines()) == 2
+    assert version(data.store_path) == schema + 1

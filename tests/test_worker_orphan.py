@@ -32,8 +32,8 @@ data_dir, ids, epoch = sys.argv[1], [int(i) for i in sys.argv[2].split(",")], in
 pid = os.fork()
 if pid == 0:
     from healthlog.storage.passes import Budget
-    from healthlog.storage.worker import fold_run
-    fold_run(data_dir, ids, epoch, Budget(), 5000)
+    from healthlog.storage.worker import CODE, fold_run
+    fold_run(CODE, data_dir, ids, epoch, Budget(), 5000)
     os._exit(0)
 print(pid, flush=True)
 time.sleep(600)

@@ -11,6 +11,10 @@ pass tries again, until the directory is back.
 A worker also remembers the process that started it (the service). When the service is killed
 outright, its workers are orphaned and handed to another parent; a worker that finds its parent
 changed stops its run before the next delivery instead of folding the rest of it for nobody.
+
+And a worker runs only the code the service runs: a worker that imported other code (healthlog
+upgraded in place under the running service, :mod:`healthlog.sources`) refuses each run with
+:class:`CodeChanged` before it opens any file, and ends (STORE-157).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from healthlog import faults
+from healthlog import faults, sources
 from healthlog.folding import FoldReport, OutcomeClass
 from healthlog.logs import LOG_FORMAT_ENV, LOG_LEVEL_ENV, setup_logging
 from healthlog.storage import faultplan
@@ -37,6 +41,15 @@ RETIRE_AFTER_BYTES = 8 * 2**20
 body) goes back to the system with the process, instead of staying with the worker for as
 long as deliveries keep it busy; the next run starts a new worker (RUN-59)."""
 
+CODE = sources.source_digest()
+"""The digest of healthlog's code as this process imported it: taken with this module's import,
+at the service's start in the service, and at a worker's start in the worker."""
+
+
+class CodeChanged(Exception):
+    """The code this worker imported is not the code of the service that started it."""
+
+
 _handles: dict[str, tuple[Journal, Store]] = {}
 _largest = 0
 """The largest body, in raw bytes, whose fold this worker has done (its outcome written). One
@@ -45,6 +58,8 @@ cost a start each time, and would meet again a fault that a seeded plan injects 
 the worker's own count (a plan counts hits per process), so the try would never pass."""
 _probe = False
 """Whether this worker ran :func:`ready`, and ends."""
+_stale = False
+"""Whether this worker refused a run for :class:`CodeChanged`, and ends."""
 _service_pid: int | None = None
 """The parent of this worker when it first opened its handles: the service that started it."""
 
@@ -71,7 +86,12 @@ def _open(data_dir: str, busy_timeout_ms: int) -> tuple[Journal, Store]:
 
 
 def fold_run(
-    data_dir: str, delivery_ids: Sequence[int], epoch: int, budget: Budget, busy_timeout_ms: int
+    code: str,
+    data_dir: str,
+    delivery_ids: Sequence[int],
+    epoch: int,
+    budget: Budget,
+    busy_timeout_ms: int,
 ) -> list[FoldReport]:
     """Fold the journaled deliveries ``delivery_ids`` of ``data_dir`` in order under lease
     epoch ``epoch``, each in its own transaction.
@@ -84,8 +104,15 @@ def fold_run(
     parent. If it is not, the service is gone (killed, and the worker orphaned), so nobody is
     waiting for the reports: it stops there and returns the reports so far, a prefix of the run
     like any other, leaving the rest for the next holder of the lease.
+
+    ``code`` is the service's :data:`CODE`: when this worker's is another, it raises
+    :class:`CodeChanged` having opened nothing, since the code it imported may migrate the
+    databases to a schema the service does not know (STORE-157).
     """
-    global _largest
+    global _largest, _stale
+    if code != CODE:
+        _stale = True
+        raise CodeChanged(f"this worker runs code {CODE[:12]}, the service {code[:12]}")
     try:
         journal, store = _open(data_dir, busy_timeout_ms)
     except StorageError as exc:
@@ -139,5 +166,6 @@ def ready() -> None:
 
 def retire() -> bool:
     """Whether this worker ends after the run it has just answered: once it has folded a body
-    of :data:`RETIRE_AFTER_BYTES` or more (RUN-59), or run :func:`ready`."""
-    return _probe or _largest >= RETIRE_AFTER_BYTES
+    of :data:`RETIRE_AFTER_BYTES` or more (RUN-59), run :func:`ready`, or found its code
+    changed (STORE-157)."""
+    return _probe or _stale or _largest >= RETIRE_AFTER_BYTES
