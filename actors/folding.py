@@ -71,7 +71,7 @@ SHORT_OF = {
 }
 """What a ``fork`` or ``pipe`` refused with when a fold worker could not be made says of its
 likely cause: something the machine is short of, which ends on its own (SERVE-76, RUN-68)."""
-UPGRADED = "healthlog was upgraded under this service"
+UPGRADED = "healthlog was upgraded under this process"
 """Why a delivery is deferred once a fold worker found healthlog's code changed (STORE-157)."""
 WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
@@ -374,11 +374,10 @@ class FoldingActor:
             except CodeChanged as exc:
                 self._upgraded = True
                 log.warning(
-                    "%s (%s): a fold worker starts as a new process and imports healthlog from"
-                    " disk, and would run the new code under this process, migrating the"
-                    " databases to a schema this one does not know; nothing folds and /readyz"
-                    " answers 503 until healthlog is restarted, deliveries are journaled"
-                    " meanwhile and fold then",
+                    "%s (%s): a fold worker, a new process importing healthlog from disk, would"
+                    " run the new code under this one and migrate the databases to a schema it"
+                    " does not know; nothing folds until healthlog is restarted (serve answers"
+                    " /readyz 503 meanwhile), and the deliveries journaled meanwhile fold then",
                     UPGRADED,
                     exc,
                 )

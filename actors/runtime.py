@@ -20,7 +20,7 @@ import trio
 
 from actors import threads
 from actors._supervisor import HEALTHY_S, Crashes, supervise
-from actors.folding import Executor, FoldingActor, FoldingStatistics
+from actors.folding import UPGRADED, Executor, FoldingActor, FoldingStatistics
 from actors.intake import IntakeActor, IntakeStatistics, Submission, submit
 from actors.journal import JournalActor, JournalActorStatistics, Request
 from actors.lease import LeaseActor, LeaseStatistics
@@ -190,7 +190,9 @@ class Runtime:
 
         With ``give_up``, raise :class:`NotFolded` for the first of them this process's folder
         could not write, or for the first of them all while its lease cannot be written: on a
-        full disk or a store it may not write, ``import`` waited for good (CLI-200, CLI-201).
+        full disk or a store it may not write, ``import`` waited for good (CLI-200, CLI-201);
+        and for the first of them all once healthlog was upgraded under this process, which
+        then folds nothing (CLI-285).
 
         Each poll looks up only the deliveries still waited for: reading every outcome id,
         0.4 s at 500,000, twenty times a second, kept a core busy while ``import`` or ``seal``
@@ -213,6 +215,9 @@ class Runtime:
         refused = lease.refused()
         if refused is not None:
             raise NotFolded(min(waiting), f"the fold lease cannot be written: {refused}")
+        if folding.statistics().upgraded:
+            # Nothing folds in this process any more: ``import`` waited for good (CLI-285).
+            raise NotFolded(min(waiting), UPGRADED)
 
     async def supervise(self, name: str, run: Callable[[], Awaitable[None]]) -> None:
         """Run ``run`` in the caller's task under the supervision the actors have, with theirs:

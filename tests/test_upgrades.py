@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+import pytest
 import trio
 from _cli_bodies import body, metric, point, write
 from _first_release import OLD_HOLDER, STORE_VERSION, write_first_release
+from _runtime_helpers import new_delivery
 from _stream_helpers import serving_process
 
+from actors.runtime import NotFolded, RuntimeConfig, open_runtime
 from healthlog.storage import replica, store
 from healthlog.storage.datadir import DataDir
 
@@ -120,7 +123,22 @@ UPGRADE_STEP = """
 MIGRATIONS = (*MIGRATIONS, "CREATE TABLE upgraded (step INTEGER);")
 Store.MIGRATIONS = MIGRATIONS
 """
-UPGRADED = "healthlog was upgraded under this service"
+UPGRADED = "healthlog was upgraded under this process"
+
+
+def copy_code(code: Path) -> Path:
+    """A copy of healthlog's packages in the directory ``code``."""
+    for package in CODE_PACKAGES:
+        shutil.copytree(
+            ROOT / package, code / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    return code
+
+
+def upgrade(code: Path) -> None:
+    """Make the packages under ``code`` a later release, whose store takes one more step."""
+    with (code / "healthlog" / "storage" / "store.py").open("a") as source:
+        source.write(UPGRADE_STEP)
 
 
 @contextlib.asynccontextmanager
@@ -185,11 +203,7 @@ async def test_a_service_upgraded_under_it_folds_nothing_until_restarted_store_1
     and not folded, one WARNING says healthlog was upgraded under the service, and /readyz is
     503 with deliveries going on being journaled. Restarted, the service runs the new code:
     the store is migrated, both deliveries are folded and it is ready."""
-    code = tmp_path / "code"
-    for package in CODE_PACKAGES:
-        shutil.copytree(
-            ROOT / package, code / package, ignore=shutil.ignore_patterns("__pycache__")
-        )
+    code = copy_code(tmp_path / "code")
     data = DataDir(tmp_path / "data")
     with data.open_tokens() as tokens:
         token = tokens.add("phone")
@@ -203,8 +217,7 @@ async def test_a_service_upgraded_under_it_folds_nothing_until_restarted_store_1
 
         await _until(ready)
         schema = version(data.store_path)
-        with (code / "healthlog" / "storage" / "store.py").open("a") as source:
-            source.write(UPGRADE_STEP)
+        upgrade(code)
         assert (await client.post("/v1/deliveries", content=sent[0], headers=auth)).is_success
 
         async def told() -> bool:
@@ -227,3 +240,27 @@ async def test_a_service_upgraded_under_it_folds_nothing_until_restarted_store_1
         points = await client.get("/v1/points", params={"metric": "step_count"}, headers=auth)
         assert len(points.text.splitlines()) == 2
     assert version(data.store_path) == schema + 1
+
+
+async def test_an_import_upgraded_under_it_ends_saying_so_cli_285(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CLI-285: healthlog's files replaced by a later release while `import` (or `seal`) waits
+    for its delivery to fold: the fold worker it starts, importing the new code, opens nothing,
+    and the wait ends with the delivery journaled and not folded, saying healthlog was upgraded
+    under it; the store stays at its schema version. (Here the runtime `import` runs, in this
+    process, whose new workers import the copy first on the path.)"""
+    code = copy_code(tmp_path / "code")
+    upgrade(code)
+    monkeypatch.syspath_prepend(os.fspath(code))
+    data = DataDir(tmp_path / "data")
+    async with open_runtime(RuntimeConfig(data.path)) as runtime:
+        receipt = await runtime.submit(new_delivery())
+        with trio.fail_after(UPGRADE_LIMIT_S), pytest.raises(NotFolded) as refused:
+            await runtime.wait_folded([receipt.delivery_id], give_up=True)
+        assert not runtime.ready()
+    assert refused.value.delivery_id == receipt.delivery_id
+    assert UPGRADED in refused.value.why
+    assert version(data.store_path) == len(store.MIGRATIONS)
+    with data.open_store() as opened:
+        assert opened.unfolded(delivery_ids={receipt.delivery_id}) == {receipt.delivery_id}
