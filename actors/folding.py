@@ -299,6 +299,10 @@ class FoldingActor:
                     self._poke.send_nowait(None)
 
     async def _pass(self, epoch: int) -> None:
+        if not self._upgraded:
+            await self._check_versions()
+        if self._upgraded:
+            return
         self._passes += 1
         self._unwritten = {}
         selection = Selection(self._journal, self._store, page=self._page)
@@ -337,6 +341,37 @@ class FoldingActor:
         )
         fenced = folding.stopped_because == "fenced"
         self._unrecorded_stop = None if written or fenced else folding.stopped_because
+
+    async def _check_versions(self) -> None:
+        """Stop folding when a newer healthlog migrated the journal or the store since this
+        process opened them: a command run from files upgraded under the running service
+        (``status``, ``reindex``) migrates them, and this process's folds, its workers already
+        started included, would then write rows of its own schema's shape into the newer one,
+        which a table the newer code keeps in step with them (counter totals, say) would miss
+        (STORE-158). An error reading a version is left to the pass, which meets it too."""
+
+        def newer() -> list[str]:
+            files = ((self._journal.path, self._journal), (self._store.path, self._store))
+            return [
+                f"{Path(path).name} is at schema version {version}"
+                for path, database in files
+                if (version := database.newer_version()) is not None
+            ]
+
+        try:
+            found = await threads.run_sync(newer, limiter=self._limiter)
+        except StorageError:
+            return
+        if found:
+            self._upgraded = True
+            log.warning(
+                "%s (%s, by a newer healthlog's command since this process opened it): this"
+                " process's folds would write rows of its own schema into it; nothing folds"
+                " until healthlog is restarted (serve answers /readyz 503 meanwhile), and the"
+                " deliveries journaled meanwhile fold then",
+                UPGRADED,
+                "; ".join(found),
+            )
 
     def _run(self, folding: FoldPass[DeliveryMeta]) -> list[DeliveryMeta]:
         """The deliveries to fold in one call, from the one ``folding`` is at on, within the

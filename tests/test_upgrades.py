@@ -264,3 +264,58 @@ async def test_an_import_upgraded_under_it_ends_saying_so_cli_285(
     assert version(data.store_path) == len(store.MIGRATIONS)
     with data.open_store() as opened:
         assert opened.unfolded(delivery_ids={receipt.delivery_id}) == {receipt.delivery_id}
+
+
+def outcomes(store_path: Path) -> int:
+    with closing(sqlite3.connect(store_path)) as conn:
+        return int(conn.execute("SELECT count(*) FROM outcomes").fetchone()[0])
+
+
+async def test_a_store_a_newer_healthlog_migrated_under_the_service_stops_its_folds_store_158(
+    tmp_path: Path,
+) -> None:
+    """STORE-158: a service running, one delivery folded (its fold worker still there, of the
+    service's code), healthlog's files replaced by a later release, and `healthlog status` run
+    from them: status migrates the store to the later schema. The service's next pass finds the
+    store of a schema newer than its own and folds nothing more, its worker of the old code
+    included: the second delivery is journaled and not folded, one WARNING says healthlog was
+    upgraded under it and /readyz is 503."""
+    code = copy_code(tmp_path / "code")
+    data = DataDir(tmp_path / "data")
+    with data.open_tokens() as tokens:
+        token = tokens.add("phone")
+    auth = {"Authorization": f"Bearer {token}", "automation-aggregation": "minutes"}
+    sent = [body(metric("step_count", "count", point(stamp(n), qty=n + 1))) for n in range(2)]
+    err = bytearray()
+    async with serving_code(data.path, code, err) as client:
+        assert (await client.post("/v1/deliveries", content=sent[0], headers=auth)).is_success
+
+        async def first_folded() -> bool:
+            ready = (await client.get("/readyz")).status_code == 200
+            return ready and outcomes(data.store_path) == 1
+
+        await _until(first_folded)
+        schema = version(data.store_path)
+        upgrade(code)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+        env["PYTHONPATH"] = os.fspath(code)
+        status = await trio.run_process(
+            [sys.executable, "-m", "healthlog.cli", "status", "--data", data.path],
+            cwd=code,
+            env=env,
+            capture_stdout=True,
+            capture_stderr=True,
+        )
+        assert version(data.store_path) == schema + 1, status.stderr
+        assert (await client.post("/v1/deliveries", content=sent[1], headers=auth)).is_success
+
+        async def told() -> bool:
+            return UPGRADED in err.decode() or outcomes(data.store_path) == 2
+
+        await _until(told)
+        assert outcomes(data.store_path) == 1
+        assert (await client.get("/readyz")).status_code == 503
+    warnings = [line for line in err.decode().splitlines() if UPGRADED in line]
+    assert len(warnings) == 1, err.decode()
+    assert "level=WARNING" in warnings[0]
+    assert f"version {schema + 1}" in warnings[0]

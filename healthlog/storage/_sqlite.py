@@ -1046,6 +1046,18 @@ def _user_version(conn: sqlite3.Connection) -> int:
     return int(conn.execute("PRAGMA user_version").fetchone()[0])
 
 
+def newer_version(conn: sqlite3.Connection, migrations: Sequence[str]) -> int | None:
+    """The schema version of ``conn``'s file when it is later than ``len(migrations)``, else
+    None: a file this process opened at its own version, which a newer healthlog's command
+    (``status`` or ``reindex`` run from files upgraded under a running service) migrated since
+    (STORE-158)."""
+    try:
+        version = _user_version(conn)
+    except sqlite3.Error as exc:
+        raise classify(exc) from exc
+    return version if version > len(migrations) else None
+
+
 def _refuse_newer(
     conn: sqlite3.Connection, version: int, target: int, going_back: str | None
 ) -> None:
@@ -1164,6 +1176,11 @@ class Database:
         """:func:`wal_held_back` of this file."""
         with self._lock:
             return wal_held_back(self._conn, self.path)
+
+    def newer_version(self) -> int | None:
+        """:func:`newer_version` of this file."""
+        with self._lock:
+            return newer_version(self._conn, self.MIGRATIONS)
 
     def _open(self, *, create: bool) -> sqlite3.Connection:
         conn = connect(

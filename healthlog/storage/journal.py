@@ -38,6 +38,7 @@ from healthlog.storage._sqlite import (
     damaged,
     is_damage,
     migrate,
+    newer_version,
     opening_failed,
     read_transaction,
     reopened,
@@ -682,6 +683,11 @@ class Journal:
         """:func:`~healthlog.storage._sqlite.wal_held_back` of the journal."""
         with self._reading() as conn:
             return wal_held_back(conn, self.path)
+
+    def newer_version(self) -> int | None:
+        """:func:`~healthlog.storage._sqlite.newer_version` of the journal."""
+        with self._lock:
+            return newer_version(self._conn, _MIGRATIONS)
 
     def last_id(self) -> int:
         """The id of the delivery journaled last, 0 in an empty journal. Ids only grow and no
