@@ -60,7 +60,13 @@ from healthlog.storage.rebuild import (
     reindex_holder,
     verify_all,
 )
-from healthlog.storage.replica import REPLICA_FILE, NotAReplica, Replica, ReplicaReader
+from healthlog.storage.replica import (
+    REPLICA_FILE,
+    NotAReplica,
+    Replica,
+    ReplicaInUse,
+    ReplicaReader,
+)
 from healthlog.storage.status import (
     DEFAULT_LISTED,
     MAX_LISTED,
@@ -930,6 +936,10 @@ def cmd_follow(args: argparse.Namespace, data: DataDir) -> int:
         raise CliError(str(exc)) from None
     except NotAReplica as exc:
         raise CliError(f"{args.replica / REPLICA_FILE} {exc}") from None
+    except ReplicaInUse as exc:
+        # Met opening a replica of an older schema beside its follower (STREAM-202): exit 2,
+        # as when met by the follower itself.
+        raise CliError(str(exc)) from None
     # Dropped when stderr cannot be written: a terminal that hung up stopped the follower, which
     # exited 3 as if its replica could not be written (CLI-168).
     _tell(f"follow: replica at seq {cursor}")

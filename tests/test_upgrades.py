@@ -29,6 +29,7 @@ from _stream_helpers import serving_process
 from actors.runtime import NotFolded, RuntimeConfig, open_runtime
 from healthlog.storage import replica, store
 from healthlog.storage.datadir import DataDir
+from healthlog.storage.replica import Replica
 
 if TYPE_CHECKING:
     from conftest import CliRun, RunCli
@@ -319,3 +320,40 @@ async def test_a_store_a_newer_healthlog_migrated_under_the_service_stops_its_fo
     assert len(warnings) == 1, err.decode()
     assert "level=WARNING" in warnings[0]
     assert f"version {schema + 1}" in warnings[0]
+
+
+REPLICA_STEP = """
+# A release after this one: its replica takes one more migration step.
+MIGRATIONS = (*MIGRATIONS, "CREATE TABLE upgraded (step INTEGER);")
+Replica.MIGRATIONS = MIGRATIONS
+"""
+
+
+def test_a_newer_follow_refused_beside_a_running_one_leaves_the_replica_as_it_was_stream_202(
+    tmp_path: Path,
+) -> None:
+    """STREAM-202: a follower running on a replica (holding its directory's lock), and
+    healthlog's files replaced by a release whose replica takes one more migration step; a
+    second `follow` on the same replica from the new files (a supervisor starting the unit
+    again, a user trying it) is refused, exit 2, `another follow is running`, before it
+    migrates anything: the replica stays at the running follower's schema version."""
+    code = copy_code(tmp_path / "code")
+    with (code / "healthlog" / "storage" / "replica.py").open("a") as source:
+        source.write(REPLICA_STEP)
+    replica_dir = tmp_path / "replica"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HEALTHLOG_")}
+    env["PYTHONPATH"] = os.fspath(code)
+    command = [sys.executable, "-m", "healthlog.cli", "follow", "--url", "http://127.0.0.1:9"]
+    with Replica(replica_dir) as running, running.following():
+        schema = version(replica_dir / replica.REPLICA_FILE)
+        second = subprocess.run(
+            [*command, "--token", TOKEN, "--replica", replica_dir],
+            cwd=code,
+            env=env,
+            capture_output=True,
+            check=False,
+            timeout=UPGRADE_LIMIT_S,
+        )
+        assert second.returncode == 2, second.stderr
+        assert b"another follow is running" in second.stderr
+        assert version(replica_dir / replica.REPLICA_FILE) == schema

@@ -115,7 +115,8 @@ class Replica(_objects.ObjectDatabase):
         make_directory(directory)
         _refuse_unwritable(Path(directory) / REPLICA_FILE)
         _refuse_another_database(Path(directory) / REPLICA_FILE)
-        super().__init__(Path(directory) / REPLICA_FILE)
+        with _upgraded_alone(Path(directory) / REPLICA_FILE):
+            super().__init__(Path(directory) / REPLICA_FILE)
         self._identity = _identity(self.path)
 
     def _in_place(self) -> None:
@@ -229,20 +230,11 @@ class Replica(_objects.ObjectDatabase):
         the lock's holder downloads, so they are removed then, however recent. Left for an
         hour, each kill added one, all counted against the room of the next download."""
         directory = Path(self.path).parent
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise ReplicaInUse(
-                    f"another follow is running on the replica in {directory}"
-                ) from None
+        with _followed(directory):
             for left in directory.glob("snapshot-*.tmp"):
                 with contextlib.suppress(OSError):
                     left.unlink()
             yield
-        finally:
-            os.close(fd)
 
     def room(self, reserve: int) -> int:
         """The bytes a download beside the replica may take: the free space of its filesystem
@@ -367,6 +359,53 @@ def _refuse_unwritable(path: Path) -> None:
         error = StorageError(f"the replica cannot be written{why}")
         error.file = candidate.name
         raise error
+
+
+@contextlib.contextmanager
+def _followed(directory: Path) -> Iterator[None]:
+    """The exclusive ``flock`` on a replica's ``directory`` that its one follower holds
+    (:meth:`Replica.following`), for the block; :class:`ReplicaInUse` when another holds it."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ReplicaInUse(f"another follow is running on the replica in {directory}") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _upgraded_alone(path: Path) -> Iterator[None]:
+    """For the block that opens ``path``: when that open would migrate a replica of an older
+    schema, under the follower's lock (:func:`_followed`), refused (:class:`ReplicaInUse`) while
+    a follower runs on it. A second ``follow`` started from files upgraded under a running one
+    (a supervisor starting the unit again) migrated the replica and was refused only then: the
+    running follower of the older code went on writing into the newer schema (STREAM-202). A
+    replica at this healthlog's version, or one whose version cannot be read (left to the open
+    to say why), is opened as before: commands that read it beside its follower still may."""
+    if _schema_version(path) in (None, len(MIGRATIONS)):
+        yield
+        return
+    with _followed(path.parent):
+        yield
+
+
+def _schema_version(path: Path) -> int | None:
+    """The schema version of a replica file there, or None: none there, or not readable."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        conn = _connect_readonly(os.fspath(path))
+    except StorageError:
+        return None
+    try:
+        return int(conn.execute("PRAGMA user_version").fetchone()[0])
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
 
 
 def _refuse_another_database(path: Path) -> None:
