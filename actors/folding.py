@@ -72,7 +72,8 @@ SHORT_OF = {
 """What a ``fork`` or ``pipe`` refused with when a fold worker could not be made says of its
 likely cause: something the machine is short of, which ends on its own (SERVE-76, RUN-68)."""
 UPGRADED = "healthlog was upgraded under this process"
-"""Why a delivery is deferred once a fold worker found healthlog's code changed (STORE-157)."""
+"""Why a delivery is deferred once a fold worker found healthlog's code changed (STORE-157), or
+a pass found the journal or the store migrated by a newer healthlog (STORE-158)."""
 WORKER_NICENESS = 10
 """How much nicer than the service the fold worker processes run (folding is background work):
 under contention a worker gets about a tenth of a core beside one busy task of the service's,
@@ -148,8 +149,9 @@ class FoldingStatistics:
     workers_lost: int
     dying: int
     upgraded: bool
-    """Whether a fold worker found healthlog's code changed under this process (STORE-157):
-    nothing folds, and the runtime is not ready, until the service is restarted."""
+    """Whether healthlog was upgraded under this process: a fold worker found its code changed
+    (STORE-157), or a pass found a database migrated by a newer healthlog (STORE-158). Nothing
+    folds, and the runtime is not ready, until the service is restarted."""
     unrecorded_stop: str | None
     """Why this folder's last pass ended when the store's lag mark does not say it: the mark
     could not be written (a full disk), or the selection failed (which writes none); None once

@@ -3,11 +3,11 @@
 An upgrade in place (the README's ``git pull`` and ``pip install -e .``, an editable install, or
 a package manager replacing the files) changes the code under a running service. The service
 goes on with the modules it imported, but each fold worker it starts afterwards is a new
-interpreter (multiprocessing's spawn, trio-parallel's only start method) importing the new
-ones, and the new code migrated the store to a schema the service does not know: measured with
-a service of schema version 13, its next worker left the store at 14 and the service went on
-answering ready, saying nothing (STORE-157). Each process takes the digest as it imports its
-code; a worker whose digest is not the service's opens nothing.
+interpreter (multiprocessing's spawn, trio-parallel's default, which healthlog keeps)
+importing the new ones, and the new code migrated the store to a schema the service does not
+know: measured with a service of schema version 13, its next worker left the store at 14 and
+the service went on answering ready, saying nothing (STORE-157). Each process takes the digest
+as it imports its code; a worker whose digest is not the service's opens nothing.
 """
 
 from __future__ import annotations
