@@ -103,7 +103,7 @@ def configured(
     The service's (``serve``) holds the fold lease under a name that says it is a service's."""
     return RuntimeConfig(
         data_dir,
-        holder=serve_holder() if serve else default_holder(),
+        holder=serve_holder(data_dir) if serve else default_holder(data_dir),
         wake_period_s=config.wake_period_s,
         lease_ttl_s=config.lease_ttl_s,
         lease_renew_s=config.lease_renew_s,

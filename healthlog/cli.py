@@ -1094,7 +1094,9 @@ def cmd_reindex(args: argparse.Namespace, data: DataDir) -> int:
     with progress.stopping(), data.open_journal() as journal, data.open_store() as store:
         check_before_folding(journal, store)
         try:
-            changed = reindex(journal, store, reindex_holder(), progress=progress, waiting=waiting)
+            changed = reindex(
+                journal, store, reindex_holder(data.path), progress=progress, waiting=waiting
+            )
         except ReindexRunning as exc:
             # A second reindex took the lease by force, and the first, its rebuild thrown
             # away, exited 3 at its swap (FENCE-31).

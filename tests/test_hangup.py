@@ -22,7 +22,7 @@ import subprocess
 import sys
 import termios
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ import trio
 import trio.testing
 from _baseline import severe_lines
 from _cli_bodies import body, metric, point, write
+from _namespaces import in_pid_namespace, kill_namespace
 from _service_helpers import CLIENT_TIMEOUT_S, Drip, post_stream, serving
 from _stream_helpers import acked, post_small, until_cursor
 
@@ -39,6 +40,7 @@ from actors.lease import LeaseActor
 from healthlog.storage.datadir import DataDir
 from healthlog.storage.rebuild import SCRATCH_PREFIX
 from healthlog.storage.replica import REPLICA_FILE, Replica
+from healthlog.storage.store import Lease
 
 LIMIT_S = 60.0
 POLL_S = 0.05
@@ -440,12 +442,13 @@ def test_chaos_whose_stderr_reader_is_gone_runs_every_run_cli_170(tmp_path: Path
 
 
 def start_serve(
-    data: Path, env: dict[str, str], log: Path, **popen: Any
+    data: Path, env: dict[str, str], log: Path, *, within: Sequence[str] = (), **popen: Any
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """`healthlog serve` on a free port, its stderr into ``log``: the process and its URL."""
+    """`healthlog serve` on a free port, its stderr into ``log``, run by the words ``within``
+    (:func:`in_pid_namespace`) if given: the process and its URL."""
     with open(log, "wb") as err:
         process = subprocess.Popen(
-            healthlog("serve", "--data", data, "--port", "0"),
+            [*within, *healthlog("serve", "--data", data, "--port", "0")],
             stdout=subprocess.PIPE,
             stderr=err,
             env=env,
@@ -565,6 +568,161 @@ def test_a_serve_killed_mid_fold_and_started_again_folds_at_once_run_150(
     said = (tmp_path / "again.log").read_text()
     assert f"fold lease of {holder} taken over before it expires" in said, said[-3000:]
     assert "folding waits" not in said
+    run = subprocess.run(healthlog("verify", "--data", data), env=env, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+
+
+def _namespace_of(holder: str) -> str:
+    """SPACE in a ``serve:`` or ``reindex:`` holder name, the digest of its boot and pid
+    namespace (FENCE-40)."""
+    return holder.split(":")[5]
+
+
+def test_a_container_killed_and_started_again_takes_its_dead_self_s_lease_at_once_run_176(
+    tmp_path: Path,
+) -> None:
+    """RUN-176: `healthlog serve` (lease term 600 s) as process 1 of a pid namespace of its
+    own, killed with its namespace by SIGKILL while it folds a delivery (`docker kill`, a
+    `docker restart` past its stop timeout, the out-of-memory killer), then started again as
+    process 1 of a new pid namespace on the same kernel and data directory, as a container
+    started again is: it finds the dead one's lock in `lease.lock` gone (FENCE-43), takes its
+    lease over at once at epoch 2 and says so at INFO, is ready, and folds that delivery;
+    `verify` exits 0. (Before, it waited out the dead lease, not ready and folding nothing:
+    14.8 to 14.9 s from its start to `/readyz` 200 at the default term, and here 600 s.)"""
+    within = in_pid_namespace()
+    data = tmp_path / "data"
+    headers = {**add_token(data), "automation-aggregation": "minutes"}
+    env = {**environment(), "HEALTHLOG_LEASE_TTL_S": "600"}
+    plan = {"fold.begin": {"hits": [1], "do": "delay", "seconds": 600}}
+    held = {**env, "HEALTHLOG_FAULT_PLAN": json.dumps(plan)}
+    log = tmp_path / "first.log"
+    first, url = start_serve(data, held, log, within=within, start_new_session=True)
+    with first:
+        try:
+            wait_ready(url)
+            assert httpx.post(f"{url}/v1/deliveries", content=_step_body(1), headers=headers)
+            _said(log, "fault injected at fold.begin", first)
+            holder = lease_holder(DataDir(data))
+        finally:
+            kill_namespace(first)
+    assert holder is not None
+    assert holder.startswith("serve:")
+    again, url = start_serve(
+        data, env, tmp_path / "again.log", within=within, start_new_session=True
+    )
+    with again:
+        try:
+            wait_ready(url)
+            taker = lease_holder(DataDir(data))
+            _folded(url, headers, 1)
+            assert _status(url, headers, 1) == "parsed"
+        finally:
+            os.killpg(again.pid, signal.SIGTERM)
+    assert taker is not None
+    # Looked at through the lock, not through /proc: the two namespaces are not one.
+    assert _namespace_of(taker) != _namespace_of(holder)
+    with DataDir(data).open_store() as store:
+        assert store.lease().epoch == 2
+    said = (tmp_path / "again.log").read_text()
+    assert f"fold lease of {holder} taken over before it expires" in said, said[-3000:]
+    assert "folding waits" not in said
+    run = subprocess.run(healthlog("verify", "--data", data), env=env, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+
+
+def test_a_container_beside_a_stopped_one_waits_for_its_lease_run_177(tmp_path: Path) -> None:
+    """RUN-177: `healthlog serve` (lease term 600 s) as process 1 of a pid namespace of its
+    own, stopped by SIGSTOP with its namespace (`docker pause`: alive, renewing nothing), and a
+    second serve started in another new pid namespace on the same data directory (a second
+    container, by mistake): the second finds the first's lock standing, says that folding
+    waits, answers `/readyz` 503, and the lease stays the first's at epoch 1; once the first
+    goes on and stops (SIGTERM), releasing it, the second holds the lease at epoch 2 and is
+    ready. A live holder never loses its lease to the lock test."""
+    within = in_pid_namespace()
+    data = tmp_path / "data"
+    add_token(data)
+    env = {**environment(), "HEALTHLOG_LEASE_TTL_S": "600", "HEALTHLOG_LEASE_RENEW_S": "1"}
+    first, url = start_serve(
+        data, env, tmp_path / "first.log", within=within, start_new_session=True
+    )
+    with first:
+        try:
+            wait_ready(url)
+            holder = lease_holder(DataDir(data))
+            os.killpg(first.pid, signal.SIGSTOP)
+            log = tmp_path / "second.log"
+            second, second_url = start_serve(data, env, log, within=within, start_new_session=True)
+            with second:
+                try:
+                    _said(log, f"fold lease held by {holder} for", second)
+                    assert httpx.get(f"{second_url}/readyz").status_code == 503
+                    with DataDir(data).open_store() as store:
+                        assert (store.lease().holder, store.lease().epoch) == (holder, 1)
+                    os.killpg(first.pid, signal.SIGCONT)
+                    os.killpg(first.pid, signal.SIGTERM)
+                    assert first.wait(timeout=LIMIT_S) == 0
+                    wait_ready(second_url)
+                    assert _namespace_of(lease_holder(DataDir(data)) or "") != _namespace_of(
+                        holder or ""
+                    )
+                finally:
+                    os.killpg(second.pid, signal.SIGTERM)
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)
+    said = log.read_text()
+    assert "taken over before it expires" not in said, said[-3000:]
+    with DataDir(data).open_store() as store:
+        assert store.lease().epoch == 2
+
+
+def test_a_reindex_killed_in_a_container_is_taken_over_at_once_from_the_host_cli_282(
+    tmp_path: Path,
+) -> None:
+    """CLI-282: `healthlog reindex` run in a pid namespace of its own (`docker exec` into a
+    container started again, or `docker compose run`), killed with it by SIGKILL while it
+    rebuilds; a `reindex` run on the host (another pid namespace, same kernel) finds its lock in
+    `lease.lock` gone, takes its lease at once at the next epoch and exits 0; `verify` exits 0.
+    (Before, it exited 2, `another reindex holds the fold lease (HOLDER, 300 s more unless it
+    renews it)`, for the killed reindex's five minutes.)"""
+    within = in_pid_namespace()
+    data = tmp_path / "data"
+    file = write(tmp_path / "a.json", _step_body(1))
+    env = environment()
+    imported = subprocess.run(
+        healthlog("import", "--aggregation", "minutes", "--data", data, file),
+        env=env,
+        capture_output=True,
+    )
+    assert imported.returncode == 0, imported.stderr.decode()[-3000:]
+    log = tmp_path / "reindex.log"
+    with (
+        open(log, "wb") as err,
+        subprocess.Popen(
+            [*within, *healthlog("reindex", "--data", data)],
+            stderr=err,
+            env=_held_at("rebuild.scratch", 600),
+            start_new_session=True,
+        ) as killed,
+    ):
+        try:
+            deadline = time.monotonic() + LIMIT_S
+            while not _rebuilding(DataDir(data)):
+                assert killed.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "reindex never got under way"
+                time.sleep(POLL_S)
+            with DataDir(data).open_store() as store:
+                held = store.lease()
+        finally:
+            kill_namespace(killed)
+    assert held.holder is not None
+    assert held.holder.startswith("reindex:")
+    run = subprocess.run(
+        healthlog("reindex", "--data", data), env=env, capture_output=True, timeout=LIMIT_S
+    )
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    with DataDir(data).open_store() as store:
+        assert store.lease() == Lease(None, held.epoch + 1, 0)
     run = subprocess.run(healthlog("verify", "--data", data), env=env, capture_output=True)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
 

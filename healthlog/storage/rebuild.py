@@ -117,20 +117,21 @@ class ReindexRunning(RebuildError):
 REINDEX_PREFIX = "reindex:"
 
 
-def reindex_holder() -> str:
-    """The lease holder name of a reindex run by this process: ``reindex:`` and
-    :func:`default_holder`."""
-    return REINDEX_PREFIX + default_holder()
+def reindex_holder(directory: Path | None = None) -> str:
+    """The lease holder name of a reindex run by this process on the data directory
+    ``directory``: ``reindex:`` and :func:`default_holder`."""
+    return REINDEX_PREFIX + default_holder(directory)
 
 
-def running_reindex(holder: str) -> bool:
-    """Whether ``holder`` names a reindex that may still be running: any but one whose process
-    is known to have ended (:func:`holders.ended`). A reindex killed (SIGKILL, the
-    out-of-memory killer) on this machine is taken over at once (FENCE-32), not after its five
-    minutes, even when its process id has come back as another process's (FENCE-40); one of
-    another machine (a data directory shared over the network) or another pid namespace (a
-    container) cannot be looked at from here and keeps its lease until it expires."""
-    return process_of(holder, REINDEX_PREFIX) is not None and not holders.ended(holder)
+def running_reindex(holder: str, directory: Path | None = None) -> bool:
+    """Whether ``holder``, the lease holder of the data directory ``directory``, names a
+    reindex that may still be running: any but one whose process is known to have ended
+    (:func:`holders.ended`). A reindex killed (SIGKILL, the out-of-memory killer) on this
+    machine, in this pid namespace or in a container's, is taken over at once (FENCE-32,
+    FENCE-43), not after its five minutes, even when its process id has come back as another
+    process's (FENCE-40); one of another machine (a data directory shared over the network)
+    cannot be looked at from here and keeps its lease until it expires."""
+    return process_of(holder, REINDEX_PREFIX) is not None and not holders.ended(holder, directory)
 
 
 @attrs.frozen
@@ -564,7 +565,7 @@ def _take_over(store: Store, holder: str, waiting: Callable[[float], None] | Non
         if (
             lease.holder is not None
             and lease.expires_at > clock.now_us()
-            and running_reindex(lease.holder)
+            and running_reindex(lease.holder, Path(store.path).parent)
         ):
             raise ReindexRunning(lease.holder, lease.expires_at)
 

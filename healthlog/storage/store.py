@@ -16,6 +16,7 @@ import secrets
 import socket
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -410,26 +411,27 @@ class Lease:
     expires_at: int
 
 
-def default_holder() -> str:
+def default_holder(directory: Path | None = None) -> str:
     """A lease holder name unique to this process: the host and process, and a random part,
     since a process id comes back (a restarted container's service often has the same one),
     and a holder renews a lease that names it at the same epoch; then the process's start time
-    and pid namespace, by which a holder of this machine that has ended is told from one that
-    runs (:func:`holders.ended`)."""
+    and pid namespace, and its lock in the data directory ``directory``'s ``lease.lock``, by
+    which a holder of this machine that has ended is told from one that runs
+    (:func:`holders.ended`)."""
     name = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
-    mark = holders.mark()
+    mark = holders.mark(directory)
     return name if mark is None else f"{name}:{mark}"
 
 
 SERVE_PREFIX = "serve:"
 
 
-def serve_holder() -> str:
+def serve_holder(directory: Path | None = None) -> str:
     """The lease holder name of ``healthlog serve``: ``serve:`` and :func:`default_holder`. A
     second serve started on the same data directory by mistake (a second unit, a container
     beside a host install) tells by it that a serve, not an ``import`` or ``seal`` that folds a
     while and lets go, keeps it from folding (RUN-140)."""
-    return SERVE_PREFIX + default_holder()
+    return SERVE_PREFIX + default_holder(directory)
 
 
 def process_of(holder: str | None, prefix: str) -> tuple[str, str] | None:
@@ -600,7 +602,8 @@ class Store(_objects.ObjectDatabase):
         longer) was written by a clock that has since jumped back: it is cut to one term from
         now, so a dead holder's lease frees within a term, while a live holder keeps it by
         renewing. A holder whose process is known to have ended (:func:`holders.ended`: killed
-        on this machine) holds nothing: its lease is taken over at once, not once it expires.
+        on this machine, in its pid namespace or in a container's) holds nothing: its lease is
+        taken over at once, not once it expires.
         """
         waiting = self._waiting_at_most(BRIEF_WAIT_MS) if brief else contextlib.nullcontext()
         with self._lock, waiting, write_transaction(self._conn):
@@ -614,7 +617,7 @@ class Store(_objects.ObjectDatabase):
                 )
                 return int(epoch)
             held = current is not None and current != holder and expires_at > now
-            if held and holders.ended(current):
+            if held and holders.ended(current, Path(self.path).parent):
                 log.info(
                     "fold lease of %s taken over before it expires: that process has ended"
                     " (killed by SIGKILL, the out-of-memory killer or a power cut)",
