@@ -43,6 +43,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import secrets
 import socket
@@ -51,6 +52,8 @@ import struct
 from pathlib import Path
 
 from healthlog.storage._sqlite import give_to_directory_owner
+
+log = logging.getLogger("healthlog.holders")
 
 PROC = Path("/proc")
 LOCK_FILE = "lease.lock"
@@ -158,18 +161,22 @@ def _take(directory: Path) -> str | None:
     second open of the file does not see it."""
     try:
         fd = _open(directory / LOCK_FILE, create=True)
-    except OSError:
+    except OSError as exc:
+        log.debug("%s not opened (errno %s): holder names without a lock", LOCK_FILE, exc.errno)
         return None
     slot = secrets.randbelow(SLOTS)
+    why = "not a regular file"
     try:
         file = _file(fd)
         if file is not None:
             _lock(fd, fcntl.F_OFD_SETLK, fcntl.F_RDLCK, slot)
             if _standing(directory, file, slot):
                 return f"{file}.{slot}"
-    except OSError:
-        pass
+            why = "the lock is not seen by a second open"
+    except OSError as exc:
+        why = f"errno {exc.errno}"
     os.close(fd)
+    log.debug("%s not locked (%s): holder names without a lock", LOCK_FILE, why)
     return None
 
 
