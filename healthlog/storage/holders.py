@@ -14,7 +14,8 @@ the namespace, or any process on a busy machine).
 
 A container started again has a pid namespace of its own, as has a container beside a host
 install; the holder's process id means nothing there, but the kernel is the same one (the
-containers of a machine share its boot id). There the lock tells: before its name exists, the
+containers of a machine share its boot id; a sandbox kernel such as gVisor, which keeps locks
+of its own, shows one of its own). There the lock tells: before its name exists, the
 holder takes an open-file-description read lock (``F_OFD_SETLK``) on byte SLOT of ``lease.lock``
 and keeps that file open until it ends; FILE is a digest of the boot id and the file's device
 and inode, which on one boot name one file for as long as any process keeps it open, the
@@ -33,9 +34,10 @@ without keeping them) writes no ``FILE.SLOT``.
 Anywhere the answer is not certain, the holder keeps its lease until it expires: one of
 another boot or host (a data directory on a network share), one whose ``lease.lock`` is gone or
 was replaced, one the lock test cannot be asked about, and one named by an older healthlog (no
-``FILE.SLOT``, or ``HOST:PID:RANDOM``, no start time). A live holder must never lose the lease
-to a look-up that misses it; the epoch checked in every fold transaction still fences a holder
-that did.
+``FILE.SLOT``, or ``HOST:PID:RANDOM``, no start time); an older healthlog reads a name with
+``FILE.SLOT`` as one of another host (its last five parts) and waits as before. A live holder
+must never lose the lease to a look-up that misses it; the epoch checked in every fold
+transaction still fences a holder that did.
 """
 
 from __future__ import annotations
