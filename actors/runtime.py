@@ -1,4 +1,5 @@
-"""The runtime: one root nursery supervising the journal, intake, lease and folding actors.
+"""The runtime: one root nursery supervising the journal, lease, folding and retention actors,
+and intake, which submits in its callers' tasks.
 
 ``async with open_runtime(config) as runtime:`` is the one entry point that the service,
 the CLI and the tests start. Actors share nothing but the channels wired here; SQLite
@@ -21,7 +22,7 @@ import trio
 from actors import threads
 from actors._supervisor import HEALTHY_S, Crashes, supervise
 from actors.folding import UPGRADED, Executor, FoldingActor, FoldingStatistics
-from actors.intake import IntakeActor, IntakeStatistics, Submission, submit
+from actors.intake import Intake, IntakeStatistics
 from actors.journal import JournalActor, JournalActorStatistics, Request
 from actors.lease import LeaseActor, LeaseStatistics
 from actors.retention import RetentionActor, RetentionStatistics
@@ -137,8 +138,7 @@ class Runtime:
         store: Store,
         journal_limiter: trio.CapacityLimiter,
         store_limiter: trio.CapacityLimiter,
-        submissions: trio.MemorySendChannel[Submission],
-        actors: tuple[JournalActor, IntakeActor, LeaseActor, FoldingActor, RetentionActor],
+        actors: tuple[JournalActor, Intake, LeaseActor, FoldingActor, RetentionActor],
         crashes: Crashes,
         healthy_s: float = HEALTHY_S,
     ) -> None:
@@ -148,7 +148,6 @@ class Runtime:
         self.store = store
         self._journal_limiter = journal_limiter
         self._store_limiter = store_limiter
-        self._submissions = submissions
         self._actors = actors
         self._crashes = crashes
         self._healthy_s = healthy_s
@@ -172,7 +171,7 @@ class Runtime:
 
     async def submit(self, delivery: NewDelivery) -> Receipt:
         """Journal a delivery through intake; raises what the journal refused with."""
-        result = await submit(self._submissions, delivery)
+        result = await self._actors[1].submit(delivery)
         if isinstance(result, Exception):
             raise result
         return result
@@ -281,12 +280,11 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
         await trio.to_thread.run_sync(data.warn_of_open_modes)
         journal_limiter = trio.CapacityLimiter(1)
         store_limiter = trio.CapacityLimiter(1)
-        submit_send, submit_receive = trio.open_memory_channel[Submission](SUBMISSION_BUFFER)
         request_send, request_receive = trio.open_memory_channel[Request](SUBMISSION_BUFFER)
         wake_send, wake_receive = trio.open_memory_channel[None](1)
         lease_send, lease_receive = trio.open_memory_channel[int | None](0)
         journal_actor = JournalActor(journal, request_receive, journal_limiter)
-        intake = IntakeActor(submit_receive, request_send, wake_send.clone())
+        intake = Intake(request_send, wake_send.clone())
         lease = LeaseActor(
             store,
             store_limiter,
@@ -323,7 +321,6 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             store,
             journal_limiter,
             store_limiter,
-            submit_send,
             (journal_actor, intake, lease, folding, retention),
             crashes,
             config.healthy_s,
@@ -339,7 +336,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
                         crashes,
                     )
 
-            start([("journal", journal_actor), ("intake", intake)])
+            start([("journal", journal_actor)])
             folders: list[tuple[str, Actor]] = [
                 ("lease", lease),
                 ("folding", folding),
@@ -354,7 +351,7 @@ async def open_runtime(config: RuntimeConfig) -> AsyncIterator[Runtime]:
             try:
                 yield runtime
             finally:
-                submit_send.close()
+                intake.close()
                 nursery.cancel_scope.cancel()
     finally:
         store.close()

@@ -103,6 +103,34 @@ async def test_concurrent_submits_share_commits_and_each_gets_its_receipt_run_1_
     assert journaled(tmp_path) == {r.delivery_id: r.sha256 for r in receipts.values()}
 
 
+async def test_submits_made_together_are_journaled_in_one_group_journal_56(
+    tmp_path: Path,
+) -> None:
+    """JOURNAL-56: GIVEN a running runtime whose journal is idle WHEN eight deliveries are
+    submitted in one turn of the scheduler (the uploads of eight connections read together)
+    THEN they are journaled by one group commit, and each caller gets the receipt of its own
+    body. (Before, a relaying intake task handed them to the journal actor a turn apart, and
+    its group, which takes what is queued one turn after the first, held one or two.)"""
+    deliveries = [new_delivery(n) for n in range(8)]
+    receipts: dict[int, Receipt] = {}
+
+    async def submit(runtime: Runtime, n: int) -> None:
+        receipts[n] = await runtime.submit(deliveries[n])
+
+    async with open_runtime(config(tmp_path, fold=False)) as runtime:
+        await trio.testing.wait_all_tasks_blocked()
+        async with trio.open_nursery() as nursery:
+            for n in range(len(deliveries)):
+                nursery.start_soon(submit, runtime, n)
+        journal = runtime.statistics().journal
+
+    assert (journal.appended, journal.groups, journal.largest_group) == (8, 1, 8)
+    assert {n: r.sha256 for n, r in receipts.items()} == {
+        n: sha256(d) for n, d in enumerate(deliveries)
+    }
+    assert journaled(tmp_path) == {r.delivery_id: r.sha256 for r in receipts.values()}
+
+
 async def test_a_delivery_is_let_go_once_journaled_run_120(tmp_path: Path) -> None:
     """RUN-120: GIVEN a running runtime WHEN a delivery has been submitted and answered, and
     every task waits again THEN nothing in the runtime holds the delivery (its body with it)
