@@ -528,6 +528,18 @@ def _step_body(minute: int) -> bytes:
     return body(metric("step_count", "count", point(f"2024-02-06 07:{minute:02d}:00 -0800")))
 
 
+def _took_over_at_once(tmp_path: Path, data: Path, holder: str, env: dict[str, str]) -> None:
+    """The service started again (its log ``again.log``) took ``holder``'s lease over at
+    epoch 2 without waiting for it to expire, said so, and left a store `verify` finds equal."""
+    with DataDir(data).open_store() as store:
+        assert store.lease().epoch == 2
+    said = (tmp_path / "again.log").read_text()
+    assert f"fold lease of {holder} taken over before it expires" in said, said[-3000:]
+    assert "folding waits" not in said
+    run = subprocess.run(healthlog("verify", "--data", data), env=env, capture_output=True)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+
+
 def test_a_serve_killed_mid_fold_and_started_again_folds_at_once_run_150(
     tmp_path: Path,
 ) -> None:
@@ -563,13 +575,7 @@ def test_a_serve_killed_mid_fold_and_started_again_folds_at_once_run_150(
             assert _status(url, headers, 1) == "parsed"
         finally:
             again.send_signal(signal.SIGTERM)
-    with DataDir(data).open_store() as store:
-        assert store.lease().epoch == 2
-    said = (tmp_path / "again.log").read_text()
-    assert f"fold lease of {holder} taken over before it expires" in said, said[-3000:]
-    assert "folding waits" not in said
-    run = subprocess.run(healthlog("verify", "--data", data), env=env, capture_output=True)
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    _took_over_at_once(tmp_path, data, holder, env)
 
 
 def _namespace_of(holder: str) -> str:
@@ -621,13 +627,7 @@ def test_a_container_killed_and_started_again_takes_its_dead_self_s_lease_at_onc
     assert taker is not None
     # Looked at through the lock, not through /proc: the two namespaces are not one.
     assert _namespace_of(taker) != _namespace_of(holder)
-    with DataDir(data).open_store() as store:
-        assert store.lease().epoch == 2
-    said = (tmp_path / "again.log").read_text()
-    assert f"fold lease of {holder} taken over before it expires" in said, said[-3000:]
-    assert "folding waits" not in said
-    run = subprocess.run(healthlog("verify", "--data", data), env=env, capture_output=True)
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    _took_over_at_once(tmp_path, data, holder, env)
 
 
 def test_a_container_beside_a_stopped_one_waits_for_its_lease_run_177(tmp_path: Path) -> None:
