@@ -1,7 +1,7 @@
 """Intake: gets a delivery journaled, answers its caller, then wakes the folder.
 
 Intake is not a task of its own: the caller's task hands its delivery straight to the journal
-actor, waits for its result and then counts it and wakes the folder (RUN-176). A relaying task
+actor, waits for its result and then counts it and wakes the folder (JOURNAL-56). A relaying task
 cost each delivery a task, a second channel and three more scheduler turns on the event loop
 that also serves HTTP, and handed the deliveries of callers that submitted together to the
 journal actor one scheduler turn apart, so that its group commit, which takes what is queued
