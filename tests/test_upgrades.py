@@ -194,6 +194,18 @@ async def _until(done: Callable[[], Awaitable[bool]]) -> None:
             await trio.sleep(0.05)
 
 
+def _upgrade_setup(tmp_path: Path) -> tuple[Path, DataDir, dict[str, str], list[bytes]]:
+    """A copy of healthlog's code to replace under a service, its data directory with a token,
+    the headers that token posts with, and two deliveries of one metric."""
+    code = copy_code(tmp_path / "code")
+    data = DataDir(tmp_path / "data")
+    with data.open_tokens() as tokens:
+        token = tokens.add("phone")
+    auth = {"Authorization": f"Bearer {token}", "automation-aggregation": "minutes"}
+    sent = [body(metric("step_count", "count", point(stamp(n), qty=n + 1))) for n in range(2)]
+    return code, data, auth, sent
+
+
 async def test_a_service_upgraded_under_it_folds_nothing_until_restarted_store_157(
     tmp_path: Path, run_cli: RunCli
 ) -> None:
@@ -204,12 +216,7 @@ async def test_a_service_upgraded_under_it_folds_nothing_until_restarted_store_1
     and not folded, one WARNING says healthlog was upgraded under the service, and /readyz is
     503 with deliveries going on being journaled. Restarted, the service runs the new code:
     the store is migrated, both deliveries are folded and it is ready."""
-    code = copy_code(tmp_path / "code")
-    data = DataDir(tmp_path / "data")
-    with data.open_tokens() as tokens:
-        token = tokens.add("phone")
-    auth = {"Authorization": f"Bearer {token}", "automation-aggregation": "minutes"}
-    sent = [body(metric("step_count", "count", point(stamp(n), qty=n + 1))) for n in range(2)]
+    code, data, auth, sent = _upgrade_setup(tmp_path)
     err = bytearray()
     async with serving_code(data.path, code, err) as client:
 
@@ -281,12 +288,7 @@ async def test_a_store_a_newer_healthlog_migrated_under_the_service_stops_its_fo
     store of a schema newer than its own and folds nothing more, its worker of the old code
     included: the second delivery is journaled and not folded, one WARNING says healthlog was
     upgraded under it and /readyz is 503."""
-    code = copy_code(tmp_path / "code")
-    data = DataDir(tmp_path / "data")
-    with data.open_tokens() as tokens:
-        token = tokens.add("phone")
-    auth = {"Authorization": f"Bearer {token}", "automation-aggregation": "minutes"}
-    sent = [body(metric("step_count", "count", point(stamp(n), qty=n + 1))) for n in range(2)]
+    code, data, auth, sent = _upgrade_setup(tmp_path)
     err = bytearray()
     async with serving_code(data.path, code, err) as client:
         assert (await client.post("/v1/deliveries", content=sent[0], headers=auth)).is_success
